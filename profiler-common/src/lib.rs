@@ -1,0 +1,37 @@
+//! The ABI between the eBPF sampler (`profiler-ebpf`) and the agent (`profiler-user`).
+//!
+//! Everything that crosses the kernel/user boundary is defined here once: `#[repr(C)]` structs
+//! with fixed-width integers and explicit padding (no `bool`, no implicit holes), map and program
+//! names, limits and counter ids. Layouts are pinned by compile-time assertions so that a change
+//! on one side cannot silently desynchronise the other.
+#![no_std]
+
+pub mod sample;
+pub mod stats;
+
+pub use sample::*;
+pub use stats::*;
+
+/// Names of the programs and maps in the eBPF object, shared so neither side spells them twice.
+pub mod names {
+    pub const PROGRAM_SAMPLE_CPU: &str = "sample_cpu";
+    pub const MAP_SAMPLES: &str = "SAMPLES";
+    pub const MAP_STATS: &str = "STATS";
+    pub const MAP_PID_FILTER: &str = "PID_FILTER";
+    pub const MAP_CONFIG: &str = "CONFIG";
+}
+
+/// Run-time settings written by the agent into the single-entry `CONFIG` array before attaching.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SamplerConfig {
+    /// Non-zero: only processes (thread-group ids) present in `PID_FILTER` are sampled.
+    pub filter_pids: u32,
+    /// Non-zero: samples of the idle task (pid 0) are kept instead of only counted.
+    pub keep_idle: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 8);
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for SamplerConfig {}

@@ -1,0 +1,65 @@
+//! One CPU sample as the eBPF program writes it into the `SAMPLES` ring buffer.
+
+/// Deepest kernel stack recorded; the kernel's own `perf_event_max_stack` default is 127.
+pub const MAX_KERNEL_FRAMES: usize = 127;
+/// Deepest user stack recorded.
+pub const MAX_USER_FRAMES: usize = 127;
+/// Size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page size).
+pub const SAMPLES_RING_BYTES: u32 = 4 << 20;
+/// Entries of the `PID_FILTER` hash map.
+pub const MAX_FILTERED_PIDS: u32 = 1024;
+
+/// `SampleHeader::flags`: the kernel stack filled every slot, so deeper frames were cut.
+pub const SAMPLE_KERNEL_TRUNCATED: u32 = 1 << 0;
+/// `SampleHeader::flags`: the user stack filled every slot, so deeper frames were cut.
+pub const SAMPLE_USER_TRUNCATED: u32 = 1 << 1;
+/// `SampleHeader::flags`: reading the user stack failed (kernel thread, or an unreadable stack).
+pub const SAMPLE_USER_STACK_ERROR: u32 = 1 << 2;
+/// `SampleHeader::flags`: reading the kernel stack failed.
+pub const SAMPLE_KERNEL_STACK_ERROR: u32 = 1 << 3;
+/// `SampleHeader::flags`: the interrupted context was in user mode.
+pub const SAMPLE_IN_USER_MODE: u32 = 1 << 4;
+/// All flags this ABI version defines; anything else means the two sides disagree.
+pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 5) - 1;
+
+/// Fixed part of a sample. Frames follow in [`RawSample`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SampleHeader {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when the sample was taken.
+    pub ktime_ns: u64,
+    /// Thread-group id (the process id as userspace sees it).
+    pub pid: u32,
+    /// Thread id.
+    pub tid: u32,
+    pub cpu: u32,
+    /// `SAMPLE_*` bits.
+    pub flags: u32,
+    /// Number of valid entries in `RawSample::kernel_ips`.
+    pub kernel_frames: u16,
+    /// Number of valid entries in `RawSample::user_ips`.
+    pub user_frames: u16,
+    pub _pad: u32,
+    /// The thread's name (`task->comm`), NUL padded.
+    pub comm: [u8; 16],
+}
+
+const _: () = assert!(core::mem::size_of::<SampleHeader>() == 48);
+
+/// A complete sample record. Kernel frames are innermost first, as are user frames.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RawSample {
+    pub header: SampleHeader,
+    pub kernel_ips: [u64; MAX_KERNEL_FRAMES],
+    pub user_ips: [u64; MAX_USER_FRAMES],
+}
+
+pub const RAW_SAMPLE_BYTES: usize = core::mem::size_of::<RawSample>();
+const _: () = assert!(RAW_SAMPLE_BYTES == 48 + 8 * (MAX_KERNEL_FRAMES + MAX_USER_FRAMES));
+const _: () = assert!(core::mem::align_of::<RawSample>() == 8);
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for SampleHeader {}
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for RawSample {}

@@ -1,0 +1,13 @@
+//! The profiling agent as a library; `main.rs` is a thin CLI on top.
+//!
+//! One module per pipeline stage, data flowing one way:
+//! `sampling` → `unwinding` → `symbolization` → `aggregation` → `export`, with `process`
+//! (per-process snapshots and labels) feeding unwinding, and `bpf` the only module touching aya.
+pub mod aggregation;
+pub mod bpf;
+pub mod export;
+pub mod model;
+pub mod process;
+pub mod sampling;
+pub mod symbolization;
+pub mod unwinding;

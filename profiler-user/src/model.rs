@@ -1,0 +1,230 @@
+//! The vocabulary shared by the pipeline stages.
+//!
+//! Data flows one way: `sampling` decodes [`Sample`]s from the ring buffer; `process` snapshots
+//! each process ([`ProcessInfo`]) the first time one of its samples is seen; `unwinding` turns a
+//! sample into an [`UnwoundStack`] of normalized frames (kernel address, or file + file offset);
+//! `symbolization` turns those into [`SymbolizedFrame`]s; `aggregation` counts identical stacks
+//! per series and hands [`Profile`]s to `export`.
+use std::{fmt, fs::File, path::PathBuf, sync::Arc};
+
+/// A process id (thread-group id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Pid(pub u32);
+
+/// A thread id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tid(pub u32);
+
+impl fmt::Display for Pid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A decoded CPU sample.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sample {
+    /// CLOCK_MONOTONIC nanoseconds.
+    pub ktime_ns: u64,
+    pub pid: Pid,
+    pub tid: Tid,
+    pub cpu: u32,
+    /// The thread name.
+    pub comm: Arc<str>,
+    /// Kernel return addresses, innermost first.
+    pub kernel_ips: Vec<u64>,
+    /// User return addresses, innermost first.
+    pub user_ips: Vec<u64>,
+    pub kernel_truncated: bool,
+    pub user_truncated: bool,
+    pub user_stack_error: bool,
+}
+
+/// Identity of a file on disk, independent of the path a process used to open it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// A file mapped by at least one process, opened by the agent when first seen so it stays
+/// readable after the process exits, is deleted, or lives in another mount namespace.
+#[derive(Debug)]
+pub struct MappedFile {
+    pub id: FileId,
+    /// The path as the process sees it (from /proc/PID/maps), used in output.
+    pub path: Arc<str>,
+    /// A path the agent can open right now to read the file (a path in the agent's own mount
+    /// namespace when it names the same file, else `/proc/self/fd/N` of `handle`).
+    pub open_path: PathBuf,
+    /// Lower-case hex GNU build id, when the file has one.
+    pub build_id: Option<Arc<str>>,
+    /// Keeps the file open for as long as any snapshot refers to it.
+    pub handle: Option<File>,
+}
+
+/// One executable mapping of a process.
+#[derive(Clone, Debug)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// Offset in the file of `start`.
+    pub file_offset: u64,
+    /// `None` for anonymous or special mappings (`[vdso]`, JIT code).
+    pub file: Option<Arc<MappedFile>>,
+    /// Path or pseudo-name as shown in /proc/PID/maps (`[vdso]`, `[anon]` for nameless).
+    pub name: Arc<str>,
+}
+
+impl Mapping {
+    pub fn contains(&self, addr: u64) -> bool {
+        (self.start..self.end).contains(&addr)
+    }
+}
+
+/// Where a process comes from, used for series labels and `service_name`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessLabels {
+    /// The inferred service name (see `process::labels` for the precedence).
+    pub service_name: String,
+    /// The executable path as the process sees it (empty for kernel threads).
+    pub executable: String,
+    pub container_id: Option<String>,
+    pub pod_uid: Option<String>,
+    pub systemd_unit: Option<String>,
+}
+
+/// What the agent knows about a process, captured when its first sample arrives.
+#[derive(Debug)]
+pub struct ProcessInfo {
+    pub pid: Pid,
+    /// Start time in clock ticks since boot (/proc/PID/stat field 22): tells PID reuse apart.
+    pub start_time: u64,
+    /// The process name (/proc/PID/comm of the main thread).
+    pub comm: Arc<str>,
+    pub labels: ProcessLabels,
+    /// Executable file mappings, sorted by start address.
+    pub mappings: Vec<Mapping>,
+    pub is_kernel_thread: bool,
+}
+
+impl ProcessInfo {
+    pub fn mapping_for(&self, addr: u64) -> Option<&Mapping> {
+        let idx = self.mappings.partition_point(|m| m.end <= addr);
+        self.mappings.get(idx).filter(|m| m.contains(addr))
+    }
+}
+
+/// A frame after unwinding, before symbolization.
+#[derive(Clone, Debug)]
+pub enum UnwoundFrame {
+    /// A kernel address.
+    Kernel(u64),
+    /// A user address inside a file-backed mapping.
+    User {
+        addr: u64,
+        file: Arc<MappedFile>,
+        /// Offset of `addr` in the file.
+        file_offset: u64,
+        /// The mapping the address came from, for pprof's mapping table.
+        mapping_start: u64,
+        mapping_end: u64,
+        mapping_offset: u64,
+    },
+    /// A user address in an anonymous or special mapping (`name`), or outside every mapping.
+    UserUnmapped { addr: u64, name: Option<Arc<str>> },
+}
+
+/// A sample's stack after unwinding, innermost frame first.
+#[derive(Clone, Debug)]
+pub struct UnwoundStack {
+    pub frames: Vec<UnwoundFrame>,
+    /// The stack was cut short (depth limit or unwinding failure); deeper frames are missing.
+    pub truncated: bool,
+}
+
+/// Where a frame's code lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FrameKind {
+    Kernel,
+    Native,
+    /// A synthetic frame (the process name at the root, `[truncated]` markers).
+    Synthetic,
+}
+
+/// A file-backed mapping as pprof describes it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MappingInfo {
+    pub start: u64,
+    pub limit: u64,
+    pub file_offset: u64,
+    pub filename: Arc<str>,
+    pub build_id: Option<Arc<str>>,
+}
+
+/// One function level of a frame. Several levels mean inlining.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FrameLine {
+    /// Demangled, human-readable name; `module+0xoffset` or `[unknown]` when unsymbolized.
+    pub function: Arc<str>,
+    /// The raw (mangled) name, when it differs from `function`.
+    pub system_name: Option<Arc<str>>,
+    /// The source file, else the module path.
+    pub file: Option<Arc<str>>,
+    /// Source line, 0 when unknown.
+    pub line: u32,
+}
+
+/// A symbolized frame: the unit that becomes one pprof Location.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SymbolizedFrame {
+    pub kind: FrameKind,
+    /// The address (absolute for user frames, kernel address for kernel frames, 0 for synthetic).
+    pub address: u64,
+    pub mapping: Option<Arc<MappingInfo>>,
+    /// Innermost first; the last entry is the function the others were inlined into. Never empty.
+    pub lines: Vec<FrameLine>,
+    /// True when no symbol was found (the name is `module+0xoffset` or `[unknown]`).
+    pub unsymbolized: bool,
+}
+
+/// A per-sample label value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LabelValue {
+    Str(Arc<str>),
+    Num(i64),
+}
+
+/// Counts of one stack with one set of per-sample labels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProfileSample {
+    /// Indexes into `Profile::frames`, innermost first.
+    pub stack: Vec<u32>,
+    /// Number of samples taken with this stack and these labels.
+    pub count: u64,
+    pub labels: Vec<(Arc<str>, LabelValue)>,
+}
+
+/// An aggregated CPU profile of one series over one time window, ready to export.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Profile {
+    /// Series labels (`service_name`, `host`, ...), sorted by name.
+    pub series_labels: Vec<(String, String)>,
+    /// Window start, nanoseconds since the Unix epoch.
+    pub start_unix_ns: i64,
+    pub duration_ns: i64,
+    /// Nanoseconds of CPU time one sample stands for (1e9 / frequency).
+    pub period_ns: i64,
+    pub frames: Vec<SymbolizedFrame>,
+    pub samples: Vec<ProfileSample>,
+}
+
+impl Profile {
+    pub fn total_samples(&self) -> u64 {
+        self.samples.iter().map(|s| s.count).sum()
+    }
+
+    pub fn series_label(&self, name: &str) -> Option<&str> {
+        self.series_labels.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}

@@ -1,0 +1,1 @@
+//! (stage module; filled in by its own change)
