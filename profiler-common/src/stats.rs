@@ -20,11 +20,13 @@ pub const STAT_USER_STACK_ERROR: u32 = 6;
 pub const STAT_KERNEL_TRUNCATED: u32 = 7;
 /// Samples whose user stack filled every slot.
 pub const STAT_USER_TRUNCATED: u32 = 8;
+/// Gauge, not a counter: bytes waiting in the ring buffer as last seen by this CPU.
+pub const STAT_RINGBUF_PENDING_BYTES: u32 = 9;
 /// Number of slots in `STATS`.
 pub const STAT_COUNT: u32 = 16;
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 9] = [
+pub const STAT_NAMES: [&str; 10] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -34,6 +36,7 @@ pub const STAT_NAMES: [&str; 9] = [
     "user_stack_error",
     "kernel_truncated",
     "user_truncated",
+    "ringbuf_pending_bytes",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

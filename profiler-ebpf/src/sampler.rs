@@ -1,6 +1,6 @@
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_USER_STACK, bpf_perf_event_data},
+    bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, bpf_perf_event_data},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
         bpf_ktime_get_ns, generated::bpf_get_stack,
@@ -13,7 +13,7 @@ use profiler_common::{
     MAX_FILTERED_PIDS, MAX_KERNEL_FRAMES, RawSample, SAMPLE_IN_USER_MODE,
     SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT,
     STAT_FILTERED, STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
-    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
+    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
 use crate::user_stack;
@@ -101,6 +101,9 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
     }
     entry.submit(0);
     count(STAT_SAMPLES_SENT);
+    if let Some(slot) = STATS.get_ptr_mut(STAT_RINGBUF_PENDING_BYTES) {
+        unsafe { *slot = SAMPLES.query(BPF_RB_AVAIL_DATA as u64) };
+    }
     0
 }
 

@@ -11,3 +11,7 @@ pub mod process;
 pub mod sampling;
 pub mod symbolization;
 pub mod unwinding;
+pub mod agent;
+pub mod cli;
+pub mod config;
+pub mod self_metrics;

@@ -1,1 +1,353 @@
-//! (stage module; filled in by its own change)
+//! Stage ④: counts identical stacks per series over one time window.
+//!
+//! A series is what Pyroscope would store separately: in per-service mode its labels are the
+//! process's `service_name`, `host`, `executable` and container/pod/unit; in single mode (one
+//! `profiler record` file) all processes share one profile and `service_name` becomes a
+//! per-sample label instead. Per-sample labels are kept low-cardinality: `pid` and `tid` are
+//! numeric, and `thread_name` is dropped from a series that has too many distinct thread names.
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
+
+use crate::model::{
+    FrameKind, FrameLine, LabelValue, ProcessInfo, Profile, ProfileSample, Sample, SymbolizedFrame,
+};
+
+/// How processes are grouped into profiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grouping {
+    /// One profile for everything (`profiler record`).
+    Single,
+    /// One profile per series label set (`profiler agent`).
+    PerService,
+}
+
+#[derive(Clone, Debug)]
+pub struct AggregatorSettings {
+    pub grouping: Grouping,
+    pub period_ns: i64,
+    /// Value of the `host` series label.
+    pub host: String,
+    /// A series with more distinct thread names than this gets no `thread_name` label.
+    pub max_thread_names: usize,
+}
+
+/// Name of the synthetic frame that marks a stack cut short by the depth limit or an error.
+pub const TRUNCATED_FRAME: &str = "[truncated]";
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct StackKey {
+    stack: Vec<u32>,
+    pid: u32,
+    tid: u32,
+    thread_name: Arc<str>,
+    service_name: Option<Arc<str>>,
+}
+
+#[derive(Debug, Default)]
+struct SeriesData {
+    counts: HashMap<StackKey, u64>,
+    thread_names: HashSet<Arc<str>>,
+}
+
+pub struct Aggregator {
+    settings: AggregatorSettings,
+    window_start_unix_ns: i64,
+    series: HashMap<Vec<(String, String)>, SeriesData>,
+    /// Frames seen in this window, by the address of their `Arc` (kept alive by `frames`).
+    frame_ids: HashMap<usize, u32>,
+    frames: Vec<Arc<SymbolizedFrame>>,
+    root_frames: HashMap<Arc<str>, Arc<SymbolizedFrame>>,
+    truncated_frame: Arc<SymbolizedFrame>,
+    samples_in_window: u64,
+}
+
+fn synthetic_frame(name: &str) -> Arc<SymbolizedFrame> {
+    Arc::new(SymbolizedFrame {
+        kind: FrameKind::Synthetic,
+        address: 0,
+        mapping: None,
+        lines: vec![FrameLine { function: name.into(), system_name: None, file: None, line: 0 }],
+        unsymbolized: false,
+    })
+}
+
+impl Aggregator {
+    pub fn new(settings: AggregatorSettings, window_start_unix_ns: i64) -> Self {
+        Aggregator {
+            settings,
+            window_start_unix_ns,
+            series: HashMap::new(),
+            frame_ids: HashMap::new(),
+            frames: Vec::new(),
+            root_frames: HashMap::new(),
+            truncated_frame: synthetic_frame(TRUNCATED_FRAME),
+            samples_in_window: 0,
+        }
+    }
+
+    pub fn samples_in_window(&self) -> u64 {
+        self.samples_in_window
+    }
+
+    fn frame_id(&mut self, frame: &Arc<SymbolizedFrame>) -> u32 {
+        let key = Arc::as_ptr(frame) as usize;
+        if let Some(&id) = self.frame_ids.get(&key) {
+            return id;
+        }
+        let id = self.frames.len() as u32;
+        self.frames.push(frame.clone());
+        self.frame_ids.insert(key, id);
+        id
+    }
+
+    fn series_labels(&self, process: Option<&ProcessInfo>, sample: &Sample) -> Vec<(String, String)> {
+        let mut labels = vec![("host".to_string(), self.settings.host.clone())];
+        if self.settings.grouping == Grouping::PerService {
+            labels.push(("service_name".into(), service_name(process, sample)));
+            if let Some(process) = process {
+                let l = &process.labels;
+                if !l.executable.is_empty() {
+                    labels.push(("executable".into(), l.executable.clone()));
+                }
+                for (name, value) in [
+                    ("container_id", &l.container_id),
+                    ("pod_uid", &l.pod_uid),
+                    ("systemd_unit", &l.systemd_unit),
+                ] {
+                    if let Some(value) = value {
+                        labels.push((name.into(), value.clone()));
+                    }
+                }
+            }
+        }
+        labels.sort();
+        labels
+    }
+
+    /// Adds one sample whose frames (innermost first) are already symbolized.
+    pub fn add(
+        &mut self,
+        process: Option<&ProcessInfo>,
+        sample: &Sample,
+        frames: &[Arc<SymbolizedFrame>],
+        truncated: bool,
+    ) {
+        self.samples_in_window += 1;
+        let mut stack: Vec<u32> = Vec::with_capacity(frames.len() + 2);
+        for frame in frames {
+            let id = self.frame_id(frame);
+            stack.push(id);
+        }
+        if truncated {
+            let marker = self.truncated_frame.clone();
+            stack.push(self.frame_id(&marker));
+        }
+        let comm = process.map(|p| p.comm.clone()).unwrap_or_else(|| sample.comm.clone());
+        let root = self.root_frames.entry(comm.clone()).or_insert_with(|| synthetic_frame(&comm)).clone();
+        stack.push(self.frame_id(&root));
+
+        let service_name = (self.settings.grouping == Grouping::Single)
+            .then(|| Arc::<str>::from(service_name(process, sample)));
+        let series = self.series_labels(process, sample);
+        let data = self.series.entry(series).or_default();
+        if data.thread_names.len() <= self.settings.max_thread_names {
+            data.thread_names.insert(sample.comm.clone());
+        }
+        let key = StackKey {
+            stack,
+            pid: sample.pid.0,
+            tid: sample.tid.0,
+            thread_name: sample.comm.clone(),
+            service_name,
+        };
+        *data.counts.entry(key).or_default() += 1;
+    }
+
+    /// Ends the window at `end_unix_ns`: returns one profile per series and starts a new window.
+    pub fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
+        let start = self.window_start_unix_ns;
+        self.window_start_unix_ns = end_unix_ns;
+        self.samples_in_window = 0;
+        let frames = std::mem::take(&mut self.frames);
+        self.frame_ids.clear();
+        let mut profiles: Vec<Profile> = std::mem::take(&mut self.series)
+            .into_iter()
+            .map(|(series_labels, data)| {
+                let keep_thread_names = data.thread_names.len() <= self.settings.max_thread_names;
+                build_profile(series_labels, data, &frames, keep_thread_names, start, end_unix_ns - start, self.settings.period_ns)
+            })
+            .collect();
+        profiles.sort_by(|a, b| a.series_labels.cmp(&b.series_labels));
+        // Synthetic root frames are cheap but unbounded over time (one per process name).
+        if self.root_frames.len() > 10_000 {
+            self.root_frames.clear();
+        }
+        profiles
+    }
+}
+
+fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
+    match process {
+        Some(p) if !p.labels.service_name.is_empty() => p.labels.service_name.clone(),
+        Some(p) => p.comm.to_string(),
+        None => sample.comm.to_string(),
+    }
+}
+
+fn build_profile(
+    series_labels: Vec<(String, String)>,
+    data: SeriesData,
+    window_frames: &[Arc<SymbolizedFrame>],
+    keep_thread_names: bool,
+    start_unix_ns: i64,
+    duration_ns: i64,
+    period_ns: i64,
+) -> Profile {
+    // Re-index so a profile only carries the frames its own samples use.
+    let mut local_ids: HashMap<u32, u32> = HashMap::new();
+    let mut frames = Vec::new();
+    let mut merged: HashMap<(Vec<u32>, Vec<(Arc<str>, LabelValue)>), u64> = HashMap::new();
+    for (key, count) in data.counts {
+        let stack = key
+            .stack
+            .iter()
+            .map(|&id| {
+                *local_ids.entry(id).or_insert_with(|| {
+                    frames.push((*window_frames[id as usize]).clone());
+                    (frames.len() - 1) as u32
+                })
+            })
+            .collect();
+        let mut labels: Vec<(Arc<str>, LabelValue)> = vec![
+            ("pid".into(), LabelValue::Num(i64::from(key.pid))),
+            ("tid".into(), LabelValue::Num(i64::from(key.tid))),
+        ];
+        if keep_thread_names {
+            labels.push(("thread_name".into(), LabelValue::Str(key.thread_name)));
+        }
+        if let Some(service) = key.service_name {
+            labels.push(("service_name".into(), LabelValue::Str(service)));
+        }
+        *merged.entry((stack, labels)).or_default() += count;
+    }
+    let mut samples: Vec<ProfileSample> = merged
+        .into_iter()
+        .map(|((stack, labels), count)| ProfileSample { stack, count, labels })
+        .collect();
+    samples.sort_by(|a, b| (&a.stack, &a.labels).cmp(&(&b.stack, &b.labels)));
+    Profile { series_labels, start_unix_ns, duration_ns, period_ns, frames, samples }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Pid, ProcessLabels, Tid};
+
+    fn settings(grouping: Grouping) -> AggregatorSettings {
+        AggregatorSettings { grouping, period_ns: 10_000_000, host: "h1".into(), max_thread_names: 2 }
+    }
+
+    fn process(pid: u32, service: &str) -> ProcessInfo {
+        ProcessInfo {
+            pid: Pid(pid),
+            start_time: 1,
+            comm: format!("{service}-bin").into(),
+            labels: ProcessLabels {
+                service_name: service.into(),
+                executable: format!("/usr/bin/{service}"),
+                systemd_unit: Some(format!("{service}.service")),
+                ..Default::default()
+            },
+            mappings: vec![],
+            is_kernel_thread: false,
+        }
+    }
+
+    fn sample(pid: u32, tid: u32, thread: &str) -> Sample {
+        Sample {
+            ktime_ns: 0,
+            pid: Pid(pid),
+            tid: Tid(tid),
+            cpu: 0,
+            comm: thread.into(),
+            kernel_ips: vec![],
+            user_ips: vec![],
+            kernel_truncated: false,
+            user_truncated: false,
+            user_stack_error: false,
+        }
+    }
+
+    fn names(profile: &Profile, sample: &ProfileSample) -> Vec<String> {
+        sample.stack.iter().map(|&i| profile.frames[i as usize].lines[0].function.to_string()).collect()
+    }
+
+    #[test]
+    fn per_service_profiles_with_series_labels_and_root_frames() {
+        let mut agg = Aggregator::new(settings(Grouping::PerService), 1_000);
+        let leaf = synthetic_frame("work");
+        let main = synthetic_frame("main");
+        let (api, db) = (process(10, "api"), process(20, "db"));
+        for _ in 0..3 {
+            agg.add(Some(&api), &sample(10, 11, "worker"), &[leaf.clone(), main.clone()], false);
+        }
+        agg.add(Some(&db), &sample(20, 20, "db"), &[main.clone()], true);
+        assert_eq!(agg.samples_in_window(), 4);
+        let profiles = agg.flush(2_000);
+        assert_eq!(profiles.len(), 2);
+        let api_profile = profiles.iter().find(|p| p.series_label("service_name") == Some("api")).unwrap();
+        assert_eq!(api_profile.series_label("host"), Some("h1"));
+        assert_eq!(api_profile.series_label("executable"), Some("/usr/bin/api"));
+        assert_eq!(api_profile.series_label("systemd_unit"), Some("api.service"));
+        assert_eq!((api_profile.start_unix_ns, api_profile.duration_ns), (1_000, 1_000));
+        assert_eq!(api_profile.samples.len(), 1);
+        assert_eq!(api_profile.samples[0].count, 3);
+        assert_eq!(names(api_profile, &api_profile.samples[0]), ["work", "main", "api-bin"]);
+        assert_eq!(api_profile.frames.len(), 3, "only frames this series uses");
+        let db_profile = profiles.iter().find(|p| p.series_label("service_name") == Some("db")).unwrap();
+        assert_eq!(names(db_profile, &db_profile.samples[0]), ["main", TRUNCATED_FRAME, "db-bin"]);
+        assert!(agg.flush(3_000).is_empty(), "a flush starts a new, empty window");
+    }
+
+    #[test]
+    fn single_grouping_puts_service_name_on_samples() {
+        let mut agg = Aggregator::new(settings(Grouping::Single), 0);
+        let f = synthetic_frame("f");
+        agg.add(Some(&process(10, "api")), &sample(10, 10, "api"), &[f.clone()], false);
+        agg.add(None, &sample(30, 31, "gone"), &[f], false);
+        let profiles = agg.flush(10);
+        assert_eq!(profiles.len(), 1);
+        let p = &profiles[0];
+        assert_eq!(p.series_labels, vec![("host".to_string(), "h1".to_string())]);
+        let services: HashSet<_> = p
+            .samples
+            .iter()
+            .flat_map(|s| s.labels.iter().filter(|(k, _)| &**k == "service_name").map(|(_, v)| v.clone()))
+            .collect();
+        assert!(services.contains(&LabelValue::Str("api".into())));
+        assert!(services.contains(&LabelValue::Str("gone".into())), "vanished process named by its comm");
+        let gone = p.samples.iter().find(|s| s.labels.contains(&("pid".into(), LabelValue::Num(30)))).unwrap();
+        assert_eq!(names(p, gone), ["f", "gone"]);
+    }
+
+    #[test]
+    fn thread_names_dropped_when_too_many() {
+        let mut agg = Aggregator::new(settings(Grouping::PerService), 0);
+        let f = synthetic_frame("f");
+        let api = process(10, "api");
+        for (tid, name) in [(11, "a"), (12, "b"), (13, "c")] {
+            agg.add(Some(&api), &sample(10, tid, name), &[f.clone()], false);
+        }
+        let profiles = agg.flush(10);
+        assert!(profiles[0].samples.iter().all(|s| s.labels.iter().all(|(k, _)| &**k != "thread_name")));
+        assert_eq!(profiles[0].total_samples(), 3);
+
+        let mut agg = Aggregator::new(settings(Grouping::PerService), 0);
+        agg.add(Some(&api), &sample(10, 11, "a"), &[f.clone()], false);
+        agg.add(Some(&api), &sample(10, 12, "b"), &[f], false);
+        let profiles = agg.flush(10);
+        assert!(profiles[0].samples.iter().all(|s| s.labels.iter().any(|(k, _)| &**k == "thread_name")));
+    }
+}

@@ -1,1 +1,244 @@
-//! (stage module; filled in by its own change)
+//! The only module that talks to aya: loads the embedded eBPF object, attaches the sampler to
+//! the cpu-clock event of every online CPU, and exposes its maps by intent (ring buffer of
+//! samples, per-cause counters, the pid filter).
+mod capabilities;
+
+use std::{
+    collections::BTreeMap,
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    path::PathBuf,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    programs::{
+        PerfEvent,
+        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
+    },
+    util::online_cpus,
+};
+use profiler_common::{
+    STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, MAX_FILTERED_PIDS, names,
+};
+
+pub use capabilities::{check_privileges, check_kernel_support};
+
+/// The eBPF object built by `cargo xtask build-ebpf` (profiler-user's build script embeds it).
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler.bpf.o"));
+
+/// Default location of the kernel's BTF; the `PROFILER_BTF_PATH` variable overrides it (tests).
+pub const DEFAULT_BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BpfError {
+    #[error(
+        "the profiler needs root or the CAP_BPF and CAP_PERFMON capabilities (missing: {missing})"
+    )]
+    MissingPrivileges { missing: String },
+    #[error("this kernel has no BTF ({path} not found); a kernel built with CONFIG_DEBUG_INFO_BTF=y is required")]
+    NoBtf { path: PathBuf },
+    #[error("this kernel does not support BPF (the bpf() system call failed: {0})")]
+    NoBpf(std::io::Error),
+    #[error("loading the eBPF program failed: {0}")]
+    Load(String),
+    #[error("attaching to the cpu-clock event of CPU {cpu} failed: {message}")]
+    Attach { cpu: u32, message: String },
+    #[error("eBPF map {name} is missing or has the wrong type: {message}")]
+    Map { name: &'static str, message: String },
+    #[error("cannot list online CPUs: {0}")]
+    Cpus(String),
+    #[error("the pid filter holds at most {max} processes; {given} were given")]
+    TooManyPids { given: usize, max: u32 },
+}
+
+/// What to sample.
+#[derive(Clone, Debug)]
+pub struct SamplerSettings {
+    pub frequency_hz: u64,
+    /// Only these processes (and all their threads) when non-empty.
+    pub pids: Vec<u32>,
+}
+
+/// A loaded and attached sampler. Dropping it detaches every program.
+pub struct Sampler {
+    // Holds the programs and their perf-event links.
+    ebpf: Ebpf,
+    stats: PerCpuArray<MapData, u64>,
+    pid_filter_entries: u32,
+    attached_cpus: usize,
+}
+
+/// The ring buffer of samples, moved to the reader thread.
+pub struct SampleRing {
+    ring: RingBuf<MapData>,
+}
+
+impl SampleRing {
+    /// Calls `f` for every record waiting in the ring buffer; returns how many there were.
+    pub fn drain(&mut self, mut f: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
+        while let Some(item) = self.ring.next() {
+            f(&item);
+            n += 1;
+        }
+        n
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.ring.as_fd()
+    }
+
+    pub fn raw_fd(&self) -> i32 {
+        self.ring.as_raw_fd()
+    }
+}
+
+/// Counters kept by the eBPF program, summed over CPUs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BpfStats {
+    /// Indexed by the `STAT_*` ids of profiler-common.
+    pub counters: [u64; STAT_COUNT as usize],
+}
+
+impl BpfStats {
+    pub fn get(&self, id: u32) -> u64 {
+        self.counters.get(id as usize).copied().unwrap_or(0)
+    }
+
+    /// Named values, for logs and metrics.
+    pub fn named(&self) -> BTreeMap<&'static str, u64> {
+        STAT_NAMES.iter().enumerate().map(|(i, name)| (*name, self.counters[i])).collect()
+    }
+}
+
+impl Sampler {
+    /// Checks privileges and kernel support, loads the program and attaches it to every CPU.
+    pub fn start(settings: &SamplerSettings) -> Result<(Self, SampleRing), BpfError> {
+        check_privileges()?;
+        let btf_path = std::env::var_os("PROFILER_BTF_PATH")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_BTF_PATH));
+        check_kernel_support(&btf_path)?;
+        if settings.pids.len() > MAX_FILTERED_PIDS as usize {
+            return Err(BpfError::TooManyPids { given: settings.pids.len(), max: MAX_FILTERED_PIDS });
+        }
+        // Kernels >= 5.11 charge BPF memory to the cgroup; raising RLIMIT_MEMLOCK is only needed
+        // on older ones and fails without CAP_SYS_RESOURCE, which is harmless here.
+        raise_memlock_limit();
+
+        let mut ebpf = EbpfLoader::new()
+            .load(EBPF_OBJECT)
+            .map_err(|err| BpfError::Load(error_chain(&err)))?;
+
+        let config = SamplerConfig { filter_pids: u32::from(!settings.pids.is_empty()), keep_idle: 0 };
+        let mut config_map: Array<_, SamplerConfig> = take_map(&mut ebpf, names::MAP_CONFIG)?;
+        config_map
+            .set(0, config, 0)
+            .map_err(|err| BpfError::Map { name: names::MAP_CONFIG, message: error_chain(&err) })?;
+        let mut pid_filter: HashMap<_, u32, u8> = take_map(&mut ebpf, names::MAP_PID_FILTER)?;
+        for pid in &settings.pids {
+            pid_filter
+                .insert(pid, 1, 0)
+                .map_err(|err| BpfError::Map { name: names::MAP_PID_FILTER, message: error_chain(&err) })?;
+        }
+        let stats: PerCpuArray<_, u64> = take_map(&mut ebpf, names::MAP_STATS)?;
+        let ring: RingBuf<_> = take_map(&mut ebpf, names::MAP_SAMPLES)?;
+
+        let program: &mut PerfEvent = ebpf
+            .program_mut(names::PROGRAM_SAMPLE_CPU)
+            .ok_or_else(|| BpfError::Load(format!("program {} not found", names::PROGRAM_SAMPLE_CPU)))?
+            .try_into()
+            .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
+        program.load().map_err(|err| BpfError::Load(error_chain(&err)))?;
+        let cpus = online_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
+        // cpu-clock counts in nanoseconds, so a fixed period gives exactly `frequency_hz`
+        // samples per second of CPU time.
+        let period_ns = 1_000_000_000 / settings.frequency_hz.max(1);
+        for &cpu in &cpus {
+            program
+                .attach(
+                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                    PerfEventScope::AllProcessesOneCpu { cpu },
+                    SamplePolicy::Period(period_ns),
+                    false,
+                )
+                .map_err(|err| BpfError::Attach { cpu, message: error_chain(&err) })?;
+        }
+        tracing::info!(cpus = cpus.len(), frequency_hz = settings.frequency_hz, "sampler attached");
+        let sampler = Sampler {
+            ebpf,
+            stats,
+            pid_filter_entries: settings.pids.len() as u32,
+            attached_cpus: cpus.len(),
+        };
+        Ok((sampler, SampleRing { ring }))
+    }
+
+    /// Per-cause counters summed over CPUs (the ring-buffer gauge is the maximum instead).
+    pub fn stats(&self) -> BpfStats {
+        let mut out = BpfStats::default();
+        for id in 0..STAT_COUNT {
+            let Ok(values) = self.stats.get(&id, 0) else { continue };
+            out.counters[id as usize] = if id == STAT_RINGBUF_PENDING_BYTES {
+                values.iter().copied().max().unwrap_or(0)
+            } else {
+                values.iter().sum()
+            };
+        }
+        out
+    }
+
+    /// Total run time and run count of the sampler program, as the kernel accounts them while
+    /// `kernel.bpf_stats_enabled` is 1 (zeros otherwise).
+    pub fn program_run_stats(&self) -> (u64, u64) {
+        self.ebpf
+            .program(names::PROGRAM_SAMPLE_CPU)
+            .and_then(|program| program.info().ok())
+            .map(|info| (info.run_time().as_nanos() as u64, info.run_count()))
+            .unwrap_or((0, 0))
+    }
+
+    /// Fill level of the pid filter map as (entries, capacity).
+    pub fn pid_filter_fill(&self) -> (u32, u32) {
+        (self.pid_filter_entries, MAX_FILTERED_PIDS)
+    }
+
+    pub fn attached_cpus(&self) -> usize {
+        self.attached_cpus
+    }
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, BpfError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .take_map(name)
+        .ok_or_else(|| BpfError::Map { name, message: "not in the object".into() })?;
+    T::try_from(map).map_err(|err| BpfError::Map { name, message: error_chain(&err) })
+}
+
+fn raise_memlock_limit() {
+    let limit = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain syscall with a valid pointer.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) } != 0 {
+        tracing::debug!("setrlimit(RLIMIT_MEMLOCK) failed; fine on kernels that charge BPF memory to cgroups");
+    }
+}
+
+/// Flattens an error and its sources into one line.
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(next) = source {
+        let text = next.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = next.source();
+    }
+    out
+}
+

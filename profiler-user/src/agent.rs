@@ -1,0 +1,328 @@
+//! Wires the stages together for `profiler record` and `profiler agent`.
+//!
+//! Threads: the sample reader (ring buffer → channel, never blocks), the pipeline (this thread:
+//! process snapshots, unwinding, symbolization, aggregation; it owns the !Send blazesym
+//! symbolizer), and in agent mode an exporter thread so a slow output never stalls sampling.
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
+
+use crate::{
+    aggregation::{Aggregator, AggregatorSettings, Grouping},
+    bpf::{BpfError, Sampler, SamplerSettings},
+    config::{AgentConfig, RecordConfig, SamplingConfig},
+    export::{self, DirectorySink, ExportError, ProfileSink},
+    model::{Pid, ProcessInfo, Profile, Sample},
+    process::ProcessRegistry,
+    sampling::SampleReader,
+    self_metrics::{SelfMetrics, process_cpu_time, process_rss},
+    symbolization::{Symbolizer, SymbolizerOptions},
+    unwinding::{ProcessSource, Unwinder},
+};
+
+/// Samples buffered between the reader and the pipeline (about 10 s of 64 busy CPUs at 100 Hz).
+const SAMPLE_QUEUE: usize = 65_536;
+/// Profiles buffered between the pipeline and the exporter.
+const EXPORT_QUEUE: usize = 1_024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Bpf(#[from] BpfError),
+    #[error(transparent)]
+    Export(#[from] ExportError),
+    #[error("no such process: {0}")]
+    NoSuchProcess(u32),
+    #[error("cannot write {path}: {message}")]
+    OutputNotWritable { path: String, message: String },
+}
+
+/// What a finished recording produced.
+#[derive(Debug)]
+pub struct RecordSummary {
+    pub profile: Profile,
+    pub metrics: SelfMetrics,
+}
+
+impl ProcessSource for ProcessRegistry {
+    fn lookup(&mut self, pid: Pid) -> Option<Arc<ProcessInfo>> {
+        ProcessRegistry::lookup(self, pid)
+    }
+
+    fn refresh_for_address(&mut self, pid: Pid, addr: u64) -> Option<Arc<ProcessInfo>> {
+        ProcessRegistry::refresh_for_address(self, pid, addr)
+    }
+}
+
+/// Process snapshots → unwinding → symbolization → aggregation, for one sample at a time.
+struct Pipeline {
+    processes: ProcessRegistry,
+    unwinder: Unwinder,
+    symbolizer: Symbolizer,
+    aggregator: Aggregator,
+    samples_processed: u64,
+}
+
+impl Pipeline {
+    fn new(grouping: Grouping, sampling: &SamplingConfig, start_unix_ns: i64) -> Self {
+        let host = hostname();
+        Pipeline {
+            processes: ProcessRegistry::new("/proc".into(), host.clone()),
+            unwinder: Unwinder::default(),
+            symbolizer: Symbolizer::new(SymbolizerOptions::default()),
+            aggregator: Aggregator::new(
+                AggregatorSettings { grouping, period_ns: sampling.period_ns(), host, max_thread_names: 64 },
+                start_unix_ns,
+            ),
+            samples_processed: 0,
+        }
+    }
+
+    fn handle(&mut self, sample: &Sample) {
+        let (stack, process) = self.unwinder.unwind(sample, &mut self.processes);
+        let frames = self.symbolizer.symbolize_stack(&stack);
+        self.aggregator.add(process.as_deref(), sample, &frames, stack.truncated);
+        self.samples_processed += 1;
+    }
+
+    fn metrics(&self, sampler: Option<&Sampler>, reader: Option<&SampleReader>) -> SelfMetrics {
+        let symbols = self.symbolizer.stats();
+        let registry = self.processes.stats();
+        let (rss, peak) = process_rss();
+        let mut metrics = SelfMetrics {
+            samples_processed: self.samples_processed,
+            truncated_stacks: self.unwinder.stats.truncated_stacks,
+            unmapped_frames: self.unwinder.stats.unmapped_frames,
+            unknown_processes: self.unwinder.stats.unknown_processes,
+            frames_symbolized: symbols.frames_symbolized,
+            symbolization_misses: symbols.misses,
+            symbolization_errors: symbols.errors,
+            symbol_cache_entries: symbols.cache_entries,
+            processes_tracked: registry.processes,
+            open_files: registry.open_files,
+            agent_cpu: process_cpu_time(),
+            agent_rss_bytes: rss,
+            agent_peak_rss_bytes: peak,
+            ..SelfMetrics::default()
+        };
+        if let Some(sampler) = sampler {
+            metrics.bpf = sampler.stats();
+            (metrics.bpf_run_time_ns, metrics.bpf_run_count) = sampler.program_run_stats();
+            (metrics.pid_filter_entries, metrics.pid_filter_capacity) = sampler.pid_filter_fill();
+        }
+        if let Some(reader) = reader {
+            metrics.samples_received = reader.stats.received.load(Ordering::Relaxed);
+            metrics.decode_errors = reader.stats.decode_errors.load(Ordering::Relaxed);
+            metrics.agent_queue_full = reader.stats.channel_full.load(Ordering::Relaxed);
+        }
+        metrics
+    }
+}
+
+fn unix_now_ns() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+fn check_pids_exist(pids: &[u32]) -> Result<(), AgentError> {
+    match pids.iter().find(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+        Some(&pid) => Err(AgentError::NoSuchProcess(pid)),
+        None => Ok(()),
+    }
+}
+
+/// Fails early, before sampling, when `path` cannot be created.
+fn check_writable_file(path: &Path) -> Result<(), AgentError> {
+    let dir = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let probe = dir.join(format!(".{}.probe-{}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), std::process::id()));
+    let not_writable = |err: std::io::Error| AgentError::OutputNotWritable { path: path.display().to_string(), message: err.to_string() };
+    if path.is_dir() {
+        return Err(not_writable(std::io::Error::from(std::io::ErrorKind::IsADirectory)));
+    }
+    std::fs::File::create(&probe).map_err(not_writable)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
+    let not_writable = |err: std::io::Error| AgentError::OutputNotWritable { path: dir.display().to_string(), message: err.to_string() };
+    std::fs::create_dir_all(dir).map_err(not_writable)?;
+    let probe = dir.join(format!(".probe-{}", std::process::id()));
+    std::fs::File::create(&probe).map_err(not_writable)?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Runs the pipeline on samples from `rx` until `until` returns true; calls `on_tick` about
+/// every 100 ms with the pipeline so the caller can flush.
+fn pump(pipeline: &mut Pipeline, rx: &Receiver<Sample>, mut until: impl FnMut(&mut Pipeline) -> bool) {
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(sample) => {
+                pipeline.handle(&sample);
+                // Drain whatever else is queued before checking the clock again.
+                for sample in rx.try_iter().take(4096) {
+                    pipeline.handle(&sample);
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        if until(pipeline) {
+            return;
+        }
+    }
+}
+
+/// `profiler record`: samples for `config.duration` (or until `stop`), writes one profile.
+pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary, AgentError> {
+    check_pids_exist(&config.sampling.pids)?;
+    check_writable_file(&config.output)?;
+    let start_unix_ns = unix_now_ns();
+    let mut pipeline = Pipeline::new(Grouping::Single, &config.sampling, start_unix_ns);
+    let (sampler, ring) = Sampler::start(&SamplerSettings {
+        frequency_hz: config.sampling.frequency_hz,
+        pids: config.sampling.pids.clone(),
+    })?;
+    let (reader, rx) = SampleReader::spawn(ring, SAMPLE_QUEUE);
+    let started = Instant::now();
+    pump(&mut pipeline, &rx, |_| started.elapsed() >= config.duration || stop.load(Ordering::Relaxed));
+
+    // Detach first so no sample is taken after the window, then take everything in flight.
+    let bpf_stats = sampler.stats();
+    let bpf_run_stats = sampler.program_run_stats();
+    let duration_ns = started.elapsed().as_nanos() as i64;
+    drop(sampler);
+    let reader_stats = reader.stats.clone();
+    reader.stop();
+    for sample in rx.try_iter() {
+        pipeline.handle(&sample);
+    }
+    let mut profiles = pipeline.aggregator.flush(start_unix_ns + duration_ns);
+    let mut profile = profiles.pop().unwrap_or_else(|| Profile {
+        series_labels: vec![("host".into(), hostname())],
+        start_unix_ns,
+        duration_ns,
+        period_ns: config.sampling.period_ns(),
+        ..Profile::default()
+    });
+    profile.duration_ns = duration_ns;
+
+    let bytes = export::render(&profile, config.format);
+    export::write_atomically(&config.output, &bytes)?;
+
+    let mut metrics = pipeline.metrics(None, None);
+    metrics.bpf = bpf_stats;
+    (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
+    metrics.samples_received = reader_stats.received.load(Ordering::Relaxed);
+    metrics.decode_errors = reader_stats.decode_errors.load(Ordering::Relaxed);
+    metrics.agent_queue_full = reader_stats.channel_full.load(Ordering::Relaxed);
+    metrics.profiles_written = 1;
+    metrics.log("recording finished");
+    tracing::info!(path = %config.output.display(), samples = profile.total_samples(), "profile written");
+    Ok(RecordSummary { profile, metrics })
+}
+
+/// `profiler agent`: samples until `stop`, writing one profile per service every interval.
+pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), AgentError> {
+    check_pids_exist(&config.sampling.pids)?;
+    check_writable_dir(&config.output_dir)?;
+    let mut sink = DirectorySink::new(config.output_dir.clone());
+    let (export_tx, export_rx) = crossbeam_channel::bounded::<Vec<Profile>>(EXPORT_QUEUE);
+    let export_stats = Arc::new(ExportCounters::default());
+    let exporter = {
+        let stats = export_stats.clone();
+        std::thread::Builder::new()
+            .name("exporter".into())
+            .spawn(move || {
+                for batch in export_rx {
+                    for profile in batch {
+                        match sink.write(&profile) {
+                            Ok(()) => stats.written.fetch_add(1, Ordering::Relaxed),
+                            Err(err) => {
+                                tracing::warn!("{err}");
+                                stats.errors.fetch_add(1, Ordering::Relaxed)
+                            }
+                        };
+                    }
+                }
+            })
+            .expect("spawning the exporter thread")
+    };
+
+    let mut window_start = unix_now_ns();
+    let mut pipeline = Pipeline::new(Grouping::PerService, &config.sampling, window_start);
+    let (sampler, ring) = Sampler::start(&SamplerSettings {
+        frequency_hz: config.sampling.frequency_hz,
+        pids: config.sampling.pids.clone(),
+    })?;
+    let (reader, rx) = SampleReader::spawn(ring, SAMPLE_QUEUE);
+    tracing::info!(interval_s = config.interval.as_secs_f64(), output_dir = %config.output_dir.display(), "agent running");
+    let mut next_flush = Instant::now() + config.interval;
+    let mut flush = |pipeline: &mut Pipeline, sampler: Option<&Sampler>, reader: Option<&SampleReader>| {
+        let now = unix_now_ns();
+        let profiles = pipeline.aggregator.flush(now);
+        window_start = now;
+        let count = profiles.len();
+        match export_tx.try_send(profiles) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                export_stats.errors.fetch_add(count as u64, Ordering::Relaxed);
+                tracing::warn!(profiles = count, "exporter is not keeping up; dropped this interval's profiles");
+            }
+        }
+        pipeline.processes.evict_exited();
+        let mut metrics = pipeline.metrics(sampler, reader);
+        metrics.profiles_written = export_stats.written.load(Ordering::Relaxed);
+        metrics.export_errors = export_stats.errors.load(Ordering::Relaxed);
+        metrics.log("interval");
+    };
+    pump(&mut pipeline, &rx, |pipeline| {
+        if Instant::now() >= next_flush {
+            next_flush += config.interval;
+            flush(pipeline, Some(&sampler), Some(&reader));
+        }
+        stop.load(Ordering::Relaxed)
+    });
+    tracing::info!("stopping: flushing the current interval");
+    let bpf_stats = sampler.stats();
+    drop(sampler);
+    reader.stop();
+    for sample in rx.try_iter() {
+        pipeline.handle(&sample);
+    }
+    flush(&mut pipeline, None, None);
+    let _ = window_start;
+    drop(flush);
+    drop(export_tx);
+    let _ = exporter.join();
+    let mut metrics = pipeline.metrics(None, None);
+    metrics.bpf = bpf_stats;
+    metrics.profiles_written = export_stats.written.load(Ordering::Relaxed);
+    metrics.export_errors = export_stats.errors.load(Ordering::Relaxed);
+    metrics.log("agent stopped");
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct ExportCounters {
+    written: std::sync::atomic::AtomicU64,
+    errors: std::sync::atomic::AtomicU64,
+}

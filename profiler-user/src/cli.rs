@@ -1,0 +1,169 @@
+//! Command line: clap definitions, validation, and conversion into [`crate::config`] types.
+//! Every flag can also be set through a `PROFILER_*` environment variable.
+use std::{path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::{
+    config::{AgentConfig, DEFAULT_OUTPUT_DIR, RecordConfig, SamplingConfig},
+    export::OutputFormat,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "profiler",
+    version,
+    about = "System-wide eBPF CPU profiler: samples every process at 100 Hz, no instrumentation",
+    long_about = "System-wide eBPF CPU profiler.\n\nSamples the kernel and user stacks of every process \
+                  (or the ones given with --pid) on the cpu-clock event of every CPU, symbolizes them \
+                  and writes pprof profiles. Needs root, or CAP_BPF and CAP_PERFMON."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// Log output format.
+    #[arg(long, env = "PROFILER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Profile for a fixed time and write one profile file.
+    Record(RecordArgs),
+    /// Profile continuously; every interval write one profile per service.
+    Agent(AgentArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SamplingArgs {
+    /// Samples per second on each CPU (1-1000).
+    #[arg(long, short = 'F', env = "PROFILER_FREQUENCY", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub frequency: u64,
+    /// Only profile this process and its threads; repeat for several (environment: comma-separated).
+    #[arg(long = "pid", short = 'p', env = "PROFILER_PID", value_delimiter = ',', value_parser = parse_pid)]
+    pub pids: Vec<u32>,
+}
+
+#[derive(Debug, Args)]
+pub struct RecordArgs {
+    /// How long to record, in seconds (fractions allowed).
+    #[arg(long, short = 'd', env = "PROFILER_DURATION", value_parser = parse_seconds)]
+    pub duration: Duration,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Where to write the profile.
+    #[arg(long, short = 'o', env = "PROFILER_OUTPUT", default_value = "profile.pb.gz")]
+    pub output: PathBuf,
+    /// Output format: gzipped pprof, or folded stacks (`comm;root;...;leaf COUNT` per line).
+    #[arg(long, short = 'f', env = "PROFILER_FORMAT", default_value = "pprof", value_parser = parse_format)]
+    pub format: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// Seconds per profile: every interval one profile per service is written.
+    #[arg(long, env = "PROFILER_INTERVAL", default_value = "15", value_parser = parse_seconds)]
+    pub interval: Duration,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Directory for the per-service pprof files.
+    #[arg(long, env = "PROFILER_OUTPUT_DIR", default_value = DEFAULT_OUTPUT_DIR)]
+    pub output_dir: PathBuf,
+}
+
+fn parse_pid(text: &str) -> Result<u32, String> {
+    match text.trim().parse::<u32>() {
+        Ok(0) | Err(_) => Err(format!("'{text}' is not a process id (a positive integer)")),
+        Ok(pid) => Ok(pid),
+    }
+}
+
+fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text.trim().parse().map_err(|_| format!("'{text}' is not a number of seconds"))?;
+    if !seconds.is_finite() || seconds <= 0.0 || seconds > 7.0 * 86_400.0 {
+        return Err(format!("'{text}' must be more than 0 and at most one week of seconds"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+fn parse_format(text: &str) -> Result<OutputFormat, String> {
+    text.parse::<OutputFormat>().map_err(|_| format!("'{text}' is not a format (pprof or folded)"))
+}
+
+impl SamplingArgs {
+    fn into_config(self) -> SamplingConfig {
+        let mut pids = self.pids;
+        pids.sort_unstable();
+        pids.dedup();
+        SamplingConfig { frequency_hz: self.frequency, pids }
+    }
+}
+
+impl From<RecordArgs> for RecordConfig {
+    fn from(args: RecordArgs) -> Self {
+        RecordConfig {
+            sampling: args.sampling.into_config(),
+            duration: args.duration,
+            output: args.output,
+            format: args.format,
+        }
+    }
+}
+
+impl From<AgentArgs> for AgentConfig {
+    fn from(args: AgentArgs) -> Self {
+        AgentConfig { sampling: args.sampling.into_config(), interval: args.interval, output_dir: args.output_dir }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn command_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_flag_has_an_environment_variable() {
+        for sub in Cli::command().get_subcommands() {
+            for arg in sub.get_arguments() {
+                if arg.get_long().is_some_and(|l| l != "help" && l != "version") {
+                    assert!(arg.get_env().is_some(), "--{} of {} has no env var", arg.get_long().unwrap(), sub.get_name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn parses_record_arguments() {
+        let cli = Cli::try_parse_from(["profiler", "record", "--duration", "2.5", "-p", "10", "--pid", "3", "--pid", "10", "-F", "99", "--format", "folded"]).unwrap();
+        let Command::Record(args) = cli.command else { panic!("not record") };
+        let config = RecordConfig::from(args);
+        assert_eq!(config.duration, Duration::from_millis(2500));
+        assert_eq!(config.sampling, SamplingConfig { frequency_hz: 99, pids: vec![3, 10] });
+        assert_eq!(config.format, OutputFormat::Folded);
+        assert_eq!(config.output, PathBuf::from("profile.pb.gz"));
+    }
+
+    #[test]
+    fn rejects_bad_values_with_clear_messages() {
+        let error = |args: &[&str]| Cli::try_parse_from(args).unwrap_err().to_string();
+        assert!(error(&["profiler", "record", "--duration", "5", "-F", "0"]).contains("1..=1000"));
+        assert!(error(&["profiler", "record", "--duration", "5", "-F", "5000"]).contains("1..=1000"));
+        assert!(error(&["profiler", "record", "--duration", "-1"]).contains("more than 0"));
+        assert!(error(&["profiler", "record", "--duration", "soon"]).contains("not a number of seconds"));
+        assert!(error(&["profiler", "record", "--duration", "1", "--pid", "abc"]).contains("not a process id"));
+        assert!(error(&["profiler", "record", "--duration", "1", "--format", "svg"]).contains("pprof or folded"));
+        assert!(error(&["profiler", "record"]).contains("--duration"));
+    }
+}

@@ -1,0 +1,163 @@
+//! The agent's own health, kept in one place: the eBPF program's per-cause counters, each
+//! stage's counters, and the agent's CPU time and memory. Logged every interval; a later
+//! /metrics endpoint only has to render [`SelfMetrics::values`].
+use std::time::Duration;
+
+use crate::bpf::BpfStats;
+
+/// One metric value with its Prometheus-style name and help text.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetricValue {
+    pub name: String,
+    pub help: &'static str,
+    pub value: f64,
+    /// `counter` or `gauge`.
+    pub kind: &'static str,
+}
+
+/// Everything the agent reports about itself at one moment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SelfMetrics {
+    pub bpf: BpfStats,
+    /// Kernel-accounted run time and count of the sampler program (with kernel.bpf_stats_enabled).
+    pub bpf_run_time_ns: u64,
+    pub bpf_run_count: u64,
+    pub samples_received: u64,
+    pub samples_processed: u64,
+    pub decode_errors: u64,
+    /// Samples lost between the ring-buffer reader and the pipeline.
+    pub agent_queue_full: u64,
+    pub truncated_stacks: u64,
+    pub unmapped_frames: u64,
+    pub unknown_processes: u64,
+    pub frames_symbolized: u64,
+    pub symbolization_misses: u64,
+    pub symbolization_errors: u64,
+    pub symbol_cache_entries: u64,
+    pub processes_tracked: u64,
+    pub open_files: u64,
+    pub pid_filter_entries: u32,
+    pub pid_filter_capacity: u32,
+    pub profiles_written: u64,
+    pub export_errors: u64,
+    pub agent_cpu: Duration,
+    pub agent_rss_bytes: u64,
+    pub agent_peak_rss_bytes: u64,
+}
+
+impl SelfMetrics {
+    /// Samples lost anywhere between the perf event and the pipeline.
+    pub fn samples_dropped(&self) -> u64 {
+        self.bpf.get(profiler_common::STAT_RINGBUF_FULL) + self.agent_queue_full + self.decode_errors
+    }
+
+    pub fn values(&self) -> Vec<MetricValue> {
+        let mut out = Vec::new();
+        let mut push = |name: &str, help: &'static str, value: f64, kind: &'static str| {
+            out.push(MetricValue { name: format!("profiler_{name}"), help, value, kind });
+        };
+        for (name, value) in self.bpf.named() {
+            let kind = if name == "ringbuf_pending_bytes" { "gauge" } else { "counter" };
+            push(&format!("bpf_{name}"), "Counter kept by the eBPF sampler", value as f64, kind);
+        }
+        push("bpf_program_run_time_ns_total", "Kernel-accounted run time of the sampler (kernel.bpf_stats_enabled)", self.bpf_run_time_ns as f64, "counter");
+        push("bpf_program_runs_total", "Kernel-accounted runs of the sampler (kernel.bpf_stats_enabled)", self.bpf_run_count as f64, "counter");
+        push("samples_received_total", "Samples read from the ring buffer", self.samples_received as f64, "counter");
+        push("samples_processed_total", "Samples unwound, symbolized and aggregated", self.samples_processed as f64, "counter");
+        push("samples_dropped_total", "Samples lost (ring buffer full, agent queue full, undecodable)", self.samples_dropped() as f64, "counter");
+        push("decode_errors_total", "Ring-buffer records that did not decode", self.decode_errors as f64, "counter");
+        push("agent_queue_full_total", "Samples dropped because the pipeline lagged", self.agent_queue_full as f64, "counter");
+        push("truncated_stacks_total", "Stacks cut short by the depth limit", self.truncated_stacks as f64, "counter");
+        push("unmapped_frames_total", "User frames outside any file mapping", self.unmapped_frames as f64, "counter");
+        push("unknown_processes_total", "Samples of processes gone before their snapshot", self.unknown_processes as f64, "counter");
+        push("frames_symbolized_total", "Distinct frames symbolized", self.frames_symbolized as f64, "counter");
+        push("symbolization_misses_total", "Frames left as module+offset or [unknown]", self.symbolization_misses as f64, "counter");
+        push("symbolization_errors_total", "Files the symbolizer could not read", self.symbolization_errors as f64, "counter");
+        push("symbol_cache_entries", "Entries in the symbol cache", self.symbol_cache_entries as f64, "gauge");
+        push("processes_tracked", "Process snapshots held", self.processes_tracked as f64, "gauge");
+        push("open_files", "Mapped files held open for symbolization", self.open_files as f64, "gauge");
+        push("bpf_pid_filter_entries", "Entries in the PID_FILTER map", f64::from(self.pid_filter_entries), "gauge");
+        push("bpf_pid_filter_capacity", "Capacity of the PID_FILTER map", f64::from(self.pid_filter_capacity), "gauge");
+        push("profiles_written_total", "Profiles handed to the output", self.profiles_written as f64, "counter");
+        push("export_errors_total", "Profiles the output failed to take", self.export_errors as f64, "counter");
+        push("agent_cpu_seconds_total", "CPU time used by the agent", self.agent_cpu.as_secs_f64(), "counter");
+        push("agent_rss_bytes", "Resident memory of the agent", self.agent_rss_bytes as f64, "gauge");
+        push("agent_peak_rss_bytes", "Peak resident memory of the agent", self.agent_peak_rss_bytes as f64, "gauge");
+        out
+    }
+
+    pub fn log(&self, what: &str) {
+        tracing::info!(
+            samples_seen = self.bpf.get(profiler_common::STAT_SAMPLES_SEEN),
+            samples_processed = self.samples_processed,
+            samples_dropped = self.samples_dropped(),
+            ringbuf_full = self.bpf.get(profiler_common::STAT_RINGBUF_FULL),
+            ringbuf_pending_bytes = self.bpf.get(profiler_common::STAT_RINGBUF_PENDING_BYTES),
+            truncated_stacks = self.truncated_stacks,
+            symbolization_misses = self.symbolization_misses,
+            processes = self.processes_tracked,
+            agent_cpu_us = self.agent_cpu.as_micros() as u64,
+            bpf_run_time_ns = self.bpf_run_time_ns,
+            bpf_run_count = self.bpf_run_count,
+            rss_bytes = self.agent_rss_bytes,
+            peak_rss_bytes = self.agent_peak_rss_bytes,
+            "{what}"
+        );
+    }
+}
+
+/// CPU time (user + system) of this process so far.
+pub fn process_cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct we pass.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return Duration::ZERO;
+    }
+    let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
+/// (current, peak) resident set size in bytes, from /proc/self/status.
+pub fn process_rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (kib("VmRSS:"), kib("VmHWM:"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_own_cpu_and_memory() {
+        let before = process_cpu_time();
+        let mut x = 0u64;
+        for i in 0..5_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+        assert!(process_cpu_time() > before);
+        let (rss, peak) = process_rss();
+        assert!(rss > 0 && peak >= rss);
+    }
+
+    #[test]
+    fn dropped_samples_sum_every_cause() {
+        let mut m = SelfMetrics::default();
+        m.bpf.counters[profiler_common::STAT_RINGBUF_FULL as usize] = 3;
+        m.agent_queue_full = 4;
+        m.decode_errors = 1;
+        assert_eq!(m.samples_dropped(), 8);
+        let values = m.values();
+        let dropped = values.iter().find(|v| v.name == "profiler_samples_dropped_total").unwrap();
+        assert_eq!(dropped.value, 8.0);
+        assert!(values.iter().any(|v| v.name == "profiler_bpf_ringbuf_full" && v.value == 3.0));
+    }
+}

@@ -1,0 +1,57 @@
+//! `profiler agent`: one pprof per service per interval, flushed on SIGTERM.
+use std::{
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use integration_tests::*;
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, signal: i32) -> i32;
+}
+
+#[test]
+fn writes_per_service_profiles_every_interval_and_on_sigterm() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    // The fixture declares its service name the OpenTelemetry way.
+    let child = Command::new(&fixture)
+        .arg("20")
+        .env("OTEL_SERVICE_NAME", "checkout")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let running = Running { child };
+    let scratch = Scratch::new("agent");
+    let dir = scratch.path("profiles");
+    let agent = Command::new(profiler_bin())
+        .args(["agent", "--interval", "1", "--output-dir"])
+        .arg(&dir)
+        .args(["--pid", &running.pid().to_string()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2600));
+    unsafe { libc_kill(agent.id() as i32, 15) };
+    let output = agent.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+
+    let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    let checkout: Vec<_> = files
+        .iter()
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("checkout-"))
+        .collect();
+    // Two full intervals plus the partial one flushed on SIGTERM.
+    assert!(checkout.len() >= 3, "files: {files:?}");
+    let mut total = 0;
+    for file in &checkout {
+        let profile = decode_pprof(file);
+        let samples = readable_samples(&profile);
+        total += samples.iter().map(|s| s.values[0]).sum::<i64>();
+        assert!(samples.iter().all(|s| s.functions.iter().any(|f| f == "level4" || f == "main")));
+        assert!(profile.comment.iter().any(|&c| profile.string_table[c as usize] == "service_name=checkout"));
+    }
+    assert!(total >= 200, "{total} samples in {} files", checkout.len());
+}

@@ -1,0 +1,176 @@
+//! `profiler record` end to end: the real BPF program samples real fixture processes.
+use std::{path::Path, process::Command, time::Duration};
+
+use integration_tests::*;
+
+const CHAIN: [&str; 5] = ["main", "level1", "level2", "level3", "level4"];
+
+/// Index of `chain` as a contiguous run inside `frames` (root to leaf), if present.
+fn find_chain(frames: &[String], chain: &[&str]) -> Option<usize> {
+    frames.windows(chain.len()).position(|w| w.iter().zip(chain).all(|(a, b)| a == b))
+}
+
+#[test]
+fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let running = spawn(&fixture, &["20"]);
+    let scratch = Scratch::new("fp-chain");
+    let out = scratch.path("profile.pb.gz");
+    let pid = running.pid().to_string();
+    let output = run_profiler(&["record", "--duration", "3", "--pid", &pid, "--output", out.to_str().unwrap()]);
+    assert_success(&output);
+
+    let profile = decode_pprof(&out);
+    let samples = readable_samples(&profile);
+    let total: i64 = samples.iter().map(|s| s.values[0]).sum();
+    let with_chain: i64 = samples
+        .iter()
+        .filter(|s| {
+            let root_to_leaf: Vec<String> = s.functions.iter().rev().cloned().collect();
+            find_chain(&root_to_leaf, &CHAIN).is_some()
+        })
+        .map(|s| s.values[0])
+        .sum();
+    assert!(total > 0, "no samples for the fixture");
+    assert!(
+        with_chain as f64 >= 0.95 * total as f64,
+        "only {with_chain} of {total} samples have the chain {CHAIN:?}; samples: {:#?}",
+        samples.iter().take(5).collect::<Vec<_>>()
+    );
+    // One busy thread at 100 Hz for the recorded duration.
+    let expected = profile.duration_nanos as f64 / 1e9 * 100.0;
+    assert!(
+        (total as f64 - expected).abs() <= 0.10 * expected,
+        "{total} samples, expected {expected:.0} ± 10%"
+    );
+    // Every sample is the fixture's: --pid filters.
+    assert!(samples.iter().all(|s| s.num_labels.get("pid") == Some(&i64::from(running.pid()))));
+    // cpu/nanoseconds = count × period.
+    assert_eq!(profile.period, 10_000_000);
+    assert!(samples.iter().all(|s| s.values[1] == s.values[0] * 10_000_000));
+    // The executable's mapping carries its path and build id.
+    let strings = &profile.string_table;
+    let fixture_mapping = profile
+        .mapping
+        .iter()
+        .find(|m| strings[m.filename as usize] == fixture.to_str().unwrap())
+        .expect("mapping for the fixture executable");
+    assert!(!strings[fixture_mapping.build_id as usize].is_empty(), "build id recorded");
+}
+
+#[test]
+fn folded_output_and_pid_filter() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let wanted = spawn(&fixture, &["20"]);
+    let other = spawn(&fixture, &["20"]);
+    let scratch = Scratch::new("folded");
+    let out = scratch.path("stacks.folded");
+    let pid = wanted.pid().to_string();
+    let output = run_profiler(&["record", "-d", "2", "-p", &pid, "--format", "folded", "-o", out.to_str().unwrap()]);
+    assert_success(&output);
+    let text = std::fs::read_to_string(&out).unwrap();
+    let stacks = parse_folded(&text);
+    assert!(!stacks.is_empty());
+    let comm = fixture.file_name().unwrap().to_str().unwrap();
+    // `comm;root;...;leaf COUNT`: the process name first, then main ... level4.
+    for stack in &stacks {
+        assert_eq!(stack.frames[0], comm[..comm.len().min(15)], "root frame is the comm: {stack:?}");
+    }
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    let chained: u64 = stacks.iter().filter(|s| find_chain(&s.frames, &CHAIN).is_some()).map(|s| s.count).sum();
+    assert!(chained as f64 >= 0.95 * total as f64, "{chained}/{total}:\n{text}");
+    // Two identical busy processes, but only one is sampled: about 100 Hz, not 200.
+    assert!(total <= 230, "{total} samples: the second process was not filtered out");
+    drop(other);
+}
+
+#[test]
+fn kernel_frames_for_a_syscall_heavy_process() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("syscall_heavy.c");
+    let running = spawn(&fixture, &["20"]);
+    let scratch = Scratch::new("kernel");
+    let out = scratch.path("stacks.folded");
+    let pid = running.pid().to_string();
+    assert_success(&run_profiler(&["record", "-d", "2", "-p", &pid, "-f", "folded", "-o", out.to_str().unwrap()]));
+    let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    let in_kernel: u64 = stacks
+        .iter()
+        .filter(|s| {
+            let user = s.frames.iter().position(|f| f == "read_zeroes");
+            let syscall = s.frames.iter().position(|f| f.contains("do_syscall_64") || f.contains("entry_SYSCALL_64"));
+            matches!((user, syscall), (Some(u), Some(k)) if k > u)
+        })
+        .map(|s| s.count)
+        .sum();
+    assert!(
+        in_kernel as f64 >= 0.5 * total as f64,
+        "{in_kernel}/{total} samples show kernel syscall frames below read_zeroes"
+    );
+}
+
+#[test]
+fn process_that_exits_mid_record_is_still_symbolized() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    // Runs for one second of a three-second recording, then exits.
+    let running = spawn(&fixture, &["1"]);
+    let scratch = Scratch::new("exits");
+    let out = scratch.path("stacks.folded");
+    let pid = running.pid().to_string();
+    assert_success(&run_profiler(&["record", "-d", "3", "-p", &pid, "-f", "folded", "-o", out.to_str().unwrap()]));
+    let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
+    let total: u64 = stacks.iter().map(|s| s.count).sum();
+    assert!((40..=130).contains(&total), "about one second of samples, got {total}");
+    let chained: u64 = stacks.iter().filter(|s| find_chain(&s.frames, &CHAIN).is_some()).map(|s| s.count).sum();
+    assert!(chained as f64 >= 0.9 * total as f64, "symbolized chain in {chained}/{total}");
+}
+
+#[test]
+fn binary_in_a_private_mount_namespace_is_symbolized() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let scratch = Scratch::new("mntns");
+    let hidden = scratch.path("hidden");
+    std::fs::create_dir_all(&hidden).unwrap();
+    // Inside its own mount namespace the fixture runs from a tmpfs mounted over `hidden`, so
+    // its path does not exist in ours.
+    let script = format!(
+        "mount -t tmpfs tmpfs {dir} && cp {src} {dir}/ns_fixture && exec {dir}/ns_fixture 20",
+        dir = hidden.display(),
+        src = fixture.display()
+    );
+    let child = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .spawn()
+        .expect("unshare");
+    let running = Running { child };
+    std::thread::sleep(Duration::from_millis(500));
+    let in_ns_path = hidden.join("ns_fixture");
+    assert!(!in_ns_path.exists(), "{} must not exist in the root mount namespace", in_ns_path.display());
+
+    let out = scratch.path("profile.pb.gz");
+    let pid = running.pid().to_string();
+    assert_success(&run_profiler(&["record", "-d", "2", "-p", &pid, "-o", out.to_str().unwrap()]));
+    let profile = decode_pprof(&out);
+    let samples = readable_samples(&profile);
+    let total: i64 = samples.iter().map(|s| s.values[0]).sum();
+    let chained: i64 = samples
+        .iter()
+        .filter(|s| {
+            let root_to_leaf: Vec<String> = s.functions.iter().rev().cloned().collect();
+            find_chain(&root_to_leaf, &CHAIN).is_some()
+        })
+        .map(|s| s.values[0])
+        .sum();
+    assert!(total > 50, "{total} samples");
+    assert!(chained as f64 >= 0.95 * total as f64, "{chained}/{total} symbolized through /proc/PID/root");
+    let strings = &profile.string_table;
+    assert!(
+        profile.mapping.iter().any(|m| Path::new(&strings[m.filename as usize]) == in_ns_path),
+        "the mapping keeps the path as the process sees it"
+    );
+}
