@@ -1,0 +1,113 @@
+//! Brendan Gregg's folded-stack format (`root;caller;leaf count`), as read by flamegraph.pl,
+//! inferno and speedscope.
+use std::{collections::BTreeMap, io};
+
+use crate::model::Profile;
+
+/// Writes one line per distinct stack, root first, sorted by stack text. Stacks that differ only
+/// by sample labels are summed; inlined functions each get their own element.
+pub fn write_folded(profile: &Profile, out: &mut impl io::Write) -> io::Result<()> {
+    let mut counts_by_stack: BTreeMap<String, u64> = BTreeMap::new();
+    for sample in &profile.samples {
+        let mut stack_text = String::new();
+        // The stack is innermost first; folded wants the root first.
+        let frames = sample
+            .stack
+            .iter()
+            .rev()
+            .filter_map(|&index| profile.frames.get(usize::try_from(index).ok()?));
+        for frame in frames {
+            // Lines are innermost first too: the outermost (caller) comes first in folded text.
+            for line in frame.lines.iter().rev() {
+                if !stack_text.is_empty() {
+                    stack_text.push(';');
+                }
+                push_sanitized(&mut stack_text, &line.function);
+            }
+        }
+        if stack_text.is_empty() {
+            continue;
+        }
+        let total = counts_by_stack.entry(stack_text).or_default();
+        *total = total.saturating_add(sample.count);
+    }
+    for (stack_text, count) in counts_by_stack {
+        if count > 0 {
+            writeln!(out, "{stack_text} {count}")?;
+        }
+    }
+    Ok(())
+}
+
+/// ';' separates frames and '\n' separates stacks, so neither may appear inside a name; an empty
+/// name would leave an empty element that some readers reject.
+fn push_sanitized(out: &mut String, name: &str) {
+    if name.is_empty() {
+        out.push_str("[unknown]");
+        return;
+    }
+    out.extend(name.chars().map(|c| match c {
+        ';' => ':',
+        '\n' | '\r' => ' ',
+        other => other,
+    }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::test_fixture::{self, *};
+    use crate::model::ProfileSample;
+
+    fn folded_text(profile: &Profile) -> String {
+        let mut out = Vec::new();
+        write_folded(profile, &mut out).expect("write into memory");
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    #[test]
+    fn stacks_are_root_first_summed_across_labels_and_sorted() {
+        assert_eq!(
+            folded_text(&test_fixture::profile()),
+            "myapp;main;libfoo.so+0x1234;do_syscall_64 3\n\
+             myapp;main;outer_fn;inner_helper 7\n\
+             myapp;main;weird:name x 1\n"
+        );
+    }
+
+    #[test]
+    fn out_of_range_indexes_and_empty_stacks_are_skipped() {
+        let mut profile = test_fixture::profile();
+        profile.samples = vec![
+            ProfileSample {
+                stack: vec![u32::MAX, KERNEL, ROOT],
+                count: 4,
+                labels: Vec::new(),
+            },
+            ProfileSample {
+                stack: vec![u32::MAX],
+                count: 9,
+                labels: Vec::new(),
+            },
+            ProfileSample {
+                stack: Vec::new(),
+                count: 9,
+                labels: Vec::new(),
+            },
+        ];
+        assert_eq!(folded_text(&profile), "myapp;do_syscall_64 4\n");
+    }
+
+    #[test]
+    fn empty_profile_writes_nothing() {
+        assert_eq!(folded_text(&Profile::default()), "");
+    }
+
+    #[test]
+    fn separators_and_empty_names_are_sanitized() {
+        let mut text = String::new();
+        push_sanitized(&mut text, "a;b\r\nc");
+        push_sanitized(&mut text, "");
+        assert_eq!(text, "a:b  c[unknown]");
+    }
+}
