@@ -1,1 +1,367 @@
-//! (stage module; filled in by its own change)
+//! The symbolization stage: [`UnwoundFrame`]s → [`SymbolizedFrame`]s.
+//!
+//! One long-lived [`Symbolizer`] owns a blazesym symbolizer (which is `!Send`, so the agent keeps
+//! it on one thread) and a cache of finished frames keyed by file identity: `(FileId,
+//! file_offset)` for user frames, the address for kernel frames. Frames that cannot be
+//! symbolized are kept with a placeholder name (`libfoo.so+0x1234`, `[vdso]`, `[unknown]`,
+//! `[unknown kernel]`), never dropped; blazesym errors never abort symbolization.
+//!
+//! A cached user frame carries the address and mapping of the first occurrence of its key; the
+//! two stay consistent with each other (address - start + offset = file offset), which is what
+//! pprof consumers use.
+mod demangle;
+#[cfg(test)]
+mod fixtures;
+mod kernel;
+mod native;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    collections::{HashMap, HashSet},
+    path::PathBuf,
+    sync::Arc,
+};
+
+use blazesym::symbolize as bz;
+use tracing::debug;
+
+use crate::model::{
+    FileId, FrameKind, FrameLine, MappedFile, MappingInfo, SymbolizedFrame, UnwoundFrame,
+    UnwoundStack,
+};
+
+/// Errors reading a file's ELF layout (they only make its frames unsymbolized).
+#[derive(Debug, thiserror::Error)]
+pub enum SymbolizationError {
+    #[error("cannot open {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot parse ELF file {path}: {source}")]
+    Elf {
+        path: PathBuf,
+        source: object::read::Error,
+    },
+}
+
+/// How the [`Symbolizer`] works.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SymbolizerOptions {
+    /// Demangle C++ and Rust names (the raw name goes to `FrameLine::system_name`).
+    pub demangle: bool,
+    /// Report functions inlined at an address as extra frame lines.
+    pub inline_frames: bool,
+    /// Directories searched for separate debug files (`.build-id/xx/….debug` and debug links).
+    pub debug_dirs: Vec<PathBuf>,
+    /// The kallsyms file used for kernel frames.
+    pub kallsyms_path: PathBuf,
+    /// When the frame cache grows beyond this many entries, all caches are dropped.
+    pub max_cached_frames: usize,
+}
+
+impl Default for SymbolizerOptions {
+    fn default() -> Self {
+        Self {
+            demangle: true,
+            inline_frames: true,
+            debug_dirs: vec![PathBuf::from("/usr/lib/debug")],
+            kallsyms_path: PathBuf::from("/proc/kallsyms"),
+            max_cached_frames: 200_000,
+        }
+    }
+}
+
+/// Counters of a [`Symbolizer`], cumulative since creation except `cache_entries`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SymbolizerStats {
+    /// Lookups (cache misses) that found a symbol.
+    pub frames_symbolized: u64,
+    /// Frames left unsymbolized: failed lookups plus frames outside any file mapping.
+    pub misses: u64,
+    /// Frames answered from the cache.
+    pub cache_hits: u64,
+    /// Frames currently cached.
+    pub cache_entries: usize,
+    /// Lookups that failed with an error (unreadable or malformed file, bad kallsyms).
+    pub errors: u64,
+    /// How many times the caches were dropped for exceeding `max_cached_frames`.
+    pub cache_resets: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum FrameKey {
+    User { file: FileId, file_offset: u64 },
+    Kernel(u64),
+}
+
+/// Hands out one shared `Arc<str>` per distinct string (names and paths repeat a lot).
+#[derive(Debug, Default)]
+pub(crate) struct StringInterner {
+    strings: HashSet<Arc<str>>,
+}
+
+impl StringInterner {
+    pub(crate) fn intern(&mut self, value: &str) -> Arc<str> {
+        if let Some(existing) = self.strings.get(value) {
+            return Arc::clone(existing);
+        }
+        let interned: Arc<str> = Arc::from(value);
+        self.strings.insert(Arc::clone(&interned));
+        interned
+    }
+
+    fn clear(&mut self) {
+        self.strings.clear();
+    }
+}
+
+/// Turns unwound frames into symbolized frames, caching the results.
+pub struct Symbolizer {
+    options: SymbolizerOptions,
+    resolver: bz::Symbolizer,
+    frames: HashMap<FrameKey, Arc<SymbolizedFrame>>,
+    mappings: HashMap<(FileId, u64), Arc<MappingInfo>>,
+    files: HashMap<FileId, native::FileState>,
+    kernel: kernel::KernelSymbols,
+    strings: StringInterner,
+    stats: SymbolizerStats,
+    unknown_name: Arc<str>,
+    unknown_kernel_name: Arc<str>,
+}
+
+impl Symbolizer {
+    pub fn new(options: SymbolizerOptions) -> Self {
+        let resolver = build_resolver(&options);
+        let kernel = kernel::KernelSymbols::new(options.kallsyms_path.clone());
+        Self {
+            options,
+            resolver,
+            frames: HashMap::new(),
+            mappings: HashMap::new(),
+            files: HashMap::new(),
+            kernel,
+            strings: StringInterner::default(),
+            stats: SymbolizerStats::default(),
+            unknown_name: Arc::from("[unknown]"),
+            unknown_kernel_name: Arc::from("[unknown kernel]"),
+        }
+    }
+
+    pub fn stats(&self) -> SymbolizerStats {
+        SymbolizerStats {
+            cache_entries: self.frames.len(),
+            ..self.stats
+        }
+    }
+
+    /// Symbolizes every frame of `stack`, innermost first (same length and order as the stack).
+    pub fn symbolize_stack(&mut self, stack: &UnwoundStack) -> Vec<Arc<SymbolizedFrame>> {
+        stack
+            .frames
+            .iter()
+            .map(|frame| self.symbolize(frame))
+            .collect()
+    }
+
+    /// Symbolizes one frame; a repeated key returns the same `Arc` (until the cache is reset).
+    pub fn symbolize(&mut self, frame: &UnwoundFrame) -> Arc<SymbolizedFrame> {
+        match frame {
+            UnwoundFrame::Kernel(addr) => {
+                let key = FrameKey::Kernel(*addr);
+                if let Some(cached) = self.cached(&key) {
+                    return cached;
+                }
+                let symbolized = self.symbolize_kernel(*addr);
+                self.remember(key, symbolized)
+            }
+            UnwoundFrame::User {
+                addr,
+                file,
+                file_offset,
+                mapping_start,
+                mapping_end,
+                mapping_offset,
+            } => {
+                let key = FrameKey::User {
+                    file: file.id,
+                    file_offset: *file_offset,
+                };
+                if let Some(cached) = self.cached(&key) {
+                    return cached;
+                }
+                let mapping =
+                    self.mapping_info(file, *mapping_start, *mapping_end, *mapping_offset);
+                let symbolized = self.symbolize_user(*addr, file, *file_offset, mapping);
+                self.remember(key, symbolized)
+            }
+            UnwoundFrame::UserUnmapped { addr, name } => {
+                // Not cached: the address is all there is, and the frame is cheap to build.
+                self.stats.misses += 1;
+                let function = match name.as_deref() {
+                    None | Some("" | "[anon]") => Arc::clone(&self.unknown_name),
+                    Some(name) => self.strings.intern(name),
+                };
+                Arc::new(SymbolizedFrame {
+                    kind: FrameKind::Native,
+                    address: *addr,
+                    mapping: None,
+                    lines: vec![FrameLine {
+                        function,
+                        system_name: None,
+                        file: None,
+                        line: 0,
+                    }],
+                    unsymbolized: true,
+                })
+            }
+        }
+    }
+
+    fn cached(&mut self, key: &FrameKey) -> Option<Arc<SymbolizedFrame>> {
+        let cached = self.frames.get(key).map(Arc::clone);
+        if cached.is_some() {
+            self.stats.cache_hits += 1;
+        }
+        cached
+    }
+
+    fn remember(&mut self, key: FrameKey, frame: SymbolizedFrame) -> Arc<SymbolizedFrame> {
+        if self.frames.len() >= self.options.max_cached_frames {
+            self.reset_caches();
+        }
+        let frame = Arc::new(frame);
+        self.frames.insert(key, Arc::clone(&frame));
+        frame
+    }
+
+    /// Drops every cache, including blazesym's parsed files, to bound memory.
+    fn reset_caches(&mut self) {
+        debug!(
+            entries = self.frames.len(),
+            "symbolization cache full; resetting"
+        );
+        self.frames.clear();
+        self.mappings.clear();
+        self.files.clear();
+        self.strings.clear();
+        self.kernel.clear();
+        self.resolver = build_resolver(&self.options);
+        self.stats.cache_resets += 1;
+    }
+
+    fn mapping_info(
+        &mut self,
+        file: &MappedFile,
+        start: u64,
+        limit: u64,
+        file_offset: u64,
+    ) -> Arc<MappingInfo> {
+        let mapping = self.mappings.entry((file.id, start)).or_insert_with(|| {
+            Arc::new(MappingInfo {
+                start,
+                limit,
+                file_offset,
+                filename: Arc::clone(&file.path),
+                build_id: file.build_id.clone(),
+            })
+        });
+        Arc::clone(mapping)
+    }
+
+    fn symbolize_user(
+        &mut self,
+        addr: u64,
+        file: &MappedFile,
+        file_offset: u64,
+        mapping: Arc<MappingInfo>,
+    ) -> SymbolizedFrame {
+        let state = self
+            .files
+            .entry(file.id)
+            .or_insert_with(|| native::FileState::new(file, &self.options.debug_dirs));
+        let mut ctx = native::LookupContext {
+            resolver: &self.resolver,
+            strings: &mut self.strings,
+            demangle: self.options.demangle,
+        };
+        let lines = match native::lookup_user(&mut ctx, state, file, file_offset) {
+            native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
+            native::UserLookup::Found(_) | native::UserLookup::NotFound => None,
+            native::UserLookup::Failed => {
+                self.stats.errors += 1;
+                None
+            }
+        };
+        let (lines, unsymbolized) = match lines {
+            Some(lines) => {
+                self.stats.frames_symbolized += 1;
+                (lines, false)
+            }
+            None => {
+                self.stats.misses += 1;
+                let basename = file.path.rsplit('/').next().unwrap_or(&file.path);
+                let line = FrameLine {
+                    function: Arc::from(format!("{basename}+0x{file_offset:x}")),
+                    system_name: None,
+                    file: Some(Arc::clone(&file.path)),
+                    line: 0,
+                };
+                (vec![line], true)
+            }
+        };
+        SymbolizedFrame {
+            kind: FrameKind::Native,
+            address: addr,
+            mapping: Some(mapping),
+            lines,
+            unsymbolized,
+        }
+    }
+
+    fn symbolize_kernel(&mut self, addr: u64) -> SymbolizedFrame {
+        let (line, unsymbolized) = match self.kernel.lookup(&self.resolver, addr) {
+            kernel::KernelLookup::Found(symbol) => {
+                self.stats.frames_symbolized += 1;
+                let line = FrameLine {
+                    function: self.strings.intern(&symbol.name),
+                    system_name: None,
+                    file: Some(symbol.module),
+                    line: 0,
+                };
+                (line, false)
+            }
+            lookup @ (kernel::KernelLookup::NotFound | kernel::KernelLookup::Failed) => {
+                if matches!(lookup, kernel::KernelLookup::Failed) {
+                    self.stats.errors += 1;
+                }
+                self.stats.misses += 1;
+                let line = FrameLine {
+                    function: Arc::clone(&self.unknown_kernel_name),
+                    system_name: None,
+                    file: None,
+                    line: 0,
+                };
+                (line, true)
+            }
+        };
+        SymbolizedFrame {
+            kind: FrameKind::Kernel,
+            address: addr,
+            mapping: None,
+            lines: vec![line],
+            unsymbolized,
+        }
+    }
+}
+
+fn build_resolver(options: &SymbolizerOptions) -> bz::Symbolizer {
+    bz::Symbolizer::builder()
+        // Demangling is ours, so the raw name stays available as `system_name`.
+        .enable_demangling(false)
+        .enable_code_info(true)
+        .enable_inlined_fns(options.inline_frames)
+        .set_debug_dirs(Some(&options.debug_dirs))
+        .build()
+}

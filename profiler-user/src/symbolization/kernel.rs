@@ -1,0 +1,183 @@
+//! Kernel symbolization: blazesym's kallsyms source for names, plus a small index of kernel
+//! module address ranges (blazesym does not report which module a kallsyms symbol belongs to).
+use std::{
+    collections::HashMap,
+    fs::File,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use blazesym::{
+    MaybeDefault,
+    symbolize::{
+        self as bz, Input, Symbolized,
+        source::{Kernel, Source},
+    },
+};
+use tracing::{debug, warn};
+
+/// The module address ranges, from the lowest to the highest symbol address of each module.
+#[derive(Debug, Default)]
+pub(super) struct ModuleIndex {
+    ranges: Vec<ModuleRange>,
+}
+
+#[derive(Debug)]
+struct ModuleRange {
+    first_symbol: u64,
+    last_symbol: u64,
+    name: Arc<str>,
+}
+
+impl ModuleIndex {
+    pub(super) fn load(kallsyms: &Path) -> std::io::Result<Self> {
+        let reader = BufReader::new(File::open(kallsyms)?);
+        let mut bounds: HashMap<String, (u64, u64)> = HashMap::new();
+        for line in reader.lines() {
+            let line = line?;
+            let mut tokens = line.split_ascii_whitespace();
+            let (Some(addr), Some(_kind), Some(_name), Some(module)) =
+                (tokens.next(), tokens.next(), tokens.next(), tokens.next())
+            else {
+                continue;
+            };
+            let Ok(addr) = u64::from_str_radix(addr, 16) else {
+                continue;
+            };
+            if addr == 0 || !module.starts_with('[') {
+                continue;
+            }
+            let entry = bounds.entry(module.to_owned()).or_insert((addr, addr));
+            entry.0 = entry.0.min(addr);
+            entry.1 = entry.1.max(addr);
+        }
+        let mut ranges: Vec<ModuleRange> = bounds
+            .into_iter()
+            .map(|(name, (first_symbol, last_symbol))| ModuleRange {
+                first_symbol,
+                last_symbol,
+                name: name.into(),
+            })
+            .collect();
+        ranges.sort_by_key(|range| range.first_symbol);
+        Ok(Self { ranges })
+    }
+
+    /// The module (`[name]`) whose symbols include the one starting at `symbol_addr`.
+    fn module_of(&self, symbol_addr: u64) -> Option<&Arc<str>> {
+        let idx = self
+            .ranges
+            .partition_point(|range| range.first_symbol <= symbol_addr);
+        let range = self.ranges.get(idx.checked_sub(1)?)?;
+        (symbol_addr <= range.last_symbol).then_some(&range.name)
+    }
+}
+
+/// Kernel symbol lookups.
+#[derive(Debug)]
+pub(super) struct KernelSymbols {
+    kallsyms: PathBuf,
+    modules: Option<ModuleIndex>,
+    /// The pseudo file name of core kernel symbols (as perf names it).
+    core_kernel: Arc<str>,
+    warned: bool,
+}
+
+/// A resolved kernel symbol.
+pub(super) struct KernelSymbol {
+    pub(super) name: String,
+    /// `[module]` for module symbols, `[kernel.kallsyms]` for the core kernel.
+    pub(super) module: Arc<str>,
+}
+
+pub(super) enum KernelLookup {
+    Found(KernelSymbol),
+    NotFound,
+    Failed,
+}
+
+impl KernelSymbols {
+    pub(super) fn new(kallsyms: PathBuf) -> Self {
+        Self {
+            kallsyms,
+            modules: None,
+            core_kernel: Arc::from("[kernel.kallsyms]"),
+            warned: false,
+        }
+    }
+
+    pub(super) fn lookup(&mut self, resolver: &bz::Symbolizer, addr: u64) -> KernelLookup {
+        let source = Source::Kernel(Kernel {
+            kallsyms: MaybeDefault::Some(self.kallsyms.clone()),
+            // kallsyms has every symbol, including modules; vmlinux discovery would only add
+            // disk probing and the risk of a mismatched image.
+            vmlinux: MaybeDefault::None,
+            debug_syms: false,
+            ..Kernel::default()
+        });
+        match resolver.symbolize_single(&source, Input::AbsAddr(addr)) {
+            Ok(Symbolized::Sym(sym)) => {
+                let modules = self.modules.get_or_insert_with(|| {
+                    ModuleIndex::load(&self.kallsyms).unwrap_or_else(|err| {
+                        debug!(error = %err, "cannot index kernel modules");
+                        ModuleIndex::default()
+                    })
+                });
+                let module = modules
+                    .module_of(sym.addr)
+                    .unwrap_or(&self.core_kernel)
+                    .clone();
+                KernelLookup::Found(KernelSymbol {
+                    name: sym.name.into_owned(),
+                    module,
+                })
+            }
+            Ok(Symbolized::Unknown(_)) => KernelLookup::NotFound,
+            Err(err) => {
+                if self.warned {
+                    debug!(error = %err, "kernel symbolization failed");
+                } else {
+                    self.warned = true;
+                    warn!(kallsyms = %self.kallsyms.display(), error = %err, "kernel symbolization failed; kernel frames stay unsymbolized (further errors logged at debug level)");
+                }
+                KernelLookup::Failed
+            }
+        }
+    }
+
+    /// Forgets the module index so a reload picks up (un)loaded modules.
+    pub(super) fn clear(&mut self) {
+        self.modules = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    #[test]
+    fn module_index_finds_module_of_symbol() -> Result<(), Box<dyn std::error::Error>> {
+        let mut kallsyms = tempfile::NamedTempFile::new()?;
+        writeln!(kallsyms, "ffffffff81000000 T _text")?;
+        writeln!(kallsyms, "ffffffff81001000 T do_syscall_64")?;
+        writeln!(kallsyms, "ffffffffc0100000 t kvm_fn_a\t[kvm]")?;
+        writeln!(kallsyms, "ffffffffc0100800 t kvm_fn_b\t[kvm]")?;
+        writeln!(kallsyms, "ffffffffc0200000 t ext4_fn\t[ext4]")?;
+        kallsyms.flush()?;
+        let index = ModuleIndex::load(kallsyms.path())?;
+        assert_eq!(index.module_of(0xffffffff81001000), None);
+        assert_eq!(
+            index.module_of(0xffffffffc0100800).map(|m| &**m),
+            Some("[kvm]")
+        );
+        assert_eq!(
+            index.module_of(0xffffffffc0200000).map(|m| &**m),
+            Some("[ext4]")
+        );
+        assert_eq!(index.module_of(0xffffffffc0150000), None);
+        Ok(())
+    }
+}

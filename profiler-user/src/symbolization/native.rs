@@ -1,0 +1,400 @@
+//! Native (ELF) user-space symbolization: deciding once per file where its symbols come from,
+//! asking blazesym, and turning its answers into [`FrameLine`]s.
+//!
+//! blazesym on its own reads `.symtab`/`.dynsym`, embedded DWARF and `.gnu_debuglink` targets
+//! (next to the binary and under the debug dirs, preceded by a build-id lookup that only runs
+//! when the binary has a debug link and is readable at its canonical path). Added here:
+//! build-id debug files for binaries without a debug link, and debug-link targets in the
+//! binary's `.debug/` directory and for binaries only reachable through `/proc/self/fd/N`.
+//! Such separate debug files are queried with virtual offsets computed from the binary's
+//! PT_LOAD segments, since their file layout differs from the binary's.
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use blazesym::symbolize::{
+    self as bz, CodeInfo, Input, Sym, Symbolized,
+    source::{Elf, Source},
+};
+use object::{Object, ObjectSection, ObjectSegment, read::ReadCache};
+use tracing::{debug, warn};
+
+use super::{StringInterner, demangle::demangle};
+use crate::model::{FrameLine, MappedFile};
+
+/// After this many consecutive failures, a file is given up on (its frames stay unsymbolized).
+const MAX_CONSECUTIVE_ERRORS_PER_FILE: u32 = 16;
+
+/// One PT_LOAD segment of a binary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct LoadSegment {
+    file_offset: u64,
+    file_size: u64,
+    vaddr: u64,
+}
+
+/// The parts of a binary's ELF headers needed to pick and address a symbol source.
+#[derive(Clone, Debug, Default)]
+pub(super) struct ElfLayout {
+    loads: Vec<LoadSegment>,
+    has_dwarf: bool,
+    build_id: Option<String>,
+    debuglink: Option<String>,
+}
+
+impl ElfLayout {
+    pub(super) fn read(path: &Path) -> Result<Self, super::SymbolizationError> {
+        let file = File::open(path).map_err(|source| super::SymbolizationError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        // ReadCache only reads the headers and sections asked for, not the whole file.
+        let cache = ReadCache::new(file);
+        let elf = object::File::parse(&cache).map_err(|source| super::SymbolizationError::Elf {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let loads = elf
+            .segments()
+            .map(|segment| {
+                let (file_offset, file_size) = segment.file_range();
+                LoadSegment {
+                    file_offset,
+                    file_size,
+                    vaddr: segment.address(),
+                }
+            })
+            .collect();
+        let has_dwarf = elf
+            .section_by_name(".debug_info")
+            .or_else(|| elf.section_by_name(".zdebug_info"))
+            .is_some_and(|section| section.size() > 0);
+        let build_id = elf.build_id().ok().flatten().map(hex);
+        let debuglink = elf
+            .gnu_debuglink()
+            .ok()
+            .flatten()
+            .map(|(name, _crc)| String::from_utf8_lossy(name).into_owned());
+        Ok(Self {
+            loads,
+            has_dwarf,
+            build_id,
+            debuglink,
+        })
+    }
+
+    /// Converts a file offset of the binary into the virtual address its symbols use.
+    fn file_offset_to_vaddr(&self, file_offset: u64) -> Option<u64> {
+        self.loads.iter().find_map(|load| {
+            let delta = file_offset.checked_sub(load.file_offset)?;
+            (delta < load.file_size).then(|| load.vaddr.wrapping_add(delta))
+        })
+    }
+}
+
+pub(super) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// Where the symbols of one file come from.
+#[derive(Clone, Debug)]
+pub(super) enum SymbolSource {
+    /// The binary itself; blazesym follows its `.gnu_debuglink` on its own.
+    Binary,
+    /// A separate debug file we located; queried by virtual address, falling back to the binary.
+    SeparateDebugFile {
+        debug_path: PathBuf,
+        layout: ElfLayout,
+    },
+}
+
+/// Per-file state, created the first time a file is seen.
+#[derive(Debug)]
+pub(super) struct FileState {
+    pub(super) source: SymbolSource,
+    /// Whether a warning was logged for this file already (one per file).
+    warned: bool,
+    consecutive_errors: u32,
+    /// Set once the file is given up on.
+    failed: bool,
+}
+
+impl FileState {
+    pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf]) -> Self {
+        let source = match ElfLayout::read(&file.open_path) {
+            Ok(layout) if !layout.has_dwarf => {
+                match find_separate_debug_file(file, &layout, debug_dirs) {
+                    Some(debug_path) => {
+                        debug!(file = %file.path, debug_file = %debug_path.display(), "using separate debug file");
+                        SymbolSource::SeparateDebugFile { debug_path, layout }
+                    }
+                    None => SymbolSource::Binary,
+                }
+            }
+            Ok(_) => SymbolSource::Binary,
+            // blazesym reports its own error on the first lookup.
+            Err(err) => {
+                debug!(file = %file.path, error = %err, "cannot read ELF layout");
+                SymbolSource::Binary
+            }
+        };
+        Self {
+            source,
+            warned: false,
+            consecutive_errors: 0,
+            failed: false,
+        }
+    }
+}
+
+/// Looks for a debug file by build id (`<dir>/.build-id/ab/cdef….debug`), then by debug link
+/// (`<bindir>/<link>`, `<bindir>/.debug/<link>`, `<dir>/<bindir>/<link>`, `<dir>/<link>`).
+fn find_separate_debug_file(
+    file: &MappedFile,
+    layout: &ElfLayout,
+    debug_dirs: &[PathBuf],
+) -> Option<PathBuf> {
+    let build_id = file.build_id.as_deref().or(layout.build_id.as_deref());
+    if let Some(build_id) = build_id.filter(|id| id.len() > 2 && id.is_ascii()) {
+        let (head, tail) = build_id.split_at(2);
+        let found = debug_dirs
+            .iter()
+            .map(|dir| {
+                dir.join(".build-id")
+                    .join(head)
+                    .join(format!("{tail}.debug"))
+            })
+            .find(|candidate| candidate.is_file());
+        if found.is_some() {
+            return found;
+        }
+    }
+
+    let link = layout.debuglink.as_deref()?;
+    // The debug link is a bare file name; anything else is not trustworthy.
+    if link.is_empty() || link.contains('/') {
+        return None;
+    }
+    let mut binary_dirs = Vec::new();
+    if let Ok(real) = file.open_path.canonicalize() {
+        binary_dirs.extend(real.parent().map(Path::to_path_buf));
+    }
+    binary_dirs.extend(Path::new(&*file.path).parent().map(Path::to_path_buf));
+    binary_dirs.dedup();
+
+    let mut candidates = Vec::new();
+    for dir in &binary_dirs {
+        candidates.push(dir.join(link));
+        candidates.push(dir.join(".debug").join(link));
+    }
+    for debug_dir in debug_dirs {
+        for dir in &binary_dirs {
+            candidates.push(
+                debug_dir
+                    .join(dir.strip_prefix("/").unwrap_or(dir))
+                    .join(link),
+            );
+        }
+        candidates.push(debug_dir.join(link));
+    }
+    let real_binary = file.open_path.canonicalize().ok();
+    candidates.into_iter().find(|candidate| {
+        candidate.is_file()
+            && real_binary.as_deref() != candidate.canonicalize().ok().as_deref()
+            && debug_file_matches(candidate, build_id)
+    })
+}
+
+/// A debug-link candidate must carry the binary's build id when both have one (a cheap stand-in
+/// for gdb's CRC check).
+fn debug_file_matches(candidate: &Path, binary_build_id: Option<&str>) -> bool {
+    let Some(expected) = binary_build_id else {
+        return true;
+    };
+    match ElfLayout::read(candidate) {
+        Ok(layout) => layout
+            .build_id
+            .as_deref()
+            .is_none_or(|actual| actual == expected),
+        Err(_) => false,
+    }
+}
+
+/// What a lookup for one user frame produced.
+pub(super) enum UserLookup {
+    Found(Vec<FrameLine>),
+    NotFound,
+    /// blazesym failed (the frame stays unsymbolized; counted as an error).
+    Failed,
+}
+
+pub(super) struct LookupContext<'a> {
+    pub(super) resolver: &'a bz::Symbolizer,
+    pub(super) strings: &'a mut StringInterner,
+    pub(super) demangle: bool,
+}
+
+/// Symbolizes `file_offset` of `file`, never panicking on bad input.
+pub(super) fn lookup_user(
+    ctx: &mut LookupContext<'_>,
+    state: &mut FileState,
+    file: &MappedFile,
+    file_offset: u64,
+) -> UserLookup {
+    if state.failed {
+        return UserLookup::NotFound;
+    }
+    let mut failed = false;
+
+    if let SymbolSource::SeparateDebugFile { debug_path, layout } = &state.source
+        && let Some(vaddr) = layout.file_offset_to_vaddr(file_offset)
+    {
+        let source = Source::Elf(Elf::new(debug_path));
+        match ctx
+            .resolver
+            .symbolize_single(&source, Input::VirtOffset(vaddr))
+        {
+            Ok(Symbolized::Sym(sym)) => {
+                state.consecutive_errors = 0;
+                return UserLookup::Found(frame_lines(ctx, &sym, &file.path));
+            }
+            Ok(Symbolized::Unknown(_)) => {}
+            Err(err) => {
+                // A broken debug file: stop using it, the binary may still have symbols.
+                warn_once(
+                    state,
+                    file,
+                    &format!("debug file {}: {err}", debug_path.display()),
+                );
+                state.source = SymbolSource::Binary;
+                failed = true;
+            }
+        }
+    }
+
+    let source = Source::Elf(Elf::new(&file.open_path));
+    match ctx
+        .resolver
+        .symbolize_single(&source, Input::FileOffset(file_offset))
+    {
+        Ok(Symbolized::Sym(sym)) => {
+            state.consecutive_errors = 0;
+            UserLookup::Found(frame_lines(ctx, &sym, &file.path))
+        }
+        Ok(Symbolized::Unknown(_)) if !failed => UserLookup::NotFound,
+        Ok(Symbolized::Unknown(_)) => UserLookup::Failed,
+        Err(err) => {
+            warn_once(state, file, &err.to_string());
+            state.consecutive_errors += 1;
+            let unreadable = matches!(
+                err.kind(),
+                blazesym::ErrorKind::NotFound | blazesym::ErrorKind::PermissionDenied
+            );
+            if unreadable || state.consecutive_errors >= MAX_CONSECUTIVE_ERRORS_PER_FILE {
+                debug!(file = %file.path, "giving up on symbolizing file");
+                state.failed = true;
+            }
+            UserLookup::Failed
+        }
+    }
+}
+
+fn warn_once(state: &mut FileState, file: &MappedFile, error: &str) {
+    if state.warned {
+        debug!(file = %file.path, %error, "symbolization failed");
+    } else {
+        state.warned = true;
+        warn!(file = %file.path, %error, "symbolization failed; frames of this file stay unsymbolized (further errors for it are logged at debug level)");
+    }
+}
+
+/// Converts a blazesym symbol into frame lines, innermost (deepest inlined) first.
+fn frame_lines(
+    ctx: &mut LookupContext<'_>,
+    sym: &Sym<'_>,
+    module_path: &Arc<str>,
+) -> Vec<FrameLine> {
+    // blazesym reports inlined functions outermost first, each with the location inside it, and
+    // `sym.code_info` as the location inside the outer function.
+    let mut lines = Vec::with_capacity(sym.inlined.len() + 1);
+    for inlined in sym.inlined.iter().rev() {
+        lines.push(make_line(
+            ctx,
+            &inlined.name,
+            inlined.code_info.as_ref(),
+            module_path,
+        ));
+    }
+    lines.push(make_line(
+        ctx,
+        &sym.name,
+        sym.code_info.as_deref(),
+        module_path,
+    ));
+    lines
+}
+
+fn make_line(
+    ctx: &mut LookupContext<'_>,
+    raw_name: &str,
+    code_info: Option<&CodeInfo<'_>>,
+    module_path: &Arc<str>,
+) -> FrameLine {
+    let demangled = if ctx.demangle {
+        demangle(raw_name)
+    } else {
+        None
+    };
+    let (function, system_name) = match demangled {
+        Some(demangled) if demangled != raw_name => (
+            ctx.strings.intern(&demangled),
+            Some(ctx.strings.intern(raw_name)),
+        ),
+        _ => (ctx.strings.intern(raw_name), None),
+    };
+    let (file, line) = match code_info {
+        Some(info) => {
+            let path = info.to_path();
+            (
+                ctx.strings.intern(&path.to_string_lossy()),
+                info.line.unwrap_or(0),
+            )
+        }
+        None => (Arc::clone(module_path), 0),
+    };
+    FrameLine {
+        function,
+        system_name,
+        file: Some(file),
+        line,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_offsets_map_through_load_segments() {
+        let layout = ElfLayout {
+            loads: vec![
+                LoadSegment {
+                    file_offset: 0,
+                    file_size: 0x1000,
+                    vaddr: 0,
+                },
+                LoadSegment {
+                    file_offset: 0x1000,
+                    file_size: 0x2000,
+                    vaddr: 0x41000,
+                },
+            ],
+            ..ElfLayout::default()
+        };
+        assert_eq!(layout.file_offset_to_vaddr(0x10), Some(0x10));
+        assert_eq!(layout.file_offset_to_vaddr(0x1234), Some(0x41234));
+        assert_eq!(layout.file_offset_to_vaddr(0x3000), None);
+    }
+}

@@ -1,0 +1,511 @@
+//! Symbolization tests against ELF files built at test time.
+use std::{path::Path, process::Command, sync::Arc};
+
+use super::{
+    Symbolizer, SymbolizerOptions,
+    fixtures::{
+        FixtureDir, TestResult, find_symbol, line_of, mapped_file, read_build_id, run,
+        symbol_named, user_frame,
+    },
+};
+use crate::model::{FileId, FrameKind, MappedFile, SymbolizedFrame, UnwoundFrame, UnwoundStack};
+
+const C_SOURCE: &str = r#"#include <stdio.h>
+volatile int sink;
+__attribute__((noinline)) int fixture_alpha(int x) { sink += x; return sink * 2; }
+__attribute__((noinline)) int fixture_beta(int x) { sink -= x; return fixture_alpha(x) + 1; }
+static inline __attribute__((always_inline)) int fixture_inlined_helper(int x) { sink ^= x * 7; return sink + 3; }
+__attribute__((noinline)) int fixture_outer(int x) { int y = fixture_inlined_helper(x); return y * fixture_inlined_helper(y); }
+int main(int argc, char **argv) { (void)argv; printf("%d\n", fixture_beta(argc) + fixture_outer(argc)); return 0; }
+"#;
+
+/// Options with no system debug dirs, so only the fixtures' debug files count.
+fn isolated_options(debug_dir: &Path) -> SymbolizerOptions {
+    SymbolizerOptions {
+        debug_dirs: vec![debug_dir.to_path_buf()],
+        ..SymbolizerOptions::default()
+    }
+}
+
+fn outer_line(frame: &SymbolizedFrame) -> &crate::model::FrameLine {
+    // `lines` is never empty; the last one is the outer function.
+    &frame.lines[frame.lines.len() - 1]
+}
+
+fn build_c(dir: &FixtureDir, name: &str, args: &[&str]) -> TestResult<std::path::PathBuf> {
+    dir.compile("gcc", "fixture.c", C_SOURCE, name, args)
+}
+
+#[test]
+fn c_functions_resolve_with_source_lines() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = build_c(&dir, "c_debug", &["-g", "-O0"])?;
+    let file = mapped_file(&binary)?;
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+
+    for name in ["fixture_alpha", "fixture_beta"] {
+        let symbol = symbol_named(&binary, name)?;
+        let frame = symbolizer.symbolize(&user_frame(&file, symbol.file_offset));
+        assert!(!frame.unsymbolized, "{name}: {frame:?}");
+        assert_eq!(frame.kind, FrameKind::Native);
+        assert_eq!(
+            frame.address,
+            super::fixtures::FIXTURE_MAPPING_START + symbol.file_offset
+        );
+        let line = outer_line(&frame);
+        assert_eq!(&*line.function, name);
+        assert_eq!(line.system_name, None);
+        let source_file = line.file.as_deref().unwrap_or_default();
+        assert!(source_file.ends_with("fixture.c"), "{source_file}");
+        assert_eq!(line.line, line_of(C_SOURCE, &format!("int {name}("))?);
+        let mapping = frame.mapping.as_ref().ok_or("no mapping")?;
+        assert_eq!(&*mapping.filename, &*file.path);
+        assert_eq!(mapping.build_id, file.build_id);
+        assert_eq!(mapping.start, super::fixtures::FIXTURE_MAPPING_START);
+    }
+    Ok(())
+}
+
+#[test]
+fn inlined_functions_become_extra_lines_innermost_first() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = build_c(&dir, "c_inline", &["-g", "-O2"])?;
+    let file = mapped_file(&binary)?;
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let outer = symbol_named(&binary, "fixture_outer")?;
+
+    let inlined_frame = (0..outer.size.max(1))
+        .map(|delta| symbolizer.symbolize(&user_frame(&file, outer.file_offset + delta)))
+        .find(|frame| frame.lines.len() >= 2)
+        .ok_or("no address of fixture_outer reports an inlined function")?;
+    assert_eq!(&*inlined_frame.lines[0].function, "fixture_inlined_helper");
+    assert_eq!(&*outer_line(&inlined_frame).function, "fixture_outer");
+    assert_eq!(
+        inlined_frame.lines[0].line,
+        line_of(C_SOURCE, "int fixture_inlined_helper(")?
+    );
+    assert_eq!(
+        outer_line(&inlined_frame).line,
+        line_of(C_SOURCE, "int fixture_outer(")?
+    );
+
+    // With inline frames off, the same address has just the outer function.
+    let mut flat = Symbolizer::new(SymbolizerOptions {
+        inline_frames: false,
+        ..isolated_options(dir.path())
+    });
+    let offset = inlined_frame.address - super::fixtures::FIXTURE_MAPPING_START;
+    let flat_frame = flat.symbolize(&user_frame(&file, offset));
+    assert_eq!(flat_frame.lines.len(), 1);
+    assert_eq!(&*flat_frame.lines[0].function, "fixture_outer");
+    Ok(())
+}
+
+#[test]
+fn stripped_binary_uses_dynsym_or_falls_back_to_offset() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let original = build_c(&dir, "c_rdynamic", &["-O0", "-rdynamic"])?;
+    let alpha = symbol_named(&original, "fixture_alpha")?;
+    let binary = dir.copy(&original, "c_rdynamic_stripped")?;
+    run(Command::new("strip").arg("--strip-all").arg(&binary))?;
+    assert!(
+        symbol_named(&binary, "fixture_alpha").is_ok(),
+        "dynsym entry kept"
+    );
+
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let frame = symbolizer.symbolize(&user_frame(&mapped_file(&binary)?, alpha.file_offset));
+    assert!(!frame.unsymbolized, "{frame:?}");
+    assert_eq!(&*frame.lines[0].function, "fixture_alpha");
+    assert_eq!(frame.lines[0].line, 0);
+
+    // Without -rdynamic the function is nowhere once stripped.
+    let original = build_c(&dir, "c_plain", &["-O0"])?;
+    let beta = symbol_named(&original, "fixture_beta")?;
+    let binary = dir.copy(&original, "c_plain_stripped")?;
+    run(Command::new("strip").arg("--strip-all").arg(&binary))?;
+    let file = mapped_file(&binary)?;
+    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
+    assert!(frame.unsymbolized, "{frame:?}");
+    assert_eq!(
+        &*frame.lines[0].function,
+        format!("c_plain_stripped+0x{:x}", beta.file_offset)
+    );
+    assert_eq!(frame.lines[0].file.as_deref(), Some(&*file.path));
+    assert!(frame.mapping.is_some());
+    Ok(())
+}
+
+/// Splits `binary`'s debug info into `debug_file` and links it with `.gnu_debuglink`.
+fn split_debug_with_link(binary: &Path, debug_file: &Path) -> TestResult {
+    run(Command::new("objcopy")
+        .arg("--only-keep-debug")
+        .arg(binary)
+        .arg(debug_file))?;
+    run(Command::new("strip")
+        .args(["--strip-debug", "--strip-unneeded"])
+        .arg(binary))?;
+    // objcopy looks the debug file up by the path given and records its base name.
+    run(Command::new("objcopy")
+        .arg(format!("--add-gnu-debuglink={}", debug_file.display()))
+        .arg(binary))?;
+    Ok(())
+}
+
+fn assert_resolves_c_functions(
+    binary: &Path,
+    offsets_from: &Path,
+    options: SymbolizerOptions,
+) -> TestResult {
+    assert!(
+        symbol_named(binary, "fixture_beta").is_err(),
+        "the binary itself must not have the symbol"
+    );
+    let file = mapped_file(binary)?;
+    let mut symbolizer = Symbolizer::new(options);
+    for name in ["fixture_alpha", "fixture_beta"] {
+        let symbol = symbol_named(offsets_from, name)?;
+        let frame = symbolizer.symbolize(&user_frame(&file, symbol.file_offset));
+        assert!(!frame.unsymbolized, "{name}: {frame:?}");
+        assert_eq!(&*outer_line(&frame).function, name);
+        assert_eq!(
+            outer_line(&frame).line,
+            line_of(C_SOURCE, &format!("int {name}("))?
+        );
+    }
+    assert_eq!(symbolizer.stats().errors, 0);
+    Ok(())
+}
+
+#[test]
+fn debug_link_next_to_binary_resolves() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let original = build_c(&dir, "c_original", &["-g", "-O0"])?;
+    let binary = dir.copy(&original, "c_linked")?;
+    split_debug_with_link(&binary, &dir.path().join("c_linked.debug"))?;
+    let no_debug_dirs = dir.path().join("no-such-debug-dir");
+    assert_resolves_c_functions(&binary, &original, isolated_options(&no_debug_dirs))
+}
+
+#[test]
+fn debug_link_in_dot_debug_dir_resolves() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let original = build_c(&dir, "c_original", &["-g", "-O0"])?;
+    let binary = dir.copy(&original, "c_linked")?;
+    let staging = dir.path().join("c_linked.debug");
+    split_debug_with_link(&binary, &staging)?;
+    std::fs::create_dir(dir.path().join(".debug"))?;
+    std::fs::rename(&staging, dir.path().join(".debug").join("c_linked.debug"))?;
+    let no_debug_dirs = dir.path().join("no-such-debug-dir");
+    assert_resolves_c_functions(&binary, &original, isolated_options(&no_debug_dirs))
+}
+
+#[test]
+fn build_id_debug_file_resolves_fully_stripped_binary() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let original = build_c(&dir, "c_original", &["-g", "-O0", "-Wl,--build-id=sha1"])?;
+    let build_id = read_build_id(&original)?.ok_or("gcc produced no build id")?;
+    let debug_root = dir.path().join("debug-root");
+    let (head, tail) = build_id.split_at(2);
+    let debug_file = debug_root
+        .join(".build-id")
+        .join(head)
+        .join(format!("{tail}.debug"));
+    std::fs::create_dir_all(debug_file.parent().ok_or("no parent")?)?;
+    run(Command::new("objcopy")
+        .arg("--only-keep-debug")
+        .arg(&original)
+        .arg(&debug_file))?;
+    let binary = dir.copy(&original, "c_stripped")?;
+    run(Command::new("strip").arg("--strip-all").arg(&binary))?;
+    assert_eq!(read_build_id(&binary)?.as_deref(), Some(build_id.as_str()));
+
+    assert_resolves_c_functions(&binary, &original, isolated_options(&debug_root))?;
+
+    // Without the debug dir the same frames stay unsymbolized.
+    let file = mapped_file(&binary)?;
+    let mut symbolizer = Symbolizer::new(isolated_options(&dir.path().join("elsewhere")));
+    let beta = symbol_named(&original, "fixture_beta")?;
+    assert!(
+        symbolizer
+            .symbolize(&user_frame(&file, beta.file_offset))
+            .unsymbolized
+    );
+    Ok(())
+}
+
+const CPP_SOURCE: &str = r#"#include <cstdio>
+namespace ns {
+struct Widget {
+    int state;
+    __attribute__((noinline)) int spin(int n);
+};
+int Widget::spin(int n) { state += n; return state; }
+}
+template <typename T> __attribute__((noinline)) T twice(T v) { return v + v; }
+int main(int argc, char **) {
+    ns::Widget w{argc};
+    std::printf("%d %ld\n", w.spin(argc), twice<long>(argc));
+    return 0;
+}
+"#;
+
+#[test]
+fn cpp_names_are_demangled() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = dir.compile("g++", "fixture.cpp", CPP_SOURCE, "cpp_app", &["-g", "-O0"])?;
+    let file = mapped_file(&binary)?;
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+
+    for (raw, expected) in [
+        ("_ZN2ns6Widget4spinEi", "ns::Widget::spin(int)"),
+        ("_Z5twiceIlET_S0_", "long twice<long>(long)"),
+    ] {
+        let symbol = symbol_named(&binary, raw)?;
+        let frame = symbolizer.symbolize(&user_frame(&file, symbol.file_offset));
+        let line = outer_line(&frame);
+        assert_eq!(&*line.function, expected);
+        assert_eq!(line.system_name.as_deref(), Some(raw));
+        assert!(
+            line.file
+                .as_deref()
+                .unwrap_or_default()
+                .ends_with("fixture.cpp")
+        );
+    }
+
+    // Demangling can be turned off.
+    let mut raw_symbolizer = Symbolizer::new(SymbolizerOptions {
+        demangle: false,
+        ..isolated_options(dir.path())
+    });
+    let symbol = symbol_named(&binary, "_ZN2ns6Widget4spinEi")?;
+    let frame = raw_symbolizer.symbolize(&user_frame(&file, symbol.file_offset));
+    assert_eq!(&*outer_line(&frame).function, "_ZN2ns6Widget4spinEi");
+    assert_eq!(outer_line(&frame).system_name, None);
+    Ok(())
+}
+
+const RUST_SOURCE: &str = r#"
+mod engine {
+    #[inline(never)]
+    pub fn crunch(x: u64) -> u64 {
+        x.wrapping_mul(31).rotate_left(7)
+    }
+}
+fn main() {
+    let n = std::env::args().count() as u64;
+    println!("{}", engine::crunch(std::hint::black_box(n)));
+}
+"#;
+
+#[test]
+fn rust_names_are_demangled() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = dir.compile(
+        "rustc",
+        "fixture.rs",
+        RUST_SOURCE,
+        "rust_app",
+        &[
+            "-C",
+            "opt-level=0",
+            "-g",
+            "--crate-name",
+            "fixture_app",
+            "--edition",
+            "2021",
+        ],
+    )?;
+    let symbol = find_symbol(&binary, |name| {
+        rustc_demangle::try_demangle(name)
+            .is_ok_and(|demangled| format!("{demangled:#}") == "fixture_app::engine::crunch")
+    })?;
+    let file = mapped_file(&binary)?;
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let frame = symbolizer.symbolize(&user_frame(&file, symbol.file_offset));
+    let line = outer_line(&frame);
+    assert_eq!(&*line.function, "fixture_app::engine::crunch");
+    assert_eq!(line.system_name.as_deref(), Some(symbol.raw_name.as_str()));
+    assert!(
+        line.file
+            .as_deref()
+            .unwrap_or_default()
+            .ends_with("fixture.rs")
+    );
+    assert_eq!(line.line, line_of(RUST_SOURCE, "pub fn crunch")?);
+    Ok(())
+}
+
+/// A text symbol of the running kernel whose address no other kallsyms entry shares.
+fn unique_kernel_text_symbol() -> TestResult<(u64, String)> {
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms")?;
+    let mut entries: Vec<(u64, char, &str, bool)> = Vec::new();
+    for line in kallsyms.lines() {
+        let mut tokens = line.split_ascii_whitespace();
+        let (Some(addr), Some(kind), Some(name)) = (tokens.next(), tokens.next(), tokens.next())
+        else {
+            continue;
+        };
+        let addr = u64::from_str_radix(addr, 16)?;
+        let kind = kind.chars().next().unwrap_or('?');
+        entries.push((addr, kind, name, tokens.next().is_some()));
+    }
+    let mut address_counts = std::collections::HashMap::new();
+    for (addr, ..) in &entries {
+        *address_counts.entry(*addr).or_insert(0u32) += 1;
+    }
+    let is_candidate = |(addr, kind, _, in_module): &&(u64, char, &str, bool)| {
+        *addr != 0 && *kind == 'T' && !in_module && address_counts.get(addr) == Some(&1)
+    };
+    let preferred = entries
+        .iter()
+        .filter(is_candidate)
+        .find(|(_, _, name, _)| *name == "do_sys_openat2");
+    let chosen = preferred
+        .or_else(|| entries.iter().find(is_candidate))
+        .ok_or("no usable 'T' symbol in /proc/kallsyms (are addresses hidden?)")?;
+    Ok((chosen.0, chosen.2.to_owned()))
+}
+
+#[test]
+fn kernel_addresses_resolve_through_kallsyms() -> TestResult {
+    let (addr, name) = unique_kernel_text_symbol()?;
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
+    for probe in [addr, addr + 1] {
+        let frame = symbolizer.symbolize(&UnwoundFrame::Kernel(probe));
+        assert_eq!(frame.kind, FrameKind::Kernel);
+        assert_eq!(frame.address, probe);
+        assert!(!frame.unsymbolized, "{frame:?}");
+        assert_eq!(&*frame.lines[0].function, name);
+        assert_eq!(frame.lines[0].file.as_deref(), Some("[kernel.kallsyms]"));
+        assert!(frame.mapping.is_none());
+    }
+
+    let unknown = symbolizer.symbolize(&UnwoundFrame::Kernel(0x1000));
+    assert!(unknown.unsymbolized);
+    assert_eq!(&*unknown.lines[0].function, "[unknown kernel]");
+    Ok(())
+}
+
+#[test]
+fn missing_kallsyms_leaves_kernel_frames_unsymbolized() {
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions {
+        kallsyms_path: "/nonexistent/kallsyms".into(),
+        ..SymbolizerOptions::default()
+    });
+    let frame = symbolizer.symbolize(&UnwoundFrame::Kernel(0xffff_ffff_8100_0000));
+    assert!(frame.unsymbolized);
+    assert_eq!(&*frame.lines[0].function, "[unknown kernel]");
+    assert_eq!(symbolizer.stats().misses, 1);
+}
+
+#[test]
+fn repeated_keys_share_frames_and_stats_count() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = build_c(&dir, "c_cache", &["-g", "-O0"])?;
+    let file = mapped_file(&binary)?;
+    let alpha = symbol_named(&binary, "fixture_alpha")?;
+    let beta = symbol_named(&binary, "fixture_beta")?;
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+
+    let first = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
+    let again = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
+    assert!(Arc::ptr_eq(&first, &again));
+    let other = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
+    assert!(!Arc::ptr_eq(&first, &other));
+    // Same file and mapping start: one shared MappingInfo.
+    match (&first.mapping, &other.mapping) {
+        (Some(a), Some(b)) => assert!(Arc::ptr_eq(a, b)),
+        _ => return Err("user frames must have a mapping".into()),
+    }
+    let vdso = symbolizer.symbolize(&UnwoundFrame::UserUnmapped {
+        addr: 0x7fff_0000_1000,
+        name: Some(Arc::from("[vdso]")),
+    });
+    assert_eq!(&*vdso.lines[0].function, "[vdso]");
+    assert!(vdso.unsymbolized && vdso.mapping.is_none());
+    let anonymous = symbolizer.symbolize(&UnwoundFrame::UserUnmapped {
+        addr: 0x1234,
+        name: None,
+    });
+    assert_eq!(&*anonymous.lines[0].function, "[unknown]");
+
+    let stats = symbolizer.stats();
+    assert_eq!(stats.frames_symbolized, 2);
+    assert_eq!(stats.cache_hits, 1);
+    assert_eq!(stats.cache_entries, 2);
+    assert_eq!(stats.misses, 2);
+    assert_eq!(stats.errors, 0);
+
+    // A stack keeps its length and order.
+    let stack = UnwoundStack {
+        frames: vec![
+            user_frame(&file, alpha.file_offset),
+            UnwoundFrame::UserUnmapped {
+                addr: 1,
+                name: None,
+            },
+            user_frame(&file, beta.file_offset),
+        ],
+        truncated: false,
+    };
+    let symbolized = symbolizer.symbolize_stack(&stack);
+    assert_eq!(symbolized.len(), 3);
+    assert!(Arc::ptr_eq(&symbolized[0], &first));
+    assert!(Arc::ptr_eq(&symbolized[2], &other));
+    Ok(())
+}
+
+#[test]
+fn cache_is_reset_when_full() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = build_c(&dir, "c_small_cache", &["-O0"])?;
+    let file = mapped_file(&binary)?;
+    let alpha = symbol_named(&binary, "fixture_alpha")?;
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions {
+        max_cached_frames: 2,
+        ..isolated_options(dir.path())
+    });
+    let first = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
+    symbolizer.symbolize(&user_frame(&file, alpha.file_offset + 1));
+    symbolizer.symbolize(&user_frame(&file, alpha.file_offset + 2));
+    let stats = symbolizer.stats();
+    assert_eq!(stats.cache_resets, 1);
+    assert_eq!(stats.cache_entries, 1);
+    // Still symbolizes after the reset, into a fresh Arc.
+    let after = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
+    assert!(!Arc::ptr_eq(&first, &after));
+    assert_eq!(first, after);
+    Ok(())
+}
+
+#[test]
+fn unreadable_and_malformed_files_stay_unsymbolized() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let garbage = dir.path().join("libgarbage.so");
+    std::fs::write(&garbage, b"\x7fELF this is not really an ELF file")?;
+    let malformed = mapped_file(&garbage)?;
+    let missing = Arc::new(MappedFile {
+        id: FileId { dev: 0, ino: 1 },
+        path: Arc::from("/gone/libmissing.so"),
+        open_path: dir.path().join("libmissing.so"),
+        build_id: None,
+        handle: None,
+    });
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    for (file, basename) in [(&malformed, "libgarbage.so"), (&missing, "libmissing.so")] {
+        for offset in [0x10_u64, 0x20] {
+            let frame = symbolizer.symbolize(&user_frame(file, offset));
+            assert!(frame.unsymbolized);
+            assert_eq!(
+                &*frame.lines[0].function,
+                format!("{basename}+0x{offset:x}")
+            );
+        }
+    }
+    let stats = symbolizer.stats();
+    assert_eq!(stats.misses, 4);
+    assert!(stats.errors >= 2, "{stats:?}");
+    Ok(())
+}
