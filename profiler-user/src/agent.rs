@@ -104,7 +104,7 @@ impl Pipeline {
             frames_symbolized: symbols.frames_symbolized,
             symbolization_misses: symbols.misses,
             symbolization_errors: symbols.errors,
-            symbol_cache_entries: symbols.cache_entries,
+            symbol_cache_entries: symbols.cache_entries as u64,
             processes_tracked: registry.processes,
             open_files: registry.open_files,
             agent_cpu: process_cpu_time(),
