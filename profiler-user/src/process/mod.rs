@@ -1,1 +1,371 @@
-//! (stage module; filled in by its own change)
+//! Per-process snapshots and labels.
+//!
+//! [`ProcessRegistry`] takes a [`ProcessInfo`] snapshot the first time a pid is looked up: start
+//! time, name, labels (see [`labels`] for `service_name`), and the executable mappings with their
+//! files opened so they stay readable after the process exits or deletes them. Snapshots are
+//! retaken on PID reuse (a different start time) and on demand when an address is in no mapping
+//! (`dlopen`, `exec`), both rate-limited per pid, and dropped once the process is gone and the
+//! snapshot has been unused for a whole interval.
+pub mod cgroup;
+pub mod files;
+pub mod labels;
+mod lru;
+pub mod maps;
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use thiserror::Error;
+use tracing::debug;
+
+use self::{
+    cgroup::parse_cgroup,
+    files::FileCache,
+    labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
+    lru::Lru,
+    maps::executable_mappings,
+};
+use crate::model::{Pid, ProcessInfo};
+
+/// Why a process could not be read.
+#[derive(Debug, Error)]
+pub enum ProcessError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("malformed {path}")]
+    MalformedStat { path: PathBuf },
+}
+
+/// The fields of /proc/PID/stat the registry uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatFields {
+    /// The name in parentheses (field 2).
+    pub comm: String,
+    /// Field 9.
+    pub flags: u64,
+    /// Field 22, clock ticks since boot.
+    pub start_time: u64,
+}
+
+/// Parses /proc/PID/stat. The name may contain spaces and parentheses, so fields are counted
+/// from the last ')'.
+pub fn parse_stat(text: &str) -> Option<StatFields> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let comm = text.get(open + 1..close)?.to_owned();
+    // Fields after the name start at field 3 (state).
+    let fields: Vec<&str> = text.get(close + 1..)?.split_ascii_whitespace().collect();
+    let field = |number: usize| fields.get(number.checked_sub(3)?)?.parse::<u64>().ok();
+    Some(StatFields {
+        comm,
+        flags: field(9)?,
+        start_time: field(22)?,
+    })
+}
+
+/// Limits and timings of a [`ProcessRegistry`].
+#[derive(Clone, Debug)]
+pub struct RegistryConfig {
+    /// Snapshots kept at most; the least recently used is dropped beyond.
+    pub max_processes: usize,
+    /// Mapped files the file cache keeps open at most.
+    pub max_open_files: usize,
+    /// Minimum time between two /proc/PID/stat re-reads (PID reuse check), and between two
+    /// maps refreshes, of one pid.
+    pub recheck_interval: Duration,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            max_processes: 65_536,
+            max_open_files: 4096,
+            recheck_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Counters of a [`ProcessRegistry`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegistryStats {
+    /// Snapshots taken, for any reason.
+    pub snapshots_taken: u64,
+    /// Snapshots retaken by [`ProcessRegistry::refresh_for_address`].
+    pub refreshes: u64,
+    /// Snapshots retaken because the pid now names another process.
+    pub pid_reuse: u64,
+    /// Lookups of pids with no /proc entry.
+    pub lookups_failed: u64,
+    /// Files currently held open by the file cache.
+    pub open_files: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    info: Arc<ProcessInfo>,
+    start_checked_at: Instant,
+    refreshed_at: Instant,
+    /// The eviction interval in which the snapshot was last looked up.
+    used_in_interval: u64,
+    /// Taken while the process was mid-exec (no command line yet): retaken at the next check.
+    provisional: bool,
+}
+
+/// Per-process snapshots, keyed by pid.
+#[derive(Debug)]
+pub struct ProcessRegistry {
+    proc_root: PathBuf,
+    host: String,
+    config: RegistryConfig,
+    processes: Lru<Pid, Entry>,
+    files: FileCache,
+    /// Incremented by each [`Self::evict_exited`].
+    interval: u64,
+    stats: RegistryStats,
+}
+
+impl ProcessRegistry {
+    /// `proc_root` is normally "/proc"; `host` is the agent's host name (a process's `HOSTNAME`
+    /// equal to it is not taken for a pod or container name).
+    pub fn new(proc_root: PathBuf, host: String) -> Self {
+        Self::with_config(proc_root, host, RegistryConfig::default())
+    }
+
+    pub fn with_config(proc_root: PathBuf, host: String, config: RegistryConfig) -> Self {
+        Self {
+            processes: Lru::new(config.max_processes),
+            files: FileCache::new(config.max_open_files),
+            proc_root,
+            host,
+            config,
+            interval: 0,
+            stats: RegistryStats::default(),
+        }
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    pub fn stats(&self) -> RegistryStats {
+        RegistryStats {
+            open_files: self.files.len() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Number of snapshots held.
+    pub fn len(&self) -> usize {
+        self.processes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn process_dir(&self, pid: Pid) -> PathBuf {
+        self.proc_root.join(pid.0.to_string())
+    }
+
+    /// The snapshot of `pid`, taken now if the pid is new or now names another process. `None`
+    /// only when there is no snapshot and /proc/PID does not exist (the process exited before
+    /// its first sample was processed).
+    pub fn lookup(&mut self, pid: Pid) -> Option<Arc<ProcessInfo>> {
+        let now = Instant::now();
+        let interval = self.interval;
+        let recheck = self.config.recheck_interval;
+        let stat_path = self.process_dir(pid).join("stat");
+        if let Some(entry) = self.processes.get_mut(&pid) {
+            entry.used_in_interval = interval;
+            if now.duration_since(entry.start_checked_at) < recheck {
+                return Some(Arc::clone(&entry.info));
+            }
+            entry.start_checked_at = now;
+            let current_start = fs::read_to_string(&stat_path)
+                .ok()
+                .and_then(|text| parse_stat(&text))
+                .map(|stat| stat.start_time);
+            match current_start {
+                Some(start) if start != entry.info.start_time => {
+                    debug!(%pid, old = entry.info.start_time, new = start, "pid reused");
+                    self.stats.pid_reuse += 1;
+                }
+                Some(_) if entry.provisional => {
+                    debug!(%pid, "retaking a snapshot taken mid-exec");
+                }
+                // Same process, or gone: the snapshot still serves its in-flight samples.
+                _ => return Some(Arc::clone(&entry.info)),
+            }
+        }
+        match self.take_snapshot(pid, now) {
+            Some(info) => Some(info),
+            None => {
+                // Reused and gone again: the old snapshot describes another process.
+                self.processes.remove(&pid);
+                self.stats.lookups_failed += 1;
+                None
+            }
+        }
+    }
+
+    /// Retakes the snapshot of `pid` because `addr` is in none of its mappings (a library
+    /// loaded or a program exec'ed after the snapshot), at most once per recheck interval per
+    /// pid. Returns the current snapshot, refreshed or not.
+    pub fn refresh_for_address(&mut self, pid: Pid, addr: u64) -> Option<Arc<ProcessInfo>> {
+        let now = Instant::now();
+        let interval = self.interval;
+        let recheck = self.config.recheck_interval;
+        let Some(entry) = self.processes.get_mut(&pid) else {
+            return self.lookup(pid);
+        };
+        entry.used_in_interval = interval;
+        if entry.info.mapping_for(addr).is_some()
+            || now.duration_since(entry.refreshed_at) < recheck
+        {
+            return Some(Arc::clone(&entry.info));
+        }
+        entry.refreshed_at = now;
+        let previous = Arc::clone(&entry.info);
+        // Everything is reread, not just maps: an exec changes the program and its labels.
+        match self.take_snapshot(pid, now) {
+            Some(info) => {
+                self.stats.refreshes += 1;
+                debug!(%pid, addr = format_args!("{addr:#x}"), "refreshed mappings");
+                Some(info)
+            }
+            // Gone: keep serving the old snapshot to in-flight samples.
+            None => Some(previous),
+        }
+    }
+
+    /// Drops snapshots of processes that have exited and were not looked up since the previous
+    /// call. Call once per interval.
+    pub fn evict_exited(&mut self) {
+        let current = self.interval;
+        let proc_root = &self.proc_root;
+        self.processes.retain(|pid, entry| {
+            entry.used_in_interval >= current || proc_root.join(pid.0.to_string()).exists()
+        });
+        self.interval += 1;
+    }
+
+    /// Reads /proc/PID and stores the snapshot; `None` when the process does not exist.
+    fn take_snapshot(&mut self, pid: Pid, now: Instant) -> Option<Arc<ProcessInfo>> {
+        let process_dir = self.process_dir(pid);
+        let (info, provisional) = match read_process(pid, &process_dir, &self.host, &mut self.files)
+        {
+            Ok(snapshot) => (Arc::new(snapshot.info), snapshot.provisional),
+            Err(error) => {
+                debug!(%pid, %error, "no snapshot");
+                return None;
+            }
+        };
+        self.stats.snapshots_taken += 1;
+        let entry = Entry {
+            info: Arc::clone(&info),
+            start_checked_at: now,
+            refreshed_at: now,
+            used_in_interval: self.interval,
+            provisional,
+        };
+        for (evicted, _) in self.processes.insert(pid, entry) {
+            debug!(pid = %evicted, "snapshot evicted: too many processes");
+        }
+        Some(info)
+    }
+}
+
+fn read_bytes(path: &Path) -> Option<Vec<u8>> {
+    fs::read(path).ok()
+}
+
+/// A process as read from /proc.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub info: ProcessInfo,
+    /// A user process without a command line: read between `execve` replacing the address space
+    /// and the kernel writing argv and the environment (a vfork parent, like the spawner, is
+    /// released in between), so labels may be missing. Worth reading again.
+    pub provisional: bool,
+}
+
+/// Reads one process. Only /proc/PID/stat is required; every other file may vanish as the
+/// process exits and then contributes nothing.
+pub fn read_process(
+    pid: Pid,
+    process_dir: &Path,
+    host: &str,
+    files: &mut FileCache,
+) -> Result<Snapshot, ProcessError> {
+    let stat_path = process_dir.join("stat");
+    let stat_text = fs::read_to_string(&stat_path).map_err(|source| ProcessError::Read {
+        path: stat_path.clone(),
+        source,
+    })?;
+    let stat = parse_stat(&stat_text).ok_or(ProcessError::MalformedStat { path: stat_path })?;
+
+    let comm = fs::read_to_string(process_dir.join("comm"))
+        .ok()
+        .map(|c| c.trim_end_matches('\n').to_owned())
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| stat.comm.clone());
+    let cmdline = read_bytes(&process_dir.join("cmdline"))
+        .map(|raw| parse_cmdline(&raw))
+        .unwrap_or_default();
+    let exe = fs::read_link(process_dir.join("exe")).ok().map(|path| {
+        let path = path.to_string_lossy().into_owned();
+        match path.strip_suffix(maps::DELETED_SUFFIX) {
+            Some(stripped) => stripped.to_owned(),
+            None => path,
+        }
+    });
+    let is_kernel_thread = is_kernel_thread(Some(stat.flags), cmdline.is_empty(), exe.is_some());
+
+    // Kernel threads have no environment, cgroup of interest, or user mappings.
+    let (env, cgroup, mappings) = if is_kernel_thread {
+        Default::default()
+    } else {
+        let env = read_bytes(&process_dir.join("environ"))
+            .map(|raw| parse_environ(&raw))
+            .unwrap_or_default();
+        let cgroup = fs::read_to_string(process_dir.join("cgroup"))
+            .map(|text| parse_cgroup(&text))
+            .unwrap_or_default();
+        let mappings = fs::read_to_string(process_dir.join("maps"))
+            .map(|text| executable_mappings(pid, process_dir, &text, files))
+            .unwrap_or_default();
+        (env, cgroup, mappings)
+    };
+    let labels = derive_labels(&LabelInputs {
+        cmdline: &cmdline,
+        env: &env,
+        exe: exe.as_deref(),
+        comm: &comm,
+        cgroup: &cgroup,
+        host,
+        is_kernel_thread,
+    });
+    debug!(%pid, %comm, service_name = %labels.service_name, mappings = mappings.len(), "snapshot");
+    Ok(Snapshot {
+        provisional: !is_kernel_thread && cmdline.is_empty(),
+        info: ProcessInfo {
+            pid,
+            start_time: stat.start_time,
+            comm: Arc::from(comm),
+            labels,
+            mappings,
+            is_kernel_thread,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests;

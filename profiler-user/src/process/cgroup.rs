@@ -1,0 +1,269 @@
+//! Parsing /proc/PID/cgroup into the container, Kubernetes pod and systemd unit a process runs in.
+//!
+//! Container runtimes name cgroups after the 64-hex container id: `docker-<id>.scope`,
+//! `cri-containerd-<id>.scope`, `crio-<id>.scope`, `libpod-<id>.scope` (systemd cgroup driver) or
+//! a bare `<id>` directory (`/docker/<id>`, `/kubepods/<qos>/pod<uid>/<id>`, cgroupfs driver).
+//! Kubernetes pods appear as `kubepods-<qos>-pod<uid with _>.slice` (systemd driver) or
+//! `/kubepods/<qos>/pod<uid>/` (cgroupfs driver).
+
+/// What a process's cgroup membership says about where it runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CgroupInfo {
+    /// The cgroup v2 path (`0::<path>`), else the first v1 path.
+    pub path: Option<String>,
+    /// The full 64-hex container id.
+    pub container_id: Option<String>,
+    /// The Kubernetes pod uid, dash-separated.
+    pub pod_uid: Option<String>,
+    /// The innermost `*.service` unit under `system.slice` or `user.slice`.
+    pub systemd_unit: Option<String>,
+}
+
+/// Prefixes container runtimes put before the container id in systemd scope names.
+const SCOPE_PREFIXES: &[&str] = &["docker-", "cri-containerd-", "crio-", "libpod-"];
+
+/// Parses the text of /proc/PID/cgroup. Malformed lines are skipped.
+pub fn parse_cgroup(text: &str) -> CgroupInfo {
+    let mut v2_path = None;
+    let mut v1_paths = Vec::new();
+    for line in text.lines() {
+        // hierarchy-id:controllers:path; the path itself may contain ':'.
+        let mut fields = line.splitn(3, ':');
+        let (Some(hierarchy), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        if path.is_empty() {
+            continue;
+        }
+        if hierarchy == "0" && controllers.is_empty() {
+            v2_path = Some(path);
+        } else {
+            v1_paths.push(path);
+        }
+    }
+    // The v2 path is authoritative; v1 hierarchies fill in what it lacks (hybrid setups often
+    // leave the v2 path at "/").
+    let paths: Vec<&str> = v2_path.into_iter().chain(v1_paths).collect();
+    CgroupInfo {
+        path: paths.first().map(|p| (*p).to_owned()),
+        container_id: paths.iter().find_map(|p| container_id_from_path(p)),
+        pod_uid: paths.iter().find_map(|p| pod_uid_from_path(p)),
+        systemd_unit: paths.iter().find_map(|p| systemd_unit_from_path(p)),
+    }
+}
+
+fn is_container_id(candidate: &str) -> bool {
+    candidate.len() == 64 && candidate.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Components of a cgroup path, innermost last. Components written as
+/// `kubepods-...slice:cri-containerd:<id>` (containerd's systemd-driver naming seen from inside a
+/// nested hierarchy) are split at ':' too.
+fn components(path: &str) -> impl DoubleEndedIterator<Item = &str> {
+    path.split('/')
+        .flat_map(|c| c.split(':'))
+        .filter(|c| !c.is_empty())
+}
+
+/// The innermost container id in a cgroup path.
+pub fn container_id_from_path(path: &str) -> Option<String> {
+    components(path).rev().find_map(|component| {
+        let unscoped = component.strip_suffix(".scope").unwrap_or(component);
+        let id = SCOPE_PREFIXES
+            .iter()
+            .find_map(|prefix| unscoped.strip_prefix(prefix))
+            .unwrap_or(unscoped);
+        is_container_id(id).then(|| id.to_ascii_lowercase())
+    })
+}
+
+fn is_pod_uid(candidate: &str) -> bool {
+    // A UUID (36 chars with dashes); tolerate the dashless 32-char form some tools emit.
+    matches!(candidate.len(), 32 | 36)
+        && candidate
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() || b == b'-')
+}
+
+/// The Kubernetes pod uid in a cgroup path.
+pub fn pod_uid_from_path(path: &str) -> Option<String> {
+    if !path.contains("kubepods") {
+        return None;
+    }
+    components(path).rev().find_map(|component| {
+        // systemd driver: kubepods-burstable-pod<uid_with_underscores>.slice
+        let raw = if let Some(slice) = component.strip_suffix(".slice") {
+            let (_, uid) = slice.rsplit_once("-pod")?;
+            uid
+        } else {
+            // cgroupfs driver: pod<uid>
+            component.strip_prefix("pod")?
+        };
+        let uid = raw.replace('_', "-");
+        is_pod_uid(&uid).then(|| uid.to_ascii_lowercase())
+    })
+}
+
+/// The innermost `*.service` unit of a path under `system.slice` or `user.slice`.
+pub fn systemd_unit_from_path(path: &str) -> Option<String> {
+    let mut parts = path.split('/').filter(|c| !c.is_empty());
+    if !matches!(parts.next(), Some("system.slice" | "user.slice")) {
+        return None;
+    }
+    parts
+        .rfind(|c| c.len() > ".service".len() && c.ends_with(".service"))
+        .map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "4d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
+
+    #[test]
+    fn docker_systemd_driver_v2() {
+        let info = parse_cgroup(&format!("0::/system.slice/docker-{ID}.scope\n"));
+        assert_eq!(info.container_id.as_deref(), Some(ID));
+        assert_eq!(info.pod_uid, None);
+        // docker-<id>.scope is a scope, not a service.
+        assert_eq!(info.systemd_unit, None);
+        assert_eq!(info.path, Some(format!("/system.slice/docker-{ID}.scope")));
+    }
+
+    #[test]
+    fn docker_cgroupfs_driver_v1() {
+        let text = format!(
+            "12:pids:/docker/{ID}\n11:memory:/docker/{ID}\n1:name=systemd:/docker/{ID}\n0::/\n"
+        );
+        let info = parse_cgroup(&text);
+        assert_eq!(info.container_id.as_deref(), Some(ID));
+        assert_eq!(info.path.as_deref(), Some("/"));
+    }
+
+    #[test]
+    fn containerd_kubernetes_systemd_driver_all_qos_classes() {
+        let uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+        let underscored = uid.replace('-', "_");
+        for qos_slice in [
+            format!("/kubepods.slice/kubepods-pod{underscored}.slice"),
+            format!(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{underscored}.slice"
+            ),
+            format!(
+                "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{underscored}.slice"
+            ),
+        ] {
+            let info = parse_cgroup(&format!("0::{qos_slice}/cri-containerd-{ID}.scope\n"));
+            assert_eq!(info.container_id.as_deref(), Some(ID), "{qos_slice}");
+            assert_eq!(info.pod_uid.as_deref(), Some(uid), "{qos_slice}");
+            assert_eq!(info.systemd_unit, None);
+        }
+    }
+
+    #[test]
+    fn containerd_kubernetes_cgroupfs_driver_all_qos_classes() {
+        let uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+        for qos in ["", "burstable/", "besteffort/"] {
+            let text = format!("11:cpu,cpuacct:/kubepods/{qos}pod{uid}/{ID}\n0::/\n");
+            let info = parse_cgroup(&text);
+            assert_eq!(info.container_id.as_deref(), Some(ID), "{qos}");
+            assert_eq!(info.pod_uid.as_deref(), Some(uid), "{qos}");
+        }
+    }
+
+    #[test]
+    fn containerd_colon_form_inside_containerd_service() {
+        let uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+        let underscored = uid.replace('-', "_");
+        let text = format!(
+            "0::/system.slice/containerd.service/kubepods-burstable-pod{underscored}.slice:cri-containerd:{ID}\n"
+        );
+        let info = parse_cgroup(&text);
+        assert_eq!(info.container_id.as_deref(), Some(ID));
+        assert_eq!(info.pod_uid.as_deref(), Some(uid));
+    }
+
+    #[test]
+    fn crio_and_podman() {
+        let uid = "aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee";
+        let crio = parse_cgroup(&format!(
+            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/crio-{ID}.scope\n",
+            uid.replace('-', "_")
+        ));
+        assert_eq!(crio.container_id.as_deref(), Some(ID));
+        assert_eq!(crio.pod_uid.as_deref(), Some(uid));
+
+        let podman = parse_cgroup(&format!(
+            "0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{ID}.scope/container\n"
+        ));
+        assert_eq!(podman.container_id.as_deref(), Some(ID));
+        assert_eq!(podman.pod_uid, None);
+        // The user manager is the only service on the path.
+        assert_eq!(podman.systemd_unit.as_deref(), Some("user@1000.service"));
+    }
+
+    #[test]
+    fn systemd_units() {
+        assert_eq!(
+            parse_cgroup("0::/system.slice/nginx.service\n")
+                .systemd_unit
+                .as_deref(),
+            Some("nginx.service")
+        );
+        assert_eq!(
+            parse_cgroup(
+                "0::/user.slice/user-1000.slice/user@1000.service/app.slice/foo.service\n"
+            )
+            .systemd_unit
+            .as_deref(),
+            Some("foo.service")
+        );
+        let v1 = "12:cpu:/\n1:name=systemd:/system.slice/postgresql@15-main.service\n";
+        assert_eq!(
+            parse_cgroup(v1).systemd_unit.as_deref(),
+            Some("postgresql@15-main.service")
+        );
+        assert_eq!(parse_cgroup("0::/init.scope\n").systemd_unit, None);
+        assert_eq!(
+            parse_cgroup("0::/user.slice/user-0.slice/session-3.scope\n").systemd_unit,
+            None
+        );
+        // Not under a systemd slice.
+        assert_eq!(
+            parse_cgroup("0::/custom/thing.service\n").systemd_unit,
+            None
+        );
+    }
+
+    #[test]
+    fn not_a_container() {
+        let info = parse_cgroup("0::/user.slice/user-0.slice/session-1.scope\n");
+        assert_eq!(info.container_id, None);
+        assert_eq!(info.pod_uid, None);
+        // 63 hex characters is not an id.
+        assert_eq!(
+            container_id_from_path(&format!("/docker/{}", &ID[1..])),
+            None
+        );
+    }
+
+    #[test]
+    fn garbage_does_not_panic() {
+        for text in [
+            "",
+            "\n\n",
+            ":::",
+            "0::",
+            "x",
+            "0:::::",
+            "1:cpu",
+            "0::/kubepods/pod/",
+        ] {
+            let _ = parse_cgroup(text);
+        }
+        assert_eq!(parse_cgroup("garbage").path, None);
+    }
+}

@@ -1,0 +1,583 @@
+//! Registry tests: against a hand-made proc root, and against real processes (run as root).
+use std::{
+    fs,
+    io::ErrorKind,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    thread,
+    time::Duration,
+};
+
+use super::*;
+use crate::model::{FileId, Pid};
+
+const CONTAINER_ID: &str = "4d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
+
+fn stat_line(pid: u32, comm: &str, flags: u64, start_time: u64) -> String {
+    // Fields 3..=21, then start time (22), then a few more.
+    format!(
+        "{pid} ({comm}) S 1 {pid} {pid} 0 -1 {flags} 10 0 0 0 5 3 0 0 20 0 1 0 {start_time} 1000000 100 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0\n"
+    )
+}
+
+/// Writes /proc/PID files for a fake user process under `root`.
+fn write_fake_process(root: &Path, pid: u32, start_time: u64, maps: &str) -> PathBuf {
+    let dir = root.join(pid.to_string());
+    fs::create_dir_all(&dir).expect("create fake process dir");
+    fs::write(
+        dir.join("stat"),
+        stat_line(pid, "my (weird) app", 0x0040_0100, start_time),
+    )
+    .expect("write stat");
+    fs::write(dir.join("comm"), "my (weird) app\n").expect("write comm");
+    fs::write(
+        dir.join("cmdline"),
+        b"/usr/bin/python3\0-u\0/srv/app/worker.py\0",
+    )
+    .expect("write cmdline");
+    fs::write(dir.join("environ"), b"PATH=/bin\0HOSTNAME=web-1\0").expect("write environ");
+    fs::write(
+        dir.join("cgroup"),
+        format!("0::/system.slice/docker-{CONTAINER_ID}.scope\n"),
+    )
+    .expect("write cgroup");
+    fs::write(dir.join("maps"), maps).expect("write maps");
+    dir
+}
+
+fn fake_registry(root: &Path, recheck_interval: Duration) -> ProcessRegistry {
+    ProcessRegistry::with_config(
+        root.to_path_buf(),
+        "node-1".to_owned(),
+        RegistryConfig {
+            recheck_interval,
+            ..RegistryConfig::default()
+        },
+    )
+}
+
+const ANON_MAPS: &str = "00001000-00002000 r-xp 00000000 00:00 0 \n";
+
+#[test]
+fn parses_stat_with_tricky_names() {
+    let stat = parse_stat(&stat_line(7, "a) b (c", 0x0020_0040, 12345)).expect("parses");
+    assert_eq!(stat.comm, "a) b (c");
+    assert_eq!(stat.flags, 0x0020_0040);
+    assert_eq!(stat.start_time, 12345);
+    assert_eq!(parse_stat("7 (x) S 1 2"), None);
+    assert_eq!(parse_stat(""), None);
+    assert_eq!(parse_stat(")("), None);
+}
+
+#[test]
+fn fake_process_snapshot() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let maps = "\
+00001000-00002000 r-xp 00000000 00:00 0
+00400000-00500000 r-xp 00001000 08:01 424242     /opt/not-there/app (deleted)
+00600000-00700000 rw-p 00000000 08:01 424242     /opt/not-there/app (deleted)
+7ffd1000-7ffd3000 r-xp 00000000 00:00 0          [vdso]
+";
+    write_fake_process(root.path(), 100, 5000, maps);
+    let mut registry = fake_registry(root.path(), Duration::from_secs(1));
+    let info = registry.lookup(Pid(100)).expect("snapshot");
+    assert_eq!(info.pid, Pid(100));
+    assert_eq!(info.start_time, 5000);
+    assert_eq!(&*info.comm, "my (weird) app");
+    assert!(!info.is_kernel_thread);
+    // A container: HOSTNAME names it.
+    assert_eq!(info.labels.service_name, "web-1");
+    assert_eq!(info.labels.container_id.as_deref(), Some(CONTAINER_ID));
+    assert_eq!(info.labels.executable, "", "no exe link in the fake root");
+    let names: Vec<&str> = info.mappings.iter().map(|m| &*m.name).collect();
+    assert_eq!(names, ["[anon]", "/opt/not-there/app (deleted)", "[vdso]"]);
+    // The file is nowhere to be opened: the mapping stays, without a file.
+    assert!(info.mappings.iter().all(|m| m.file.is_none()));
+    assert_eq!(info.mappings[1].file_offset, 0x1000);
+    assert!(info.mapping_for(0x0040_0010).is_some());
+    let stats = registry.stats();
+    assert_eq!(stats.snapshots_taken, 1);
+    assert_eq!(stats.lookups_failed, 0);
+}
+
+#[test]
+fn lookup_of_missing_pid_fails() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    assert!(registry.lookup(Pid(4242)).is_none());
+    assert_eq!(registry.stats().lookups_failed, 1);
+    assert!(registry.is_empty());
+}
+
+#[test]
+fn pid_reuse_takes_a_new_snapshot() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    // Same start time: the same snapshot.
+    let again = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(Arc::ptr_eq(&first, &again));
+
+    fs::write(dir.join("stat"), stat_line(100, "other", 0x0040_0100, 9000)).expect("write");
+    let second = registry.lookup(Pid(100)).expect("new snapshot");
+    assert_eq!(second.start_time, 9000);
+    assert_eq!(first.start_time, 5000, "the old snapshot is untouched");
+    let stats = registry.stats();
+    assert_eq!(stats.pid_reuse, 1);
+    assert_eq!(stats.snapshots_taken, 2);
+}
+
+#[test]
+fn snapshot_taken_mid_exec_is_retaken() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    fs::write(dir.join("cmdline"), b"").expect("write");
+    fs::write(dir.join("environ"), b"").expect("write");
+    // Mid-exec the new executable is already set.
+    std::os::unix::fs::symlink("/usr/bin/true", dir.join("exe")).expect("symlink");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(!first.is_kernel_thread, "flags say user process");
+    assert_eq!(first.labels.service_name, "4d3c8b7a6f5e");
+
+    fs::write(dir.join("environ"), b"OTEL_SERVICE_NAME=late\0").expect("write");
+    fs::write(dir.join("cmdline"), b"app\0").expect("write");
+    let second = registry.lookup(Pid(100)).expect("snapshot");
+    assert_eq!(second.labels.service_name, "late");
+    let third = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(Arc::ptr_eq(&second, &third), "complete snapshots are kept");
+    assert_eq!(registry.stats().snapshots_taken, 2);
+    assert_eq!(registry.stats().pid_reuse, 0);
+}
+
+#[test]
+fn pid_reuse_check_is_rate_limited() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::from_secs(3600));
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    fs::write(dir.join("stat"), stat_line(100, "other", 0x0040_0100, 9000)).expect("write");
+    let second = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(
+        Arc::ptr_eq(&first, &second),
+        "stat not re-read within the interval"
+    );
+    assert_eq!(registry.stats().pid_reuse, 0);
+}
+
+#[test]
+fn vanished_process_is_kept_until_unused_for_an_interval() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    write_fake_process(root.path(), 200, 6000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    registry.lookup(Pid(200)).expect("snapshot");
+    fs::remove_dir_all(&dir).expect("remove");
+
+    // Gone, but in-flight samples still get the snapshot.
+    let after_exit = registry.lookup(Pid(100)).expect("kept snapshot");
+    assert!(Arc::ptr_eq(&first, &after_exit));
+    assert_eq!(registry.stats().lookups_failed, 0);
+
+    registry.evict_exited();
+    assert_eq!(
+        registry.len(),
+        2,
+        "used during the interval that just ended"
+    );
+    registry.evict_exited();
+    assert_eq!(registry.len(), 1, "unused for a whole interval and gone");
+    // The live process survives any number of intervals.
+    registry.evict_exited();
+    assert_eq!(registry.len(), 1);
+    assert!(registry.lookup(Pid(100)).is_none());
+}
+
+#[test]
+fn refresh_for_address_rereads_maps() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(first.mapping_for(0x5000).is_none());
+
+    fs::write(
+        dir.join("maps"),
+        format!("{ANON_MAPS}00005000-00006000 r-xp 00000000 00:00 0 [anon:jit]\n"),
+    )
+    .expect("write");
+    let refreshed = registry
+        .refresh_for_address(Pid(100), 0x5000)
+        .expect("snapshot");
+    assert_eq!(
+        refreshed.mapping_for(0x5000).map(|m| &*m.name),
+        Some("[anon:jit]")
+    );
+    assert_eq!(registry.stats().refreshes, 1);
+    // Later lookups return the refreshed snapshot.
+    let looked_up = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(Arc::ptr_eq(&refreshed, &looked_up));
+    // An address that is mapped needs no refresh.
+    registry.refresh_for_address(Pid(100), 0x5000);
+    assert_eq!(registry.stats().refreshes, 1);
+}
+
+#[test]
+fn refresh_for_address_is_rate_limited_and_survives_exit() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::from_secs(3600));
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    fs::write(
+        dir.join("maps"),
+        "00005000-00006000 r-xp 00000000 00:00 0\n",
+    )
+    .expect("write");
+    let same = registry
+        .refresh_for_address(Pid(100), 0x5000)
+        .expect("snapshot");
+    assert!(Arc::ptr_eq(&first, &same));
+    assert_eq!(registry.stats().refreshes, 0);
+
+    let mut unlimited = fake_registry(root.path(), Duration::ZERO);
+    let before = unlimited.lookup(Pid(100)).expect("snapshot");
+    fs::remove_dir_all(&dir).expect("remove");
+    let after = unlimited
+        .refresh_for_address(Pid(100), 0x9000)
+        .expect("old snapshot");
+    assert!(Arc::ptr_eq(&before, &after));
+}
+
+#[test]
+fn process_count_is_bounded() {
+    let root = tempfile::tempdir().expect("tempdir");
+    for pid in [100, 101, 102] {
+        write_fake_process(root.path(), pid, 5000, ANON_MAPS);
+    }
+    let mut registry = ProcessRegistry::with_config(
+        root.path().to_path_buf(),
+        "h".to_owned(),
+        RegistryConfig {
+            max_processes: 2,
+            ..RegistryConfig::default()
+        },
+    );
+    for pid in [100, 101, 102] {
+        assert!(registry.lookup(Pid(pid)).is_some());
+    }
+    assert_eq!(registry.len(), 2);
+}
+
+/// Copies `source` into `dir`, returning the copy's path and inode.
+fn copy_file(source: &str, destination: &Path) -> u64 {
+    if let Some(parent) = destination.parent() {
+        fs::create_dir_all(parent).expect("create dir");
+    }
+    fs::copy(source, destination).expect("copy");
+    fs::metadata(destination).expect("stat copy").ino()
+}
+
+fn build_id_of(path: &Path) -> Option<String> {
+    files::read_build_id(&fs::File::open(path).ok()?)
+}
+
+#[test]
+fn file_opened_through_process_root_and_inode_checked() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let inside = "/opt/profiler-test-not-on-host/tool";
+    let copy = root
+        .path()
+        .join("100/root")
+        .join(inside.trim_start_matches('/'));
+    let inode = copy_file("/bin/sleep", &copy);
+    let maps = format!(
+        "00400000-00500000 r-xp 00000000 08:01 {inode}  {inside}\n\
+         00600000-00700000 r-xp 00000000 08:01 {}  {inside}\n",
+        inode + 1
+    );
+    write_fake_process(root.path(), 100, 5000, &maps);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let info = registry.lookup(Pid(100)).expect("snapshot");
+    let file = info.mappings[0]
+        .file
+        .as_ref()
+        .expect("opened through root/");
+    let metadata = fs::metadata(&copy).expect("stat");
+    assert_eq!(
+        file.id,
+        FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino()
+        }
+    );
+    assert_eq!(&*file.path, inside);
+    // Not visible at that path in our namespace: the kept descriptor.
+    assert!(
+        file.open_path.starts_with("/proc/self/fd/"),
+        "{:?}",
+        file.open_path
+    );
+    assert_eq!(
+        file.build_id,
+        build_id_of(Path::new("/bin/sleep")).map(Arc::from)
+    );
+    assert!(file.build_id.is_some());
+    // Same path, other inode (replaced on disk): not the mapped file.
+    assert!(info.mappings[1].file.is_none());
+    assert_eq!(registry.stats().open_files, 1);
+}
+
+#[test]
+fn file_cache_is_bounded_and_shared() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut maps = String::new();
+    for (index, name) in ["a", "b"].iter().enumerate() {
+        let inside = format!("/opt/profiler-test-not-on-host/{name}");
+        let copy = root
+            .path()
+            .join("100/root")
+            .join(inside.trim_start_matches('/'));
+        let inode = copy_file("/bin/true", &copy);
+        maps.push_str(&format!(
+            "{:08x}-{:08x} r-xp 00000000 08:01 {inode}  {inside}\n",
+            0x10_0000 * (index + 1),
+            0x10_0000 * (index + 1) + 0x1000
+        ));
+    }
+    write_fake_process(root.path(), 100, 5000, &maps);
+    // A second process, seeing the same files through its own root.
+    let second_dir = write_fake_process(root.path(), 101, 5000, &maps);
+    std::os::unix::fs::symlink(root.path().join("100/root"), second_dir.join("root"))
+        .expect("symlink root");
+
+    let mut shared = fake_registry(root.path(), Duration::ZERO);
+    let first = shared.lookup(Pid(100)).expect("snapshot");
+    let second = shared.lookup(Pid(101)).expect("snapshot");
+    for (a, b) in first.mappings.iter().zip(&second.mappings) {
+        let (Some(a), Some(b)) = (&a.file, &b.file) else {
+            panic!("files not opened: {:?}", first.mappings);
+        };
+        assert!(Arc::ptr_eq(a, b), "one MappedFile per FileId");
+    }
+    assert_eq!(shared.stats().open_files, 2);
+
+    let mut bounded = ProcessRegistry::with_config(
+        root.path().to_path_buf(),
+        "h".to_owned(),
+        RegistryConfig {
+            max_open_files: 1,
+            ..RegistryConfig::default()
+        },
+    );
+    let info = bounded.lookup(Pid(100)).expect("snapshot");
+    // Evicted from the cache, still held by the snapshot.
+    assert!(info.mappings.iter().all(|m| m.file.is_some()));
+    assert_eq!(bounded.stats().open_files, 1);
+}
+
+// ---- Live processes ----
+
+/// A child process killed when the test ends.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Running {
+    fn pid(&self) -> Pid {
+        Pid(self.0.id())
+    }
+}
+
+/// Spawns, retrying while a freshly copied binary is still open for writing in a forked child
+/// of a concurrently running test (ETXTBSY).
+fn spawn(command: &mut Command) -> Running {
+    for _ in 0..50 {
+        match command.spawn() {
+            Ok(child) => return Running(child),
+            Err(error) if error.raw_os_error() == Some(libc::ETXTBSY) => {
+                thread::sleep(Duration::from_millis(20));
+            }
+            Err(error) => panic!("spawn {command:?}: {error}"),
+        }
+    }
+    panic!("spawn {command:?}: text file busy");
+}
+
+fn live_registry() -> ProcessRegistry {
+    ProcessRegistry::new(PathBuf::from("/proc"), "profiler-test-host".to_owned())
+}
+
+/// A real CPython binary, not a pyenv-style shell shim that would exec it later.
+fn python() -> PathBuf {
+    let system = PathBuf::from("/usr/bin/python3");
+    if system.exists() {
+        return system;
+    }
+    let output = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .expect("python3 available");
+    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
+}
+
+/// Waits until the process runs an executable named `prefix...` and the kernel has written its
+/// command line (spawn returns before `execve` has finished setting up the new program).
+fn wait_for_exe(pid: Pid, prefix: &str) {
+    for _ in 0..250 {
+        let runs_it = fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| {
+            exe.file_name()
+                .is_some_and(|name| name.to_string_lossy().starts_with(prefix))
+        });
+        let has_cmdline = fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty());
+        if runs_it && has_cmdline {
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{pid} never ran {prefix}");
+}
+
+#[test]
+fn live_otel_service_name_from_environment() {
+    let child = spawn(
+        Command::new("sleep")
+            .arg("30")
+            .env("OTEL_SERVICE_NAME", "checkout"),
+    );
+    wait_for_exe(child.pid(), "sleep");
+    let mut registry = live_registry();
+    let info = registry.lookup(child.pid()).expect("snapshot");
+    assert_eq!(info.labels.service_name, "checkout");
+    assert!(!info.is_kernel_thread);
+    let exe = fs::read_link(format!("/proc/{}/exe", child.pid())).expect("exe");
+    assert_eq!(info.labels.executable, exe.to_string_lossy());
+    assert_eq!(&*info.comm, "sleep");
+}
+
+#[test]
+fn live_python_script_and_inline_code() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("train.py");
+    fs::write(&script, "import time\ntime.sleep(30)\n").expect("write script");
+    let python = python();
+
+    let script_child = spawn(
+        Command::new(&python)
+            .arg(&script)
+            .env_remove("OTEL_SERVICE_NAME"),
+    );
+    wait_for_exe(script_child.pid(), "python");
+    let inline_child = spawn(
+        Command::new(&python)
+            .args(["-c", "import time; time.sleep(30)"])
+            .env_remove("OTEL_SERVICE_NAME"),
+    );
+    wait_for_exe(inline_child.pid(), "python");
+
+    let mut registry = live_registry();
+    let info = registry.lookup(script_child.pid()).expect("snapshot");
+    assert_eq!(info.labels.service_name, "train");
+    let inline = registry.lookup(inline_child.pid()).expect("snapshot");
+    assert!(
+        inline.labels.service_name.starts_with("python"),
+        "{}",
+        inline.labels.service_name
+    );
+}
+
+fn readelf_build_id(path: &Path) -> Option<String> {
+    let output = Command::new("readelf").arg("-n").arg(path).output().ok()?;
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(|line| {
+            line.trim()
+                .strip_prefix("Build ID:")
+                .map(|id| id.trim().to_owned())
+        })
+}
+
+#[test]
+fn live_mappings_contain_the_executable() {
+    let child = spawn(Command::new("sleep").arg("30"));
+    wait_for_exe(child.pid(), "sleep");
+    let exe = fs::read_link(format!("/proc/{}/exe", child.pid())).expect("exe");
+    let mut registry = live_registry();
+    let info = registry.lookup(child.pid()).expect("snapshot");
+    let exe_str = exe.to_string_lossy();
+    let mapping = info
+        .mappings
+        .iter()
+        .find(|m| *m.name == exe_str)
+        .unwrap_or_else(|| panic!("no mapping of {exe_str} in {:?}", info.mappings));
+    let file = mapping.file.as_ref().expect("file opened");
+    let metadata = fs::metadata(&exe).expect("stat exe");
+    assert_eq!(
+        file.id,
+        FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino()
+        }
+    );
+    assert_eq!(
+        file.open_path, exe,
+        "same file visible at the same path here"
+    );
+    let expected = readelf_build_id(&exe).expect("readelf shows a build id");
+    assert_eq!(file.build_id.as_deref(), Some(expected.as_str()));
+    assert!(info.mappings.iter().any(|m| &*m.name == "[vdso]"));
+    assert!(info.mappings.windows(2).all(|w| w[0].end <= w[1].start));
+    assert!(registry.stats().open_files >= 1);
+}
+
+#[test]
+fn live_deleted_executable_stays_readable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let copy = dir.path().join("sleep-deleted");
+    copy_file("/bin/sleep", &copy);
+    let expected_build_id = build_id_of(&copy).expect("sleep has a build id");
+    let child = spawn(Command::new(&copy).arg("30"));
+    // Wait until the kernel has mapped the copy (exec done) before deleting it.
+    wait_for_exe(child.pid(), "sleep-deleted");
+    fs::remove_file(&copy).expect("delete");
+
+    let mut registry = live_registry();
+    let info = registry.lookup(child.pid()).expect("snapshot");
+    let mapping = info
+        .mappings
+        .iter()
+        .find(|m| m.name.ends_with("sleep-deleted (deleted)"))
+        .unwrap_or_else(|| panic!("no deleted mapping in {:?}", info.mappings));
+    let file = mapping.file.as_ref().expect("opened through map_files");
+    assert_eq!(&*file.path, copy.to_string_lossy());
+    assert!(
+        file.open_path.starts_with("/proc/self/fd/"),
+        "{:?}",
+        file.open_path
+    );
+    match fs::File::open(&file.open_path) {
+        Ok(_) => {}
+        Err(error) if error.kind() == ErrorKind::NotFound => panic!("open_path vanished"),
+        Err(error) => panic!("open_path unreadable: {error}"),
+    }
+    assert_eq!(file.build_id.as_deref(), Some(expected_build_id.as_str()));
+    assert_eq!(build_id_of(&file.open_path), Some(expected_build_id));
+    assert_eq!(info.labels.service_name, "sleep-deleted");
+}
+
+#[test]
+fn live_kthreadd_is_a_kernel_thread() {
+    let mut registry = live_registry();
+    let info = registry.lookup(Pid(2)).expect("kthreadd");
+    assert!(info.is_kernel_thread);
+    assert_eq!(info.labels.service_name, "kernel");
+    assert_eq!(info.labels.executable, "");
+    assert!(info.mappings.is_empty());
+}
