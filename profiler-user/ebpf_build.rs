@@ -79,5 +79,5 @@ pub fn build_ebpf(workspace: &std::path::Path) -> Result<std::path::PathBuf, Str
             String::from_utf8_lossy(&output.stderr)
         ));
     }
-    Ok(target_dir.join("bpfel-unknown-none").join("release").join("profiler"))
+    Ok(target_dir.join("bpfel-unknown-none").join("release").join("profiler-ebpf"))
 }

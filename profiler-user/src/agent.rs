@@ -105,7 +105,7 @@ impl Pipeline {
             symbolization_misses: symbols.misses,
             symbolization_errors: symbols.errors,
             symbol_cache_entries: symbols.cache_entries as u64,
-            processes_tracked: registry.processes,
+            processes_tracked: self.processes.len() as u64,
             open_files: registry.open_files,
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,
