@@ -193,6 +193,7 @@ fn pump(pipeline: &mut Pipeline, rx: &Receiver<Sample>, mut until: impl FnMut(&m
 
 /// `profiler record`: samples for `config.duration` (or until `stop`), writes one profile.
 pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary, AgentError> {
+    Sampler::preflight()?;
     check_pids_exist(&config.sampling.pids)?;
     check_writable_file(&config.output)?;
     let start_unix_ns = unix_now_ns();
@@ -242,6 +243,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
 
 /// `profiler agent`: samples until `stop`, writing one profile per service every interval.
 pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), AgentError> {
+    Sampler::preflight()?;
     check_pids_exist(&config.sampling.pids)?;
     check_writable_dir(&config.output_dir)?;
     let mut sink = DirectorySink::new(config.output_dir.clone());

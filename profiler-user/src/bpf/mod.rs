@@ -113,13 +113,18 @@ impl BpfStats {
 }
 
 impl Sampler {
-    /// Checks privileges and kernel support, loads the program and attaches it to every CPU.
-    pub fn start(settings: &SamplerSettings) -> Result<(Self, SampleRing), BpfError> {
+    /// Fails with a clear error when this process or kernel cannot run the sampler.
+    pub fn preflight() -> Result<(), BpfError> {
         check_privileges()?;
         let btf_path = std::env::var_os("PROFILER_BTF_PATH")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(DEFAULT_BTF_PATH));
-        check_kernel_support(&btf_path)?;
+        check_kernel_support(&btf_path)
+    }
+
+    /// Checks privileges and kernel support, loads the program and attaches it to every CPU.
+    pub fn start(settings: &SamplerSettings) -> Result<(Self, SampleRing), BpfError> {
+        Self::preflight()?;
         if settings.pids.len() > MAX_FILTERED_PIDS as usize {
             return Err(BpfError::TooManyPids { given: settings.pids.len(), max: MAX_FILTERED_PIDS });
         }
