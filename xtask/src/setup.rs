@@ -1,0 +1,379 @@
+//! `cargo xtask setup`: installs, only when missing, what the build and the tests need on a fresh
+//! Debian 12 machine (see shared/docs/toolchain.md for why each piece is there).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result, bail};
+
+use crate::cmd;
+use crate::ebpf::{BPF_LINKER_VERSION, bpf_linker_dir, ebpf_toolchain_missing};
+
+/// Debian packages the build and the tests use, with why.
+const APT_PACKAGES: &[(&str, &str)] = &[
+    (
+        "rustc-web",
+        "Debian's Rust 1.96, which compiles the eBPF program",
+    ),
+    ("cargo-web", "the cargo that drives the eBPF build"),
+    (
+        "libstd-rust-web-dev-bpf",
+        "the prebuilt `core` for bpfel-unknown-none",
+    ),
+    (
+        "linux-perf",
+        "perf, the baseline the benchmark compares against",
+    ),
+    (
+        "binutils",
+        "objdump/readelf for the ELF and symbolization tests",
+    ),
+    ("gcc", "builds the C test fixtures"),
+    ("g++", "builds the C++ test fixtures"),
+    ("util-linux", "unshare, used by the integration tests"),
+];
+/// Debian's libLLVM 22, pulled in by rustc-web; bpf-linker links against it.
+const SYSTEM_LIBLLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM.so.22.1";
+const RUSTUP_TOOLCHAIN_NAME: &str = "debian-web";
+const JS_TESTS_DIR: &str = "tests/js";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prerequisite {
+    /// A Debian package, installed with apt-get.
+    Apt {
+        package: &'static str,
+        why: &'static str,
+    },
+    /// bpf-linker, built against Debian's LLVM 22 and cached under `.tools/`.
+    BpfLinker,
+    /// Debian's compiler registered as a rustup toolchain (for aya tooling).
+    RustupLink,
+    /// The npm dependencies of the JavaScript tests (tests/js).
+    NpmDeps,
+}
+
+impl Prerequisite {
+    /// One line saying what gets installed and why.
+    pub fn describe(&self) -> String {
+        match self {
+            Prerequisite::Apt { package, why } => format!("apt package {package}: {why}"),
+            Prerequisite::BpfLinker => format!(
+                "bpf-linker {BPF_LINKER_VERSION} into .tools/ (links the eBPF object; built against Debian's LLVM 22, about 90 s)"
+            ),
+            Prerequisite::RustupLink => format!(
+                "rustup toolchain `{RUSTUP_TOOLCHAIN_NAME}` -> /usr (lets aya tooling find Debian's compiler)"
+            ),
+            Prerequisite::NpmDeps => format!(
+                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles)"
+            ),
+        }
+    }
+}
+
+/// Everything setup would install, in the order it would install it. Cheap enough to call
+/// before every task (one dpkg-query, one rustup call, a few stats).
+pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
+    let mut packages: Vec<(&'static str, &'static str)> = APT_PACKAGES.to_vec();
+    if !cmd::in_path("node") {
+        packages.push(("nodejs", "Node.js, runs the JavaScript tests in tests/js"));
+    }
+    // Debian's nodejs comes without npm; NodeSource's includes it.
+    if workspace.join(JS_TESTS_DIR).join("package.json").exists() && !cmd::in_path("npm") {
+        packages.push(("npm", "installs the dependencies of the JavaScript tests"));
+    }
+    let installed = installed_packages(packages.iter().map(|(name, _)| *name));
+    let mut missing: Vec<Prerequisite> = packages
+        .into_iter()
+        .filter(|(name, _)| !installed.iter().any(|have| have == name))
+        .map(|(package, why)| Prerequisite::Apt { package, why })
+        .collect();
+    if !bpf_linker_dir(workspace).join("bpf-linker").exists() {
+        missing.push(Prerequisite::BpfLinker);
+    }
+    if rustup_link_missing() {
+        missing.push(Prerequisite::RustupLink);
+    }
+    if npm_deps_stale(&workspace.join(JS_TESTS_DIR)) {
+        missing.push(Prerequisite::NpmDeps);
+    }
+    missing
+}
+
+/// The subset of `packages` dpkg reports as installed (none if dpkg is unavailable).
+fn installed_packages<'a>(packages: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let output = Command::new("dpkg-query")
+        .args(["-W", "-f", "${Package}\\t${db:Status-Status}\\n"])
+        .args(packages)
+        .stderr(Stdio::null()) // unknown packages are reported on stderr; they count as missing.
+        .output();
+    match output {
+        Ok(output) => parse_dpkg_query(&String::from_utf8_lossy(&output.stdout)),
+        Err(_) => Vec::new(),
+    }
+}
+
+fn parse_dpkg_query(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .filter(|(_, status)| status.trim() == "installed")
+        .map(|(name, _)| name.to_string())
+        .collect()
+}
+
+fn rustup_link_missing() -> bool {
+    // Without rustup there is nothing to link into; aya tooling then uses PATH.
+    match Command::new("rustup")
+        .args(["toolchain", "list"])
+        .stderr(Stdio::null())
+        .output()
+    {
+        Ok(output) if output.status.success() => !String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .any(|line| line.split_whitespace().next() == Some(RUSTUP_TOOLCHAIN_NAME)),
+        _ => false,
+    }
+}
+
+/// True when `dir` has a package.json and its node_modules is absent or older than the lockfile.
+fn npm_deps_stale(dir: &Path) -> bool {
+    if !dir.join("package.json").exists() {
+        return false;
+    }
+    let modified = |path: PathBuf| {
+        std::fs::metadata(path)
+            .and_then(|meta| meta.modified())
+            .ok()
+    };
+    match (
+        modified(dir.join("node_modules")),
+        modified(dir.join("package-lock.json")),
+    ) {
+        (None, _) => true,
+        (Some(modules), Some(lock)) => modules < lock,
+        (Some(_), None) => false,
+    }
+}
+
+/// Installs whatever is missing; with `quiet_if_complete`, says nothing when nothing is missing.
+pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
+    let missing = missing_prerequisites(workspace);
+    if missing.is_empty() {
+        if !quiet_if_complete {
+            println!(
+                "setup: nothing to do; present: Debian packages ({}), bpf-linker {BPF_LINKER_VERSION} in {}, \
+                 rustup toolchain {RUSTUP_TOOLCHAIN_NAME} (if rustup is used), npm packages of {JS_TESTS_DIR} (if present)",
+                APT_PACKAGES
+                    .iter()
+                    .map(|(name, _)| *name)
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                bpf_linker_dir(workspace).display()
+            );
+        }
+        return Ok(());
+    }
+
+    let apt: Vec<&Prerequisite> = missing
+        .iter()
+        .filter(|item| matches!(item, Prerequisite::Apt { .. }))
+        .collect();
+    if !apt.is_empty() {
+        let names: Vec<&str> = apt
+            .iter()
+            .filter_map(|item| match item {
+                Prerequisite::Apt { package, .. } => Some(*package),
+                _ => None,
+            })
+            .collect();
+        check_apt_usable(&names)?;
+        for item in &apt {
+            println!("installing: {}", item.describe());
+        }
+        apt_get(&["update"])?;
+        let mut args = vec!["install", "-y", "--no-install-recommends"];
+        args.extend_from_slice(&names);
+        apt_get(&args)?;
+    }
+    for item in missing
+        .iter()
+        .filter(|item| !matches!(item, Prerequisite::Apt { .. }))
+    {
+        println!("installing: {}", item.describe());
+        match item {
+            Prerequisite::BpfLinker => install_bpf_linker(workspace)?,
+            Prerequisite::RustupLink => cmd::run(Command::new("rustup").args([
+                "toolchain",
+                "link",
+                RUSTUP_TOOLCHAIN_NAME,
+                "/usr",
+            ]))?,
+            Prerequisite::NpmDeps => install_npm_deps(&workspace.join(JS_TESTS_DIR))?,
+            Prerequisite::Apt { .. } => unreachable!("installed above"),
+        }
+    }
+
+    let still_missing = missing_prerequisites(workspace);
+    if !still_missing.is_empty() {
+        let items: Vec<String> = still_missing.iter().map(Prerequisite::describe).collect();
+        bail!(
+            "setup finished but these are still missing: {}",
+            items.join("; ")
+        );
+    }
+    let toolchain = ebpf_toolchain_missing(workspace);
+    if !toolchain.is_empty() {
+        bail!(
+            "setup finished but the eBPF toolchain is incomplete: {}",
+            toolchain.join(", ")
+        );
+    }
+    println!("setup: done");
+    Ok(())
+}
+
+/// Runs setup first if anything is missing (used by every other task).
+pub fn ensure(workspace: &Path) -> Result<()> {
+    let missing = missing_prerequisites(workspace);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!(
+        "setup: {} prerequisite(s) missing, installing them first",
+        missing.len()
+    );
+    setup(workspace, true).context("automatic setup failed")
+}
+
+/// apt-get must exist and we must be root; say so before announcing anything.
+fn check_apt_usable(packages: &[&str]) -> Result<()> {
+    if !cmd::in_path("apt-get") {
+        bail!(
+            "apt-get not found; setup supports Debian 12 only (missing packages: {})",
+            packages.join(" ")
+        );
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{}", not_root_message(packages));
+    }
+    Ok(())
+}
+
+fn not_root_message(packages: &[&str]) -> String {
+    format!(
+        "installing Debian packages needs root: run `sudo apt-get update && sudo apt-get install -y --no-install-recommends {}` \
+         (or run setup as root), then `cargo xtask setup` again",
+        packages.join(" ")
+    )
+}
+
+/// Runs apt-get non-interactively, retrying once: another apt run on the machine can hold the
+/// lock or race on the archive ("cannot access archive").
+fn apt_get(args: &[&str]) -> Result<()> {
+    let attempt = || {
+        cmd::run(
+            Command::new("apt-get")
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(["-o", "DPkg::Lock::Timeout=120"])
+                .args(args)
+                .stdin(Stdio::null()),
+        )
+    };
+    attempt().or_else(|err| {
+        println!("{err:#}; retrying once in 10 s");
+        std::thread::sleep(Duration::from_secs(10));
+        attempt()
+    })
+}
+
+fn install_bpf_linker(workspace: &Path) -> Result<()> {
+    if !Path::new(SYSTEM_LIBLLVM).exists() {
+        bail!(
+            "{SYSTEM_LIBLLVM} is missing (it comes with rustc-web's libllvm22); bpf-linker needs it"
+        );
+    }
+    let tools = workspace.join(".tools");
+    // bpf-linker's build only needs a prefix whose lib/libLLVM.so is Debian's library.
+    let llvm_lib = tools.join("llvm-22").join("lib");
+    std::fs::create_dir_all(&llvm_lib)
+        .with_context(|| format!("cannot create {}", llvm_lib.display()))?;
+    let link = llvm_lib.join("libLLVM.so");
+    if std::fs::read_link(&link).ok().as_deref() != Some(Path::new(SYSTEM_LIBLLVM)) {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(SYSTEM_LIBLLVM, &link)
+            .with_context(|| format!("cannot link {} -> {SYSTEM_LIBLLVM}", link.display()))?;
+    }
+    let root = bpf_linker_dir(workspace);
+    let root = root.parent().context("bpf-linker dir has no parent")?;
+    cmd::run(
+        Command::new(crate::cargo())
+            .env("LLVM_PREFIX", tools.join("llvm-22"))
+            .args([
+                "install",
+                "--locked",
+                &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+            ])
+            .args(["--no-default-features", "--features", "llvm-22", "--root"])
+            .arg(root),
+    )
+}
+
+fn install_npm_deps(dir: &Path) -> Result<()> {
+    // `npm ci` needs a lockfile; without one, `npm install` creates it.
+    let sub = if dir.join("package-lock.json").exists() {
+        "ci"
+    } else {
+        "install"
+    };
+    cmd::run(
+        Command::new("npm")
+            .args([sub, "--no-audit", "--no-fund"])
+            .current_dir(dir)
+            .stdin(Stdio::null()),
+    )?;
+    // Mark node_modules as newer than the lockfile even if npm left its mtime alone.
+    let modules = dir.join("node_modules");
+    std::fs::create_dir_all(&modules)?;
+    std::fs::File::open(&modules)
+        .and_then(|file| file.set_modified(SystemTime::now()))
+        .with_context(|| format!("cannot touch {}", modules.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dpkg_query_output_counts_only_installed() {
+        let stdout = "gcc\tinstalled\nlinux-perf\tconfig-files\nbinutils\tinstalled\n";
+        assert_eq!(parse_dpkg_query(stdout), ["gcc", "binutils"]);
+    }
+
+    #[test]
+    fn npm_deps_follow_the_lockfile() {
+        let dir = std::env::temp_dir().join(format!("xtask-npm-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(!npm_deps_stale(&dir), "no package.json: nothing to install");
+        std::fs::write(dir.join("package.json"), "{}").unwrap();
+        assert!(npm_deps_stale(&dir), "no node_modules");
+        std::fs::create_dir(dir.join("node_modules")).unwrap();
+        let lock = std::fs::File::create(dir.join("package-lock.json")).unwrap();
+        lock.set_modified(SystemTime::now() + Duration::from_secs(60))
+            .unwrap();
+        assert!(npm_deps_stale(&dir), "lockfile newer than node_modules");
+        lock.set_modified(SystemTime::now() - Duration::from_secs(60))
+            .unwrap();
+        assert!(!npm_deps_stale(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn non_root_message_names_the_command() {
+        let message = not_root_message(&["rustc-web", "gcc"]);
+        assert!(message.contains("needs root"));
+        assert!(message.contains("apt-get install -y --no-install-recommends rustc-web gcc"));
+    }
+}
