@@ -4,7 +4,11 @@ include!("ebpf_build.rs");
 fn main() {
     let manifest_dir = std::path::PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap());
     let workspace = manifest_dir.parent().unwrap().to_path_buf();
-    for dir in ["profiler-ebpf/src", "profiler-ebpf/Cargo.toml", "profiler-common/src"] {
+    for dir in [
+        "profiler-ebpf/src",
+        "profiler-ebpf/Cargo.toml",
+        "profiler-common/src",
+    ] {
         println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
     }
     println!("cargo:rerun-if-env-changed={EBPF_OBJECT_ENV}");

@@ -2,8 +2,8 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, bpf_perf_event_data},
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
-        bpf_ktime_get_ns, generated::bpf_get_stack,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        generated::bpf_get_stack,
     },
     macros::{map, perf_event},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -83,7 +83,11 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             (MAX_KERNEL_FRAMES * 8) as u32,
             0,
         );
-        header.kernel_frames = if kernel_bytes > 0 { (kernel_bytes / 8) as u16 } else { 0 };
+        header.kernel_frames = if kernel_bytes > 0 {
+            (kernel_bytes / 8) as u16
+        } else {
+            0
+        };
         if kernel_bytes < 0 {
             // A sample taken in user mode has no kernel stack (-EFAULT): that is not an error.
             if flags & SAMPLE_IN_USER_MODE == 0 {

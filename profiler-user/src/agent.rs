@@ -78,7 +78,12 @@ impl Pipeline {
             unwinder: Unwinder::default(),
             symbolizer: Symbolizer::new(SymbolizerOptions::default()),
             aggregator: Aggregator::new(
-                AggregatorSettings { grouping, period_ns: sampling.period_ns(), host, max_thread_names: 64 },
+                AggregatorSettings {
+                    grouping,
+                    period_ns: sampling.period_ns(),
+                    host,
+                    max_thread_names: 64,
+                },
                 start_unix_ns,
             ),
             samples_processed: 0,
@@ -88,7 +93,8 @@ impl Pipeline {
     fn handle(&mut self, sample: &Sample) {
         let (stack, process) = self.unwinder.unwind(sample, &mut self.processes);
         let frames = self.symbolizer.symbolize_stack(&stack);
-        self.aggregator.add(process.as_deref(), sample, &frames, stack.truncated);
+        self.aggregator
+            .add(process.as_deref(), sample, &frames, stack.truncated);
         self.samples_processed += 1;
     }
 
@@ -118,16 +124,17 @@ impl Pipeline {
             (metrics.pid_filter_entries, metrics.pid_filter_capacity) = sampler.pid_filter_fill();
         }
         if let Some(reader) = reader {
-            metrics.samples_received = reader.stats.received.load(Ordering::Relaxed);
-            metrics.decode_errors = reader.stats.decode_errors.load(Ordering::Relaxed);
-            metrics.agent_queue_full = reader.stats.channel_full.load(Ordering::Relaxed);
+            reader.stats.add_to(&mut metrics);
         }
         metrics
     }
 }
 
 fn unix_now_ns() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
 }
 
 fn hostname() -> String {
@@ -139,7 +146,10 @@ fn hostname() -> String {
 }
 
 fn check_pids_exist(pids: &[u32]) -> Result<(), AgentError> {
-    match pids.iter().find(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+    match pids
+        .iter()
+        .find(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+    {
         Some(&pid) => Err(AgentError::NoSuchProcess(pid)),
         None => Ok(()),
     }
@@ -151,10 +161,21 @@ fn check_writable_file(path: &Path) -> Result<(), AgentError> {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
     };
-    let probe = dir.join(format!(".{}.probe-{}", path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(), std::process::id()));
-    let not_writable = |err: std::io::Error| AgentError::OutputNotWritable { path: path.display().to_string(), message: err.to_string() };
+    let probe = dir.join(format!(
+        ".{}.probe-{}",
+        path.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let not_writable = |err: std::io::Error| AgentError::OutputNotWritable {
+        path: path.display().to_string(),
+        message: err.to_string(),
+    };
     if path.is_dir() {
-        return Err(not_writable(std::io::Error::from(std::io::ErrorKind::IsADirectory)));
+        return Err(not_writable(std::io::Error::from(
+            std::io::ErrorKind::IsADirectory,
+        )));
     }
     std::fs::File::create(&probe).map_err(not_writable)?;
     let _ = std::fs::remove_file(&probe);
@@ -162,7 +183,10 @@ fn check_writable_file(path: &Path) -> Result<(), AgentError> {
 }
 
 fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
-    let not_writable = |err: std::io::Error| AgentError::OutputNotWritable { path: dir.display().to_string(), message: err.to_string() };
+    let not_writable = |err: std::io::Error| AgentError::OutputNotWritable {
+        path: dir.display().to_string(),
+        message: err.to_string(),
+    };
     std::fs::create_dir_all(dir).map_err(not_writable)?;
     let probe = dir.join(format!(".probe-{}", std::process::id()));
     std::fs::File::create(&probe).map_err(not_writable)?;
@@ -172,7 +196,11 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
 
 /// Runs the pipeline on samples from `rx` until `until` returns true; calls `on_tick` about
 /// every 100 ms with the pipeline so the caller can flush.
-fn pump(pipeline: &mut Pipeline, rx: &Receiver<Sample>, mut until: impl FnMut(&mut Pipeline) -> bool) {
+fn pump(
+    pipeline: &mut Pipeline,
+    rx: &Receiver<Sample>,
+    mut until: impl FnMut(&mut Pipeline) -> bool,
+) {
     loop {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(sample) => {
@@ -204,7 +232,9 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     })?;
     let (reader, rx) = SampleReader::spawn(ring, SAMPLE_QUEUE);
     let started = Instant::now();
-    pump(&mut pipeline, &rx, |_| started.elapsed() >= config.duration || stop.load(Ordering::Relaxed));
+    pump(&mut pipeline, &rx, |_| {
+        started.elapsed() >= config.duration || stop.load(Ordering::Relaxed)
+    });
 
     // Detach first so no sample is taken after the window, then take everything in flight.
     let bpf_stats = sampler.stats();
@@ -232,13 +262,88 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
-    metrics.samples_received = reader_stats.received.load(Ordering::Relaxed);
-    metrics.decode_errors = reader_stats.decode_errors.load(Ordering::Relaxed);
-    metrics.agent_queue_full = reader_stats.channel_full.load(Ordering::Relaxed);
+    reader_stats.add_to(&mut metrics);
     metrics.profiles_written = 1;
     metrics.log("recording finished");
     tracing::info!(path = %config.output.display(), samples = profile.total_samples(), "profile written");
     Ok(RecordSummary { profile, metrics })
+}
+
+/// The exporter thread and its queue: the pipeline hands over each interval's profiles without
+/// waiting; a full queue drops the batch and counts it.
+struct Exporter {
+    queue: Option<crossbeam_channel::Sender<Vec<Profile>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    counters: Arc<ExportCounters>,
+}
+
+impl Exporter {
+    fn spawn(mut sink: impl ProfileSink + Send + 'static) -> Exporter {
+        let (queue, batches) = crossbeam_channel::bounded::<Vec<Profile>>(EXPORT_QUEUE);
+        let counters = Arc::new(ExportCounters::default());
+        let thread = {
+            let counters = counters.clone();
+            std::thread::Builder::new()
+                .name("exporter".into())
+                .spawn(move || {
+                    for profile in batches.into_iter().flatten() {
+                        match sink.write(&profile) {
+                            Ok(()) => counters.written.fetch_add(1, Ordering::Relaxed),
+                            Err(err) => {
+                                tracing::warn!("{err}");
+                                counters.errors.fetch_add(1, Ordering::Relaxed)
+                            }
+                        };
+                    }
+                })
+                .expect("spawning the exporter thread")
+        };
+        Exporter {
+            queue: Some(queue),
+            thread: Some(thread),
+            counters,
+        }
+    }
+
+    fn submit(&self, profiles: Vec<Profile>) {
+        let count = profiles.len() as u64;
+        let Some(queue) = &self.queue else { return };
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = queue.try_send(profiles)
+        {
+            self.counters.errors.fetch_add(count, Ordering::Relaxed);
+            tracing::warn!(
+                profiles = count,
+                "the output is not keeping up; dropped this interval's profiles"
+            );
+        }
+    }
+
+    /// Waits until everything submitted has been written.
+    fn finish(&mut self) {
+        self.queue = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+
+    fn add_to(&self, metrics: &mut SelfMetrics) {
+        metrics.profiles_written = self.counters.written.load(Ordering::Relaxed);
+        metrics.export_errors = self.counters.errors.load(Ordering::Relaxed);
+    }
+}
+
+/// Ends the current window: hands its profiles to the exporter and logs the agent's health.
+fn flush_interval(
+    pipeline: &mut Pipeline,
+    exporter: &Exporter,
+    sampler: Option<&Sampler>,
+    reader: Option<&SampleReader>,
+) {
+    exporter.submit(pipeline.aggregator.flush(unix_now_ns()));
+    pipeline.processes.evict_exited();
+    let mut metrics = pipeline.metrics(sampler, reader);
+    exporter.add_to(&mut metrics);
+    metrics.log("interval");
 }
 
 /// `profiler agent`: samples until `stop`, writing one profile per service every interval.
@@ -246,79 +351,43 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     Sampler::preflight()?;
     check_pids_exist(&config.sampling.pids)?;
     check_writable_dir(&config.output_dir)?;
-    let mut sink = DirectorySink::new(config.output_dir.clone());
-    let (export_tx, export_rx) = crossbeam_channel::bounded::<Vec<Profile>>(EXPORT_QUEUE);
-    let export_stats = Arc::new(ExportCounters::default());
-    let exporter = {
-        let stats = export_stats.clone();
-        std::thread::Builder::new()
-            .name("exporter".into())
-            .spawn(move || {
-                for batch in export_rx {
-                    for profile in batch {
-                        match sink.write(&profile) {
-                            Ok(()) => stats.written.fetch_add(1, Ordering::Relaxed),
-                            Err(err) => {
-                                tracing::warn!("{err}");
-                                stats.errors.fetch_add(1, Ordering::Relaxed)
-                            }
-                        };
-                    }
-                }
-            })
-            .expect("spawning the exporter thread")
-    };
-
-    let mut window_start = unix_now_ns();
-    let mut pipeline = Pipeline::new(Grouping::PerService, &config.sampling, window_start);
+    let mut exporter = Exporter::spawn(DirectorySink::new(config.output_dir.clone()));
+    let mut pipeline = Pipeline::new(Grouping::PerService, &config.sampling, unix_now_ns());
     let (sampler, ring) = Sampler::start(&SamplerSettings {
         frequency_hz: config.sampling.frequency_hz,
         pids: config.sampling.pids.clone(),
     })?;
     let (reader, rx) = SampleReader::spawn(ring, SAMPLE_QUEUE);
-    tracing::info!(interval_s = config.interval.as_secs_f64(), output_dir = %config.output_dir.display(), "agent running");
+    tracing::info!(
+        interval_s = config.interval.as_secs_f64(),
+        output_dir = %config.output_dir.display(),
+        "agent running"
+    );
     let mut next_flush = Instant::now() + config.interval;
-    let mut flush = |pipeline: &mut Pipeline, sampler: Option<&Sampler>, reader: Option<&SampleReader>| {
-        let now = unix_now_ns();
-        let profiles = pipeline.aggregator.flush(now);
-        window_start = now;
-        let count = profiles.len();
-        match export_tx.try_send(profiles) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                export_stats.errors.fetch_add(count as u64, Ordering::Relaxed);
-                tracing::warn!(profiles = count, "exporter is not keeping up; dropped this interval's profiles");
-            }
-        }
-        pipeline.processes.evict_exited();
-        let mut metrics = pipeline.metrics(sampler, reader);
-        metrics.profiles_written = export_stats.written.load(Ordering::Relaxed);
-        metrics.export_errors = export_stats.errors.load(Ordering::Relaxed);
-        metrics.log("interval");
-    };
     pump(&mut pipeline, &rx, |pipeline| {
         if Instant::now() >= next_flush {
             next_flush += config.interval;
-            flush(pipeline, Some(&sampler), Some(&reader));
+            flush_interval(pipeline, &exporter, Some(&sampler), Some(&reader));
         }
         stop.load(Ordering::Relaxed)
     });
+
     tracing::info!("stopping: flushing the current interval");
     let bpf_stats = sampler.stats();
+    let bpf_run_stats = sampler.program_run_stats();
     drop(sampler);
+    let reader_stats = reader.stats.clone();
     reader.stop();
     for sample in rx.try_iter() {
         pipeline.handle(&sample);
     }
-    flush(&mut pipeline, None, None);
-    let _ = window_start;
-    drop(flush);
-    drop(export_tx);
-    let _ = exporter.join();
+    exporter.submit(pipeline.aggregator.flush(unix_now_ns()));
+    exporter.finish();
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
-    metrics.profiles_written = export_stats.written.load(Ordering::Relaxed);
-    metrics.export_errors = export_stats.errors.load(Ordering::Relaxed);
+    (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
+    reader_stats.add_to(&mut metrics);
+    exporter.add_to(&mut metrics);
     metrics.log("agent stopped");
     Ok(())
 }

@@ -58,7 +58,12 @@ pub struct RecordArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Where to write the profile.
-    #[arg(long, short = 'o', env = "PROFILER_OUTPUT", default_value = "profile.pb.gz")]
+    #[arg(
+        long,
+        short = 'o',
+        env = "PROFILER_OUTPUT",
+        default_value = "profile.pb.gz"
+    )]
     pub output: PathBuf,
     /// Output format: gzipped pprof, or folded stacks (`comm;root;...;leaf COUNT` per line).
     #[arg(long, short = 'f', env = "PROFILER_FORMAT", default_value = "pprof", value_parser = parse_format)]
@@ -85,15 +90,21 @@ fn parse_pid(text: &str) -> Result<u32, String> {
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
-    let seconds: f64 = text.trim().parse().map_err(|_| format!("'{text}' is not a number of seconds"))?;
+    let seconds: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number of seconds"))?;
     if !seconds.is_finite() || seconds <= 0.0 || seconds > 7.0 * 86_400.0 {
-        return Err(format!("'{text}' must be more than 0 and at most one week of seconds"));
+        return Err(format!(
+            "'{text}' must be more than 0 and at most one week of seconds"
+        ));
     }
     Ok(Duration::from_secs_f64(seconds))
 }
 
 fn parse_format(text: &str) -> Result<OutputFormat, String> {
-    text.parse::<OutputFormat>().map_err(|_| format!("'{text}' is not a format (pprof or folded)"))
+    text.parse::<OutputFormat>()
+        .map_err(|_| format!("'{text}' is not a format (pprof or folded)"))
 }
 
 impl SamplingArgs {
@@ -101,7 +112,10 @@ impl SamplingArgs {
         let mut pids = self.pids;
         pids.sort_unstable();
         pids.dedup();
-        SamplingConfig { frequency_hz: self.frequency, pids }
+        SamplingConfig {
+            frequency_hz: self.frequency,
+            pids,
+        }
     }
 }
 
@@ -118,7 +132,11 @@ impl From<RecordArgs> for RecordConfig {
 
 impl From<AgentArgs> for AgentConfig {
     fn from(args: AgentArgs) -> Self {
-        AgentConfig { sampling: args.sampling.into_config(), interval: args.interval, output_dir: args.output_dir }
+        AgentConfig {
+            sampling: args.sampling.into_config(),
+            interval: args.interval,
+            output_dir: args.output_dir,
+        }
     }
 }
 
@@ -137,8 +155,16 @@ mod tests {
     fn every_flag_has_an_environment_variable() {
         for sub in Cli::command().get_subcommands() {
             for arg in sub.get_arguments() {
-                if arg.get_long().is_some_and(|l| l != "help" && l != "version") {
-                    assert!(arg.get_env().is_some(), "--{} of {} has no env var", arg.get_long().unwrap(), sub.get_name());
+                if arg
+                    .get_long()
+                    .is_some_and(|l| l != "help" && l != "version")
+                {
+                    assert!(
+                        arg.get_env().is_some(),
+                        "--{} of {} has no env var",
+                        arg.get_long().unwrap(),
+                        sub.get_name()
+                    );
                 }
             }
         }
@@ -146,11 +172,35 @@ mod tests {
 
     #[test]
     fn parses_record_arguments() {
-        let cli = Cli::try_parse_from(["profiler", "record", "--duration", "2.5", "-p", "10", "--pid", "3", "--pid", "10", "-F", "99", "--format", "folded"]).unwrap();
-        let Command::Record(args) = cli.command else { panic!("not record") };
+        let cli = Cli::try_parse_from([
+            "profiler",
+            "record",
+            "--duration",
+            "2.5",
+            "-p",
+            "10",
+            "--pid",
+            "3",
+            "--pid",
+            "10",
+            "-F",
+            "99",
+            "--format",
+            "folded",
+        ])
+        .unwrap();
+        let Command::Record(args) = cli.command else {
+            panic!("not record")
+        };
         let config = RecordConfig::from(args);
         assert_eq!(config.duration, Duration::from_millis(2500));
-        assert_eq!(config.sampling, SamplingConfig { frequency_hz: 99, pids: vec![3, 10] });
+        assert_eq!(
+            config.sampling,
+            SamplingConfig {
+                frequency_hz: 99,
+                pids: vec![3, 10]
+            }
+        );
         assert_eq!(config.format, OutputFormat::Folded);
         assert_eq!(config.output, PathBuf::from("profile.pb.gz"));
     }
@@ -159,11 +209,22 @@ mod tests {
     fn rejects_bad_values_with_clear_messages() {
         let error = |args: &[&str]| Cli::try_parse_from(args).unwrap_err().to_string();
         assert!(error(&["profiler", "record", "--duration", "5", "-F", "0"]).contains("1..=1000"));
-        assert!(error(&["profiler", "record", "--duration", "5", "-F", "5000"]).contains("1..=1000"));
+        assert!(
+            error(&["profiler", "record", "--duration", "5", "-F", "5000"]).contains("1..=1000")
+        );
         assert!(error(&["profiler", "record", "--duration", "-1"]).contains("more than 0"));
-        assert!(error(&["profiler", "record", "--duration", "soon"]).contains("not a number of seconds"));
-        assert!(error(&["profiler", "record", "--duration", "1", "--pid", "abc"]).contains("not a process id"));
-        assert!(error(&["profiler", "record", "--duration", "1", "--format", "svg"]).contains("pprof or folded"));
+        assert!(
+            error(&["profiler", "record", "--duration", "soon"])
+                .contains("not a number of seconds")
+        );
+        assert!(
+            error(&["profiler", "record", "--duration", "1", "--pid", "abc"])
+                .contains("not a process id")
+        );
+        assert!(
+            error(&["profiler", "record", "--duration", "1", "--format", "svg"])
+                .contains("pprof or folded")
+        );
         assert!(error(&["profiler", "record"]).contains("--duration"));
     }
 }

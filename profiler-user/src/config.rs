@@ -14,7 +14,10 @@ pub struct SamplingConfig {
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        SamplingConfig { frequency_hz: 100, pids: Vec::new() }
+        SamplingConfig {
+            frequency_hz: 100,
+            pids: Vec::new(),
+        }
     }
 }
 

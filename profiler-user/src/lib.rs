@@ -3,15 +3,15 @@
 //! One module per pipeline stage, data flowing one way:
 //! `sampling` → `unwinding` → `symbolization` → `aggregation` → `export`, with `process`
 //! (per-process snapshots and labels) feeding unwinding, and `bpf` the only module touching aya.
+pub mod agent;
 pub mod aggregation;
 pub mod bpf;
+pub mod cli;
+pub mod config;
 pub mod export;
 pub mod model;
 pub mod process;
 pub mod sampling;
+pub mod self_metrics;
 pub mod symbolization;
 pub mod unwinding;
-pub mod agent;
-pub mod cli;
-pub mod config;
-pub mod self_metrics;

@@ -225,6 +225,9 @@ impl Profile {
     }
 
     pub fn series_label(&self, name: &str) -> Option<&str> {
-        self.series_labels.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.series_labels
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 }

@@ -48,41 +48,172 @@ pub struct SelfMetrics {
 impl SelfMetrics {
     /// Samples lost anywhere between the perf event and the pipeline.
     pub fn samples_dropped(&self) -> u64 {
-        self.bpf.get(profiler_common::STAT_RINGBUF_FULL) + self.agent_queue_full + self.decode_errors
+        self.bpf.get(profiler_common::STAT_RINGBUF_FULL)
+            + self.agent_queue_full
+            + self.decode_errors
     }
 
     pub fn values(&self) -> Vec<MetricValue> {
         let mut out = Vec::new();
         let mut push = |name: &str, help: &'static str, value: f64, kind: &'static str| {
-            out.push(MetricValue { name: format!("profiler_{name}"), help, value, kind });
+            out.push(MetricValue {
+                name: format!("profiler_{name}"),
+                help,
+                value,
+                kind,
+            });
         };
         for (name, value) in self.bpf.named() {
-            let kind = if name == "ringbuf_pending_bytes" { "gauge" } else { "counter" };
-            push(&format!("bpf_{name}"), "Counter kept by the eBPF sampler", value as f64, kind);
+            let kind = if name == "ringbuf_pending_bytes" {
+                "gauge"
+            } else {
+                "counter"
+            };
+            push(
+                &format!("bpf_{name}"),
+                "Counter kept by the eBPF sampler",
+                value as f64,
+                kind,
+            );
         }
-        push("bpf_program_run_time_ns_total", "Kernel-accounted run time of the sampler (kernel.bpf_stats_enabled)", self.bpf_run_time_ns as f64, "counter");
-        push("bpf_program_runs_total", "Kernel-accounted runs of the sampler (kernel.bpf_stats_enabled)", self.bpf_run_count as f64, "counter");
-        push("samples_received_total", "Samples read from the ring buffer", self.samples_received as f64, "counter");
-        push("samples_processed_total", "Samples unwound, symbolized and aggregated", self.samples_processed as f64, "counter");
-        push("samples_dropped_total", "Samples lost (ring buffer full, agent queue full, undecodable)", self.samples_dropped() as f64, "counter");
-        push("decode_errors_total", "Ring-buffer records that did not decode", self.decode_errors as f64, "counter");
-        push("agent_queue_full_total", "Samples dropped because the pipeline lagged", self.agent_queue_full as f64, "counter");
-        push("truncated_stacks_total", "Stacks cut short by the depth limit", self.truncated_stacks as f64, "counter");
-        push("unmapped_frames_total", "User frames outside any file mapping", self.unmapped_frames as f64, "counter");
-        push("unknown_processes_total", "Samples of processes gone before their snapshot", self.unknown_processes as f64, "counter");
-        push("frames_symbolized_total", "Distinct frames symbolized", self.frames_symbolized as f64, "counter");
-        push("symbolization_misses_total", "Frames left as module+offset or [unknown]", self.symbolization_misses as f64, "counter");
-        push("symbolization_errors_total", "Files the symbolizer could not read", self.symbolization_errors as f64, "counter");
-        push("symbol_cache_entries", "Entries in the symbol cache", self.symbol_cache_entries as f64, "gauge");
-        push("processes_tracked", "Process snapshots held", self.processes_tracked as f64, "gauge");
-        push("open_files", "Mapped files held open for symbolization", self.open_files as f64, "gauge");
-        push("bpf_pid_filter_entries", "Entries in the PID_FILTER map", f64::from(self.pid_filter_entries), "gauge");
-        push("bpf_pid_filter_capacity", "Capacity of the PID_FILTER map", f64::from(self.pid_filter_capacity), "gauge");
-        push("profiles_written_total", "Profiles handed to the output", self.profiles_written as f64, "counter");
-        push("export_errors_total", "Profiles the output failed to take", self.export_errors as f64, "counter");
-        push("agent_cpu_seconds_total", "CPU time used by the agent", self.agent_cpu.as_secs_f64(), "counter");
-        push("agent_rss_bytes", "Resident memory of the agent", self.agent_rss_bytes as f64, "gauge");
-        push("agent_peak_rss_bytes", "Peak resident memory of the agent", self.agent_peak_rss_bytes as f64, "gauge");
+        push(
+            "bpf_program_run_time_ns_total",
+            "Kernel-accounted run time of the sampler (kernel.bpf_stats_enabled)",
+            self.bpf_run_time_ns as f64,
+            "counter",
+        );
+        push(
+            "bpf_program_runs_total",
+            "Kernel-accounted runs of the sampler (kernel.bpf_stats_enabled)",
+            self.bpf_run_count as f64,
+            "counter",
+        );
+        push(
+            "samples_received_total",
+            "Samples read from the ring buffer",
+            self.samples_received as f64,
+            "counter",
+        );
+        push(
+            "samples_processed_total",
+            "Samples unwound, symbolized and aggregated",
+            self.samples_processed as f64,
+            "counter",
+        );
+        push(
+            "samples_dropped_total",
+            "Samples lost (ring buffer full, agent queue full, undecodable)",
+            self.samples_dropped() as f64,
+            "counter",
+        );
+        push(
+            "decode_errors_total",
+            "Ring-buffer records that did not decode",
+            self.decode_errors as f64,
+            "counter",
+        );
+        push(
+            "agent_queue_full_total",
+            "Samples dropped because the pipeline lagged",
+            self.agent_queue_full as f64,
+            "counter",
+        );
+        push(
+            "truncated_stacks_total",
+            "Stacks cut short by the depth limit",
+            self.truncated_stacks as f64,
+            "counter",
+        );
+        push(
+            "unmapped_frames_total",
+            "User frames outside any file mapping",
+            self.unmapped_frames as f64,
+            "counter",
+        );
+        push(
+            "unknown_processes_total",
+            "Samples of processes gone before their snapshot",
+            self.unknown_processes as f64,
+            "counter",
+        );
+        push(
+            "frames_symbolized_total",
+            "Distinct frames symbolized",
+            self.frames_symbolized as f64,
+            "counter",
+        );
+        push(
+            "symbolization_misses_total",
+            "Frames left as module+offset or [unknown]",
+            self.symbolization_misses as f64,
+            "counter",
+        );
+        push(
+            "symbolization_errors_total",
+            "Files the symbolizer could not read",
+            self.symbolization_errors as f64,
+            "counter",
+        );
+        push(
+            "symbol_cache_entries",
+            "Entries in the symbol cache",
+            self.symbol_cache_entries as f64,
+            "gauge",
+        );
+        push(
+            "processes_tracked",
+            "Process snapshots held",
+            self.processes_tracked as f64,
+            "gauge",
+        );
+        push(
+            "open_files",
+            "Mapped files held open for symbolization",
+            self.open_files as f64,
+            "gauge",
+        );
+        push(
+            "bpf_pid_filter_entries",
+            "Entries in the PID_FILTER map",
+            f64::from(self.pid_filter_entries),
+            "gauge",
+        );
+        push(
+            "bpf_pid_filter_capacity",
+            "Capacity of the PID_FILTER map",
+            f64::from(self.pid_filter_capacity),
+            "gauge",
+        );
+        push(
+            "profiles_written_total",
+            "Profiles handed to the output",
+            self.profiles_written as f64,
+            "counter",
+        );
+        push(
+            "export_errors_total",
+            "Profiles the output failed to take",
+            self.export_errors as f64,
+            "counter",
+        );
+        push(
+            "agent_cpu_seconds_total",
+            "CPU time used by the agent",
+            self.agent_cpu.as_secs_f64(),
+            "counter",
+        );
+        push(
+            "agent_rss_bytes",
+            "Resident memory of the agent",
+            self.agent_rss_bytes as f64,
+            "gauge",
+        );
+        push(
+            "agent_peak_rss_bytes",
+            "Peak resident memory of the agent",
+            self.agent_peak_rss_bytes as f64,
+            "gauge",
+        );
         out
     }
 
@@ -113,7 +244,9 @@ pub fn process_cpu_time() -> Duration {
     if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
         return Duration::ZERO;
     }
-    let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
     tv(usage.ru_utime) + tv(usage.ru_stime)
 }
 
@@ -124,7 +257,13 @@ pub fn process_rss() -> (u64, u64) {
         status
             .lines()
             .find_map(|l| l.strip_prefix(key))
-            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .and_then(|rest| {
+                rest.trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
             .unwrap_or(0)
             * 1024
     };
@@ -156,8 +295,15 @@ mod tests {
         m.decode_errors = 1;
         assert_eq!(m.samples_dropped(), 8);
         let values = m.values();
-        let dropped = values.iter().find(|v| v.name == "profiler_samples_dropped_total").unwrap();
+        let dropped = values
+            .iter()
+            .find(|v| v.name == "profiler_samples_dropped_total")
+            .unwrap();
         assert_eq!(dropped.value, 8.0);
-        assert!(values.iter().any(|v| v.name == "profiler_bpf_ringbuf_full" && v.value == 3.0));
+        assert!(
+            values
+                .iter()
+                .any(|v| v.name == "profiler_bpf_ringbuf_full" && v.value == 3.0)
+        );
     }
 }

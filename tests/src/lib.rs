@@ -14,14 +14,21 @@ pub use profiler::export::proto;
 
 /// The repository root.
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
 }
 
 /// The `profiler` binary built in the same profile as this test.
 pub fn profiler_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     // target/<profile>/deps/<test> → target/<profile>/profiler
-    let bin = exe.parent().and_then(Path::parent).expect("test binary lives in target/<profile>/deps").join("profiler");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps")
+        .join("profiler");
     assert!(
         bin.exists(),
         "{} is missing: build it first (`cargo build -p profiler-user`; `cargo xtask test` does this)",
@@ -61,7 +68,11 @@ pub fn build_c_fixture(source: &str, name: &str, compiler: &str, flags: &[&str])
         .arg(&src)
         .status()
         .unwrap_or_else(|err| panic!("cannot run {compiler}: {err}"));
-    assert!(status.success(), "{compiler} {flags:?} {} failed", src.display());
+    assert!(
+        status.success(),
+        "{compiler} {flags:?} {} failed",
+        src.display()
+    );
     built.insert(name.to_string(), out.clone());
     out
 }
@@ -73,7 +84,13 @@ pub fn fp_fixture(source: &str) -> PathBuf {
         source,
         &name,
         "gcc",
-        &["-O2", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", "-fno-optimize-sibling-calls"],
+        &[
+            "-O2",
+            "-g",
+            "-fno-omit-frame-pointer",
+            "-mno-omit-leaf-frame-pointer",
+            "-fno-optimize-sibling-calls",
+        ],
     )
 }
 
@@ -115,7 +132,13 @@ pub fn run_profiler(args: &[&str]) -> Output {
 pub fn run_profiler_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(profiler_bin());
     cmd.args(args).env("RUST_LOG", "info");
-    for var in ["PROFILER_FREQUENCY", "PROFILER_PID", "PROFILER_OUTPUT", "PROFILER_FORMAT", "PROFILER_DURATION"] {
+    for var in [
+        "PROFILER_FREQUENCY",
+        "PROFILER_PID",
+        "PROFILER_OUTPUT",
+        "PROFILER_FORMAT",
+        "PROFILER_DURATION",
+    ] {
         cmd.env_remove(var);
     }
     for (key, value) in env {
@@ -145,10 +168,14 @@ pub fn parse_folded(text: &str) -> Vec<FoldedStack> {
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|line| {
-            let (stack, count) = line.rsplit_once(' ').unwrap_or_else(|| panic!("folded line without count: {line:?}"));
+            let (stack, count) = line
+                .rsplit_once(' ')
+                .unwrap_or_else(|| panic!("folded line without count: {line:?}"));
             FoldedStack {
                 frames: stack.split(';').map(str::to_string).collect(),
-                count: count.parse().unwrap_or_else(|_| panic!("bad count in {line:?}")),
+                count: count
+                    .parse()
+                    .unwrap_or_else(|_| panic!("bad count in {line:?}")),
             }
         })
         .collect()
@@ -159,7 +186,9 @@ pub fn decode_pprof(path: &Path) -> proto::Profile {
     use prost::Message;
     let bytes = std::fs::read(path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()));
     let mut raw = Vec::new();
-    flate2::read::GzDecoder::new(&bytes[..]).read_to_end(&mut raw).expect("pprof is gzipped");
+    flate2::read::GzDecoder::new(&bytes[..])
+        .read_to_end(&mut raw)
+        .expect("pprof is gzipped");
     proto::Profile::decode(&raw[..]).expect("pprof decodes")
 }
 
@@ -174,9 +203,17 @@ pub struct ReadableSample {
 }
 
 pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
-    let string = |i: i64| profile.string_table.get(i as usize).cloned().unwrap_or_default();
-    let functions: HashMap<u64, &proto::Function> = profile.function.iter().map(|f| (f.id, f)).collect();
-    let locations: HashMap<u64, &proto::Location> = profile.location.iter().map(|l| (l.id, l)).collect();
+    let string = |i: i64| {
+        profile
+            .string_table
+            .get(i as usize)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let functions: HashMap<u64, &proto::Function> =
+        profile.function.iter().map(|f| (f.id, f)).collect();
+    let locations: HashMap<u64, &proto::Location> =
+        profile.location.iter().map(|l| (l.id, l)).collect();
     profile
         .sample
         .iter()
@@ -185,7 +222,12 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
             for id in &s.location_id {
                 let location = locations.get(id).expect("location exists");
                 for line in &location.line {
-                    names.push(string(functions.get(&line.function_id).expect("function exists").name));
+                    names.push(string(
+                        functions
+                            .get(&line.function_id)
+                            .expect("function exists")
+                            .name,
+                    ));
                 }
             }
             let mut str_labels = HashMap::new();
@@ -197,7 +239,12 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
                     num_labels.insert(string(label.key), label.num);
                 }
             }
-            ReadableSample { functions: names, values: s.value.clone(), str_labels, num_labels }
+            ReadableSample {
+                functions: names,
+                values: s.value.clone(),
+                str_labels,
+                num_labels,
+            }
         })
         .collect()
 }
@@ -207,10 +254,14 @@ pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new(tag: &str) -> Scratch {
-        let dir = workspace_root()
-            .join("target")
-            .join("scratch")
-            .join(format!("{tag}-{}-{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], ""));
+        let dir = workspace_root().join("target").join("scratch").join(
+            format!(
+                "{tag}-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            )
+            .replace(['(', ')'], ""),
+        );
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create scratch dir");
         Scratch(dir)

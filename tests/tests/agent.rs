@@ -35,13 +35,25 @@ fn writes_per_service_profiles_every_interval_and_on_sigterm() {
     std::thread::sleep(Duration::from_millis(2600));
     unsafe { libc_kill(agent.id() as i32, 15) };
     let output = agent.wait_with_output().unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 
-    let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     files.sort();
     let checkout: Vec<_> = files
         .iter()
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("checkout-"))
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("checkout-")
+        })
         .collect();
     // Two full intervals plus the partial one flushed on SIGTERM.
     assert!(checkout.len() >= 3, "files: {files:?}");
@@ -50,8 +62,17 @@ fn writes_per_service_profiles_every_interval_and_on_sigterm() {
         let profile = decode_pprof(file);
         let samples = readable_samples(&profile);
         total += samples.iter().map(|s| s.values[0]).sum::<i64>();
-        assert!(samples.iter().all(|s| s.functions.iter().any(|f| f == "level4" || f == "main")));
-        assert!(profile.comment.iter().any(|&c| profile.string_table[c as usize] == "service_name=checkout"));
+        assert!(
+            samples
+                .iter()
+                .all(|s| s.functions.iter().any(|f| f == "level4" || f == "main"))
+        );
+        assert!(
+            profile
+                .comment
+                .iter()
+                .any(|&c| profile.string_table[c as usize] == "service_name=checkout")
+        );
     }
     assert!(total >= 200, "{total} samples in {} files", checkout.len());
 }

@@ -13,19 +13,45 @@ fn stderr(output: &std::process::Output) -> String {
 #[test]
 fn bad_flag_values_are_rejected() {
     for (args, message) in [
-        (&["record", "--duration", "1", "--frequency", "0"][..], "1..=1000"),
-        (&["record", "--duration", "1", "--frequency", "1001"][..], "1..=1000"),
+        (
+            &["record", "--duration", "1", "--frequency", "0"][..],
+            "1..=1000",
+        ),
+        (
+            &["record", "--duration", "1", "--frequency", "1001"][..],
+            "1..=1000",
+        ),
         (&["record", "--duration", "0"][..], "more than 0"),
-        (&["record", "--duration", "1", "--pid", "x"][..], "not a process id"),
-        (&["record", "--duration", "1", "--format", "svg"][..], "pprof or folded"),
-        (&["agent", "--interval", "never"][..], "not a number of seconds"),
+        (
+            &["record", "--duration", "1", "--pid", "x"][..],
+            "not a process id",
+        ),
+        (
+            &["record", "--duration", "1", "--format", "svg"][..],
+            "pprof or folded",
+        ),
+        (
+            &["agent", "--interval", "never"][..],
+            "not a number of seconds",
+        ),
     ] {
         let output = run_profiler(args);
         assert_eq!(output.status.code(), Some(2), "{args:?}");
-        assert!(stderr(&output).contains(message), "{args:?}: {}", stderr(&output));
+        assert!(
+            stderr(&output).contains(message),
+            "{args:?}: {}",
+            stderr(&output)
+        );
     }
-    let output = run_profiler_with_env(&["record", "--duration", "1"], &[("PROFILER_FREQUENCY", "5000")]);
-    assert_eq!(output.status.code(), Some(2), "flags are read from the environment too");
+    let output = run_profiler_with_env(
+        &["record", "--duration", "1"],
+        &[("PROFILER_FREQUENCY", "5000")],
+    );
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "flags are read from the environment too"
+    );
 }
 
 #[test]
@@ -34,19 +60,44 @@ fn unwritable_output_fails_before_sampling_and_writes_nothing() {
     let file = scratch.path("a-file");
     std::fs::write(&file, b"x").unwrap();
     let target = file.join("profile.pb.gz");
-    let output = run_profiler(&["record", "--duration", "1", "--output", target.to_str().unwrap()]);
+    let output = run_profiler(&[
+        "record",
+        "--duration",
+        "1",
+        "--output",
+        target.to_str().unwrap(),
+    ]);
     assert_eq!(output.status.code(), Some(1));
     let message = stderr(&output);
-    assert!(message.contains("cannot write") && message.contains(target.to_str().unwrap()), "{message}");
-    assert_eq!(message.trim().lines().filter(|l| l.starts_with("error:")).count(), 1, "{message}");
-    assert_eq!(std::fs::read_dir(&scratch.0).unwrap().count(), 1, "nothing but the original file");
+    assert!(
+        message.contains("cannot write") && message.contains(target.to_str().unwrap()),
+        "{message}"
+    );
+    assert_eq!(
+        message
+            .trim()
+            .lines()
+            .filter(|l| l.starts_with("error:"))
+            .count(),
+        1,
+        "{message}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&scratch.0).unwrap().count(),
+        1,
+        "nothing but the original file"
+    );
 }
 
 #[test]
 fn missing_process_is_reported() {
     let output = run_profiler(&["record", "--duration", "1", "--pid", "999999999"]);
     assert_eq!(output.status.code(), Some(1));
-    assert!(stderr(&output).contains("no such process: 999999999"), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("no such process: 999999999"),
+        "{}",
+        stderr(&output)
+    );
 }
 
 #[test]
@@ -67,7 +118,13 @@ fn unprivileged_user_is_told_what_is_missing() {
     let scratch = Scratch::new("nonroot");
     // `nobody` needs to be able to reach the binary; drop every capability.
     let output = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+        ])
         .arg(profiler_bin())
         .args(["record", "--duration", "1", "--output"])
         .arg(scratch.path("p.pb.gz"))
@@ -76,7 +133,10 @@ fn unprivileged_user_is_told_what_is_missing() {
         .expect("setpriv (util-linux)");
     assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
     let message = stderr(&output);
-    assert!(message.contains("root or the CAP_BPF and CAP_PERFMON"), "{message}");
+    assert!(
+        message.contains("root or the CAP_BPF and CAP_PERFMON"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -95,7 +155,10 @@ fn sigint_flushes_and_exits_zero() {
     let output = child.wait_with_output().unwrap();
     assert!(output.status.success(), "{}", stderr(&output));
     let profile = decode_pprof(&out);
-    assert!(!profile.sample.is_empty(), "the interrupted recording was written");
+    assert!(
+        !profile.sample.is_empty(),
+        "the interrupted recording was written"
+    );
     assert!(profile.duration_nanos < 30_000_000_000);
 }
 

@@ -7,7 +7,9 @@ const CHAIN: [&str; 5] = ["main", "level1", "level2", "level3", "level4"];
 
 /// Index of `chain` as a contiguous run inside `frames` (root to leaf), if present.
 fn find_chain(frames: &[String], chain: &[&str]) -> Option<usize> {
-    frames.windows(chain.len()).position(|w| w.iter().zip(chain).all(|(a, b)| a == b))
+    frames
+        .windows(chain.len())
+        .position(|w| w.iter().zip(chain).all(|(a, b)| a == b))
 }
 
 #[test]
@@ -18,7 +20,15 @@ fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
     let scratch = Scratch::new("fp-chain");
     let out = scratch.path("profile.pb.gz");
     let pid = running.pid().to_string();
-    let output = run_profiler(&["record", "--duration", "3", "--pid", &pid, "--output", out.to_str().unwrap()]);
+    let output = run_profiler(&[
+        "record",
+        "--duration",
+        "3",
+        "--pid",
+        &pid,
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     assert_success(&output);
 
     let profile = decode_pprof(&out);
@@ -45,10 +55,18 @@ fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
         "{total} samples, expected {expected:.0} ± 10%"
     );
     // Every sample is the fixture's: --pid filters.
-    assert!(samples.iter().all(|s| s.num_labels.get("pid") == Some(&i64::from(running.pid()))));
+    assert!(
+        samples
+            .iter()
+            .all(|s| s.num_labels.get("pid") == Some(&i64::from(running.pid())))
+    );
     // cpu/nanoseconds = count × period.
     assert_eq!(profile.period, 10_000_000);
-    assert!(samples.iter().all(|s| s.values[1] == s.values[0] * 10_000_000));
+    assert!(
+        samples
+            .iter()
+            .all(|s| s.values[1] == s.values[0] * 10_000_000)
+    );
     // The executable's mapping carries its path and build id.
     let strings = &profile.string_table;
     let fixture_mapping = profile
@@ -56,7 +74,10 @@ fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
         .iter()
         .find(|m| strings[m.filename as usize] == fixture.to_str().unwrap())
         .expect("mapping for the fixture executable");
-    assert!(!strings[fixture_mapping.build_id as usize].is_empty(), "build id recorded");
+    assert!(
+        !strings[fixture_mapping.build_id as usize].is_empty(),
+        "build id recorded"
+    );
 }
 
 #[test]
@@ -68,7 +89,17 @@ fn folded_output_and_pid_filter() {
     let scratch = Scratch::new("folded");
     let out = scratch.path("stacks.folded");
     let pid = wanted.pid().to_string();
-    let output = run_profiler(&["record", "-d", "2", "-p", &pid, "--format", "folded", "-o", out.to_str().unwrap()]);
+    let output = run_profiler(&[
+        "record",
+        "-d",
+        "2",
+        "-p",
+        &pid,
+        "--format",
+        "folded",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
     assert_success(&output);
     let text = std::fs::read_to_string(&out).unwrap();
     let stacks = parse_folded(&text);
@@ -76,13 +107,27 @@ fn folded_output_and_pid_filter() {
     let comm = fixture.file_name().unwrap().to_str().unwrap();
     // `comm;root;...;leaf COUNT`: the process name first, then main ... level4.
     for stack in &stacks {
-        assert_eq!(stack.frames[0], comm[..comm.len().min(15)], "root frame is the comm: {stack:?}");
+        assert_eq!(
+            stack.frames[0],
+            comm[..comm.len().min(15)],
+            "root frame is the comm: {stack:?}"
+        );
     }
     let total: u64 = stacks.iter().map(|s| s.count).sum();
-    let chained: u64 = stacks.iter().filter(|s| find_chain(&s.frames, &CHAIN).is_some()).map(|s| s.count).sum();
-    assert!(chained as f64 >= 0.95 * total as f64, "{chained}/{total}:\n{text}");
+    let chained: u64 = stacks
+        .iter()
+        .filter(|s| find_chain(&s.frames, &CHAIN).is_some())
+        .map(|s| s.count)
+        .sum();
+    assert!(
+        chained as f64 >= 0.95 * total as f64,
+        "{chained}/{total}:\n{text}"
+    );
     // Two identical busy processes, but only one is sampled: about 100 Hz, not 200.
-    assert!(total <= 230, "{total} samples: the second process was not filtered out");
+    assert!(
+        total <= 230,
+        "{total} samples: the second process was not filtered out"
+    );
     drop(other);
 }
 
@@ -94,21 +139,36 @@ fn kernel_frames_for_a_syscall_heavy_process() {
     let scratch = Scratch::new("kernel");
     let out = scratch.path("stacks.folded");
     let pid = running.pid().to_string();
-    assert_success(&run_profiler(&["record", "-d", "2", "-p", &pid, "-f", "folded", "-o", out.to_str().unwrap()]));
+    assert_success(&run_profiler(&[
+        "record",
+        "-d",
+        "2",
+        "-p",
+        &pid,
+        "-f",
+        "folded",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
     let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     let in_kernel: u64 = stacks
         .iter()
         .filter(|s| {
-            let user = s.frames.iter().position(|f| f == "read_zeroes");
-            let syscall = s.frames.iter().position(|f| f.contains("do_syscall_64") || f.contains("entry_SYSCALL_64"));
+            // libc's read() wrapper has no frame of its own, so frame-pointer walking skips its
+            // caller (read_zeroes) and continues at main.
+            let user = s.frames.iter().position(|f| f == "main");
+            let syscall = s
+                .frames
+                .iter()
+                .position(|f| f.contains("do_syscall_64") || f.contains("entry_SYSCALL_64"));
             matches!((user, syscall), (Some(u), Some(k)) if k > u)
         })
         .map(|s| s.count)
         .sum();
     assert!(
         in_kernel as f64 >= 0.5 * total as f64,
-        "{in_kernel}/{total} samples show kernel syscall frames below read_zeroes"
+        "{in_kernel}/{total} samples show kernel syscall frames below main"
     );
 }
 
@@ -121,12 +181,32 @@ fn process_that_exits_mid_record_is_still_symbolized() {
     let scratch = Scratch::new("exits");
     let out = scratch.path("stacks.folded");
     let pid = running.pid().to_string();
-    assert_success(&run_profiler(&["record", "-d", "3", "-p", &pid, "-f", "folded", "-o", out.to_str().unwrap()]));
+    assert_success(&run_profiler(&[
+        "record",
+        "-d",
+        "3",
+        "-p",
+        &pid,
+        "-f",
+        "folded",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
     let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
     let total: u64 = stacks.iter().map(|s| s.count).sum();
-    assert!((40..=130).contains(&total), "about one second of samples, got {total}");
-    let chained: u64 = stacks.iter().filter(|s| find_chain(&s.frames, &CHAIN).is_some()).map(|s| s.count).sum();
-    assert!(chained as f64 >= 0.9 * total as f64, "symbolized chain in {chained}/{total}");
+    assert!(
+        (40..=130).contains(&total),
+        "about one second of samples, got {total}"
+    );
+    let chained: u64 = stacks
+        .iter()
+        .filter(|s| find_chain(&s.frames, &CHAIN).is_some())
+        .map(|s| s.count)
+        .sum();
+    assert!(
+        chained as f64 >= 0.9 * total as f64,
+        "symbolized chain in {chained}/{total}"
+    );
 }
 
 #[test]
@@ -150,11 +230,23 @@ fn binary_in_a_private_mount_namespace_is_symbolized() {
     let running = Running { child };
     std::thread::sleep(Duration::from_millis(500));
     let in_ns_path = hidden.join("ns_fixture");
-    assert!(!in_ns_path.exists(), "{} must not exist in the root mount namespace", in_ns_path.display());
+    assert!(
+        !in_ns_path.exists(),
+        "{} must not exist in the root mount namespace",
+        in_ns_path.display()
+    );
 
     let out = scratch.path("profile.pb.gz");
     let pid = running.pid().to_string();
-    assert_success(&run_profiler(&["record", "-d", "2", "-p", &pid, "-o", out.to_str().unwrap()]));
+    assert_success(&run_profiler(&[
+        "record",
+        "-d",
+        "2",
+        "-p",
+        &pid,
+        "-o",
+        out.to_str().unwrap(),
+    ]));
     let profile = decode_pprof(&out);
     let samples = readable_samples(&profile);
     let total: i64 = samples.iter().map(|s| s.values[0]).sum();
@@ -167,10 +259,16 @@ fn binary_in_a_private_mount_namespace_is_symbolized() {
         .map(|s| s.values[0])
         .sum();
     assert!(total > 50, "{total} samples");
-    assert!(chained as f64 >= 0.95 * total as f64, "{chained}/{total} symbolized through /proc/PID/root");
+    assert!(
+        chained as f64 >= 0.95 * total as f64,
+        "{chained}/{total} symbolized through /proc/PID/root"
+    );
     let strings = &profile.string_table;
     assert!(
-        profile.mapping.iter().any(|m| Path::new(&strings[m.filename as usize]) == in_ns_path),
+        profile
+            .mapping
+            .iter()
+            .any(|m| Path::new(&strings[m.filename as usize]) == in_ns_path),
         "the mapping keeps the path as the process sees it"
     );
 }

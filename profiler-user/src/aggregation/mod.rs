@@ -68,7 +68,12 @@ fn synthetic_frame(name: &str) -> Arc<SymbolizedFrame> {
         kind: FrameKind::Synthetic,
         address: 0,
         mapping: None,
-        lines: vec![FrameLine { function: name.into(), system_name: None, file: None, line: 0 }],
+        lines: vec![FrameLine {
+            function: name.into(),
+            system_name: None,
+            file: None,
+            line: 0,
+        }],
         unsymbolized: false,
     })
 }
@@ -102,7 +107,11 @@ impl Aggregator {
         id
     }
 
-    fn series_labels(&self, process: Option<&ProcessInfo>, sample: &Sample) -> Vec<(String, String)> {
+    fn series_labels(
+        &self,
+        process: Option<&ProcessInfo>,
+        sample: &Sample,
+    ) -> Vec<(String, String)> {
         let mut labels = vec![("host".to_string(), self.settings.host.clone())];
         if self.settings.grouping == Grouping::PerService {
             labels.push(("service_name".into(), service_name(process, sample)));
@@ -144,8 +153,14 @@ impl Aggregator {
             let marker = self.truncated_frame.clone();
             stack.push(self.frame_id(&marker));
         }
-        let comm = process.map(|p| p.comm.clone()).unwrap_or_else(|| sample.comm.clone());
-        let root = self.root_frames.entry(comm.clone()).or_insert_with(|| synthetic_frame(&comm)).clone();
+        let comm = process
+            .map(|p| p.comm.clone())
+            .unwrap_or_else(|| sample.comm.clone());
+        let root = self
+            .root_frames
+            .entry(comm.clone())
+            .or_insert_with(|| synthetic_frame(&comm))
+            .clone();
         stack.push(self.frame_id(&root));
 
         let service_name = (self.settings.grouping == Grouping::Single)
@@ -176,7 +191,15 @@ impl Aggregator {
             .into_iter()
             .map(|(series_labels, data)| {
                 let keep_thread_names = data.thread_names.len() <= self.settings.max_thread_names;
-                build_profile(series_labels, data, &frames, keep_thread_names, start, end_unix_ns - start, self.settings.period_ns)
+                build_profile(
+                    series_labels,
+                    data,
+                    &frames,
+                    keep_thread_names,
+                    start,
+                    end_unix_ns - start,
+                    self.settings.period_ns,
+                )
             })
             .collect();
         profiles.sort_by(|a, b| a.series_labels.cmp(&b.series_labels));
@@ -196,6 +219,8 @@ fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
     }
 }
 
+type SampleLabels = Vec<(Arc<str>, LabelValue)>;
+
 fn build_profile(
     series_labels: Vec<(String, String)>,
     data: SeriesData,
@@ -208,7 +233,7 @@ fn build_profile(
     // Re-index so a profile only carries the frames its own samples use.
     let mut local_ids: HashMap<u32, u32> = HashMap::new();
     let mut frames = Vec::new();
-    let mut merged: HashMap<(Vec<u32>, Vec<(Arc<str>, LabelValue)>), u64> = HashMap::new();
+    let mut merged: HashMap<(Vec<u32>, SampleLabels), u64> = HashMap::new();
     for (key, count) in data.counts {
         let stack = key
             .stack
@@ -220,7 +245,7 @@ fn build_profile(
                 })
             })
             .collect();
-        let mut labels: Vec<(Arc<str>, LabelValue)> = vec![
+        let mut labels: SampleLabels = vec![
             ("pid".into(), LabelValue::Num(i64::from(key.pid))),
             ("tid".into(), LabelValue::Num(i64::from(key.tid))),
         ];
@@ -234,10 +259,21 @@ fn build_profile(
     }
     let mut samples: Vec<ProfileSample> = merged
         .into_iter()
-        .map(|((stack, labels), count)| ProfileSample { stack, count, labels })
+        .map(|((stack, labels), count)| ProfileSample {
+            stack,
+            count,
+            labels,
+        })
         .collect();
     samples.sort_by(|a, b| (&a.stack, &a.labels).cmp(&(&b.stack, &b.labels)));
-    Profile { series_labels, start_unix_ns, duration_ns, period_ns, frames, samples }
+    Profile {
+        series_labels,
+        start_unix_ns,
+        duration_ns,
+        period_ns,
+        frames,
+        samples,
+    }
 }
 
 #[cfg(test)]
@@ -246,7 +282,12 @@ mod tests {
     use crate::model::{Pid, ProcessLabels, Tid};
 
     fn settings(grouping: Grouping) -> AggregatorSettings {
-        AggregatorSettings { grouping, period_ns: 10_000_000, host: "h1".into(), max_thread_names: 2 }
+        AggregatorSettings {
+            grouping,
+            period_ns: 10_000_000,
+            host: "h1".into(),
+            max_thread_names: 2,
+        }
     }
 
     fn process(pid: u32, service: &str) -> ProcessInfo {
@@ -281,7 +322,11 @@ mod tests {
     }
 
     fn names(profile: &Profile, sample: &ProfileSample) -> Vec<String> {
-        sample.stack.iter().map(|&i| profile.frames[i as usize].lines[0].function.to_string()).collect()
+        sample
+            .stack
+            .iter()
+            .map(|&i| profile.frames[i as usize].lines[0].function.to_string())
+            .collect()
     }
 
     #[test]
@@ -291,44 +336,95 @@ mod tests {
         let main = synthetic_frame("main");
         let (api, db) = (process(10, "api"), process(20, "db"));
         for _ in 0..3 {
-            agg.add(Some(&api), &sample(10, 11, "worker"), &[leaf.clone(), main.clone()], false);
+            agg.add(
+                Some(&api),
+                &sample(10, 11, "worker"),
+                &[leaf.clone(), main.clone()],
+                false,
+            );
         }
-        agg.add(Some(&db), &sample(20, 20, "db"), &[main.clone()], true);
+        agg.add(
+            Some(&db),
+            &sample(20, 20, "db"),
+            std::slice::from_ref(&main),
+            true,
+        );
         assert_eq!(agg.samples_in_window(), 4);
         let profiles = agg.flush(2_000);
         assert_eq!(profiles.len(), 2);
-        let api_profile = profiles.iter().find(|p| p.series_label("service_name") == Some("api")).unwrap();
+        let api_profile = profiles
+            .iter()
+            .find(|p| p.series_label("service_name") == Some("api"))
+            .unwrap();
         assert_eq!(api_profile.series_label("host"), Some("h1"));
         assert_eq!(api_profile.series_label("executable"), Some("/usr/bin/api"));
-        assert_eq!(api_profile.series_label("systemd_unit"), Some("api.service"));
-        assert_eq!((api_profile.start_unix_ns, api_profile.duration_ns), (1_000, 1_000));
+        assert_eq!(
+            api_profile.series_label("systemd_unit"),
+            Some("api.service")
+        );
+        assert_eq!(
+            (api_profile.start_unix_ns, api_profile.duration_ns),
+            (1_000, 1_000)
+        );
         assert_eq!(api_profile.samples.len(), 1);
         assert_eq!(api_profile.samples[0].count, 3);
-        assert_eq!(names(api_profile, &api_profile.samples[0]), ["work", "main", "api-bin"]);
+        assert_eq!(
+            names(api_profile, &api_profile.samples[0]),
+            ["work", "main", "api-bin"]
+        );
         assert_eq!(api_profile.frames.len(), 3, "only frames this series uses");
-        let db_profile = profiles.iter().find(|p| p.series_label("service_name") == Some("db")).unwrap();
-        assert_eq!(names(db_profile, &db_profile.samples[0]), ["main", TRUNCATED_FRAME, "db-bin"]);
-        assert!(agg.flush(3_000).is_empty(), "a flush starts a new, empty window");
+        let db_profile = profiles
+            .iter()
+            .find(|p| p.series_label("service_name") == Some("db"))
+            .unwrap();
+        assert_eq!(
+            names(db_profile, &db_profile.samples[0]),
+            ["main", TRUNCATED_FRAME, "db-bin"]
+        );
+        assert!(
+            agg.flush(3_000).is_empty(),
+            "a flush starts a new, empty window"
+        );
     }
 
     #[test]
     fn single_grouping_puts_service_name_on_samples() {
         let mut agg = Aggregator::new(settings(Grouping::Single), 0);
         let f = synthetic_frame("f");
-        agg.add(Some(&process(10, "api")), &sample(10, 10, "api"), &[f.clone()], false);
+        agg.add(
+            Some(&process(10, "api")),
+            &sample(10, 10, "api"),
+            std::slice::from_ref(&f),
+            false,
+        );
         agg.add(None, &sample(30, 31, "gone"), &[f], false);
         let profiles = agg.flush(10);
         assert_eq!(profiles.len(), 1);
         let p = &profiles[0];
-        assert_eq!(p.series_labels, vec![("host".to_string(), "h1".to_string())]);
+        assert_eq!(
+            p.series_labels,
+            vec![("host".to_string(), "h1".to_string())]
+        );
         let services: HashSet<_> = p
             .samples
             .iter()
-            .flat_map(|s| s.labels.iter().filter(|(k, _)| &**k == "service_name").map(|(_, v)| v.clone()))
+            .flat_map(|s| {
+                s.labels
+                    .iter()
+                    .filter(|(k, _)| &**k == "service_name")
+                    .map(|(_, v)| v.clone())
+            })
             .collect();
         assert!(services.contains(&LabelValue::Str("api".into())));
-        assert!(services.contains(&LabelValue::Str("gone".into())), "vanished process named by its comm");
-        let gone = p.samples.iter().find(|s| s.labels.contains(&("pid".into(), LabelValue::Num(30)))).unwrap();
+        assert!(
+            services.contains(&LabelValue::Str("gone".into())),
+            "vanished process named by its comm"
+        );
+        let gone = p
+            .samples
+            .iter()
+            .find(|s| s.labels.contains(&("pid".into(), LabelValue::Num(30))))
+            .unwrap();
         assert_eq!(names(p, gone), ["f", "gone"]);
     }
 
@@ -338,16 +434,36 @@ mod tests {
         let f = synthetic_frame("f");
         let api = process(10, "api");
         for (tid, name) in [(11, "a"), (12, "b"), (13, "c")] {
-            agg.add(Some(&api), &sample(10, tid, name), &[f.clone()], false);
+            agg.add(
+                Some(&api),
+                &sample(10, tid, name),
+                std::slice::from_ref(&f),
+                false,
+            );
         }
         let profiles = agg.flush(10);
-        assert!(profiles[0].samples.iter().all(|s| s.labels.iter().all(|(k, _)| &**k != "thread_name")));
+        assert!(
+            profiles[0]
+                .samples
+                .iter()
+                .all(|s| s.labels.iter().all(|(k, _)| &**k != "thread_name"))
+        );
         assert_eq!(profiles[0].total_samples(), 3);
 
         let mut agg = Aggregator::new(settings(Grouping::PerService), 0);
-        agg.add(Some(&api), &sample(10, 11, "a"), &[f.clone()], false);
+        agg.add(
+            Some(&api),
+            &sample(10, 11, "a"),
+            std::slice::from_ref(&f),
+            false,
+        );
         agg.add(Some(&api), &sample(10, 12, "b"), &[f], false);
         let profiles = agg.flush(10);
-        assert!(profiles[0].samples.iter().all(|s| s.labels.iter().any(|(k, _)| &**k == "thread_name")));
+        assert!(
+            profiles[0]
+                .samples
+                .iter()
+                .all(|s| s.labels.iter().any(|(k, _)| &**k == "thread_name"))
+        );
     }
 }

@@ -39,13 +39,17 @@ pub fn check_privileges() -> Result<(), BpfError> {
     if missing.is_empty() {
         Ok(())
     } else {
-        Err(BpfError::MissingPrivileges { missing: missing.join(", ") })
+        Err(BpfError::MissingPrivileges {
+            missing: missing.join(", "),
+        })
     }
 }
 
 pub fn check_kernel_support(btf_path: &Path) -> Result<(), BpfError> {
     if !btf_path.exists() {
-        return Err(BpfError::NoBtf { path: btf_path.to_path_buf() });
+        return Err(BpfError::NoBtf {
+            path: btf_path.to_path_buf(),
+        });
     }
     // An invalid command on a kernel with BPF fails with EINVAL (or EPERM); without BPF support
     // the syscall itself is missing (ENOSYS).

@@ -19,13 +19,14 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, MAX_FILTERED_PIDS, names,
+    MAX_FILTERED_PIDS, STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
 };
 
-pub use capabilities::{check_privileges, check_kernel_support};
+pub use capabilities::{check_kernel_support, check_privileges};
 
 /// The eBPF object built by `cargo xtask build-ebpf` (profiler-user's build script embeds it).
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler.bpf.o"));
+static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler.bpf.o"));
 
 /// Default location of the kernel's BTF; the `PROFILER_BTF_PATH` variable overrides it (tests).
 pub const DEFAULT_BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
@@ -36,7 +37,9 @@ pub enum BpfError {
         "the profiler needs root or the CAP_BPF and CAP_PERFMON capabilities (missing: {missing})"
     )]
     MissingPrivileges { missing: String },
-    #[error("this kernel has no BTF ({path} not found); a kernel built with CONFIG_DEBUG_INFO_BTF=y is required")]
+    #[error(
+        "this kernel has no BTF ({path} not found); a kernel built with CONFIG_DEBUG_INFO_BTF=y is required"
+    )]
     NoBtf { path: PathBuf },
     #[error("this kernel does not support BPF (the bpf() system call failed: {0})")]
     NoBpf(std::io::Error),
@@ -108,7 +111,11 @@ impl BpfStats {
 
     /// Named values, for logs and metrics.
     pub fn named(&self) -> BTreeMap<&'static str, u64> {
-        STAT_NAMES.iter().enumerate().map(|(i, name)| (*name, self.counters[i])).collect()
+        STAT_NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, name)| (*name, self.counters[i]))
+            .collect()
     }
 }
 
@@ -126,7 +133,10 @@ impl Sampler {
     pub fn start(settings: &SamplerSettings) -> Result<(Self, SampleRing), BpfError> {
         Self::preflight()?;
         if settings.pids.len() > MAX_FILTERED_PIDS as usize {
-            return Err(BpfError::TooManyPids { given: settings.pids.len(), max: MAX_FILTERED_PIDS });
+            return Err(BpfError::TooManyPids {
+                given: settings.pids.len(),
+                max: MAX_FILTERED_PIDS,
+            });
         }
         // Kernels >= 5.11 charge BPF memory to the cgroup; raising RLIMIT_MEMLOCK is only needed
         // on older ones and fails without CAP_SYS_RESOURCE, which is harmless here.
@@ -136,26 +146,35 @@ impl Sampler {
             .load(EBPF_OBJECT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
 
-        let config = SamplerConfig { filter_pids: u32::from(!settings.pids.is_empty()), keep_idle: 0 };
+        let config = SamplerConfig {
+            filter_pids: u32::from(!settings.pids.is_empty()),
+            keep_idle: 0,
+        };
         let mut config_map: Array<_, SamplerConfig> = take_map(&mut ebpf, names::MAP_CONFIG)?;
-        config_map
-            .set(0, config, 0)
-            .map_err(|err| BpfError::Map { name: names::MAP_CONFIG, message: error_chain(&err) })?;
+        config_map.set(0, config, 0).map_err(|err| BpfError::Map {
+            name: names::MAP_CONFIG,
+            message: error_chain(&err),
+        })?;
         let mut pid_filter: HashMap<_, u32, u8> = take_map(&mut ebpf, names::MAP_PID_FILTER)?;
         for pid in &settings.pids {
-            pid_filter
-                .insert(pid, 1, 0)
-                .map_err(|err| BpfError::Map { name: names::MAP_PID_FILTER, message: error_chain(&err) })?;
+            pid_filter.insert(pid, 1, 0).map_err(|err| BpfError::Map {
+                name: names::MAP_PID_FILTER,
+                message: error_chain(&err),
+            })?;
         }
         let stats: PerCpuArray<_, u64> = take_map(&mut ebpf, names::MAP_STATS)?;
         let ring: RingBuf<_> = take_map(&mut ebpf, names::MAP_SAMPLES)?;
 
         let program: &mut PerfEvent = ebpf
             .program_mut(names::PROGRAM_SAMPLE_CPU)
-            .ok_or_else(|| BpfError::Load(format!("program {} not found", names::PROGRAM_SAMPLE_CPU)))?
+            .ok_or_else(|| {
+                BpfError::Load(format!("program {} not found", names::PROGRAM_SAMPLE_CPU))
+            })?
             .try_into()
             .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
-        program.load().map_err(|err| BpfError::Load(error_chain(&err)))?;
+        program
+            .load()
+            .map_err(|err| BpfError::Load(error_chain(&err)))?;
         let cpus = online_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
         // cpu-clock counts in nanoseconds, so a fixed period gives exactly `frequency_hz`
         // samples per second of CPU time.
@@ -168,9 +187,16 @@ impl Sampler {
                     SamplePolicy::Period(period_ns),
                     false,
                 )
-                .map_err(|err| BpfError::Attach { cpu, message: error_chain(&err) })?;
+                .map_err(|err| BpfError::Attach {
+                    cpu,
+                    message: error_chain(&err),
+                })?;
         }
-        tracing::info!(cpus = cpus.len(), frequency_hz = settings.frequency_hz, "sampler attached");
+        tracing::info!(
+            cpus = cpus.len(),
+            frequency_hz = settings.frequency_hz,
+            "sampler attached"
+        );
         let sampler = Sampler {
             ebpf,
             stats,
@@ -184,7 +210,9 @@ impl Sampler {
     pub fn stats(&self) -> BpfStats {
         let mut out = BpfStats::default();
         for id in 0..STAT_COUNT {
-            let Ok(values) = self.stats.get(&id, 0) else { continue };
+            let Ok(values) = self.stats.get(&id, 0) else {
+                continue;
+            };
             out.counters[id as usize] = if id == STAT_RINGBUF_PENDING_BYTES {
                 values.iter().copied().max().unwrap_or(0)
             } else {
@@ -218,17 +246,26 @@ fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, BpfError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {
-    let map = ebpf
-        .take_map(name)
-        .ok_or_else(|| BpfError::Map { name, message: "not in the object".into() })?;
-    T::try_from(map).map_err(|err| BpfError::Map { name, message: error_chain(&err) })
+    let map = ebpf.take_map(name).ok_or_else(|| BpfError::Map {
+        name,
+        message: "not in the object".into(),
+    })?;
+    T::try_from(map).map_err(|err| BpfError::Map {
+        name,
+        message: error_chain(&err),
+    })
 }
 
 fn raise_memlock_limit() {
-    let limit = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    let limit = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
     // SAFETY: plain syscall with a valid pointer.
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) } != 0 {
-        tracing::debug!("setrlimit(RLIMIT_MEMLOCK) failed; fine on kernels that charge BPF memory to cgroups");
+        tracing::debug!(
+            "setrlimit(RLIMIT_MEMLOCK) failed; fine on kernels that charge BPF memory to cgroups"
+        );
     }
 }
 
@@ -246,4 +283,3 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
     }
     out
 }
-

@@ -14,25 +14,39 @@ pub enum DecodeError {
     WrongSize { actual: usize, expected: usize },
     #[error("sample has unknown flag bits {0:#x}")]
     UnknownFlags(u32),
-    #[error("sample claims {kernel} kernel and {user} user frames (limits {MAX_KERNEL_FRAMES}/{MAX_USER_FRAMES})")]
+    #[error(
+        "sample claims {kernel} kernel and {user} user frames (limits {MAX_KERNEL_FRAMES}/{MAX_USER_FRAMES})"
+    )]
     TooManyFrames { kernel: u16, user: u16 },
 }
 
 pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
     if bytes.len() < RAW_SAMPLE_BYTES {
-        return Err(DecodeError::WrongSize { actual: bytes.len(), expected: RAW_SAMPLE_BYTES });
+        return Err(DecodeError::WrongSize {
+            actual: bytes.len(),
+            expected: RAW_SAMPLE_BYTES,
+        });
     }
     // SAFETY: length checked; RawSample is plain old data and read unaligned.
     let raw: RawSample = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
     let header = raw.header;
     if header.flags & !SAMPLE_KNOWN_FLAGS != 0 {
-        return Err(DecodeError::UnknownFlags(header.flags & !SAMPLE_KNOWN_FLAGS));
+        return Err(DecodeError::UnknownFlags(
+            header.flags & !SAMPLE_KNOWN_FLAGS,
+        ));
     }
     let (kernel, user) = (header.kernel_frames as usize, header.user_frames as usize);
     if kernel > MAX_KERNEL_FRAMES || user > MAX_USER_FRAMES {
-        return Err(DecodeError::TooManyFrames { kernel: header.kernel_frames, user: header.user_frames });
+        return Err(DecodeError::TooManyFrames {
+            kernel: header.kernel_frames,
+            user: header.user_frames,
+        });
     }
-    let comm_len = header.comm.iter().position(|&b| b == 0).unwrap_or(header.comm.len());
+    let comm_len = header
+        .comm
+        .iter()
+        .position(|&b| b == 0)
+        .unwrap_or(header.comm.len());
     Ok(Sample {
         ktime_ns: header.ktime_ns,
         pid: Pid(header.pid),
@@ -40,7 +54,11 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         cpu: header.cpu,
         comm: Arc::from(String::from_utf8_lossy(&header.comm[..comm_len]).as_ref()),
         kernel_ips: raw.kernel_ips[..kernel].to_vec(),
-        user_ips: raw.user_ips[..user].iter().copied().take_while(|&ip| ip != 0).collect(),
+        user_ips: raw.user_ips[..user]
+            .iter()
+            .copied()
+            .take_while(|&ip| ip != 0)
+            .collect(),
         kernel_truncated: header.flags & SAMPLE_KERNEL_TRUNCATED != 0,
         user_truncated: header.flags & SAMPLE_USER_TRUNCATED != 0,
         user_stack_error: header.flags & SAMPLE_USER_STACK_ERROR != 0,
@@ -55,7 +73,10 @@ mod tests {
 
     fn encode(raw: &RawSample) -> Vec<u8> {
         // SAFETY: RawSample is repr(C) plain old data without padding.
-        unsafe { std::slice::from_raw_parts((raw as *const RawSample).cast::<u8>(), RAW_SAMPLE_BYTES) }.to_vec()
+        unsafe {
+            std::slice::from_raw_parts((raw as *const RawSample).cast::<u8>(), RAW_SAMPLE_BYTES)
+        }
+        .to_vec()
     }
 
     fn raw_sample() -> RawSample {
@@ -87,7 +108,10 @@ mod tests {
         assert_eq!(sample.pid, Pid(100));
         assert_eq!(sample.tid, Tid(101));
         assert_eq!(&*sample.comm, "python");
-        assert_eq!(sample.kernel_ips, vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_1000]);
+        assert_eq!(
+            sample.kernel_ips,
+            vec![0xffff_ffff_8100_0000, 0xffff_ffff_8100_1000]
+        );
         assert_eq!(sample.user_ips, vec![0x401000, 0x401100, 0x401200]);
         assert!(sample.user_truncated && !sample.kernel_truncated && !sample.user_stack_error);
     }
@@ -95,19 +119,35 @@ mod tests {
     #[test]
     fn rejects_short_records_unknown_flags_and_frame_counts() {
         let bytes = encode(&raw_sample());
-        assert!(matches!(decode_sample(&bytes[..100]), Err(DecodeError::WrongSize { .. })));
+        assert!(matches!(
+            decode_sample(&bytes[..100]),
+            Err(DecodeError::WrongSize { .. })
+        ));
         let mut raw = raw_sample();
         raw.header.flags = 1 << 30;
-        assert_eq!(decode_sample(&encode(&raw)), Err(DecodeError::UnknownFlags(1 << 30)));
+        assert_eq!(
+            decode_sample(&encode(&raw)),
+            Err(DecodeError::UnknownFlags(1 << 30))
+        );
         let mut raw = raw_sample();
         raw.header.user_frames = 500;
-        assert!(matches!(decode_sample(&encode(&raw)), Err(DecodeError::TooManyFrames { .. })));
+        assert!(matches!(
+            decode_sample(&encode(&raw)),
+            Err(DecodeError::TooManyFrames { .. })
+        ));
     }
 
     #[test]
     fn arbitrary_bytes_never_panic() {
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        for len in [0, 1, 47, RAW_SAMPLE_BYTES - 1, RAW_SAMPLE_BYTES, RAW_SAMPLE_BYTES + 8] {
+        for len in [
+            0,
+            1,
+            47,
+            RAW_SAMPLE_BYTES - 1,
+            RAW_SAMPLE_BYTES,
+            RAW_SAMPLE_BYTES + 8,
+        ] {
             let bytes: Vec<u8> = (0..len)
                 .map(|_| {
                     state ^= state << 13;

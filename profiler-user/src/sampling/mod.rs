@@ -29,6 +29,14 @@ pub struct ReaderStats {
     pub channel_full: AtomicU64,
 }
 
+impl ReaderStats {
+    pub fn add_to(&self, metrics: &mut crate::self_metrics::SelfMetrics) {
+        metrics.samples_received = self.received.load(Ordering::Relaxed);
+        metrics.decode_errors = self.decode_errors.load(Ordering::Relaxed);
+        metrics.agent_queue_full = self.channel_full.load(Ordering::Relaxed);
+    }
+}
+
 /// Handle of the reader thread.
 pub struct SampleReader {
     stop: Arc<AtomicBool>,
@@ -50,7 +58,14 @@ impl SampleReader {
                 .spawn(move || read_loop(ring, tx, &stop, &stats))
                 .expect("spawning the sample reader thread")
         };
-        (SampleReader { stop, thread: Some(thread), stats }, rx)
+        (
+            SampleReader {
+                stop,
+                thread: Some(thread),
+                stats,
+            },
+            rx,
+        )
     }
 
     /// Drains what is left in the ring buffer, then stops; the channel closes afterwards.
@@ -100,7 +115,11 @@ fn read_loop(mut ring: SampleRing, tx: Sender<Sample>, stop: &AtomicBool, stats:
 }
 
 fn wait_readable(fd: i32, timeout: Duration) {
-    let mut pollfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut pollfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one valid pollfd; an error or timeout just means we drain and re-check `stop`.
     unsafe { libc::poll(&mut pollfd, 1, timeout.as_millis() as i32) };
 }

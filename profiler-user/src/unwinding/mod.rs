@@ -35,14 +35,22 @@ pub struct Unwinder {
 
 impl Unwinder {
     /// Kernel frames (innermost first), then user frames (innermost first).
-    pub fn unwind(&mut self, sample: &Sample, processes: &mut impl ProcessSource) -> (UnwoundStack, Option<Arc<ProcessInfo>>) {
+    pub fn unwind(
+        &mut self,
+        sample: &Sample,
+        processes: &mut impl ProcessSource,
+    ) -> (UnwoundStack, Option<Arc<ProcessInfo>>) {
         self.stats.stacks += 1;
         let mut frames = Vec::with_capacity(sample.kernel_ips.len() + sample.user_ips.len());
         frames.extend(sample.kernel_ips.iter().enumerate().map(|(depth, &ip)| {
             UnwoundFrame::Kernel(if depth == 0 { ip } else { ip.saturating_sub(1) })
         }));
 
-        let mut process = if sample.user_ips.is_empty() { None } else { processes.lookup(sample.pid) };
+        let mut process = if sample.user_ips.is_empty() {
+            None
+        } else {
+            processes.lookup(sample.pid)
+        };
         if process.is_none() && !sample.user_ips.is_empty() {
             self.stats.unknown_processes += 1;
         }
@@ -50,7 +58,11 @@ impl Unwinder {
         // hit user mode with no kernel frames; otherwise it is where the syscall or fault returns.
         let innermost_is_exact = sample.kernel_ips.is_empty();
         for (depth, &ip) in sample.user_ips.iter().enumerate() {
-            let lookup = if depth == 0 && innermost_is_exact { ip } else { ip.saturating_sub(1) };
+            let lookup = if depth == 0 && innermost_is_exact {
+                ip
+            } else {
+                ip.saturating_sub(1)
+            };
             let mut frame = resolve(process.as_deref(), ip, lookup);
             if matches!(frame, UnwoundFrame::UserUnmapped { name: None, .. })
                 && let Some(fresh) = processes.refresh_for_address(sample.pid, lookup)
@@ -67,7 +79,13 @@ impl Unwinder {
         if truncated {
             self.stats.truncated_stacks += 1;
         }
-        let process = process.or_else(|| if sample.user_ips.is_empty() { processes.lookup(sample.pid) } else { None });
+        let process = process.or_else(|| {
+            if sample.user_ips.is_empty() {
+                processes.lookup(sample.pid)
+            } else {
+                None
+            }
+        });
         (UnwoundStack { frames, truncated }, process)
     }
 }
@@ -85,7 +103,10 @@ fn resolve(process: Option<&ProcessInfo>, addr: u64, lookup: u64) -> UnwoundFram
             mapping_end: mapping.end,
             mapping_offset: mapping.file_offset,
         },
-        None => UnwoundFrame::UserUnmapped { addr, name: Some(mapping.name.clone()) },
+        None => UnwoundFrame::UserUnmapped {
+            addr,
+            name: Some(mapping.name.clone()),
+        },
     }
 }
 
@@ -133,8 +154,20 @@ mod tests {
         })
     }
 
-    fn mapping(start: u64, end: u64, offset: u64, file: Option<Arc<MappedFile>>, name: &str) -> Mapping {
-        Mapping { start, end, file_offset: offset, file, name: name.into() }
+    fn mapping(
+        start: u64,
+        end: u64,
+        offset: u64,
+        file: Option<Arc<MappedFile>>,
+        name: &str,
+    ) -> Mapping {
+        Mapping {
+            start,
+            end,
+            file_offset: offset,
+            file,
+            name: name.into(),
+        }
     }
 
     fn sample(kernel: Vec<u64>, user: Vec<u64>) -> Sample {
@@ -158,62 +191,120 @@ mod tests {
         let libc = file(2, "/lib/libc.so.6");
         let proc_ = process(vec![
             mapping(0x40_1000, 0x40_2000, 0x1000, Some(exe.clone()), "/bin/app"),
-            mapping(0x7f00_0000_0000, 0x7f00_0010_0000, 0x2_8000, Some(libc), "/lib/libc.so.6"),
+            mapping(
+                0x7f00_0000_0000,
+                0x7f00_0010_0000,
+                0x2_8000,
+                Some(libc),
+                "/lib/libc.so.6",
+            ),
             mapping(0x7fff_f000_0000, 0x7fff_f000_2000, 0, None, "[vdso]"),
         ]);
-        let mut fake = FakeProcesses { first: Some(proc_), refreshed: None, refreshes: 0 };
+        let mut fake = FakeProcesses {
+            first: Some(proc_),
+            refreshed: None,
+            refreshes: 0,
+        };
         let mut unwinder = Unwinder::default();
         let (stack, _) = unwinder.unwind(
             &sample(vec![], vec![0x40_1010, 0x7f00_0000_0100, 0x7fff_f000_0010]),
             &mut fake,
         );
         match &stack.frames[0] {
-            UnwoundFrame::User { file_offset, addr, .. } => {
-                assert_eq!((*file_offset, *addr), (0x1010, 0x40_1010), "leaf of a user-mode sample is exact");
+            UnwoundFrame::User {
+                file_offset, addr, ..
+            } => {
+                assert_eq!(
+                    (*file_offset, *addr),
+                    (0x1010, 0x40_1010),
+                    "leaf of a user-mode sample is exact"
+                );
             }
             other => panic!("unexpected {other:?}"),
         }
         match &stack.frames[1] {
-            UnwoundFrame::User { file_offset, file, .. } => {
+            UnwoundFrame::User {
+                file_offset, file, ..
+            } => {
                 assert_eq!(*file_offset, 0x2_8000 + 0xff);
                 assert_eq!(&*file.path, "/lib/libc.so.6");
             }
             other => panic!("unexpected {other:?}"),
         }
-        assert!(matches!(&stack.frames[2], UnwoundFrame::UserUnmapped { name: Some(n), .. } if &**n == "[vdso]"));
-        assert_eq!(fake.refreshes, 0, "special mappings do not trigger a refresh");
+        assert!(
+            matches!(&stack.frames[2], UnwoundFrame::UserUnmapped { name: Some(n), .. } if &**n == "[vdso]")
+        );
+        assert_eq!(
+            fake.refreshes, 0,
+            "special mappings do not trigger a refresh"
+        );
     }
 
     #[test]
     fn kernel_frames_come_first_and_user_leaf_is_a_return_address_then() {
         let exe = file(1, "/bin/app");
         let proc_ = process(vec![mapping(0x1000, 0x2000, 0, Some(exe), "/bin/app")]);
-        let mut fake = FakeProcesses { first: Some(proc_), refreshed: None, refreshes: 0 };
-        let (stack, _) = Unwinder::default().unwind(&sample(vec![0xffff_1000, 0xffff_2000], vec![0x1100]), &mut fake);
+        let mut fake = FakeProcesses {
+            first: Some(proc_),
+            refreshed: None,
+            refreshes: 0,
+        };
+        let (stack, _) = Unwinder::default().unwind(
+            &sample(vec![0xffff_1000, 0xffff_2000], vec![0x1100]),
+            &mut fake,
+        );
         assert!(matches!(stack.frames[0], UnwoundFrame::Kernel(0xffff_1000)));
         assert!(matches!(stack.frames[1], UnwoundFrame::Kernel(0xffff_1fff)));
-        assert!(matches!(stack.frames[2], UnwoundFrame::User { file_offset: 0xff, .. }));
+        assert!(matches!(
+            stack.frames[2],
+            UnwoundFrame::User {
+                file_offset: 0xff,
+                ..
+            }
+        ));
     }
 
     #[test]
     fn unknown_address_refreshes_the_snapshot_once() {
-        let old = process(vec![mapping(0x1000, 0x2000, 0, Some(file(1, "/bin/app")), "/bin/app")]);
+        let old = process(vec![mapping(
+            0x1000,
+            0x2000,
+            0,
+            Some(file(1, "/bin/app")),
+            "/bin/app",
+        )]);
         let new = process(vec![
             mapping(0x1000, 0x2000, 0, Some(file(1, "/bin/app")), "/bin/app"),
-            mapping(0x9000, 0xa000, 0, Some(file(3, "/lib/plugin.so")), "/lib/plugin.so"),
+            mapping(
+                0x9000,
+                0xa000,
+                0,
+                Some(file(3, "/lib/plugin.so")),
+                "/lib/plugin.so",
+            ),
         ]);
-        let mut fake = FakeProcesses { first: Some(old), refreshed: Some(new), refreshes: 0 };
+        let mut fake = FakeProcesses {
+            first: Some(old),
+            refreshed: Some(new),
+            refreshes: 0,
+        };
         let mut unwinder = Unwinder::default();
         let (stack, process) = unwinder.unwind(&sample(vec![], vec![0x9010, 0x1010]), &mut fake);
         assert_eq!(fake.refreshes, 1);
-        assert!(matches!(&stack.frames[0], UnwoundFrame::User { file, .. } if &*file.path == "/lib/plugin.so"));
+        assert!(
+            matches!(&stack.frames[0], UnwoundFrame::User { file, .. } if &*file.path == "/lib/plugin.so")
+        );
         assert_eq!(process.unwrap().mappings.len(), 2);
         assert_eq!(unwinder.stats.unmapped_frames, 0);
     }
 
     #[test]
     fn vanished_process_keeps_frames_as_unmapped() {
-        let mut fake = FakeProcesses { first: None, refreshed: None, refreshes: 0 };
+        let mut fake = FakeProcesses {
+            first: None,
+            refreshed: None,
+            refreshes: 0,
+        };
         let mut unwinder = Unwinder::default();
         let (stack, process) = unwinder.unwind(&sample(vec![], vec![0x1234, 0x5678]), &mut fake);
         assert!(process.is_none());
