@@ -8,6 +8,7 @@
 
 pub mod sample;
 pub mod stats;
+pub mod unwind;
 
 pub use sample::*;
 pub use stats::*;
@@ -34,4 +35,13 @@ pub struct SamplerConfig {
 const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 8);
 
 #[cfg(feature = "user")]
-unsafe impl aya::Pod for SamplerConfig {}
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for SamplerConfig {}
+    unsafe impl aya::Pod for unwind::UnwindRow {}
+    unsafe impl aya::Pod for unwind::RowChunk {}
+    unsafe impl aya::Pod for unwind::PageKey {}
+    unsafe impl aya::Pod for unwind::PageEntry {}
+    unsafe impl aya::Pod for unwind::MappingKey {}
+    unsafe impl aya::Pod for unwind::MappingValue {}
+}
