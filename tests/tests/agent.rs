@@ -32,7 +32,23 @@ fn writes_per_service_profiles_every_interval_and_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(2600));
+    // Start-up (loading BPF, the first snapshots) takes a variable time on a busy machine: wait
+    // for the first interval's file, then for two more intervals.
+    let checkout_files = || {
+        std::fs::read_dir(&dir)
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("checkout-"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while checkout_files() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(2300));
     unsafe { libc_kill(agent.id() as i32, 15) };
     let output = agent.wait_with_output().unwrap();
     assert!(
@@ -55,7 +71,7 @@ fn writes_per_service_profiles_every_interval_and_on_sigterm() {
                 .starts_with("checkout-")
         })
         .collect();
-    // Two full intervals plus the partial one flushed on SIGTERM.
+    // The first interval, two more, and the partial one flushed on SIGTERM.
     assert!(checkout.len() >= 3, "files: {files:?}");
     let mut total = 0;
     for file in &checkout {

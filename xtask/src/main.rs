@@ -91,7 +91,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 cargo_in(&workspace)
                     .env("PROFILER_REQUIRE_EXTERNAL", "1")
                     .env("RUST_BACKTRACE", "1")
-                    .args(["test", "--workspace", "--all-targets"])
+                    .args(["test", "--workspace", "--all-targets", "--no-fail-fast"])
                     .args(args),
             )?;
         }
