@@ -1,0 +1,589 @@
+//! Benchmark harness (`cargo xtask bench [-- --seconds N --output FILE]`): runs a fixed busy
+//! workload on every CPU alone, under `profiler record`, and under `perf record -F 100 -a -g`,
+//! and reports the BPF program's cost per sample, the collector's CPU time and peak RSS, and the
+//! workload's slowdown. It measures and reports; it asserts nothing about timing.
+//! See docs/benchmarks.md.
+// A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
+#[path = "bench/parse.rs"]
+mod parse;
+#[path = "bench/procs.rs"]
+mod procs;
+#[path = "bench/report.rs"]
+mod report;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use integration_tests::{Scratch, build_c_fixture, workspace_root};
+
+use parse::{AgentSummary, ProgStats};
+use procs::{Finished, Proc, Usage};
+
+const USAGE: &str = "\
+usage: bench [--seconds N] [--output FILE] [--no-build]
+
+  --seconds N    length of each scenario in seconds (default 20)
+  --output FILE  also write the markdown report to FILE
+  --no-build     do not run `cargo build --release -p profiler-user` first
+
+Needs root. Runs the scenarios in order: baseline, profiler, perf, baseline again
+(the repeat shows the run-to-run noise).";
+
+struct Options {
+    seconds: u64,
+    output: Option<PathBuf>,
+    build: bool,
+}
+
+fn parse_args(args: &[String]) -> Result<Option<Options>> {
+    let mut options = Options {
+        seconds: 20,
+        output: None,
+        build: true,
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((flag, value)) if flag.starts_with("--") => (flag, Some(value.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| args.next().cloned())
+                .with_context(|| format!("{flag} needs a value\n\n{USAGE}"))
+        };
+        match flag {
+            "--seconds" => {
+                let text = value()?;
+                options.seconds = match text.parse::<u64>() {
+                    // Below a few seconds the per-second BPF figures have too few points.
+                    Ok(n) if (3..=3600).contains(&n) => n,
+                    _ => bail!("--seconds must be a whole number from 3 to 3600, not {text:?}"),
+                };
+            }
+            "--output" => options.output = Some(PathBuf::from(value()?)),
+            "--no-build" => options.build = false,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(None);
+            }
+            other => bail!("unknown argument {other:?}\n\n{USAGE}"),
+        }
+    }
+    Ok(Some(options))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workload's throughput in one scenario.
+#[derive(Clone, Copy, Debug)]
+pub struct Throughput {
+    pub workers: usize,
+    pub units: u64,
+    /// Sum over workers of units / that worker's own measured seconds.
+    pub units_per_second: f64,
+}
+
+/// BPF program cost while the workload ran, from `/proc/PID/fdinfo` polled once a second.
+#[derive(Clone, Debug, Default)]
+pub struct BpfCost {
+    /// One mean (ns per run) per one-second interval that lay inside the workload's run.
+    pub per_second_ns: Vec<f64>,
+    /// Total Δrun_time_ns / Δrun_cnt over those intervals.
+    pub window_mean_ns: Option<f64>,
+    /// Program runs in those intervals (≈ samples: the CPUs are busy, so few idle ticks).
+    pub window_runs: u64,
+}
+
+/// What one collector (our profiler or perf) cost.
+#[derive(Debug, Default)]
+pub struct CollectorRun {
+    pub usage: Usage,
+    /// Samples the collector kept (ours: samples_processed; perf: its "( N samples)").
+    pub samples: Option<u64>,
+    pub bpf: Option<BpfCost>,
+    /// Ours only: the final `recording finished` log line.
+    pub agent: Option<AgentSummary>,
+    /// Ours only: agent CPU per BPF run while the workload ran (startup and final write excluded).
+    pub steady_cpu_per_run: Option<Duration>,
+    /// perf only: the event it sampled (from `perf evlist`).
+    pub event: Option<String>,
+}
+
+pub enum Outcome {
+    Ran(Throughput, Option<CollectorRun>),
+    Skipped(String),
+}
+
+pub struct Results {
+    pub options_line: String,
+    pub seconds: u64,
+    pub facts: report::Facts,
+    pub baseline: Throughput,
+    pub baseline_again: Throughput,
+    pub ours: (Throughput, CollectorRun),
+    pub perf: Outcome,
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let Some(options) = parse_args(args)? else {
+        return Ok(());
+    };
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the benchmark loads BPF programs and sets kernel.bpf_stats_enabled: run it as root");
+    }
+    procs::catch_sigint();
+
+    let profiler = profiler_binary(options.build)?;
+    let workload = build_workload()?;
+    let perf = find_perf();
+    let facts = report::Facts::collect(perf.as_ref().map(|(_, version)| version.clone()));
+    let scratch = Scratch::new("bench");
+
+    // Restored when this guard drops, also on error or Ctrl-C.
+    let _stats = SysctlGuard::set("/proc/sys/kernel/bpf_stats_enabled", "1")?;
+
+    let seconds = options.seconds;
+    eprintln!(
+        "bench: {} workers per scenario, {seconds} s each: baseline, profiler, perf, baseline again",
+        facts.cpus
+    );
+
+    // Unmeasured warm-up: the first scenario should not pay for cold caches or CPU clock ramp-up.
+    eprintln!("bench: warm-up (3 s, not measured)");
+    finish_workers(start_workers(&workload, facts.cpus, 3)?)?;
+    settle()?;
+
+    eprintln!("bench: [1/4] baseline (workload alone)");
+    let workers = start_workers(&workload, facts.cpus, seconds)?;
+    let baseline = finish_workers(workers)?;
+    settle()?;
+
+    eprintln!("bench: [2/4] profiler record");
+    let ours = run_ours(&profiler, &workload, facts.cpus, seconds, &scratch)?;
+    settle()?;
+
+    let perf = match &perf {
+        None => {
+            eprintln!(
+                "bench: [3/4] perf skipped: `perf` not found (Debian: apt-get install linux-perf; `cargo xtask setup` installs it)"
+            );
+            Outcome::Skipped("perf not found (install Debian's linux-perf)".into())
+        }
+        Some((perf, _)) => {
+            eprintln!("bench: [3/4] perf record -F 100 -a -g");
+            run_perf(perf, &workload, facts.cpus, seconds, &scratch)?
+        }
+    };
+    settle()?;
+
+    // The same baseline again: how far two identical runs differ is the noise floor for the
+    // slowdown column (large on shared VMs).
+    eprintln!("bench: [4/4] baseline again (noise check)");
+    let workers = start_workers(&workload, facts.cpus, seconds)?;
+    let baseline_again = finish_workers(workers)?;
+
+    let results = Results {
+        options_line: std::iter::once("bench".to_string())
+            .chain(args.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(" "),
+        seconds,
+        facts,
+        baseline,
+        baseline_again,
+        ours,
+        perf,
+    };
+    let markdown = report::render(&results);
+    println!("{markdown}");
+    if let Some(path) = &options.output {
+        std::fs::write(path, &markdown)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("bench: report written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The release `profiler` next to this binary (both live in target/release). Building it here
+/// (a no-op when up to date) rather than asking the user keeps `cargo xtask bench` one step and
+/// guarantees the profiler matches the checked-out source.
+fn profiler_binary(build: bool) -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot find the bench binary's path")?;
+    let dir = exe
+        .parent()
+        .context("the bench binary has no parent directory")?;
+    if build {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        eprintln!("bench: cargo build --release -p profiler-user");
+        let status = Command::new(&cargo)
+            .args(["build", "--release", "-p", "profiler-user"])
+            .current_dir(workspace_root())
+            .status()
+            .with_context(|| format!("cannot run {cargo:?}"))?;
+        if !status.success() {
+            bail!("`cargo build --release -p profiler-user` failed ({status})");
+        }
+    }
+    let profiler = dir.join("profiler");
+    if !profiler.exists() {
+        bail!(
+            "{} is missing: run `cargo build --release -p profiler-user` (or drop --no-build)",
+            profiler.display()
+        );
+    }
+    if dir.file_name().is_some_and(|name| name != "release") {
+        eprintln!(
+            "bench: warning: {} is not a release build; run through `cargo xtask bench`",
+            profiler.display()
+        );
+    }
+    Ok(profiler)
+}
+
+fn build_workload() -> Result<PathBuf> {
+    // build_c_fixture panics when the compiler is missing; say so plainly instead.
+    let gcc = Command::new("gcc").arg("--version").output();
+    if !gcc.is_ok_and(|out| out.status.success()) {
+        bail!("gcc is needed to build the workload (apt-get install gcc)");
+    }
+    Ok(build_c_fixture(
+        "bench_workload.c",
+        "bench_workload",
+        "gcc",
+        &[
+            "-O2",
+            "-g",
+            "-fno-omit-frame-pointer",
+            "-mno-omit-leaf-frame-pointer",
+            "-fno-optimize-sibling-calls",
+        ],
+    ))
+}
+
+/// `perf` and its version, if it runs.
+fn find_perf() -> Option<(PathBuf, String)> {
+    let candidates = [PathBuf::from("/usr/bin/perf"), PathBuf::from("perf")];
+    candidates.into_iter().find_map(|perf| {
+        let out = Command::new(&perf).arg("--version").output().ok()?;
+        out.status.success().then(|| {
+            (
+                perf,
+                String::from_utf8_lossy(&out.stdout).trim().to_string(),
+            )
+        })
+    })
+}
+
+/// Sets a sysctl through /proc/sys and puts the old value back when dropped.
+struct SysctlGuard {
+    path: &'static str,
+    old: String,
+}
+
+impl SysctlGuard {
+    fn set(path: &'static str, value: &str) -> Result<SysctlGuard> {
+        let old = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {path}"))?
+            .trim()
+            .to_string();
+        std::fs::write(path, value).with_context(|| format!("cannot write {value} to {path}"))?;
+        Ok(SysctlGuard { path, old })
+    }
+}
+
+impl Drop for SysctlGuard {
+    fn drop(&mut self) {
+        if let Err(err) = std::fs::write(self.path, &self.old) {
+            eprintln!(
+                "bench: warning: cannot restore {} to {}: {err}",
+                self.path, self.old
+            );
+        }
+    }
+}
+
+/// A short pause between scenarios so one's tail (file writes, exits) does not overlap the next.
+fn settle() -> Result<()> {
+    procs::check_interrupted()?;
+    std::thread::sleep(Duration::from_secs(2));
+    procs::check_interrupted()
+}
+
+fn start_workers(workload: &Path, count: usize, seconds: u64) -> Result<Vec<Proc>> {
+    (0..count)
+        .map(|i| {
+            let mut cmd = Command::new(workload);
+            cmd.arg(seconds.to_string());
+            Proc::spawn(cmd, &format!("workload worker {i}"))
+        })
+        .collect()
+}
+
+fn finish_workers(workers: Vec<Proc>) -> Result<Throughput> {
+    let count = workers.len();
+    let mut units = 0;
+    let mut units_per_second = 0.0;
+    for (i, worker) in workers.into_iter().enumerate() {
+        let Finished { usage, stdout, .. } = worker.wait()?;
+        let Some((n, secs)) = parse::parse_workload_output(&stdout) else {
+            bail!(
+                "workload worker {i} printed no `units=N seconds=S` line (success: {}): {stdout:?}",
+                usage.success
+            );
+        };
+        units += n;
+        units_per_second += n as f64 / secs;
+    }
+    Ok(Throughput {
+        workers: count,
+        units,
+        units_per_second,
+    })
+}
+
+/// One poll of the profiler while it runs.
+struct Poll {
+    workers_running: bool,
+    bpf: Option<ProgStats>,
+    agent_cpu: Option<Duration>,
+}
+
+/// Sums the run counters of every BPF program `pid` holds an fd for (each program once).
+fn bpf_prog_stats(pid: u32) -> Option<ProgStats> {
+    let entries = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).ok()?;
+    let mut seen = Vec::new();
+    let mut total: Option<ProgStats> = None;
+    for entry in entries.flatten() {
+        let Ok(text) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        let Some(stats) = parse::parse_prog_fdinfo(&text) else {
+            continue;
+        };
+        if stats.prog_id != 0 {
+            if seen.contains(&stats.prog_id) {
+                continue;
+            }
+            seen.push(stats.prog_id);
+        }
+        let sum = total.get_or_insert(ProgStats {
+            prog_id: 0,
+            run_time_ns: 0,
+            run_cnt: 0,
+        });
+        sum.run_time_ns += stats.run_time_ns;
+        sum.run_cnt += stats.run_cnt;
+    }
+    total
+}
+
+/// Polls the workers and the collector once a second until all have exited; `on_tick` sees
+/// whether every worker was still running and the collector's pid while it runs.
+fn supervise(
+    workers: &mut [Proc],
+    collector: &mut Proc,
+    mut on_tick: impl FnMut(bool, Option<u32>),
+) -> Result<()> {
+    let start = Instant::now();
+    let mut tick = 0u32;
+    loop {
+        procs::check_interrupted()?;
+        let mut workers_running = true;
+        for worker in workers.iter_mut() {
+            if worker.poll()? {
+                workers_running = false;
+            }
+        }
+        let collector_running = !collector.poll()?;
+        on_tick(workers_running, collector_running.then(|| collector.pid()));
+        if !collector_running && workers.iter().all(Proc::is_done) {
+            return Ok(());
+        }
+        // Fixed one-second grid from the start, so slow polls do not stretch the intervals.
+        tick += 1;
+        let next = start + Duration::from_secs(u64::from(tick));
+        while Instant::now() < next {
+            procs::check_interrupted()?;
+            std::thread::sleep(
+                next.saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(50)),
+            );
+        }
+    }
+}
+
+fn run_ours(
+    profiler: &Path,
+    workload: &Path,
+    cpus: usize,
+    seconds: u64,
+    scratch: &Scratch,
+) -> Result<(Throughput, CollectorRun)> {
+    let mut workers = start_workers(workload, cpus, seconds)?;
+    let mut cmd = Command::new(profiler);
+    cmd.args(["--log-format", "json", "record", "--duration"])
+        .arg(seconds.to_string())
+        .arg("--output")
+        .arg(scratch.path("profile.pb.gz"))
+        .env("RUST_LOG", "info");
+    // The bench's own environment must not change what is measured.
+    for var in [
+        "PROFILER_FREQUENCY",
+        "PROFILER_PID",
+        "PROFILER_OUTPUT",
+        "PROFILER_FORMAT",
+        "PROFILER_DURATION",
+        "PROFILER_LOG_FORMAT",
+    ] {
+        cmd.env_remove(var);
+    }
+    let mut profiler = Proc::spawn(cmd, "profiler record")?;
+    let profiler_pid = profiler.pid();
+
+    let mut polls = Vec::new();
+    supervise(&mut workers, &mut profiler, |workers_running, pid| {
+        polls.push(Poll {
+            workers_running,
+            bpf: pid.and_then(bpf_prog_stats),
+            agent_cpu: pid.and_then(procs::cpu_time_so_far),
+        });
+    })?;
+    let throughput = finish_workers(workers)?;
+    let finished = profiler.wait()?;
+    if !finished.usage.success {
+        bail!(
+            "profiler record failed; its log:\n{}",
+            tail(&finished.stderr, 20)
+        );
+    }
+    let agent = parse::parse_agent_summary(&finished.stderr);
+    if agent.is_none() {
+        eprintln!("bench: warning: no `recording finished` line in the profiler's log");
+    }
+
+    // Only polls taken while every worker ran: after the workload ends the CPUs go idle and the
+    // program's cheap idle-tick runs would pull the figures down.
+    let window: Vec<(ProgStats, Option<Duration>)> = polls
+        .iter()
+        .filter(|p| p.workers_running)
+        .filter_map(|p| Some((p.bpf?, p.agent_cpu)))
+        .collect();
+    let mut bpf = BpfCost::default();
+    for pair in window.windows(2) {
+        let (a, b) = (pair[0].0, pair[1].0);
+        let runs = b.run_cnt.saturating_sub(a.run_cnt);
+        if runs > 0 {
+            bpf.per_second_ns
+                .push(b.run_time_ns.saturating_sub(a.run_time_ns) as f64 / runs as f64);
+        }
+    }
+    let mut steady_cpu_per_run = None;
+    if let (Some(first), Some(last)) = (window.first(), window.last()) {
+        let runs = last.0.run_cnt.saturating_sub(first.0.run_cnt);
+        if runs > 0 {
+            bpf.window_runs = runs;
+            bpf.window_mean_ns =
+                Some(last.0.run_time_ns.saturating_sub(first.0.run_time_ns) as f64 / runs as f64);
+            if let (Some(a), Some(b)) = (first.1, last.1) {
+                steady_cpu_per_run = Some(b.saturating_sub(a) / runs.min(u32::MAX as u64) as u32);
+            }
+        }
+    }
+    if bpf.per_second_ns.is_empty() {
+        eprintln!(
+            "bench: warning: no BPF run statistics in /proc/{}/fdinfo (kernel without run_time_ns/run_cnt?)",
+            profiler_pid
+        );
+    }
+    Ok((
+        throughput,
+        CollectorRun {
+            usage: finished.usage,
+            samples: agent.map(|a| a.samples_processed),
+            bpf: Some(bpf),
+            agent,
+            steady_cpu_per_run,
+            event: None,
+        },
+    ))
+}
+
+fn run_perf(
+    perf: &Path,
+    workload: &Path,
+    cpus: usize,
+    seconds: u64,
+    scratch: &Scratch,
+) -> Result<Outcome> {
+    let data = scratch.path("perf.data");
+    let mut workers = start_workers(workload, cpus, seconds)?;
+    let mut cmd = Command::new(perf);
+    cmd.args(["record", "-F", "100", "-a", "-g", "-o"])
+        .arg(&data)
+        .args(["--", "sleep"])
+        .arg(seconds.to_string());
+    let mut recorder = Proc::spawn(cmd, "perf record")?;
+    supervise(&mut workers, &mut recorder, |_, _| {})?;
+    let throughput = finish_workers(workers)?;
+    let finished = recorder.wait()?;
+    if !finished.usage.success {
+        eprintln!(
+            "bench: warning: perf record failed:\n{}",
+            tail(&finished.stderr, 10)
+        );
+        return Ok(Outcome::Skipped(format!(
+            "perf record failed: {}",
+            tail(&finished.stderr, 1).trim()
+        )));
+    }
+    let samples = parse::parse_perf_samples(&finished.stderr);
+    if samples.is_none() {
+        eprintln!("bench: warning: no `( N samples)` line in perf's output");
+    }
+    Ok(Outcome::Ran(
+        throughput,
+        Some(CollectorRun {
+            usage: finished.usage,
+            samples,
+            event: perf_event(perf, &data),
+            ..CollectorRun::default()
+        }),
+    ))
+}
+
+/// The event perf sampled: `cycles` with a hardware PMU, else its `cpu-clock` fallback.
+fn perf_event(perf: &Path, data: &Path) -> Option<String> {
+    let out = Command::new(perf)
+        .args(["evlist", "-i"])
+        .arg(data)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let events: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    (out.status.success() && !events.is_empty()).then(|| events.join(", "))
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
