@@ -20,7 +20,20 @@ pub mod names {
     pub const MAP_STATS: &str = "STATS";
     pub const MAP_PID_FILTER: &str = "PID_FILTER";
     pub const MAP_CONFIG: &str = "CONFIG";
+    pub const PROGRAM_PROCESS_EXIT: &str = "process_exit";
+    pub const TRACEPOINT_PROCESS_EXIT: &str = "sched_process_exit";
+    pub const MAP_EVENTS: &str = "EVENTS";
+    pub const MAP_UNWIND_ROWS: &str = "UNWIND_ROWS";
+    pub const MAP_UNWIND_PAGES: &str = "UNWIND_PAGES";
+    pub const MAP_PROCESS_MAPPINGS: &str = "PROCESS_MAPPINGS";
 }
+
+/// Default capacity of `UNWIND_ROWS` in chunks (the agent sets it from its memory budget).
+pub const DEFAULT_ROW_CHUNKS: u32 = 16_384;
+/// Capacity of `UNWIND_PAGES` (64 KiB pages: 4 GiB of code).
+pub const MAX_UNWIND_PAGES: u32 = 65_536;
+/// Capacity of `PROCESS_MAPPINGS` (LPM prefixes; a mapping needs up to ~40).
+pub const MAX_MAPPING_PREFIXES: u32 = 262_144;
 
 /// Run-time settings written by the agent into the single-entry `CONFIG` array before attaching.
 #[repr(C)]

@@ -2,8 +2,8 @@
 
 /// Deepest kernel stack recorded; the kernel's own `perf_event_max_stack` default is 127.
 pub const MAX_KERNEL_FRAMES: usize = 127;
-/// Deepest user stack recorded.
-pub const MAX_USER_FRAMES: usize = 127;
+/// Deepest user stack recorded (a power of two: the unwinder masks indexes with it).
+pub const MAX_USER_FRAMES: usize = 256;
 /// Size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page size).
 pub const SAMPLES_RING_BYTES: u32 = 4 << 20;
 /// Entries of the `PID_FILTER` hash map.
@@ -19,8 +19,16 @@ pub const SAMPLE_USER_STACK_ERROR: u32 = 1 << 2;
 pub const SAMPLE_KERNEL_STACK_ERROR: u32 = 1 << 3;
 /// `SampleHeader::flags`: the interrupted context was in user mode.
 pub const SAMPLE_IN_USER_MODE: u32 = 1 << 4;
+/// `SampleHeader::flags`: a user PC was in no mapping the agent registered for this process (a
+/// new process, exec or dlopen): the agent should refresh its snapshot.
+pub const SAMPLE_USER_UNKNOWN_MAPPING: u32 = 1 << 5;
+/// `SampleHeader::flags`: a registered mapping's unwind table had no page for a PC (the table
+/// was evicted or is still being built).
+pub const SAMPLE_USER_TABLE_MISSING: u32 = 1 << 6;
+/// `SampleHeader::flags`: at least one user frame was found by frame-pointer fallback.
+pub const SAMPLE_USER_FRAME_POINTERS: u32 = 1 << 7;
 /// All flags this ABI version defines; anything else means the two sides disagree.
-pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 5) - 1;
+pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 8) - 1;
 
 /// Fixed part of a sample. Frames follow in [`RawSample`].
 #[repr(C)]
@@ -63,3 +71,20 @@ const _: () = assert!(core::mem::align_of::<RawSample>() == 8);
 unsafe impl aya::Pod for SampleHeader {}
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for RawSample {}
+
+/// `ProcessEvent::kind`: the process (its thread-group leader) exited.
+pub const EVENT_PROCESS_EXIT: u32 = 1;
+
+/// A process lifecycle event from the `EVENTS` ring buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcessEvent {
+    pub kind: u32,
+    pub pid: u32,
+}
+
+/// Size of the `EVENTS` ring buffer in bytes.
+pub const EVENTS_RING_BYTES: u32 = 256 << 10;
+
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for ProcessEvent {}

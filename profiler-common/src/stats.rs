@@ -22,11 +22,37 @@ pub const STAT_KERNEL_TRUNCATED: u32 = 7;
 pub const STAT_USER_TRUNCATED: u32 = 8;
 /// Gauge, not a counter: bytes waiting in the ring buffer as last seen by this CPU.
 pub const STAT_RINGBUF_PENDING_BYTES: u32 = 9;
+/// User stacks that reached the outermost frame (complete).
+pub const STAT_UNWIND_COMPLETE: u32 = 10;
+/// User stacks cut at `MAX_USER_FRAMES`.
+pub const STAT_UNWIND_DEPTH_LIMIT: u32 = 11;
+/// User stacks stopped because stack memory could not be read.
+pub const STAT_UNWIND_READ_ERROR: u32 = 12;
+/// User stacks stopped because a frame did not move up the stack (corrupt or looping).
+pub const STAT_UNWIND_BAD_FRAME: u32 = 13;
+/// Samples without user registers (kernel threads).
+pub const STAT_UNWIND_NO_USER_CONTEXT: u32 = 14;
+/// User frames unwound, all methods.
+pub const STAT_UNWIND_FRAMES: u32 = 15;
+/// Frame-pointer steps because the PC was in no registered mapping.
+pub const STAT_UNWIND_FP_NO_MAPPING: u32 = 16;
+/// Frame-pointer steps because the mapping's table had no page for the PC.
+pub const STAT_UNWIND_FP_NO_TABLE: u32 = 17;
+/// Frame-pointer steps because no CFI covers the PC (gaps, JIT, unsupported expressions).
+pub const STAT_UNWIND_FP_NO_CFI: u32 = 18;
+/// Signal frames stepped through.
+pub const STAT_UNWIND_SIGNAL_FRAMES: u32 = 19;
+/// PLT frames stepped through.
+pub const STAT_UNWIND_PLT_FRAMES: u32 = 20;
+/// Process events lost because the events ring buffer was full.
+pub const STAT_EVENTS_LOST: u32 = 21;
+/// User stacks whose frame-pointer chain ended without reaching the outermost frame.
+pub const STAT_UNWIND_FP_END: u32 = 22;
 /// Number of slots in `STATS`.
-pub const STAT_COUNT: u32 = 16;
+pub const STAT_COUNT: u32 = 32;
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 10] = [
+pub const STAT_NAMES: [&str; 23] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -37,6 +63,19 @@ pub const STAT_NAMES: [&str; 10] = [
     "kernel_truncated",
     "user_truncated",
     "ringbuf_pending_bytes",
+    "unwind_complete",
+    "unwind_depth_limit",
+    "unwind_read_error",
+    "unwind_bad_frame",
+    "unwind_no_user_context",
+    "unwind_frames",
+    "unwind_fp_no_mapping",
+    "unwind_fp_no_table",
+    "unwind_fp_no_cfi",
+    "unwind_signal_frames",
+    "unwind_plt_frames",
+    "events_lost",
+    "unwind_fp_end",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -1,18 +1,19 @@
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, bpf_perf_event_data},
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, bpf_perf_event_data},
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
-        generated::bpf_get_stack,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
+        bpf_ktime_get_ns, generated::bpf_get_stack,
     },
-    macros::{map, perf_event},
+    macros::{map, perf_event, raw_tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
-    programs::PerfEventContext,
+    programs::{PerfEventContext, RawTracePointContext},
 };
 use profiler_common::{
-    MAX_FILTERED_PIDS, MAX_KERNEL_FRAMES, RawSample, SAMPLE_IN_USER_MODE,
-    SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT,
-    STAT_FILTERED, STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
+    EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS, MAX_KERNEL_FRAMES, ProcessEvent,
+    RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED,
+    SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
+    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
     STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
@@ -20,6 +21,9 @@ use crate::user_stack;
 
 #[map(name = "SAMPLES")]
 static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLES_RING_BYTES, 0);
+
+#[map(name = "EVENTS")]
+static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_RING_BYTES, 0);
 
 #[map(name = "STATS")]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
@@ -29,6 +33,11 @@ static PID_FILTER: HashMap<u32, u8> = HashMap::with_max_entries(MAX_FILTERED_PID
 
 #[map(name = "CONFIG")]
 static CONFIG: Array<SamplerConfig> = Array::with_max_entries(1, 0);
+
+/// The sample under construction: too large for the 512-byte BPF stack, and the unwinder's
+/// bpf_loop callback fills it too.
+#[map(name = "SCRATCH_SAMPLE")]
+pub(crate) static SCRATCH_SAMPLE: PerCpuArray<RawSample> = PerCpuArray::with_max_entries(1, 0);
 
 #[inline(always)]
 pub(crate) fn count(stat: u32) {
@@ -54,13 +63,10 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         count(STAT_FILTERED);
         return 0;
     }
-
-    let Some(mut entry) = SAMPLES.reserve::<RawSample>(0) else {
-        count(STAT_RINGBUF_FULL);
+    let Some(sample) = SCRATCH_SAMPLE.get_ptr_mut(0) else {
         return 0;
     };
-    let sample = entry.as_mut_ptr();
-    // SAFETY: `sample` points at reserved ring-buffer memory of size_of::<RawSample>().
+    // SAFETY: `sample` is this CPU's scratch slot; perf-event programs do not nest on a CPU.
     unsafe {
         let header = &mut (*sample).header;
         header.ktime_ns = bpf_ktime_get_ns();
@@ -73,7 +79,8 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
 
         let data = ctx.as_ptr() as *const bpf_perf_event_data;
         // Ring 3 in the saved code segment selector means the CPU was running user code.
-        if (*data).regs.cs & 3 == 3 {
+        let in_user_mode = (*data).regs.cs & 3 == 3;
+        if in_user_mode {
             flags |= SAMPLE_IN_USER_MODE;
         }
 
@@ -83,14 +90,10 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             (MAX_KERNEL_FRAMES * 8) as u32,
             0,
         );
-        header.kernel_frames = if kernel_bytes > 0 {
-            (kernel_bytes / 8) as u16
-        } else {
-            0
-        };
+        header.kernel_frames = if kernel_bytes > 0 { (kernel_bytes / 8) as u16 } else { 0 };
         if kernel_bytes < 0 {
             // A sample taken in user mode has no kernel stack (-EFAULT): that is not an error.
-            if flags & SAMPLE_IN_USER_MODE == 0 {
+            if !in_user_mode {
                 flags |= SAMPLE_KERNEL_STACK_ERROR;
                 count(STAT_KERNEL_STACK_ERROR);
             }
@@ -98,12 +101,26 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             flags |= SAMPLE_KERNEL_TRUNCATED;
             count(STAT_KERNEL_TRUNCATED);
         }
+        header.flags = flags;
 
-        let (user_frames, user_flags) = user_stack::collect(&ctx, &mut (*sample).user_ips);
-        header.user_frames = user_frames;
-        header.flags = flags | user_flags;
+        let regs = if in_user_mode {
+            Some(user_stack::Registers {
+                rip: (*data).regs.rip,
+                rsp: (*data).regs.rsp,
+                rbp: (*data).regs.rbp,
+            })
+        } else {
+            user_stack::task_user_registers()
+        };
+        user_stack::collect(tgid, regs, &mut *sample);
+
+        // No wakeup per sample: the agent drains the buffer on a timer, which costs it a few
+        // wakeups a second instead of one per sample.
+        if SAMPLES.output::<RawSample>(&*sample, BPF_RB_NO_WAKEUP as u64).is_err() {
+            count(STAT_RINGBUF_FULL);
+            return 0;
+        }
     }
-    entry.submit(0);
     count(STAT_SAMPLES_SENT);
     if let Some(slot) = STATS.get_ptr_mut(STAT_RINGBUF_PENDING_BYTES) {
         unsafe { *slot = SAMPLES.query(BPF_RB_AVAIL_DATA as u64) };
@@ -111,5 +128,18 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
     0
 }
 
-/// `bpf_get_stack` flag for user stacks, re-exported so the user-stack seam can use it.
-pub(crate) const USER_STACK_FLAG: u64 = BPF_F_USER_STACK as u64;
+/// Tells the agent a process is gone so it drops the process's mappings at once (a reused pid
+/// must never be unwound with the previous process's tables).
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn process_exit(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
+    if tgid != tid || tgid == 0 {
+        return 0;
+    }
+    let event = ProcessEvent { kind: EVENT_PROCESS_EXIT, pid: tgid };
+    if EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
+        count(STAT_EVENTS_LOST);
+    }
+    0
+}

@@ -1,36 +1,283 @@
-//! The one seam through which the user-space part of a stack is collected.
+//! The user-stack unwinder: table-driven from `.eh_frame`, with frame-pointer fallback.
 //!
-//! This version walks frame pointers with the kernel's `bpf_get_stack(BPF_F_USER_STACK)`, which
-//! uses the task's saved user registers when the sample landed in the kernel. The table-driven
-//! .eh_frame unwinder replaces the body of `collect` without touching the sampler.
-use aya_ebpf::{EbpfContext, helpers::generated::bpf_get_stack, programs::PerfEventContext};
+//! The agent registers, per process, each executable mapping in the `PROCESS_MAPPINGS` LPM trie
+//! (pid + address → table id, load bias) and, per ELF file, the file's unwind rows in
+//! `UNWIND_PAGES` / `UNWIND_ROWS`. One `bpf_loop` iteration unwinds one frame, so the verifier
+//! checks the step once, whatever the depth. Row lookup is `profiler_common::unwind::find_row`,
+//! the same code the agent's tests run.
+use core::{ffi::c_void, ptr};
+
+use aya_ebpf::{
+    helpers::{
+        bpf_probe_read_kernel, bpf_probe_read_user,
+        generated::{bpf_get_current_task_btf, bpf_loop, bpf_task_pt_regs},
+    },
+    macros::map,
+    maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
+};
+use aya_ebpf::bindings::{BPF_F_NO_PREALLOC, pt_regs};
 use profiler_common::{
-    MAX_USER_FRAMES, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TRUNCATED, STAT_USER_STACK_ERROR,
-    STAT_USER_TRUNCATED,
+    DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_UNWIND_PAGES, MAX_USER_FRAMES, RawSample,
+    SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
+    SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, STAT_UNWIND_BAD_FRAME,
+    STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT, STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI,
+    STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAMES,
+    STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES, STAT_UNWIND_READ_ERROR,
+    STAT_UNWIND_SIGNAL_FRAMES,
+    unwind::{
+        CFA_END, CFA_PLT, CFA_RBP, CFA_RSP, CFA_SIGNAL, MAPPING_HAS_TABLE, MappingKey,
+        MappingValue, PAGE_SHIFT, PageEntry, PageKey, RBP_AT_CFA, ROWS_PER_CHUNK, RowChunk,
+        RowSource, SIGNAL_GREG_RBP, SIGNAL_GREG_RIP, SIGNAL_GREG_RSP, SIGNAL_MCONTEXT_OFFSET,
+        UnwindRow, cfa, find_row,
+    },
 };
 
-use crate::sampler::{USER_STACK_FLAG, count};
+pub use profiler_common::unwind::Registers;
 
-/// Fills `ips` innermost first; returns the number of frames and `SAMPLE_*` flags.
+use crate::sampler::{SCRATCH_SAMPLE, count};
+
+#[map(name = "UNWIND_ROWS")]
+static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(DEFAULT_ROW_CHUNKS, 0);
+
+#[map(name = "UNWIND_PAGES")]
+static UNWIND_PAGES: HashMap<PageKey, PageEntry> = HashMap::with_max_entries(MAX_UNWIND_PAGES, 0);
+
+#[map(name = "PROCESS_MAPPINGS")]
+static PROCESS_MAPPINGS: LpmTrie<MappingKey, MappingValue> =
+    LpmTrie::with_max_entries(MAX_MAPPING_PREFIXES, BPF_F_NO_PREALLOC);
+
+/// State carried between `bpf_loop` iterations.
+#[repr(C)]
+pub struct UnwindState {
+    regs: Registers,
+    pid: u32,
+    frames: u32,
+    flags: u32,
+    /// Non-zero while `regs.rip` is the exact current instruction (first frame, or just after
+    /// a signal frame) rather than a return address.
+    exact_pc: u32,
+    done: u32,
+    _pad: u32,
+    /// The last mapping found, so frames in the same file skip the trie.
+    mapping: MappingValue,
+}
+
+#[map(name = "UNWIND_STATE")]
+static UNWIND_STATE: PerCpuArray<UnwindState> = PerCpuArray::with_max_entries(1, 0);
+
+const FRAME_MASK: u32 = MAX_USER_FRAMES as u32 - 1;
+const _: () = assert!(MAX_USER_FRAMES.is_power_of_two());
+
+struct Rows;
+
+impl RowSource for Rows {
+    #[inline(always)]
+    fn row(&self, index: u32) -> Option<UnwindRow> {
+        let chunk = UNWIND_ROWS.get(index / ROWS_PER_CHUNK as u32)?;
+        Some(chunk.rows[(index as usize) & (ROWS_PER_CHUNK - 1)])
+    }
+}
+
+/// The user registers saved on kernel entry, for samples that landed in the kernel.
 #[inline(always)]
-pub(crate) fn collect(ctx: &PerfEventContext, ips: &mut [u64; MAX_USER_FRAMES]) -> (u16, u32) {
-    let bytes = unsafe {
-        bpf_get_stack(
-            ctx.as_ptr(),
-            ips.as_mut_ptr().cast(),
-            (MAX_USER_FRAMES * 8) as u32,
-            USER_STACK_FLAG,
-        )
+pub fn task_user_registers() -> Option<Registers> {
+    // SAFETY: helpers on the current task; the pt_regs pointer is read with probe_read_kernel.
+    unsafe {
+        let task = bpf_get_current_task_btf();
+        let regs = bpf_task_pt_regs(task) as *const pt_regs;
+        if regs.is_null() {
+            return None;
+        }
+        let regs: pt_regs = bpf_probe_read_kernel(regs).ok()?;
+        // Kernel threads never entered from user space: their saved registers are zero.
+        if regs.rip == 0 || regs.rsp == 0 {
+            return None;
+        }
+        Some(Registers { rip: regs.rip, rsp: regs.rsp, rbp: regs.rbp })
+    }
+}
+
+/// Fills `sample.user_ips` and the user part of `sample.header.flags`.
+#[inline(always)]
+pub fn collect(pid: u32, regs: Option<Registers>, sample: &mut RawSample) {
+    sample.header.user_frames = 0;
+    let Some(regs) = regs else {
+        count(STAT_UNWIND_NO_USER_CONTEXT);
+        return;
     };
-    if bytes < 0 {
-        // Kernel threads get 0 frames, not an error, so this is a user task whose stack failed.
-        count(STAT_USER_STACK_ERROR);
-        return (0, SAMPLE_USER_STACK_ERROR);
+    let Some(state) = UNWIND_STATE.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's state slot.
+    unsafe {
+        (*state).regs = regs;
+        (*state).pid = pid;
+        (*state).frames = 0;
+        (*state).flags = 0;
+        (*state).exact_pc = 1;
+        (*state).done = 0;
+        (*state).mapping = MappingValue::default();
+        bpf_loop(MAX_USER_FRAMES as u32, unwind_step as *mut c_void, ptr::null_mut(), 0);
+        if (*state).done == 0 {
+            (*state).flags |= SAMPLE_USER_TRUNCATED;
+            count(STAT_UNWIND_DEPTH_LIMIT);
+        }
+        sample.header.user_frames = (*state).frames as u16;
+        sample.header.flags |= (*state).flags;
     }
-    let frames = (bytes / 8) as u16;
-    if frames as usize == MAX_USER_FRAMES {
-        count(STAT_USER_TRUNCATED);
-        return (frames, SAMPLE_USER_TRUNCATED);
+}
+
+/// Ends the walk; `stat` says why.
+#[inline(always)]
+fn stop(state: &mut UnwindState, stat: u32, flags: u32) -> i64 {
+    state.done = 1;
+    state.flags |= flags;
+    count(stat);
+    1
+}
+
+#[inline(always)]
+fn read_user(addr: u64) -> Option<u64> {
+    unsafe { bpf_probe_read_user(addr as *const u64).ok() }
+}
+
+/// One frame: records `regs.rip`, then computes the caller's registers.
+#[inline(never)]
+extern "C" fn unwind_step(_index: u64, _ctx: *mut c_void) -> i64 {
+    let Some(state) = UNWIND_STATE.get_ptr_mut(0) else {
+        return 1;
+    };
+    let Some(sample) = SCRATCH_SAMPLE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's slots, not shared with anything running concurrently on it.
+    let (state, sample) = unsafe { (&mut *state, &mut *sample) };
+    let regs = state.regs;
+    if regs.rip == 0 {
+        return stop(state, STAT_UNWIND_COMPLETE, 0);
     }
-    (frames, 0)
+    if state.frames >= MAX_USER_FRAMES as u32 {
+        return stop(state, STAT_UNWIND_DEPTH_LIMIT, SAMPLE_USER_TRUNCATED);
+    }
+    sample.user_ips[(state.frames & FRAME_MASK) as usize] = regs.rip;
+    state.frames += 1;
+    count(STAT_UNWIND_FRAMES);
+
+    // A return address points after the call; the call itself belongs to the caller's rule.
+    let lookup_pc = if state.exact_pc != 0 { regs.rip } else { regs.rip - 1 };
+    state.exact_pc = 0;
+
+    let m = &state.mapping;
+    if !(m.start <= lookup_pc && lookup_pc < m.end) {
+        let key = Key::new(32 + 64, MappingKey::new(state.pid, lookup_pc));
+        match PROCESS_MAPPINGS.get(&key) {
+            Some(found) => state.mapping = *found,
+            None => {
+                count(STAT_UNWIND_FP_NO_MAPPING);
+                state.flags |= SAMPLE_USER_UNKNOWN_MAPPING;
+                return frame_pointer_step(state);
+            }
+        }
+    }
+    let mapping = state.mapping;
+    if mapping.flags & MAPPING_HAS_TABLE == 0 {
+        count(STAT_UNWIND_FP_NO_CFI);
+        return frame_pointer_step(state);
+    }
+    let file_pc = lookup_pc.wrapping_sub(mapping.load_bias);
+    let page_key = PageKey { table_id: mapping.table_id, page: (file_pc >> PAGE_SHIFT) as u32 };
+    let Some(page) = (unsafe { UNWIND_PAGES.get(&page_key) }).copied() else {
+        count(STAT_UNWIND_FP_NO_TABLE);
+        state.flags |= SAMPLE_USER_TABLE_MISSING;
+        return frame_pointer_step(state);
+    };
+    let Some(row) = find_row(&Rows, page.first_row, page.row_count, file_pc as u16) else {
+        count(STAT_UNWIND_FP_NO_TABLE);
+        state.flags |= SAMPLE_USER_TABLE_MISSING;
+        return frame_pointer_step(state);
+    };
+    match row.cfa_kind {
+        CFA_END => stop(state, STAT_UNWIND_COMPLETE, 0),
+        CFA_SIGNAL => signal_step(state),
+        CFA_RSP | CFA_RBP | CFA_PLT => {
+            if row.cfa_kind == CFA_PLT {
+                count(STAT_UNWIND_PLT_FRAMES);
+            }
+            let Some(cfa) = cfa(&row, &regs) else {
+                return stop(state, STAT_UNWIND_BAD_FRAME, SAMPLE_USER_TRUNCATED);
+            };
+            let Some(return_address) = read_user(cfa.wrapping_sub(8)) else {
+                return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+            };
+            let rbp = if row.rbp_kind == RBP_AT_CFA {
+                match read_user(cfa.wrapping_add(row.rbp_offset as i64 as u64)) {
+                    Some(rbp) => rbp,
+                    None => {
+                        return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+                    }
+                }
+            } else {
+                regs.rbp
+            };
+            advance(state, Registers { rip: return_address, rsp: cfa, rbp })
+        }
+        _ => {
+            count(STAT_UNWIND_FP_NO_CFI);
+            frame_pointer_step(state)
+        }
+    }
+}
+
+/// Moves to the caller, refusing frames that do not move up the stack.
+#[inline(always)]
+fn advance(state: &mut UnwindState, caller: Registers) -> i64 {
+    if caller.rip == 0 {
+        return stop(state, STAT_UNWIND_COMPLETE, 0);
+    }
+    if caller.rsp <= state.regs.rsp {
+        return stop(state, STAT_UNWIND_BAD_FRAME, SAMPLE_USER_TRUNCATED);
+    }
+    state.regs = caller;
+    0
+}
+
+/// The classic walk: the saved RBP and return address sit at RBP and RBP + 8.
+#[inline(always)]
+fn frame_pointer_step(state: &mut UnwindState) -> i64 {
+    state.flags |= SAMPLE_USER_FRAME_POINTERS;
+    let rbp = state.regs.rbp;
+    if rbp == 0 {
+        // The ABI's marker of the outermost frame (`_start` clears RBP).
+        return stop(state, STAT_UNWIND_FP_END, 0);
+    }
+    let (Some(saved_rbp), Some(return_address)) = (read_user(rbp), read_user(rbp.wrapping_add(8))) else {
+        return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+    };
+    if return_address == 0 {
+        return stop(state, STAT_UNWIND_FP_END, SAMPLE_USER_TRUNCATED);
+    }
+    advance(state, Registers { rip: return_address, rsp: rbp.wrapping_add(16), rbp: saved_rbp })
+}
+
+/// `__restore_rt`: the interrupted context's registers are in the `ucontext` on the stack, and
+/// its RIP is the interrupted instruction itself, not a return address.
+#[inline(always)]
+fn signal_step(state: &mut UnwindState) -> i64 {
+    count(STAT_UNWIND_SIGNAL_FRAMES);
+    let gregs = state.regs.rsp.wrapping_add(SIGNAL_MCONTEXT_OFFSET);
+    let (Some(rbp), Some(rsp), Some(rip)) = (
+        read_user(gregs + SIGNAL_GREG_RBP * 8),
+        read_user(gregs + SIGNAL_GREG_RSP * 8),
+        read_user(gregs + SIGNAL_GREG_RIP * 8),
+    ) else {
+        return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+    };
+    if rip == 0 {
+        return stop(state, STAT_UNWIND_COMPLETE, 0);
+    }
+    // The interrupted code may have been deeper in the stack than the handler's frame, so the
+    // usual "moves up" check does not apply here.
+    state.regs = Registers { rip, rsp, rbp };
+    state.exact_pc = 1;
+    0
 }

@@ -16,7 +16,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
 
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping},
-    bpf::{BpfError, Sampler, SamplerSettings},
+    bpf::{BpfError, EventRing, KernelUnwindMaps, Sampler, SamplerSettings},
     config::{AgentConfig, RecordConfig, SamplingConfig},
     export::{self, DirectorySink, ExportError, ProfileSink},
     model::{Pid, ProcessInfo, Profile, Sample},
@@ -24,7 +24,7 @@ use crate::{
     sampling::SampleReader,
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
     symbolization::{Symbolizer, SymbolizerOptions},
-    unwinding::{ProcessSource, Unwinder},
+    unwinding::{ProcessSource, Unwinder, native::NativeTables},
 };
 
 /// Samples buffered between the reader and the pipeline (about 10 s of 64 busy CPUs at 100 Hz).
@@ -65,17 +65,27 @@ impl ProcessSource for ProcessRegistry {
 struct Pipeline {
     processes: ProcessRegistry,
     unwinder: Unwinder,
+    native_tables: NativeTables<KernelUnwindMaps>,
+    events: EventRing,
     symbolizer: Symbolizer,
     aggregator: Aggregator,
     samples_processed: u64,
 }
 
 impl Pipeline {
-    fn new(grouping: Grouping, sampling: &SamplingConfig, start_unix_ns: i64) -> Self {
+    fn new(
+        grouping: Grouping,
+        sampling: &SamplingConfig,
+        start_unix_ns: i64,
+        unwind_maps: KernelUnwindMaps,
+        events: EventRing,
+    ) -> Self {
         let host = hostname();
         Pipeline {
             processes: ProcessRegistry::new("/proc".into(), host.clone()),
             unwinder: Unwinder::default(),
+            native_tables: NativeTables::new(unwind_maps, sampling.cache_dir.as_deref()),
+            events,
             symbolizer: Symbolizer::new(SymbolizerOptions::default()),
             aggregator: Aggregator::new(
                 AggregatorSettings {
@@ -92,10 +102,25 @@ impl Pipeline {
 
     fn handle(&mut self, sample: &Sample) {
         let (stack, process) = self.unwinder.unwind(sample, &mut self.processes);
+        if let Some(process) = &process {
+            // The first sample of a process (or of a new snapshot after exec/dlopen) registers
+            // its mappings, so BPF unwinds its next samples from the tables.
+            self.native_tables.sync(process);
+            if sample.user_table_missing {
+                self.native_tables.reload_missing(process);
+            }
+        }
         let frames = self.symbolizer.symbolize_stack(&stack);
         self.aggregator
             .add(process.as_deref(), sample, &frames, stack.truncated);
         self.samples_processed += 1;
+    }
+
+    /// Drops the BPF registrations of processes that exited.
+    fn poll_events(&mut self) {
+        for pid in self.events.exited_pids() {
+            self.native_tables.unregister(Pid(pid));
+        }
     }
 
     fn metrics(&self, sampler: Option<&Sampler>, reader: Option<&SampleReader>) -> SelfMetrics {
@@ -116,6 +141,7 @@ impl Pipeline {
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,
             agent_peak_rss_bytes: peak,
+            native_tables: self.native_tables.stats(),
             ..SelfMetrics::default()
         };
         if let Some(sampler) = sampler {
@@ -127,6 +153,14 @@ impl Pipeline {
             reader.stats.add_to(&mut metrics);
         }
         metrics
+    }
+}
+
+fn sampler_settings(sampling: &SamplingConfig) -> SamplerSettings {
+    SamplerSettings {
+        frequency_hz: sampling.frequency_hz,
+        pids: sampling.pids.clone(),
+        unwind_table_bytes: sampling.unwind_table_bytes,
     }
 }
 
@@ -213,6 +247,7 @@ fn pump(
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
+        pipeline.poll_events();
         if until(pipeline) {
             return;
         }
@@ -225,12 +260,15 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     check_pids_exist(&config.sampling.pids)?;
     check_writable_file(&config.output)?;
     let start_unix_ns = unix_now_ns();
-    let mut pipeline = Pipeline::new(Grouping::Single, &config.sampling, start_unix_ns);
-    let (sampler, ring) = Sampler::start(&SamplerSettings {
-        frequency_hz: config.sampling.frequency_hz,
-        pids: config.sampling.pids.clone(),
-    })?;
-    let (reader, rx) = SampleReader::spawn(ring, SAMPLE_QUEUE);
+    let (sampler, parts) = Sampler::start(&sampler_settings(&config.sampling))?;
+    let mut pipeline = Pipeline::new(
+        Grouping::Single,
+        &config.sampling,
+        start_unix_ns,
+        parts.unwind_maps,
+        parts.events,
+    );
+    let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     let started = Instant::now();
     pump(&mut pipeline, &rx, |_| {
         started.elapsed() >= config.duration || stop.load(Ordering::Relaxed)
@@ -352,12 +390,15 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     check_pids_exist(&config.sampling.pids)?;
     check_writable_dir(&config.output_dir)?;
     let mut exporter = Exporter::spawn(DirectorySink::new(config.output_dir.clone()));
-    let mut pipeline = Pipeline::new(Grouping::PerService, &config.sampling, unix_now_ns());
-    let (sampler, ring) = Sampler::start(&SamplerSettings {
-        frequency_hz: config.sampling.frequency_hz,
-        pids: config.sampling.pids.clone(),
-    })?;
-    let (reader, rx) = SampleReader::spawn(ring, SAMPLE_QUEUE);
+    let (sampler, parts) = Sampler::start(&sampler_settings(&config.sampling))?;
+    let mut pipeline = Pipeline::new(
+        Grouping::PerService,
+        &config.sampling,
+        unix_now_ns(),
+        parts.unwind_maps,
+        parts.events,
+    );
+    let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     tracing::info!(
         interval_s = config.interval.as_secs_f64(),
         output_dir = %config.output_dir.display(),
@@ -365,8 +406,11 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     );
     let mut next_flush = Instant::now() + config.interval;
     pump(&mut pipeline, &rx, |pipeline| {
-        if Instant::now() >= next_flush {
-            next_flush += config.interval;
+        let now = Instant::now();
+        if now >= next_flush {
+            // After a stall (start-up, a slow table build) start the next window from now
+            // instead of flushing a burst of empty catch-up windows.
+            next_flush = (next_flush + config.interval).max(now + config.interval / 2);
             flush_interval(pipeline, &exporter, Some(&sampler), Some(&reader));
         }
         stop.load(Ordering::Relaxed)

@@ -5,7 +5,10 @@ use std::{path::PathBuf, time::Duration};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
-    config::{AgentConfig, DEFAULT_OUTPUT_DIR, RecordConfig, SamplingConfig},
+    config::{
+        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_UNWIND_TABLE_MIB, RecordConfig,
+        SamplingConfig,
+    },
     export::OutputFormat,
 };
 
@@ -48,6 +51,16 @@ pub struct SamplingArgs {
     /// Only profile this process and its threads; repeat for several (environment: comma-separated).
     #[arg(long = "pid", short = 'p', env = "PROFILER_PID", value_delimiter = ',', value_parser = parse_pid)]
     pub pids: Vec<u32>,
+    /// Kernel memory for native unwind tables, in MiB; least-recently-used tables are evicted
+    /// beyond it.
+    #[arg(long, env = "PROFILER_UNWIND_TABLE_MEMORY", default_value_t = DEFAULT_UNWIND_TABLE_MIB, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub unwind_table_memory: u64,
+    /// Directory where built unwind tables are cached by build id.
+    #[arg(long, env = "PROFILER_CACHE_DIR", default_value = DEFAULT_CACHE_DIR)]
+    pub cache_dir: PathBuf,
+    /// Do not read or write the unwind-table cache.
+    #[arg(long, env = "PROFILER_NO_CACHE")]
+    pub no_cache: bool,
 }
 
 #[derive(Debug, Args)]
@@ -115,6 +128,8 @@ impl SamplingArgs {
         SamplingConfig {
             frequency_hz: self.frequency,
             pids,
+            unwind_table_bytes: self.unwind_table_memory << 20,
+            cache_dir: (!self.no_cache).then_some(self.cache_dir),
         }
     }
 }
@@ -194,13 +209,9 @@ mod tests {
         };
         let config = RecordConfig::from(args);
         assert_eq!(config.duration, Duration::from_millis(2500));
-        assert_eq!(
-            config.sampling,
-            SamplingConfig {
-                frequency_hz: 99,
-                pids: vec![3, 10]
-            }
-        );
+        assert_eq!(config.sampling.frequency_hz, 99);
+        assert_eq!(config.sampling.pids, vec![3, 10]);
+        assert_eq!(config.sampling.unwind_table_bytes, 32 << 20);
         assert_eq!(config.format, OutputFormat::Folded);
         assert_eq!(config.output, PathBuf::from("profile.pb.gz"));
     }

@@ -10,6 +10,10 @@ pub struct SamplingConfig {
     pub frequency_hz: u64,
     /// Only these processes (and their threads); empty means every process.
     pub pids: Vec<u32>,
+    /// BPF memory for unwind tables, in bytes.
+    pub unwind_table_bytes: u64,
+    /// Where built unwind tables are cached by build id; `None` disables the cache.
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl Default for SamplingConfig {
@@ -17,9 +21,16 @@ impl Default for SamplingConfig {
         SamplingConfig {
             frequency_hz: 100,
             pids: Vec::new(),
+            unwind_table_bytes: DEFAULT_UNWIND_TABLE_MIB << 20,
+            cache_dir: Some(PathBuf::from(DEFAULT_CACHE_DIR)),
         }
     }
 }
+
+/// Default BPF memory budget for unwind tables (MiB).
+pub const DEFAULT_UNWIND_TABLE_MIB: u64 = 32;
+/// Default directory of the unwind-table cache.
+pub const DEFAULT_CACHE_DIR: &str = "/var/cache/profiler";
 
 impl SamplingConfig {
     pub fn period_ns(&self) -> i64 {

@@ -38,6 +38,10 @@ pub struct Sample {
     pub kernel_truncated: bool,
     pub user_truncated: bool,
     pub user_stack_error: bool,
+    /// BPF met a user PC outside every mapping registered for this process.
+    pub user_unknown_mapping: bool,
+    /// BPF met a registered mapping whose unwind table is not loaded.
+    pub user_table_missing: bool,
 }
 
 /// Identity of a file on disk, independent of the path a process used to open it.

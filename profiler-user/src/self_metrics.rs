@@ -3,7 +3,7 @@
 //! /metrics endpoint only has to render [`SelfMetrics::values`].
 use std::time::Duration;
 
-use crate::bpf::BpfStats;
+use crate::{bpf::BpfStats, unwinding::native::NativeTableStats};
 
 /// One metric value with its Prometheus-style name and help text.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,6 +40,7 @@ pub struct SelfMetrics {
     pub pid_filter_capacity: u32,
     pub profiles_written: u64,
     pub export_errors: u64,
+    pub native_tables: NativeTableStats,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
@@ -218,6 +219,7 @@ impl SelfMetrics {
     }
 
     pub fn log(&self, what: &str) {
+        tracing::debug!(counters = ?self.bpf.named(), tables = ?self.native_tables, "{what}: BPF counters");
         tracing::info!(
             samples_seen = self.bpf.get(profiler_common::STAT_SAMPLES_SEEN),
             samples_processed = self.samples_processed,
@@ -227,6 +229,9 @@ impl SelfMetrics {
             truncated_stacks = self.truncated_stacks,
             symbolization_misses = self.symbolization_misses,
             processes = self.processes_tracked,
+            unwind_complete = self.bpf.get(profiler_common::STAT_UNWIND_COMPLETE),
+            unwind_tables = self.native_tables.tables_loaded,
+            unwind_rows = self.native_tables.rows_in_use,
             agent_cpu_us = self.agent_cpu.as_micros() as u64,
             bpf_run_time_ns = self.bpf_run_time_ns,
             bpf_run_count = self.bpf_run_count,

@@ -318,6 +318,8 @@ mod tests {
             kernel_truncated: false,
             user_truncated: false,
             user_stack_error: false,
+            user_unknown_mapping: false,
+            user_table_missing: false,
         }
     }
 

@@ -11,15 +11,17 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, lpm_trie::{Key, LpmTrie}},
     programs::{
-        PerfEvent,
+        PerfEvent, RawTracePoint,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
     },
     util::online_cpus,
 };
 use profiler_common::{
-    MAX_FILTERED_PIDS, STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
+    EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, STAT_COUNT, STAT_NAMES,
+    STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
+    unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
 pub use capabilities::{check_kernel_support, check_privileges};
@@ -61,6 +63,87 @@ pub struct SamplerSettings {
     pub frequency_hz: u64,
     /// Only these processes (and all their threads) when non-empty.
     pub pids: Vec<u32>,
+    /// Capacity of the unwind-row array in bytes (the BPF memory budget for unwind tables).
+    pub unwind_table_bytes: u64,
+}
+
+/// Writes the unwinder's maps, named by intent. The agent's table manager talks to this trait
+/// so it can be tested without a kernel.
+pub trait UnwindMaps {
+    /// Capacity of the row array, in chunks of `ROWS_PER_CHUNK` rows.
+    fn row_chunk_capacity(&self) -> u32;
+    fn write_row_chunk(&mut self, index: u32, chunk: &RowChunk) -> Result<(), BpfError>;
+    fn insert_page(&mut self, key: PageKey, entry: PageEntry) -> Result<(), BpfError>;
+    fn remove_page(&mut self, key: PageKey) -> Result<(), BpfError>;
+    fn insert_mapping(&mut self, prefix_len: u32, key: MappingKey, value: MappingValue) -> Result<(), BpfError>;
+    fn remove_mapping(&mut self, prefix_len: u32, key: MappingKey) -> Result<(), BpfError>;
+}
+
+/// The unwinder's maps in the kernel.
+pub struct KernelUnwindMaps {
+    rows: Array<MapData, RowChunk>,
+    pages: HashMap<MapData, PageKey, PageEntry>,
+    mappings: LpmTrie<MapData, MappingKey, MappingValue>,
+    row_chunks: u32,
+}
+
+fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> BpfError {
+    move |err| BpfError::Map { name, message: error_chain(&err) }
+}
+
+impl UnwindMaps for KernelUnwindMaps {
+    fn row_chunk_capacity(&self) -> u32 {
+        self.row_chunks
+    }
+
+    fn write_row_chunk(&mut self, index: u32, chunk: &RowChunk) -> Result<(), BpfError> {
+        self.rows.set(index, chunk, 0).map_err(map_error(names::MAP_UNWIND_ROWS))
+    }
+
+    fn insert_page(&mut self, key: PageKey, entry: PageEntry) -> Result<(), BpfError> {
+        self.pages.insert(key, entry, 0).map_err(map_error(names::MAP_UNWIND_PAGES))
+    }
+
+    fn remove_page(&mut self, key: PageKey) -> Result<(), BpfError> {
+        self.pages.remove(&key).map_err(map_error(names::MAP_UNWIND_PAGES))
+    }
+
+    fn insert_mapping(&mut self, prefix_len: u32, key: MappingKey, value: MappingValue) -> Result<(), BpfError> {
+        self.mappings.insert(&Key::new(prefix_len, key), value, 0).map_err(map_error(names::MAP_PROCESS_MAPPINGS))
+    }
+
+    fn remove_mapping(&mut self, prefix_len: u32, key: MappingKey) -> Result<(), BpfError> {
+        self.mappings.remove(&Key::new(prefix_len, key)).map_err(map_error(names::MAP_PROCESS_MAPPINGS))
+    }
+}
+
+/// Process lifecycle events (exits) from the kernel.
+pub struct EventRing {
+    ring: RingBuf<MapData>,
+}
+
+impl EventRing {
+    /// Pids of processes that exited since the last call.
+    pub fn exited_pids(&mut self) -> Vec<u32> {
+        let mut pids = Vec::new();
+        while let Some(item) = self.ring.next() {
+            if item.len() >= std::mem::size_of::<ProcessEvent>() {
+                // SAFETY: length checked; ProcessEvent is plain old data.
+                let event: ProcessEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                if event.kind == EVENT_PROCESS_EXIT {
+                    pids.push(event.pid);
+                }
+            }
+        }
+        pids
+    }
+}
+
+/// Everything `Sampler::start` hands to the agent besides the sampler itself.
+pub struct SamplerParts {
+    pub samples: SampleRing,
+    pub events: EventRing,
+    pub unwind_maps: KernelUnwindMaps,
 }
 
 /// A loaded and attached sampler. Dropping it detaches every program.
@@ -130,7 +213,7 @@ impl Sampler {
     }
 
     /// Checks privileges and kernel support, loads the program and attaches it to every CPU.
-    pub fn start(settings: &SamplerSettings) -> Result<(Self, SampleRing), BpfError> {
+    pub fn start(settings: &SamplerSettings) -> Result<(Self, SamplerParts), BpfError> {
         Self::preflight()?;
         if settings.pids.len() > MAX_FILTERED_PIDS as usize {
             return Err(BpfError::TooManyPids {
@@ -142,7 +225,10 @@ impl Sampler {
         // on older ones and fails without CAP_SYS_RESOURCE, which is harmless here.
         raise_memlock_limit();
 
+        let chunk_bytes = (ROWS_PER_CHUNK * std::mem::size_of::<profiler_common::unwind::UnwindRow>()) as u64;
+        let row_chunks = (settings.unwind_table_bytes / chunk_bytes).clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
         let mut ebpf = EbpfLoader::new()
+            .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .load(EBPF_OBJECT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
 
@@ -164,6 +250,23 @@ impl Sampler {
         }
         let stats: PerCpuArray<_, u64> = take_map(&mut ebpf, names::MAP_STATS)?;
         let ring: RingBuf<_> = take_map(&mut ebpf, names::MAP_SAMPLES)?;
+        let events: RingBuf<_> = take_map(&mut ebpf, names::MAP_EVENTS)?;
+        let unwind_maps = KernelUnwindMaps {
+            rows: take_map(&mut ebpf, names::MAP_UNWIND_ROWS)?,
+            pages: take_map(&mut ebpf, names::MAP_UNWIND_PAGES)?,
+            mappings: take_map(&mut ebpf, names::MAP_PROCESS_MAPPINGS)?,
+            row_chunks,
+        };
+
+        let exit_program: &mut RawTracePoint = ebpf
+            .program_mut(names::PROGRAM_PROCESS_EXIT)
+            .ok_or_else(|| BpfError::Load(format!("program {} not found", names::PROGRAM_PROCESS_EXIT)))?
+            .try_into()
+            .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
+        exit_program.load().map_err(|err| BpfError::Load(error_chain(&err)))?;
+        exit_program
+            .attach(names::TRACEPOINT_PROCESS_EXIT)
+            .map_err(|err| BpfError::Load(error_chain(&err)))?;
 
         let program: &mut PerfEvent = ebpf
             .program_mut(names::PROGRAM_SAMPLE_CPU)
@@ -203,7 +306,7 @@ impl Sampler {
             pid_filter_entries: settings.pids.len() as u32,
             attached_cpus: cpus.len(),
         };
-        Ok((sampler, SampleRing { ring }))
+        Ok((sampler, SamplerParts { samples: SampleRing { ring }, events: EventRing { ring: events }, unwind_maps }))
     }
 
     /// Per-cause counters summed over CPUs (the ring-buffer gauge is the maximum instead).

@@ -3,7 +3,8 @@ use std::sync::Arc;
 
 use profiler_common::{
     MAX_KERNEL_FRAMES, MAX_USER_FRAMES, RAW_SAMPLE_BYTES, RawSample, SAMPLE_KERNEL_TRUNCATED,
-    SAMPLE_KNOWN_FLAGS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TRUNCATED,
+    SAMPLE_KNOWN_FLAGS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
+    SAMPLE_USER_UNKNOWN_MAPPING,
 };
 
 use crate::model::{Pid, Sample, Tid};
@@ -62,6 +63,8 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         kernel_truncated: header.flags & SAMPLE_KERNEL_TRUNCATED != 0,
         user_truncated: header.flags & SAMPLE_USER_TRUNCATED != 0,
         user_stack_error: header.flags & SAMPLE_USER_STACK_ERROR != 0,
+        user_unknown_mapping: header.flags & SAMPLE_USER_UNKNOWN_MAPPING != 0,
+        user_table_missing: header.flags & SAMPLE_USER_TABLE_MISSING != 0,
     })
 }
 
@@ -130,7 +133,7 @@ mod tests {
             Err(DecodeError::UnknownFlags(1 << 30))
         );
         let mut raw = raw_sample();
-        raw.header.user_frames = 500;
+        raw.header.user_frames = 5000;
         assert!(matches!(
             decode_sample(&encode(&raw)),
             Err(DecodeError::TooManyFrames { .. })

@@ -106,20 +106,15 @@ fn read_loop(mut ring: SampleRing, tx: Sender<Sample>, stop: &AtomicBool, stats:
             }
         })
     };
+    // The BPF side submits without waking us; draining on a timer batches the work.
     while !stop.load(Ordering::Acquire) {
-        wait_readable(ring.raw_fd(), Duration::from_millis(100));
+        std::thread::sleep(DRAIN_INTERVAL);
         drain(&mut ring);
     }
     // Samples taken before the stop request are still delivered.
     drain(&mut ring);
 }
 
-fn wait_readable(fd: i32, timeout: Duration) {
-    let mut pollfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd; an error or timeout just means we drain and re-check `stop`.
-    unsafe { libc::poll(&mut pollfd, 1, timeout.as_millis() as i32) };
-}
+/// How often the reader empties the ring buffer. The 4 MiB buffer holds ~1,300 samples of
+/// 3 KiB, i.e. 50 ms of 260 busy CPUs at 100 Hz.
+const DRAIN_INTERVAL: Duration = Duration::from_millis(50);

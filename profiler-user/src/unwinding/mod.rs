@@ -5,6 +5,9 @@
 //! process exits. Return addresses are looked up at `ip - 1` so that a call at the very end of
 //! a function (e.g. to a `noreturn` callee) is attributed to the caller, not to the next
 //! function. The native user stack itself is collected in BPF (frame pointers for now).
+pub mod native;
+pub mod tables;
+
 use std::sync::Arc;
 
 use crate::model::{Pid, ProcessInfo, Sample, UnwoundFrame, UnwoundStack};
@@ -182,6 +185,8 @@ mod tests {
             kernel_truncated: false,
             user_truncated: false,
             user_stack_error: false,
+            user_unknown_mapping: false,
+            user_table_missing: false,
         }
     }
 

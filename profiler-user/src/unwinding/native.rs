@@ -1,0 +1,517 @@
+//! Keeps the BPF unwinder's maps in step with the processes on the machine.
+//!
+//! One unwind table per ELF file (keyed by build id, else by file identity) is placed in the
+//! shared row array, so 100 processes of the same binary cost one table. Tables are built on
+//! first sight of a mapping (or loaded from the on-disk cache), evicted least-recently-used when
+//! the row array is full, and rebuilt when BPF reports a PC whose table is gone. Each process's
+//! executable mappings are registered in the LPM trie as (pid, address range) → (table, load
+//! bias); exits and pid reuse remove them.
+use std::{
+    collections::{HashMap, hash_map::Entry},
+    ops::Range,
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use object::{Object, ObjectSegment};
+use profiler_common::unwind::{
+    MAPPING_FRAME_POINTERS, MAPPING_HAS_TABLE, MappingKey, MappingValue, PageEntry, PageKey,
+    ROWS_PER_CHUNK, RowChunk, UnwindRow,
+};
+
+use super::tables::{TableCache, UnwindTable, build_table};
+use crate::{
+    bpf::UnwindMaps,
+    model::{FileId, MappedFile, Mapping, Pid, ProcessInfo},
+};
+
+/// Counters and gauges of the table manager, for the self-metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NativeTableStats {
+    pub tables_loaded: u64,
+    pub tables_built: u64,
+    pub tables_from_cache: u64,
+    pub tables_evicted: u64,
+    /// Files whose table could not be built (malformed CFI, unreadable): frame pointers.
+    pub tables_failed: u64,
+    /// Files whose table alone exceeds the memory budget: frame pointers.
+    pub tables_too_large: u64,
+    pub rows_in_use: u64,
+    pub row_capacity: u64,
+    pub processes_registered: u64,
+    pub mapping_prefixes: u64,
+    pub map_errors: u64,
+    pub build_time: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum TableKey {
+    BuildId(Arc<str>),
+    File(FileId),
+    Vdso,
+}
+
+/// How file offsets relate to the ELF's virtual addresses, per PT_LOAD segment.
+#[derive(Clone, Debug, Default)]
+struct Segments(Vec<(u64, u64, u64)>); // (file offset, virtual address, file size)
+
+impl Segments {
+    fn of(elf: &object::File<'_>) -> Segments {
+        Segments(
+            elf.segments()
+                .map(|s| {
+                    let (offset, size) = s.file_range();
+                    (offset, s.address(), size)
+                })
+                .collect(),
+        )
+    }
+
+    /// PC - load_bias = virtual address, for a mapping of `file_offset` at `start`.
+    fn load_bias(&self, start: u64, file_offset: u64) -> Option<u64> {
+        let &(offset, vaddr, _) = self
+            .0
+            .iter()
+            .find(|(offset, _, size)| (*offset..offset + size.max(&1)).contains(&file_offset))
+            .or_else(|| self.0.iter().find(|(offset, _, _)| offset & !0xfff == file_offset & !0xfff))?;
+        Some(start.wrapping_sub(file_offset).wrapping_sub(vaddr.wrapping_sub(offset)))
+    }
+}
+
+#[derive(Debug)]
+enum SlotState {
+    Loaded { chunks: Range<u32>, pages: Vec<u32> },
+    /// Evicted to make room; rebuilt when BPF misses it.
+    Evicted,
+    /// No usable table: the mappings use frame pointers.
+    Unusable,
+}
+
+#[derive(Debug)]
+struct TableSlot {
+    id: u32,
+    state: SlotState,
+    segments: Segments,
+    last_used: u64,
+    source: Option<Arc<MappedFile>>,
+}
+
+#[derive(Debug)]
+struct Registration {
+    /// The snapshot registered (by address): a new snapshot means re-registering.
+    snapshot: usize,
+    prefixes: Vec<(u32, MappingKey)>,
+    last_reload: Option<Instant>,
+}
+
+/// First-fit allocator of contiguous chunk ranges in the row array.
+#[derive(Debug)]
+struct ChunkAllocator {
+    free: Vec<Range<u32>>,
+    capacity: u32,
+}
+
+impl ChunkAllocator {
+    fn new(capacity: u32) -> Self {
+        ChunkAllocator { free: vec![0..capacity], capacity }
+    }
+
+    fn allocate(&mut self, chunks: u32) -> Option<Range<u32>> {
+        let index = self.free.iter().position(|r| r.len() as u32 >= chunks)?;
+        let range = &mut self.free[index];
+        let allocated = range.start..range.start + chunks;
+        range.start += chunks;
+        if range.start == range.end {
+            self.free.remove(index);
+        }
+        Some(allocated)
+    }
+
+    fn release(&mut self, chunks: Range<u32>) {
+        let at = self.free.partition_point(|r| r.start < chunks.start);
+        self.free.insert(at, chunks);
+        // Merge neighbours so large tables keep fitting.
+        let mut merged: Vec<Range<u32>> = Vec::with_capacity(self.free.len());
+        for range in self.free.drain(..) {
+            match merged.last_mut() {
+                Some(last) if last.end == range.start => last.end = range.end,
+                _ => merged.push(range),
+            }
+        }
+        self.free = merged;
+    }
+
+    fn in_use(&self) -> u32 {
+        self.capacity - self.free.iter().map(|r| r.len() as u32).sum::<u32>()
+    }
+}
+
+/// The LPM prefixes covering `[start, end)`, as (prefix length in address bits, base address).
+pub fn address_prefixes(start: u64, end: u64) -> Vec<(u32, u64)> {
+    let mut prefixes = Vec::new();
+    let mut addr = start;
+    while addr < end {
+        let mut bits = if addr == 0 { 63 } else { addr.trailing_zeros().min(63) };
+        while bits > 0 && addr.checked_add(1u64 << bits).is_none_or(|next| next > end) {
+            bits -= 1;
+        }
+        prefixes.push((64 - bits, addr));
+        addr += 1u64 << bits;
+    }
+    prefixes
+}
+
+pub struct NativeTables<M: UnwindMaps> {
+    maps: M,
+    cache: Option<TableCache>,
+    allocator: ChunkAllocator,
+    slots: HashMap<TableKey, TableSlot>,
+    next_table_id: u32,
+    tick: u64,
+    processes: HashMap<Pid, Registration>,
+    vdso: Option<Arc<[u8]>>,
+    stats: NativeTableStats,
+}
+
+/// Minimum time between two reloads of evicted tables for one process.
+const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
+
+impl<M: UnwindMaps> NativeTables<M> {
+    pub fn new(maps: M, cache_dir: Option<&Path>) -> Self {
+        let capacity = maps.row_chunk_capacity();
+        NativeTables {
+            maps,
+            cache: cache_dir.map(TableCache::new),
+            allocator: ChunkAllocator::new(capacity),
+            slots: HashMap::new(),
+            next_table_id: 1,
+            tick: 0,
+            processes: HashMap::new(),
+            vdso: own_vdso(),
+            stats: NativeTableStats { row_capacity: u64::from(capacity) * ROWS_PER_CHUNK as u64, ..Default::default() },
+        }
+    }
+
+    pub fn stats(&self) -> NativeTableStats {
+        let mut stats = self.stats.clone();
+        stats.rows_in_use = u64::from(self.allocator.in_use()) * ROWS_PER_CHUNK as u64;
+        stats.processes_registered = self.processes.len() as u64;
+        stats
+    }
+
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    /// Makes BPF unwind `process` with its current snapshot; cheap when already done.
+    pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
+        let snapshot = Arc::as_ptr(process) as usize;
+        if self.processes.get(&process.pid).is_some_and(|r| r.snapshot == snapshot) {
+            return;
+        }
+        if process.is_kernel_thread {
+            return;
+        }
+        self.unregister(process.pid);
+        self.tick += 1;
+        let mut prefixes = Vec::new();
+        for mapping in &process.mappings {
+            let value = self.mapping_value(mapping);
+            for (bits, base) in address_prefixes(mapping.start, mapping.end) {
+                let key = MappingKey::new(process.pid.0, base);
+                let prefix_len = 32 + bits;
+                match self.maps.insert_mapping(prefix_len, key, value) {
+                    Ok(()) => prefixes.push((prefix_len, key)),
+                    Err(err) => {
+                        self.stats.map_errors += 1;
+                        tracing::debug!(pid = process.pid.0, "cannot register a mapping: {err}");
+                    }
+                }
+            }
+        }
+        self.stats.mapping_prefixes += prefixes.len() as u64;
+        self.processes.insert(process.pid, Registration { snapshot, prefixes, last_reload: None });
+    }
+
+    /// Forgets a process (it exited, or its pid now belongs to another process).
+    pub fn unregister(&mut self, pid: Pid) {
+        if let Some(registration) = self.processes.remove(&pid) {
+            self.stats.mapping_prefixes = self.stats.mapping_prefixes.saturating_sub(registration.prefixes.len() as u64);
+            for (prefix_len, key) in registration.prefixes {
+                let _ = self.maps.remove_mapping(prefix_len, key);
+            }
+        }
+    }
+
+    /// BPF found no page for a PC of `process`: rebuild its evicted tables (at most once a
+    /// second per process, so an over-full budget cannot turn into a rebuild storm).
+    pub fn reload_missing(&mut self, process: &Arc<ProcessInfo>) {
+        let Some(registration) = self.processes.get_mut(&process.pid) else {
+            return self.sync(process);
+        };
+        if registration.last_reload.is_some_and(|at| at.elapsed() < RELOAD_INTERVAL) {
+            return;
+        }
+        registration.last_reload = Some(Instant::now());
+        self.tick += 1;
+        for mapping in &process.mappings {
+            if let Some(file) = &mapping.file {
+                let key = table_key(file);
+                if matches!(self.slots.get(&key).map(|s| &s.state), Some(SlotState::Evicted)) {
+                    self.ensure_table(key, Some(file.clone()));
+                }
+            }
+        }
+    }
+
+    fn mapping_value(&mut self, mapping: &Mapping) -> MappingValue {
+        let frame_pointers = MappingValue {
+            table_id: 0,
+            flags: MAPPING_FRAME_POINTERS,
+            load_bias: 0,
+            start: mapping.start,
+            end: mapping.end,
+        };
+        let (key, source) = match &mapping.file {
+            Some(file) => (table_key(file), Some(file.clone())),
+            None if &*mapping.name == "[vdso]" && self.vdso.is_some() => (TableKey::Vdso, None),
+            None => return frame_pointers,
+        };
+        let Some(slot) = self.ensure_table(key, source) else {
+            return frame_pointers;
+        };
+        let Some(load_bias) = slot.segments.load_bias(mapping.start, mapping.file_offset) else {
+            return frame_pointers;
+        };
+        MappingValue { table_id: slot.id, flags: MAPPING_HAS_TABLE, load_bias, ..frame_pointers }
+    }
+
+    /// The slot for `key`, with its table in the maps when it can be.
+    fn ensure_table(&mut self, key: TableKey, source: Option<Arc<MappedFile>>) -> Option<&TableSlot> {
+        let tick = self.tick;
+        let needs_load = match self.slots.get_mut(&key) {
+            Some(slot) => {
+                slot.last_used = tick;
+                match slot.state {
+                    SlotState::Loaded { .. } => false,
+                    SlotState::Unusable => return None,
+                    SlotState::Evicted => true,
+                }
+            }
+            None => true,
+        };
+        if needs_load {
+            self.load(key.clone(), source);
+        }
+        self.slots.get(&key).filter(|slot| matches!(slot.state, SlotState::Loaded { .. }))
+    }
+
+    fn load(&mut self, key: TableKey, source: Option<Arc<MappedFile>>) {
+        let source = source.or_else(|| self.slots.get(&key).and_then(|s| s.source.clone()));
+        let started = Instant::now();
+        let result = self.read_table(&key, source.as_deref());
+        self.stats.build_time += started.elapsed();
+        let id = match self.slots.entry(key.clone()) {
+            Entry::Occupied(slot) => slot.get().id,
+            Entry::Vacant(_) => {
+                let id = self.next_table_id;
+                self.next_table_id += 1;
+                id
+            }
+        };
+        let name = source.as_ref().map(|f| f.path.to_string()).unwrap_or_else(|| "[vdso]".into());
+        let (state, segments) = match result {
+            Ok((table, segments)) => (self.place(id, &table, &name), segments),
+            Err(message) => {
+                self.stats.tables_failed += 1;
+                tracing::info!(file = %name, "no unwind table, using frame pointers: {message}");
+                (SlotState::Unusable, Segments::default())
+            }
+        };
+        self.slots.insert(key, TableSlot { id, state, segments, last_used: self.tick, source });
+    }
+
+    fn read_table(&mut self, key: &TableKey, source: Option<&MappedFile>) -> Result<(UnwindTable, Segments), String> {
+        let bytes: Arc<[u8]>;
+        let mapped;
+        let data: &[u8] = match (key, source) {
+            (TableKey::Vdso, _) => {
+                bytes = self.vdso.clone().ok_or("no vdso")?;
+                &bytes
+            }
+            (_, Some(file)) => {
+                let handle = std::fs::File::open(&file.open_path).map_err(|err| err.to_string())?;
+                // SAFETY: read-only private mapping; a concurrent truncation can at worst fault
+                // this thread, which the kernel does not do for files the process has mapped.
+                mapped = unsafe { memmap2::Mmap::map(&handle) }.map_err(|err| err.to_string())?;
+                &mapped
+            }
+            (_, None) => return Err("the file is no longer available".into()),
+        };
+        let elf = object::File::parse(data).map_err(|err| err.to_string())?;
+        let segments = Segments::of(&elf);
+        let build_id = match key {
+            TableKey::BuildId(id) => Some(id.clone()),
+            _ => None,
+        };
+        if let (Some(cache), Some(build_id)) = (&self.cache, &build_id)
+            && let Some(table) = cache.load(build_id)
+        {
+            self.stats.tables_from_cache += 1;
+            return Ok((table, segments));
+        }
+        let table = build_table(data).map_err(|err| err.to_string())?;
+        self.stats.tables_built += 1;
+        if let (Some(cache), Some(build_id)) = (&self.cache, &build_id) {
+            cache.store(build_id, &table);
+        }
+        Ok((table, segments))
+    }
+
+    /// Writes `table` into free chunks, evicting least-recently-used tables as needed.
+    fn place(&mut self, id: u32, table: &UnwindTable, name: &str) -> SlotState {
+        let pages = table.pages();
+        let total_rows: usize = pages.iter().map(|(_, rows)| rows.len()).sum();
+        if total_rows == 0 {
+            self.stats.tables_failed += 1;
+            return SlotState::Unusable;
+        }
+        let chunks = total_rows.div_ceil(ROWS_PER_CHUNK) as u32;
+        if chunks > self.allocator.capacity {
+            self.stats.tables_too_large += 1;
+            tracing::warn!(
+                file = name,
+                rows = total_rows,
+                capacity_rows = u64::from(self.allocator.capacity) * ROWS_PER_CHUNK as u64,
+                "unwind table larger than the whole budget (--unwind-table-memory); using frame pointers"
+            );
+            return SlotState::Unusable;
+        }
+        let range = loop {
+            if let Some(range) = self.allocator.allocate(chunks) {
+                break range;
+            }
+            if !self.evict_least_recently_used() {
+                self.stats.tables_too_large += 1;
+                return SlotState::Unusable;
+            }
+        };
+        let mut rows: Vec<UnwindRow> = Vec::with_capacity(chunks as usize * ROWS_PER_CHUNK);
+        let mut page_numbers = Vec::with_capacity(pages.len());
+        let first_row = range.start * ROWS_PER_CHUNK as u32;
+        let mut page_entries = Vec::with_capacity(pages.len());
+        for (page, page_rows) in &pages {
+            page_entries.push((
+                PageKey { table_id: id, page: *page },
+                PageEntry { first_row: first_row + rows.len() as u32, row_count: page_rows.len() as u32 },
+            ));
+            rows.extend_from_slice(page_rows);
+            page_numbers.push(*page);
+        }
+        rows.resize(chunks as usize * ROWS_PER_CHUNK, UnwindRow::default());
+        let mut failed = false;
+        for (i, chunk_rows) in rows.chunks_exact(ROWS_PER_CHUNK).enumerate() {
+            let chunk = RowChunk { rows: chunk_rows.try_into().expect("exact chunk") };
+            failed |= self.maps.write_row_chunk(range.start + i as u32, &chunk).is_err();
+        }
+        for (key, entry) in page_entries {
+            failed |= self.maps.insert_page(key, entry).is_err();
+        }
+        if failed {
+            self.stats.map_errors += 1;
+            for page in &page_numbers {
+                let _ = self.maps.remove_page(PageKey { table_id: id, page: *page });
+            }
+            self.allocator.release(range);
+            return SlotState::Unusable;
+        }
+        self.stats.tables_loaded += 1;
+        SlotState::Loaded { chunks: range, pages: page_numbers }
+    }
+
+    fn evict_least_recently_used(&mut self) -> bool {
+        let Some(key) = self
+            .slots
+            .iter()
+            .filter(|(_, slot)| matches!(slot.state, SlotState::Loaded { .. }))
+            .min_by_key(|(_, slot)| slot.last_used)
+            .map(|(key, _)| key.clone())
+        else {
+            return false;
+        };
+        let slot = self.slots.get_mut(&key).expect("present");
+        if let SlotState::Loaded { chunks, pages } = std::mem::replace(&mut slot.state, SlotState::Evicted) {
+            for page in pages {
+                let _ = self.maps.remove_page(PageKey { table_id: slot.id, page });
+            }
+            self.allocator.release(chunks);
+            self.stats.tables_evicted += 1;
+            tracing::debug!(table = slot.id, "evicted an unwind table to make room");
+        }
+        true
+    }
+}
+
+fn table_key(file: &MappedFile) -> TableKey {
+    match &file.build_id {
+        Some(id) => TableKey::BuildId(id.clone()),
+        None => TableKey::File(file.id),
+    }
+}
+
+/// The kernel maps the same vDSO image into every process: read it from our own memory.
+fn own_vdso() -> Option<Arc<[u8]>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let line = maps.lines().find(|line| line.ends_with("[vdso]"))?;
+    let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+    let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+    let mut bytes = vec![0u8; end.checked_sub(start)? as usize];
+    use std::os::unix::fs::FileExt;
+    std::fs::File::open("/proc/self/mem").ok()?.read_exact_at(&mut bytes, start).ok()?;
+    Some(bytes.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_cover_exactly_the_range() {
+        for (start, end) in [(0x1000u64, 0x2000u64), (0x40_1000, 0x40_5123), (0x7f12_3456_7000, 0x7f12_3460_0000), (5, 6)] {
+            let prefixes = address_prefixes(start, end);
+            let mut covered = start;
+            for (bits, base) in &prefixes {
+                assert_eq!(*base, covered, "contiguous");
+                let size = 1u64 << (64 - bits);
+                assert_eq!(base % size, 0, "aligned");
+                covered += size;
+            }
+            assert_eq!(covered, end);
+            assert!(prefixes.len() <= 128);
+        }
+        assert_eq!(address_prefixes(0x1000, 0x2000), vec![(52, 0x1000)]);
+    }
+
+    #[test]
+    fn allocator_reuses_and_merges_freed_ranges() {
+        let mut a = ChunkAllocator::new(10);
+        let x = a.allocate(4).unwrap();
+        let y = a.allocate(4).unwrap();
+        assert_eq!((x.clone(), y.clone()), (0..4, 4..8));
+        assert!(a.allocate(3).is_none());
+        assert_eq!(a.in_use(), 8);
+        a.release(x);
+        a.release(y);
+        assert_eq!(a.allocate(10), Some(0..10), "freed neighbours merge back into one range");
+    }
+
+    #[test]
+    fn load_bias_for_pie_and_fixed_segments() {
+        let segments = Segments(vec![(0, 0, 0x1000), (0x1000, 0x1000, 0x5000), (0x6000, 0x7000, 0x100)]);
+        // A PIE text mapping at 0x5555_5555_5000 for file offset 0x1000.
+        assert_eq!(segments.load_bias(0x5555_5555_5000, 0x1000), Some(0x5555_5555_4000));
+        // A segment whose address differs from its file offset.
+        assert_eq!(segments.load_bias(0x7f00_0000_6000, 0x6000), Some(0x7f00_0000_6000 - 0x7000));
+    }
+}
