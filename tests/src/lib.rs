@@ -5,9 +5,9 @@ use std::{
     collections::HashMap,
     io::Read,
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
-    sync::{Mutex, MutexGuard, OnceLock},
-    time::Duration,
+    process::{Child, Command, ExitStatus, Output, Stdio},
+    sync::{Arc, Mutex, MutexGuard, OnceLock, mpsc},
+    time::{Duration, Instant},
 };
 
 pub use profiler::export::proto;
@@ -44,37 +44,77 @@ pub fn exclusive() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn fixture_dir() -> PathBuf {
+/// `target/fixtures`, where fixture programs are built.
+pub fn fixture_dir() -> PathBuf {
     let dir = workspace_root().join("target").join("fixtures");
     std::fs::create_dir_all(&dir).expect("create target/fixtures");
     dir
 }
 
-/// Compiles `tests/fixtures/<source>` with `compiler` and `flags` into `target/fixtures/<name>`
-/// (once per test process).
-pub fn build_c_fixture(source: &str, name: &str, compiler: &str, flags: &[&str]) -> PathBuf {
+/// `tests/fixtures/<name>`: a fixture source or script.
+pub fn fixture_source(name: &str) -> PathBuf {
+    workspace_root().join("tests").join("fixtures").join(name)
+}
+
+/// Produces `target/fixtures/<name>` with `make` once per test process (later calls return the
+/// cached path). `make` gets the output path and must leave the file there.
+pub fn cached_fixture(name: &str, make: impl FnOnce(&Path)) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let built = BUILT.get_or_init(Default::default);
     let mut built = built.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(path) = built.get(name) {
         return path.clone();
     }
-    let src = workspace_root().join("tests").join("fixtures").join(source);
     let out = fixture_dir().join(name);
-    let status = Command::new(compiler)
-        .args(flags)
-        .arg("-o")
-        .arg(&out)
-        .arg(&src)
-        .status()
-        .unwrap_or_else(|err| panic!("cannot run {compiler}: {err}"));
+    make(&out);
     assert!(
-        status.success(),
-        "{compiler} {flags:?} {} failed",
-        src.display()
+        out.exists(),
+        "building fixture {name} left no {}",
+        out.display()
     );
     built.insert(name.to_string(), out.clone());
     out
+}
+
+/// Runs a build command; fails the test with its output when it fails.
+fn run_build(mut cmd: Command) {
+    let output = cmd
+        .output()
+        .unwrap_or_else(|err| panic!("cannot run {cmd:?}: {err}"));
+    assert!(
+        output.status.success(),
+        "{cmd:?} failed with {}:\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Builds `target/fixtures/<name>` as `compiler FLAGS -o OUT SOURCES TRAILING` (sources relative
+/// to `tests/fixtures`; libraries go in `trailing` so that they follow the objects that need
+/// them), once per test process. Works for gcc, g++ and rustc.
+pub fn build_fixture(
+    name: &str,
+    compiler: &str,
+    flags: &[&str],
+    sources: &[&str],
+    trailing: &[&str],
+) -> PathBuf {
+    cached_fixture(name, |out| {
+        let mut cmd = Command::new(compiler);
+        cmd.args(flags).arg("-o").arg(out);
+        for source in sources {
+            cmd.arg(fixture_source(source));
+        }
+        cmd.args(trailing);
+        run_build(cmd);
+    })
+}
+
+/// Compiles `tests/fixtures/<source>` with `compiler` and `flags` into `target/fixtures/<name>`
+/// (once per test process).
+pub fn build_c_fixture(source: &str, name: &str, compiler: &str, flags: &[&str]) -> PathBuf {
+    build_fixture(name, compiler, flags, &[source], &[])
 }
 
 /// The frame-pointer fixtures: `-O2 -fno-omit-frame-pointer`, noinline functions.
@@ -92,6 +132,39 @@ pub fn fp_fixture(source: &str) -> PathBuf {
             "-fno-optimize-sibling-calls",
         ],
     )
+}
+
+/// Compiler flags of the fixtures without frame pointers: only `.eh_frame` describes their
+/// frames (`-g` only adds symbols and lines; it does not change the code).
+pub const NOFP_FLAGS: &[&str] = &["-O2", "-g", "-fomit-frame-pointer"];
+
+/// `tests/fixtures/<source>` built with gcc `-O2 -fomit-frame-pointer` into
+/// `target/fixtures/<stem>-nofp`.
+pub fn nofp_fixture(source: &str) -> PathBuf {
+    let name = source.trim_end_matches(".c").to_string() + "-nofp";
+    build_c_fixture(source, &name, "gcc", NOFP_FLAGS)
+}
+
+/// `tests/fixtures/<stem>.c` built without frame pointers as the shared library
+/// `target/fixtures/<stem>.so` (`-fPIC -shared`).
+pub fn nofp_shared_library(source: &str) -> PathBuf {
+    let name = source.trim_end_matches(".c").to_string() + ".so";
+    let flags: Vec<&str> = NOFP_FLAGS
+        .iter()
+        .copied()
+        .chain(["-fPIC", "-shared"])
+        .collect();
+    build_c_fixture(source, &name, "gcc", &flags)
+}
+
+/// A copy of `binary` named `name` with `strip --strip-all` applied (no `.symtab`, no debug
+/// info; `.dynsym` and `.eh_frame` stay).
+pub fn stripped_copy(binary: &Path, name: &str) -> PathBuf {
+    cached_fixture(name, |out| {
+        let mut cmd = Command::new("strip");
+        cmd.arg("--strip-all").arg("-o").arg(out).arg(binary);
+        run_build(cmd);
+    })
 }
 
 /// A running fixture process, killed when dropped.
@@ -120,6 +193,19 @@ pub fn spawn(program: &Path, args: &[&str]) -> Running {
         .spawn()
         .unwrap_or_else(|err| panic!("cannot start {}: {err}", program.display()));
     // Let it get past the dynamic loader so its mappings are in place.
+    std::thread::sleep(Duration::from_millis(200));
+    Running { child }
+}
+
+/// Like [`spawn`], with extra environment variables.
+pub fn spawn_with_env(program: &Path, args: &[&str], env: &[(&str, &str)]) -> Running {
+    let child = Command::new(program)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|err| panic!("cannot start {}: {err}", program.display()));
     std::thread::sleep(Duration::from_millis(200));
     Running { child }
 }
@@ -276,4 +362,292 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// One pprof sample as the unwinding tests look at it.
+#[derive(Clone, Debug)]
+pub struct StackSample {
+    /// Function names from the root (the synthetic process-name frame) to the leaf, inlined
+    /// functions expanded.
+    pub frames: Vec<String>,
+    /// How many user-space locations (unwound frames, not counting inlined functions) the
+    /// stack has.
+    pub user_frames: usize,
+    pub count: i64,
+    pub pid: Option<i64>,
+}
+
+/// Kernel addresses start here on x86_64; user addresses are below.
+const KERNEL_START: u64 = 0xffff_8000_0000_0000;
+
+pub fn stack_samples(profile: &proto::Profile) -> Vec<StackSample> {
+    let string = |i: i64| {
+        profile
+            .string_table
+            .get(i as usize)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let functions: HashMap<u64, &proto::Function> =
+        profile.function.iter().map(|f| (f.id, f)).collect();
+    let locations: HashMap<u64, &proto::Location> =
+        profile.location.iter().map(|l| (l.id, l)).collect();
+    let pid_key = profile.string_table.iter().position(|s| s == "pid");
+    profile
+        .sample
+        .iter()
+        .map(|s| {
+            let mut frames = Vec::new();
+            let mut user_frames = 0;
+            // pprof lists locations leaf first, and a location's lines innermost first.
+            for id in s.location_id.iter().rev() {
+                let location = locations.get(id).expect("location exists");
+                if location.address != 0 && location.address < KERNEL_START {
+                    user_frames += 1;
+                }
+                for line in location.line.iter().rev() {
+                    let function = functions.get(&line.function_id).expect("function exists");
+                    frames.push(string(function.name));
+                }
+            }
+            let pid = s
+                .label
+                .iter()
+                .find(|l| Some(l.key as usize) == pid_key)
+                .map(|l| l.num);
+            StackSample {
+                frames,
+                user_frames,
+                count: s.value[0],
+                pid,
+            }
+        })
+        .collect()
+}
+
+/// Sum of the counts of `samples`.
+pub fn total_count<'a>(samples: impl IntoIterator<Item = &'a StackSample>) -> i64 {
+    samples.into_iter().map(|s| s.count).sum()
+}
+
+/// `name×N` for runs of the same frame, so deep recursion stays readable.
+pub fn collapse_repeats(frames: &[String]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < frames.len() {
+        let run = frames[i..].iter().take_while(|f| **f == frames[i]).count();
+        if run > 1 {
+            parts.push(format!("{}×{run}", frames[i]));
+        } else {
+            parts.push(frames[i].clone());
+        }
+        i += run;
+    }
+    parts.join(";")
+}
+
+/// The `n` most frequent stacks, one folded line each (`root;...;leaf COUNT`, repeated frames
+/// collapsed), for assertion messages.
+pub fn top_stacks<'a>(samples: impl IntoIterator<Item = &'a StackSample>, n: usize) -> String {
+    let mut counts: HashMap<String, i64> = HashMap::new();
+    for sample in samples {
+        *counts.entry(collapse_repeats(&sample.frames)).or_default() += sample.count;
+    }
+    let mut counts: Vec<_> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut text = String::new();
+    for (stack, count) in counts.iter().take(n) {
+        text.push_str(&format!("  {stack} {count}\n"));
+    }
+    if counts.len() > n {
+        text.push_str(&format!("  ... and {} more stacks\n", counts.len() - n));
+    }
+    if counts.is_empty() {
+        text.push_str("  (no samples)\n");
+    }
+    text
+}
+
+/// Index of `chain` as a contiguous run inside `frames`, if present.
+pub fn find_chain<S: AsRef<str>>(frames: &[String], chain: &[S]) -> Option<usize> {
+    if chain.is_empty() || frames.len() < chain.len() {
+        return None;
+    }
+    frames
+        .windows(chain.len())
+        .position(|w| w.iter().zip(chain).all(|(a, b)| a == b.as_ref()))
+}
+
+/// True when `PROFILER_REQUIRE_EXTERNAL=1` asks that tests needing
+/// software outside the repository (pyenv interpreters) fail instead of skipping.
+pub fn require_external() -> bool {
+    std::env::var("PROFILER_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
+}
+
+/// A pyenv interpreter, e.g. `pyenv_python("3.11.7", "python3.11")`: looked up under
+/// `$PYENV_ROOT`, then `$HOME/.pyenv`.
+pub fn pyenv_python(version: &str, executable: &str) -> Option<PathBuf> {
+    let roots = [
+        std::env::var_os("PYENV_ROOT").map(PathBuf::from),
+        std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".pyenv")),
+    ];
+    roots
+        .into_iter()
+        .flatten()
+        .map(|root| {
+            root.join("versions")
+                .join(version)
+                .join("bin")
+                .join(executable)
+        })
+        .find(|path| path.is_file())
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, signal: i32) -> i32;
+}
+
+/// Sends `signal` to `pid`.
+pub fn send_signal(pid: u32, signal: i32) {
+    let pid = i32::try_from(pid).expect("pid fits in i32");
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc_kill(pid, signal) };
+}
+
+pub const SIGTERM: i32 = 15;
+
+/// A running `profiler agent`, whose stderr is collected in the background. Killed when
+/// dropped unless stopped.
+pub struct Agent {
+    child: Option<Child>,
+    stderr: Arc<Mutex<String>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Agent {
+    /// Starts `profiler agent ARGS` and waits until its sampler is attached (it logs
+    /// `sampler attached`).
+    pub fn start(args: &[&str]) -> Agent {
+        use std::io::BufRead;
+        let mut child = Command::new(profiler_bin())
+            .arg("agent")
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start profiler agent");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (attached_tx, attached_rx) = mpsc::channel();
+        let pipe = child.stderr.take().expect("stderr is piped");
+        let collected = Arc::clone(&stderr);
+        let reader = std::thread::spawn(move || {
+            for line in std::io::BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                if line.contains("sampler attached") {
+                    let _ = attached_tx.send(());
+                }
+                let mut text = collected.lock().unwrap_or_else(|p| p.into_inner());
+                text.push_str(&line);
+                text.push('\n');
+            }
+        });
+        let mut agent = Agent {
+            child: Some(child),
+            stderr,
+            reader: Some(reader),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if attached_rx.recv_timeout(Duration::from_millis(100)).is_ok() {
+                return agent;
+            }
+            let exited = agent
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                let (status, stderr) = agent.stop();
+                panic!("profiler agent did not attach ({status}):\n{stderr}");
+            }
+        }
+    }
+
+    /// How many intervals the agent has flushed so far (its `interval` log lines).
+    pub fn intervals_flushed(&self) -> usize {
+        let text = self.stderr.lock().unwrap_or_else(|p| p.into_inner());
+        text.lines()
+            .filter(|line| line.contains("self_metrics") && line.contains(" interval "))
+            .count()
+    }
+
+    /// Waits until the agent has flushed `n` intervals. At start the agent snapshots and
+    /// symbolizes every process it sees, which can hold its pipeline back for seconds (and the
+    /// late intervals are then flushed in a burst); after a few intervals it keeps up, and the
+    /// start time of an interval's profile is close to when its samples were taken.
+    pub fn wait_for_intervals(&mut self, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.intervals_flushed() < n {
+            if Instant::now() > deadline {
+                let (status, stderr) = self.stop();
+                panic!(
+                    "the agent flushed fewer than {n} intervals in {timeout:?} ({status}):\n{stderr}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGTERM, then waits for the agent to flush and exit; returns its status and stderr.
+    pub fn stop(&mut self) -> (ExitStatus, String) {
+        let mut child = self.child.take().expect("agent not stopped yet");
+        send_signal(child.id(), SIGTERM);
+        let status = child.wait().expect("wait for the agent");
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        let stderr = self
+            .stderr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        (status, stderr)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The agent's profiles of one service in `dir` (`<service>-<unix seconds>[-N].pb.gz`), decoded,
+/// oldest first.
+pub fn service_profiles(dir: &Path, service: &str) -> Vec<(PathBuf, proto::Profile)> {
+    let prefix = format!("{service}-");
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .map(|e| e.expect("read_dir entry").path())
+            .filter(|p| {
+                let name = p.file_name().unwrap_or_default().to_string_lossy();
+                name.starts_with(&prefix) && name.ends_with(".pb.gz")
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    files.sort();
+    let mut profiles: Vec<_> = files
+        .into_iter()
+        .map(|path| {
+            let profile = decode_pprof(&path);
+            (path, profile)
+        })
+        .collect();
+    profiles.sort_by_key(|(_, p)| p.time_nanos);
+    profiles
 }

@@ -1,0 +1,556 @@
+//! User stacks of code built without frame pointers: what the table-driven `.eh_frame` unwinder
+//! must get right. Every fixture here is built with `-O2 -fomit-frame-pointer` (or the Rust and
+//! C++ equivalents), so frame-pointer walking sees only the leaf frame and these tests fail with
+//! it; they pass once the BPF unwinder follows the CFI.
+//!
+//! Each assertion message lists the most frequent stacks seen (`root;...;leaf COUNT`, the root
+//! being the process name), so a failure shows how the stacks were cut.
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Command, Stdio},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use integration_tests::*;
+
+const CHAIN: [&str; 5] = ["main", "level1", "level2", "level3", "level4"];
+
+/// Records `pids` for `seconds` into a pprof profile and returns its samples.
+fn record(pids: &[u32], seconds: &str, tag: &str) -> Vec<StackSample> {
+    let scratch = Scratch::new(tag);
+    let out = scratch.path("profile.pb.gz");
+    let mut args = vec![
+        "record".to_string(),
+        "--duration".to_string(),
+        seconds.to_string(),
+    ];
+    for pid in pids {
+        args.push("--pid".to_string());
+        args.push(pid.to_string());
+    }
+    args.push("--output".to_string());
+    args.push(out.to_str().expect("utf-8 path").to_string());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_success(&run_profiler(&args));
+    stack_samples(&decode_pprof(&out))
+}
+
+/// The samples of one process.
+fn of_pid(samples: &[StackSample], pid: u32) -> Vec<StackSample> {
+    samples
+        .iter()
+        .filter(|s| s.pid == Some(i64::from(pid)))
+        .cloned()
+        .collect()
+}
+
+/// Asserts that at least `min_fraction` of the `samples` (weighted by count) satisfy `pred`;
+/// the message names `what` and shows the top stacks overall and among the failing samples.
+fn assert_fraction(
+    samples: &[StackSample],
+    min_fraction: f64,
+    min_total: i64,
+    what: &str,
+    pred: impl Fn(&StackSample) -> bool,
+) {
+    let total = total_count(samples);
+    assert!(
+        total >= min_total,
+        "too few samples to judge '{what}': {total} (need at least {min_total}); stacks seen:\n{}",
+        top_stacks(samples, 5)
+    );
+    let (good, bad): (Vec<&StackSample>, Vec<&StackSample>) = samples.iter().partition(|s| pred(s));
+    let matched = total_count(good.iter().copied());
+    assert!(
+        matched as f64 >= min_fraction * total as f64,
+        "only {matched} of {total} samples ({:.1}%) {what} (need at least {:.0}%).\n\
+         Top 5 stacks seen:\n{}Top 5 stacks that fail the check:\n{}",
+        100.0 * matched as f64 / total as f64,
+        100.0 * min_fraction,
+        top_stacks(samples, 5),
+        top_stacks(bad, 5)
+    );
+}
+
+/// Position of the first frame equal to `name`.
+fn position(frames: &[String], name: &str) -> Option<usize> {
+    frames.iter().position(|f| f == name)
+}
+
+/// glibc's start frames above `main`-like frame at `main_index`: `__libc_start_call_main`, and
+/// above it `__libc_start_main` (any of its aliases, e.g. `__libc_start_main_impl`) or `_start`.
+fn has_libc_start_above(frames: &[String], main_index: usize) -> bool {
+    let Some(call_main) = position(frames, "__libc_start_call_main") else {
+        return false;
+    };
+    call_main < main_index
+        && frames[..call_main]
+            .iter()
+            .any(|f| f.starts_with("__libc_start_main") || f == "_start")
+}
+
+/// Seconds since the epoch in nanoseconds, as pprof's `time_nanos`.
+fn unix_nanos(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_nanos() as i64
+}
+
+#[test]
+fn c_chain_without_frame_pointers_is_complete_down_to_libc_start() {
+    let _guard = exclusive();
+    let fixture = nofp_fixture("fp_chain.c");
+    let running = spawn(&fixture, &["20"]);
+    let samples = of_pid(&record(&[running.pid()], "3", "nofp-chain"), running.pid());
+    assert_fraction(
+        &samples,
+        0.99,
+        50,
+        "have the chain main;level1;level2;level3;level4",
+        |s| find_chain(&s.frames, &CHAIN).is_some(),
+    );
+    assert_fraction(
+        &samples,
+        0.99,
+        50,
+        "reach glibc's start frames (__libc_start_call_main, then __libc_start_main or _start) \
+         above main",
+        |s| position(&s.frames, "main").is_some_and(|m| has_libc_start_above(&s.frames, m)),
+    );
+}
+
+#[test]
+fn recursion_100_deep_is_complete() {
+    const DEPTH: usize = 100;
+    let _guard = exclusive();
+    let fixture = nofp_fixture("recursion.c");
+    let running = spawn(&fixture, &["20"]);
+    let samples = of_pid(
+        &record(&[running.pid()], "3", "nofp-recursion"),
+        running.pid(),
+    );
+    // Number of consecutive `recurse` frames right below `main`, and whether `spin` follows.
+    let shape = |s: &StackSample| {
+        let main = position(&s.frames, "main")?;
+        let rest = &s.frames[main + 1..];
+        let depth = rest.iter().take_while(|f| *f == "recurse").count();
+        Some((depth, rest.get(depth).is_some_and(|f| f == "spin")))
+    };
+    let mut depths: BTreeMap<String, i64> = BTreeMap::new();
+    for sample in &samples {
+        let key = match shape(sample) {
+            Some((depth, true)) => format!("main;recurse×{depth};spin"),
+            Some((depth, false)) => format!("main;recurse×{depth};(no spin)"),
+            None => "no main".to_string(),
+        };
+        *depths.entry(key).or_default() += sample.count;
+    }
+    let total = total_count(&samples);
+    let complete = depths
+        .get(&format!("main;recurse×{DEPTH};spin"))
+        .copied()
+        .unwrap_or(0);
+    assert!(total >= 50, "too few samples: {total}");
+    assert!(
+        complete as f64 >= 0.95 * total as f64,
+        "only {complete} of {total} samples have main, exactly {DEPTH} recurse frames, then spin \
+         (need 95%).\nShapes seen (samples): {depths:#?}\nTop 5 stacks:\n{}",
+        top_stacks(&samples, 5)
+    );
+}
+
+#[test]
+fn call_through_the_plt_into_a_shared_library_without_frame_pointers() {
+    let _guard = exclusive();
+    let library = nofp_shared_library("libnofp.c");
+    let dir = library.parent().expect("fixture dir").to_str().unwrap();
+    let rpath = format!("-Wl,-rpath,{dir}");
+    let fixture = build_fixture(
+        "plt_main-nofp",
+        "gcc",
+        NOFP_FLAGS,
+        &["plt_main.c"],
+        &["-L", dir, "-lnofp", &rpath],
+    );
+    let running = spawn(&fixture, &["20"]);
+    let samples = of_pid(&record(&[running.pid()], "2", "nofp-plt"), running.pid());
+    assert_fraction(
+        &samples,
+        0.95,
+        50,
+        "have the chain main;lib_outer;lib_inner (main calls lib_outer through the PLT)",
+        |s| find_chain(&s.frames, &["main", "lib_outer", "lib_inner"]).is_some(),
+    );
+}
+
+#[test]
+fn signal_handler_stacks_continue_through_the_signal_frame() {
+    let _guard = exclusive();
+    let fixture = nofp_fixture("signal_handler.c");
+    let running = spawn(&fixture, &["20"]);
+    let samples = of_pid(&record(&[running.pid()], "3", "nofp-signal"), running.pid());
+    // The handler runs ~2 ms of every ~5 ms of CPU time; its leaf frame is right even without
+    // unwinding, so this checks the fixture rather than the unwinder.
+    let in_handler: Vec<StackSample> = samples
+        .iter()
+        .filter(|s| s.frames.iter().any(|f| f == "handler_spin"))
+        .cloned()
+        .collect();
+    let total = total_count(&samples);
+    let handler_total = total_count(&in_handler);
+    assert!(
+        handler_total as f64 >= 0.2 * total as f64,
+        "only {handler_total} of {total} samples are in handler_spin; stacks:\n{}",
+        top_stacks(&samples, 5)
+    );
+    // main;interrupted_function;[signal frame, e.g. __restore_rt, and at most two more frames
+    // if the signal interrupted a libc or vDSO call];signal_handler;handler_spin
+    assert_fraction(
+        &in_handler,
+        0.90,
+        20,
+        "in the handler have main;interrupted_function;<signal frame>;signal_handler;handler_spin",
+        |s| {
+            let (Some(interrupted), Some(handler)) = (
+                find_chain(&s.frames, &["main", "interrupted_function"]),
+                find_chain(&s.frames, &["signal_handler", "handler_spin"]),
+            ) else {
+                return false;
+            };
+            handler > interrupted + 1 && handler - (interrupted + 2) <= 3
+        },
+    );
+    let outside: Vec<StackSample> = samples
+        .iter()
+        .filter(|s| !s.frames.iter().any(|f| f == "handler_spin"))
+        .cloned()
+        .collect();
+    assert_fraction(
+        &outside,
+        0.90,
+        20,
+        "outside the handler have main;interrupted_function",
+        |s| find_chain(&s.frames, &["main", "interrupted_function"]).is_some(),
+    );
+}
+
+#[test]
+fn cpp_with_exceptions_is_demangled_and_complete() {
+    let _guard = exclusive();
+    let fixture = build_fixture(
+        "exceptions-nofp",
+        "g++",
+        &["-O2", "-g", "-fomit-frame-pointer", "-fexceptions"],
+        &["exceptions.cpp"],
+        &[],
+    );
+    let running = spawn(&fixture, &["20"]);
+    let samples = of_pid(&record(&[running.pid()], "3", "nofp-cpp"), running.pid());
+    // Everything, including the samples inside the throw (libstdc++ and libgcc_s, also
+    // without frame pointers), sits below main;app::Worker::run(double).
+    assert_fraction(
+        &samples,
+        0.95,
+        50,
+        "have main;app::Worker::run(double)",
+        |s| find_chain(&s.frames, &["main", "app::Worker::run(double)"]).is_some(),
+    );
+    assert_fraction(
+        &samples,
+        0.5,
+        50,
+        "have main;app::Worker::run(double);app::Worker::spin() (demangled, the hot method)",
+        |s| {
+            find_chain(
+                &s.frames,
+                &["main", "app::Worker::run(double)", "app::Worker::spin()"],
+            )
+            .is_some()
+        },
+    );
+    let throwing = total_count(samples.iter().filter(|s| {
+        find_chain(
+            &s.frames,
+            &["main", "app::Worker::run(double)", "app::Worker::step(int)"],
+        )
+        .is_some()
+    }));
+    assert!(
+        throwing >= 3,
+        "only {throwing} samples in the throw path main;app::Worker::run(double);\
+         app::Worker::step(int);...; stacks:\n{}",
+        top_stacks(&samples, 5)
+    );
+}
+
+#[test]
+fn rust_release_binary_is_demangled_and_complete() {
+    let _guard = exclusive();
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_string());
+    let fixture = build_fixture(
+        "rust_chain-nofp",
+        &rustc,
+        &[
+            "--edition",
+            "2024",
+            "--crate-name",
+            "fixture",
+            "-C",
+            "opt-level=3",
+            "-C",
+            "force-frame-pointers=no",
+            "-C",
+            "debuginfo=1",
+        ],
+        &["rust_chain.rs"],
+        &[],
+    );
+    let running = spawn(&fixture, &["20"]);
+    let samples = of_pid(&record(&[running.pid()], "2", "nofp-rust"), running.pid());
+    let chain = ["fixture::main", "fixture::a", "fixture::b", "fixture::c"];
+    assert_fraction(
+        &samples,
+        0.95,
+        50,
+        "have fixture::main;fixture::a;fixture::b;fixture::c (demangled, no hash) below the C \
+         main",
+        |s| {
+            find_chain(&s.frames, &chain).is_some_and(|i| s.frames[..i].iter().any(|f| f == "main"))
+        },
+    );
+}
+
+#[test]
+fn stripped_binaries_keep_the_full_depth() {
+    let _guard = exclusive();
+    let reference = nofp_fixture("fp_chain.c");
+    // -rdynamic puts main and level1..level4 into .dynsym, which strip keeps.
+    let dynsym = stripped_copy(
+        &build_fixture(
+            "fp_chain-nofp-rdynamic",
+            "gcc",
+            &["-O2", "-g", "-fomit-frame-pointer", "-rdynamic"],
+            &["fp_chain.c"],
+            &[],
+        ),
+        "fp_chain-nofp-dynsym-stripped",
+    );
+    let bare = stripped_copy(&reference, "fp_chain-nofp-stripped");
+    let runs = [
+        spawn(&reference, &["20"]),
+        spawn(&dynsym, &["20"]),
+        spawn(&bare, &["20"]),
+    ];
+    let pids: Vec<u32> = runs.iter().map(Running::pid).collect();
+    let samples = record(&pids, "3", "nofp-stripped");
+    let [reference_samples, dynsym_samples, bare_samples] =
+        [0, 1, 2].map(|i| of_pid(&samples, pids[i]));
+
+    assert_fraction(
+        &reference_samples,
+        0.95,
+        30,
+        "of the unstripped reference have main;level1;level2;level3;level4",
+        |s| find_chain(&s.frames, &CHAIN).is_some(),
+    );
+    // The reference depth: user frames of the complete stacks (_start ... level4).
+    let mut depths: BTreeMap<usize, i64> = BTreeMap::new();
+    for s in reference_samples
+        .iter()
+        .filter(|s| find_chain(&s.frames, &CHAIN).is_some())
+    {
+        *depths.entry(s.user_frames).or_default() += s.count;
+    }
+    let (&depth, _) = depths
+        .iter()
+        .max_by_key(|(_, count)| **count)
+        .expect("complete reference stacks");
+
+    assert_fraction(
+        &dynsym_samples,
+        0.95,
+        30,
+        &format!(
+            "of the stripped -rdynamic binary have main;level1;...;level4 from .dynsym and \
+             {depth} user frames like the unstripped one"
+        ),
+        |s| find_chain(&s.frames, &CHAIN).is_some() && s.user_frames == depth,
+    );
+    let prefix = format!("{}+0x", bare.file_name().unwrap().to_str().unwrap());
+    assert_fraction(
+        &bare_samples,
+        0.95,
+        30,
+        &format!(
+            "of the fully stripped binary have {depth} user frames like the unstripped one, \
+             at least 5 of them ({prefix}…) in the binary"
+        ),
+        |s| {
+            s.user_frames == depth
+                && s.frames.iter().filter(|f| f.starts_with(&prefix)).count() >= 5
+        },
+    );
+}
+
+#[test]
+fn pyenv_python_311_reaches_main_and_libc_start() {
+    let Some(python) = pyenv_python("3.11.7", "python3.11") else {
+        assert!(
+            !require_external(),
+            "pyenv's python 3.11.7 not found under $PYENV_ROOT or ~/.pyenv, and \
+             PROFILER_REQUIRE_EXTERNAL=1"
+        );
+        println!("skipped: pyenv's python 3.11.7 not found under $PYENV_ROOT or ~/.pyenv");
+        return;
+    };
+    let _guard = exclusive();
+    let script = fixture_source("busy_loop.py");
+    let running = spawn(&python, &[script.to_str().unwrap(), "20"]);
+    let samples = of_pid(&record(&[running.pid()], "2", "nofp-python"), running.pid());
+    // python3.11's main tail-calls Py_BytesMain, so either may be the lowest program frame. Once
+    // Python frames are interleaved, the interpreter frame may show as the script's busy_loop.
+    assert_fraction(
+        &samples,
+        0.95,
+        50,
+        "reach from _PyEval_EvalFrameDefault down to Py_BytesMain/main and glibc's start frames",
+        |s| {
+            let Some(eval) = s
+                .frames
+                .iter()
+                .position(|f| f == "_PyEval_EvalFrameDefault" || f.contains("busy_loop"))
+            else {
+                return false;
+            };
+            let Some(main) = s.frames[..eval]
+                .iter()
+                .position(|f| f == "Py_BytesMain" || f == "main")
+            else {
+                return false;
+            };
+            has_libc_start_above(&s.frames, main)
+        },
+    );
+}
+
+/// The agent's samples of `service` from profiles that start at or after `from`.
+fn agent_samples_from(dir: &Path, service: &str, from: SystemTime) -> (Vec<StackSample>, String) {
+    let profiles = service_profiles(dir, service);
+    let listing: String = profiles
+        .iter()
+        .map(|(path, p)| {
+            format!(
+                "  {} starts {:+.3} s after the threshold, {} samples\n",
+                path.file_name().unwrap().to_string_lossy(),
+                (p.time_nanos - unix_nanos(from)) as f64 / 1e9,
+                total_count(&stack_samples(p))
+            )
+        })
+        .collect();
+    let samples = profiles
+        .iter()
+        .filter(|(_, p)| p.time_nanos >= unix_nanos(from))
+        .flat_map(|(_, p)| stack_samples(p))
+        .collect();
+    (samples, listing)
+}
+
+#[test]
+fn process_started_after_the_agent_is_unwound_within_two_seconds() {
+    let _guard = exclusive();
+    let fixture = nofp_fixture("fp_chain.c");
+    let scratch = Scratch::new("nofp-late-process");
+    let dir = scratch.path("profiles");
+    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
+    // Past the start-up backlog, so that profile start times track sample times.
+    agent.wait_for_intervals(3, Duration::from_secs(30));
+    let service = format!("unwind-late-process-{}", std::process::id());
+    let started = SystemTime::now();
+    let mut running = spawn_with_env(&fixture, &["4.5"], &[("OTEL_SERVICE_NAME", &service)]);
+    let status = running.child.wait().expect("wait for the fixture");
+    assert!(status.success(), "fixture failed: {status}");
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, stderr) = agent.stop();
+    assert!(status.success(), "agent failed with {status}:\n{stderr}");
+
+    let threshold = started + Duration::from_secs(2);
+    let (samples, listing) = agent_samples_from(&dir, &service, threshold);
+    assert!(
+        total_count(&samples) >= 50,
+        "too few samples of {service} in profiles starting 2 s after it started; profiles:\n\
+         {listing}"
+    );
+    assert_fraction(
+        &samples,
+        0.95,
+        50,
+        "from the process's third second on have main;level1;level2;level3;level4",
+        |s| find_chain(&s.frames, &CHAIN).is_some(),
+    );
+}
+
+#[test]
+fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
+    let _guard = exclusive();
+    let plugin = nofp_shared_library("libnofp2.c");
+    let fixture = build_fixture(
+        "dlopen_main-nofp",
+        "gcc",
+        NOFP_FLAGS,
+        &["dlopen_main.c"],
+        &["-ldl"],
+    );
+    let scratch = Scratch::new("nofp-dlopen");
+    let dir = scratch.path("profiles");
+    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
+    // Past the start-up backlog, so that profile start times track sample times.
+    agent.wait_for_intervals(3, Duration::from_secs(30));
+    let service = format!("unwind-dlopen-{}", std::process::id());
+    // Runs 6 s in all: sleeps 1.5 s, dlopens the plugin, prints "loaded", spins in it.
+    let child = Command::new(&fixture)
+        .args(["6", "1.5", plugin.to_str().unwrap()])
+        .env("OTEL_SERVICE_NAME", &service)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the dlopen fixture");
+    let mut running = Running { child };
+    let mut line = String::new();
+    BufReader::new(running.child.stdout.take().expect("stdout is piped"))
+        .read_line(&mut line)
+        .expect("read the fixture's stdout");
+    let loaded = SystemTime::now();
+    assert_eq!(
+        line.trim(),
+        "loaded",
+        "the fixture did not dlopen its plugin"
+    );
+    let status = running.child.wait().expect("wait for the fixture");
+    assert!(status.success(), "fixture failed: {status}");
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, stderr) = agent.stop();
+    assert!(status.success(), "agent failed with {status}:\n{stderr}");
+
+    let threshold = loaded + Duration::from_secs(2);
+    let (samples, listing) = agent_samples_from(&dir, &service, threshold);
+    assert!(
+        total_count(&samples) >= 50,
+        "too few samples of {service} in profiles starting 2 s after the dlopen; profiles:\n\
+         {listing}"
+    );
+    assert_fraction(
+        &samples,
+        0.95,
+        50,
+        "from 2 s after the dlopen on have main;call_plugin;plugin_outer;plugin_inner",
+        |s| {
+            find_chain(
+                &s.frames,
+                &["main", "call_plugin", "plugin_outer", "plugin_inner"],
+            )
+            .is_some()
+        },
+    );
+}
