@@ -28,8 +28,8 @@ use object::{Architecture, Object, ObjectSection};
 use profiler_common::unwind::{CFA_PLT, CFA_RBP, CFA_RSP, RBP_AT_CFA, RBP_UNCHANGED};
 
 use super::{
-    CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_PAGES, MAX_ROWS, Rule, TableError,
-    TableRow, TableStats, UnwindTable, page_span,
+    CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_ROWS, Rule, TableError, TableRow,
+    TableStats, UnwindTable,
 };
 
 type Reader<'a> = EndianSlice<'a, LittleEndian>;
@@ -50,7 +50,9 @@ const DW_OP_LIT10: u8 = 0x3a;
 const PLT_SECTIONS: [&str; 3] = [".plt", ".plt.sec", ".plt.got"];
 
 /// Builds the unwind table of an x86_64 ELF file from `.eh_frame`, or `.debug_frame` if there
-/// is no (non-empty) `.eh_frame`. A file with neither gets an empty table.
+/// is no (non-empty) `.eh_frame`. A file with neither gets an empty table. Malformed CFI is an
+/// error (no partial table, no fallback to the other section): the caller then uses frame
+/// pointers for the whole file.
 pub fn build_table(elf_bytes: &[u8]) -> Result<UnwindTable, TableError> {
     let file = object::File::parse(elf_bytes)?;
     if file.architecture() != Architecture::X86_64 || !file.is_little_endian() {
@@ -190,10 +192,7 @@ pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableE
         push_merged(&mut merged, end, Rule::NONE);
     }
     stats.rows_after_merge = merged.len() as u64;
-    let pages = page_span(&merged);
-    if pages > MAX_PAGES {
-        return Err(TableError::TooManyPages { pages });
-    }
+    // Checks the invariants again, including the page span (TooManyPages).
     UnwindTable::from_rows(merged, stats)
 }
 
@@ -398,7 +397,7 @@ fn map_rule<'a, S: UnwindSection<Reader<'a>>>(
 }
 
 /// ld's `.plt` CFA expression, with the `DW_OP_lit11` threshold or the IBT `DW_OP_lit10` one.
-pub(crate) fn is_plt_expression(bytes: &[u8]) -> bool {
+fn is_plt_expression(bytes: &[u8]) -> bool {
     bytes.len() == PLT_EXPRESSION.len()
         && bytes
             .iter()

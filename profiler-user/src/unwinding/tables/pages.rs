@@ -19,7 +19,8 @@ impl RowSource for SliceRows<'_> {
 /// A table as it goes into the BPF maps: one row array, and for each page of the span (every
 /// page from the first FDE's to the one holding the last FDE's last byte, gap pages included)
 /// where its rows are. Every page starts with a row at `pc_low` 0 holding the rule in effect at
-/// the page start, so a lookup never needs the previous page.
+/// the page start, so a lookup never needs the previous page. `first_row` in the page entries
+/// indexes this table's row array; the loader adds where that array starts in the BPF one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PagedRows {
     first_page: u32,

@@ -9,7 +9,7 @@ use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::unwind::{CFA_END, CFA_NONE, CFA_PLT, CFA_RBP, CFA_RSP, RBP_AT_CFA};
 
 use super::{assert_well_formed, check_against_oracle, oracle_fdes, requires_external};
-use crate::unwinding::tables::{Rule, TableRow, UnwindTable, build_table};
+use crate::unwinding::tables::{CfiSource, Rule, TableRow, UnwindTable, build_table};
 
 /// Built without frame pointers; sixteen one-row leaf functions packed back to back
 /// (`-falign-functions=1`), so their identical rows merge.
@@ -45,11 +45,17 @@ __attribute__((noinline, aligned(64))) int fp_function(int n) {
 }
 "#;
 
-/// The fixture executable's bytes; `None` if gcc is unavailable (and not required).
-pub(super) fn fixture_elf() -> Option<&'static [u8]> {
-    static FIXTURE: OnceLock<Result<Vec<u8>, String>> = OnceLock::new();
-    match FIXTURE.get_or_init(build_fixture) {
-        Ok(bytes) => Some(bytes),
+/// The fixture programs: `main` (CFI in `.eh_frame`) and `debug_frame_only` (fp.c compiled
+/// with `-g -fno-asynchronous-unwind-tables`, `.eh_frame` removed: CFI only in `.debug_frame`).
+struct Fixtures {
+    main: Vec<u8>,
+    debug_frame_only: Vec<u8>,
+}
+
+fn fixtures() -> Option<&'static Fixtures> {
+    static FIXTURES: OnceLock<Result<Fixtures, String>> = OnceLock::new();
+    match FIXTURES.get_or_init(build_fixtures) {
+        Ok(fixtures) => Some(fixtures),
         Err(error) => {
             assert!(
                 !requires_external(),
@@ -61,43 +67,72 @@ pub(super) fn fixture_elf() -> Option<&'static [u8]> {
     }
 }
 
-fn build_fixture() -> Result<Vec<u8>, String> {
+/// The fixture executable's bytes; `None` if gcc is unavailable (and not required).
+pub(super) fn fixture_elf() -> Option<&'static [u8]> {
+    fixtures().map(|fixtures| &fixtures.main[..])
+}
+
+fn build_fixtures() -> Result<Fixtures, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let write = |name: &str, text: &str| {
         std::fs::write(dir.path().join(name), text).map_err(|e| e.to_string())
     };
     write("omit.c", OMIT_FRAME_POINTER_C)?;
     write("fp.c", FRAME_POINTER_C)?;
-    let gcc = |args: &[&str]| -> Result<(), String> {
-        let output = Command::new("gcc")
+    let run = |program: &str, args: &[&str]| -> Result<(), String> {
+        let output = Command::new(program)
             .current_dir(dir.path())
             .args(args)
             .output()
-            .map_err(|e| format!("gcc: {e}"))?;
+            .map_err(|e| format!("{program}: {e}"))?;
         if output.status.success() {
             Ok(())
         } else {
             Err(format!(
-                "gcc {args:?}: {}",
+                "{program} {args:?}: {}",
                 String::from_utf8_lossy(&output.stderr)
             ))
         }
     };
-    let common = [
-        "-O2",
-        "-fcf-protection=none",
-        "-fasynchronous-unwind-tables",
-        "-c",
-    ];
+    let gcc = |args: &[&str]| run("gcc", args);
+    let common = ["-O2", "-fcf-protection=none", "-c"];
+    let unwind = ["-fasynchronous-unwind-tables"];
     gcc(&[
         &common[..],
+        &unwind,
         &["-fomit-frame-pointer", "-falign-functions=1", "omit.c"],
     ]
     .concat())?;
-    gcc(&[&common[..], &["-fno-omit-frame-pointer", "fp.c"]].concat())?;
+    gcc(&[&common[..], &unwind, &["-fno-omit-frame-pointer", "fp.c"]].concat())?;
     // Lazy binding keeps the classic .plt with ld's CFA expression.
     gcc(&["-Wl,-z,lazy", "-o", "fixture", "omit.o", "fp.o"])?;
-    std::fs::read(dir.path().join("fixture")).map_err(|e| e.to_string())
+    gcc(&[
+        &common[..],
+        &[
+            "-g",
+            "-fno-asynchronous-unwind-tables",
+            "-fno-omit-frame-pointer",
+            "fp.c",
+            "-o",
+            "fp-debug.o",
+        ],
+    ]
+    .concat())?;
+    gcc(&["-o", "with-debug-frame", "omit.o", "fp-debug.o"])?;
+    run(
+        "objcopy",
+        &[
+            "--remove-section=.eh_frame",
+            "--remove-section=.eh_frame_hdr",
+            "with-debug-frame",
+            "debug-frame-only",
+        ],
+    )?;
+    let read = |name: &str| std::fs::read(dir.path().join(name)).map_err(|e| e.to_string());
+    Ok(Fixtures {
+        main: read("fixture")?,
+        debug_frame_only: read("debug-frame-only")?,
+    })
 }
 
 struct Built {
@@ -274,4 +309,72 @@ fn merging_shrinks_the_adjacent_leaf_rows() {
             .iter()
             .all(|row| row.rule.cfa_kind == CFA_RSP)
     );
+}
+
+#[test]
+fn debug_frame_is_used_without_eh_frame() {
+    let Some(fixtures) = fixtures() else {
+        return;
+    };
+    let elf = &fixtures.debug_frame_only[..];
+    let table = build_table(elf).expect("table from .debug_frame");
+    assert_well_formed(&table);
+    assert_eq!(table.stats().source, CfiSource::DebugFrame);
+    assert_eq!(table.stats().fdes, 1, "only fp.c has CFI there");
+    let (start, end) = symbol_range(elf, "fp_function");
+    assert!(
+        rows_in(&table, (start, end))
+            .iter()
+            .any(|row| row.rule.cfa_kind == CFA_RBP && row.rule.rbp_kind == RBP_AT_CFA)
+    );
+    assert_eq!(
+        table
+            .lookup(start)
+            .map(|row| (row.cfa_kind, row.cfa_offset)),
+        Some((CFA_RSP, 8))
+    );
+    let (omit_start, _) = symbol_range(elf, "omit_function");
+    assert!(
+        table
+            .lookup(omit_start)
+            .is_none_or(|row| row.cfa_kind == CFA_NONE),
+        "no CFI for omit.c's functions"
+    );
+}
+
+/// Not a test: build throughput in release, for the files in `PROFILER_TABLE_BENCH_FILES`
+/// (colon-separated; default: the three test libraries and system libLLVM):
+/// `cargo test -p profiler-user --release --lib tables::tests::fixture::build_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark"]
+fn build_throughput() {
+    let files = std::env::var("PROFILER_TABLE_BENCH_FILES").unwrap_or_else(|_| {
+        let python = super::pyenv_root()
+            .map(|root| root.join("versions/3.11.7/lib/libpython3.11.so.1.0"))
+            .unwrap_or_default();
+        format!(
+            "/lib/x86_64-linux-gnu/libc.so.6:/usr/lib/x86_64-linux-gnu/libstdc++.so.6:{}:/usr/lib/x86_64-linux-gnu/libLLVM-15.so.1",
+            python.display()
+        )
+    });
+    for path in files.split(':').filter(|path| !path.is_empty()) {
+        let Ok(elf) = std::fs::read(path) else {
+            eprintln!("skipped: {path}");
+            continue;
+        };
+        let started = std::time::Instant::now();
+        let table = build_table(&elf).expect("table builds");
+        let elapsed = started.elapsed().as_secs_f64();
+        let gimli_rows = table.stats().rows_before_merge as f64;
+        eprintln!(
+            "{path}: {} FDEs, {} gimli rows, {} table rows, {} pages, {} KiB in maps; {:.1} ms, {:.3} s per million gimli rows",
+            table.stats().fdes,
+            table.stats().rows_before_merge,
+            table.row_count(),
+            table.page_count(),
+            table.memory_bytes() / 1024,
+            elapsed * 1e3,
+            elapsed / gimli_rows * 1e6,
+        );
+    }
 }

@@ -19,6 +19,9 @@ use crate::unwinding::tables::{CfiSource, Rule, TableError, TableRow, UnwindTabl
 
 const CORPUS_SECTION_ADDRESS: u64 = 0x2000;
 const CORPUS_TEXT_ADDRESS: u64 = 0x1000;
+/// The corpus's `.plt` section.
+#[allow(clippy::single_range_in_vec_init)]
+const CORPUS_PLT_RANGES: &[std::ops::Range<u64>] = &[0x1020..0x1060];
 const SEED: &str = "ok-gcc-fixture.eh_frame";
 /// Generous for debug builds on a loaded CI machine; real inputs take milliseconds.
 const TIME_LIMIT: Duration = Duration::from_secs(5);
@@ -56,7 +59,7 @@ fn build_raw(bytes: &[u8], source: CfiSource) -> Result<UnwindTable, TableError>
         address: CORPUS_SECTION_ADDRESS,
         text_address: Some(CORPUS_TEXT_ADDRESS),
         got_address: Some(0x4000),
-        plt_ranges: &[0x1020..0x1060],
+        plt_ranges: CORPUS_PLT_RANGES,
     })
 }
 

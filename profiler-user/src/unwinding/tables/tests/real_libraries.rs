@@ -29,9 +29,14 @@ fn check_library(path: &Path, what: &str, min_pcs: u64, min_rows: usize) {
     assert_eq!(stats.source, CfiSource::EhFrame);
     assert_well_formed(&table);
     let coverage = check_against_oracle(&elf, &table);
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
     eprintln!(
         "{what}: {} FDEs, {} gimli rows, {} rows merged, {} pages, {} bytes; {} PCs checked, \
-         {} gap PCs, {} overlapped; built in {build_time:?} (debug build); {stats:?}",
+         {} gap PCs, {} overlapped; built in {build_time:?} ({profile} build); {stats:?}",
         coverage.fdes,
         coverage.oracle_rows,
         table.row_count(),
@@ -117,4 +122,16 @@ fn libc_restore_rt_is_a_signal_frame() {
             .iter()
             .any(|(number, rows)| *number == page && rows[0].pc_low == 0)
     );
+}
+
+/// The same check for any files, e.g. big libraries in release mode:
+/// `PROFILER_TABLE_CHECK_FILES=/usr/lib/x86_64-linux-gnu/libLLVM-15.so.1 cargo test -p
+/// profiler-user --release --lib tables::tests::real_libraries::listed_files -- --ignored`.
+#[test]
+#[ignore = "needs PROFILER_TABLE_CHECK_FILES"]
+fn listed_files_lookup_matches_gimli_for_every_pc() {
+    let files = std::env::var("PROFILER_TABLE_CHECK_FILES").unwrap_or_default();
+    for path in files.split(':').filter(|path| !path.is_empty()) {
+        check_library(Path::new(path), path, 0, 0);
+    }
 }
