@@ -1,0 +1,409 @@
+//! CFI → table rows.
+//!
+//! Rule mapping (per gimli row):
+//! - return-address register (the CIE's, 16 on x86_64) `Undefined` → `CFA_END`;
+//! - CFA `rsp + n` → `CFA_RSP`, `rbp + n` → `CFA_RBP`; any other register → `CFA_UNSUPPORTED`;
+//! - CFA expression in an FDE lying inside `.plt`/`.plt.sec`/`.plt.got`, or exactly ld's PLT
+//!   expression → `CFA_PLT`; any other expression → `CFA_UNSUPPORTED`;
+//! - RBP `Offset(n)` → `RBP_AT_CFA` n; unspecified, `SameValue` or `Undefined` →
+//!   `RBP_UNCHANGED`; other RBP rules → `RBP_UNCHANGED`, counted;
+//! - a CFA or RBP offset outside `i16` → `CFA_UNSUPPORTED`;
+//! - an FDE whose CIE has the `S` augmentation → one `CFA_SIGNAL` row for its whole range.
+//!
+//! Rules that compute no CFA (`NONE`, `END`, `SIGNAL`, `UNSUPPORTED`) carry no offsets and no
+//! RBP rule. FDEs are ordered by start address (section order among equal starts); where FDEs
+//! overlap, the one that starts first keeps its range and a later one only covers what lies
+//! beyond it ("first wins"). A gap after an FDE gets a `CFA_NONE` row at the FDE's end, and so
+//! does the end of the last FDE.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use gimli::{
+    BaseAddresses, CfaRule, CieOrFde, CommonInformationEntry, DebugFrame, EhFrame, EndianSlice,
+    LittleEndian, Register, RegisterRule, UnwindContext, UnwindOffset, UnwindSection,
+    UnwindTableRow,
+};
+use object::{Architecture, Object, ObjectSection};
+use profiler_common::unwind::{CFA_PLT, CFA_RBP, CFA_RSP, RBP_AT_CFA, RBP_UNCHANGED};
+
+use super::{
+    CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_ROWS, Rule, TableError, TableRow,
+    TableStats, UnwindTable,
+};
+
+type Reader<'a> = EndianSlice<'a, LittleEndian>;
+
+const RBP: Register = Register(6);
+const RSP: Register = Register(7);
+
+/// ld's CFA expression for `.plt` entries: `rsp + 8 + ((rip & 15) >= 11 ? 8 : 0)`:
+/// `DW_OP_breg7 8; DW_OP_breg16 0; DW_OP_lit15; DW_OP_and; DW_OP_lit11; DW_OP_ge; DW_OP_lit3;
+/// DW_OP_shl; DW_OP_plus`.
+const PLT_EXPRESSION: [u8; 11] = [
+    0x77, 0x08, 0x80, 0x00, 0x3f, 0x1a, 0x3b, 0x2a, 0x33, 0x24, 0x22,
+];
+/// Index of the `DW_OP_lit11` in [`PLT_EXPRESSION`]; the IBT variant has `DW_OP_lit10` (0x3a).
+const PLT_EXPRESSION_THRESHOLD_INDEX: usize = 6;
+const DW_OP_LIT10: u8 = 0x3a;
+
+const PLT_SECTIONS: [&str; 3] = [".plt", ".plt.sec", ".plt.got"];
+
+/// Builds the unwind table of an x86_64 ELF file from `.eh_frame`, or `.debug_frame` if there
+/// is no (non-empty) `.eh_frame`. A file with neither gets an empty table. Malformed CFI is an
+/// error (no partial table, no fallback to the other section): the caller then uses frame
+/// pointers for the whole file.
+pub fn build_table(elf_bytes: &[u8]) -> Result<UnwindTable, TableError> {
+    let file = object::File::parse(elf_bytes)?;
+    if file.architecture() != Architecture::X86_64 || !file.is_little_endian() {
+        return Err(TableError::UnsupportedArchitecture(file.architecture()));
+    }
+    let section_address = |name: &str| file.section_by_name(name).map(|s| s.address());
+    let plt_ranges: Vec<Range<u64>> = PLT_SECTIONS
+        .iter()
+        .filter_map(|name| file.section_by_name(name))
+        .map(|s| s.address()..s.address().saturating_add(s.size()))
+        .collect();
+
+    if let Some(section) = file.section_by_name(".eh_frame") {
+        let data = section.data().map_err(|source| TableError::Section {
+            section: ".eh_frame",
+            source,
+        })?;
+        // NOBITS in separate debug files: fall through to .debug_frame.
+        if !data.is_empty() {
+            return build_from_cfi(&CfiSection {
+                source: CfiSource::EhFrame,
+                data,
+                address: section.address(),
+                text_address: section_address(".text"),
+                got_address: section_address(".got"),
+                plt_ranges: &plt_ranges,
+            });
+        }
+    }
+    if let Some(section) = file.section_by_name(".debug_frame") {
+        let data = section
+            .uncompressed_data()
+            .map_err(|source| TableError::Section {
+                section: ".debug_frame",
+                source,
+            })?;
+        if !data.is_empty() {
+            return build_from_cfi(&CfiSection {
+                source: CfiSource::DebugFrame,
+                data: &data,
+                address: 0,
+                text_address: None,
+                got_address: None,
+                plt_ranges: &plt_ranges,
+            });
+        }
+    }
+    UnwindTable::from_rows(Vec::new(), TableStats::default())
+}
+
+/// One CFI section and what its pointers are relative to.
+pub(crate) struct CfiSection<'a> {
+    pub source: CfiSource,
+    pub data: &'a [u8],
+    /// Virtual address of the section (for `.eh_frame`'s pc-relative pointers).
+    pub address: u64,
+    pub text_address: Option<u64>,
+    pub got_address: Option<u64>,
+    pub plt_ranges: &'a [Range<u64>],
+}
+
+impl CfiSection<'_> {
+    fn name(&self) -> &'static str {
+        match self.source {
+            CfiSource::DebugFrame => ".debug_frame",
+            _ => ".eh_frame",
+        }
+    }
+}
+
+/// The table of one CFI section (`.eh_frame` or `.debug_frame` bytes).
+pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableError> {
+    let mut collected = Collected::default();
+    collected.stats.source = cfi.source;
+    match cfi.source {
+        CfiSource::DebugFrame => {
+            let mut section = DebugFrame::new(cfi.data, LittleEndian);
+            section.set_address_size(8);
+            collected.collect(&section, &BaseAddresses::default(), cfi)?;
+        }
+        CfiSource::EhFrame | CfiSource::None => {
+            let mut section = EhFrame::new(cfi.data, LittleEndian);
+            section.set_address_size(8);
+            let mut bases = BaseAddresses::default().set_eh_frame(cfi.address);
+            if let Some(text) = cfi.text_address {
+                bases = bases.set_text(text);
+            }
+            if let Some(got) = cfi.got_address {
+                bases = bases.set_got(got);
+            }
+            collected.collect(&section, &bases, cfi)?;
+        }
+    }
+    let Collected {
+        rows,
+        mut spans,
+        mut stats,
+    } = collected;
+
+    // Stable: FDEs with the same start stay in section order.
+    spans.sort_by_key(|span| span.start);
+    let mut merged = Vec::with_capacity(rows.len() + 1);
+    let mut covered_end: Option<u64> = None;
+    for span in &spans {
+        let span_rows = &rows[span.first_row..span.first_row + span.row_count];
+        if span_rows.is_empty() {
+            continue;
+        }
+        match covered_end {
+            Some(end) if span.end <= end => {
+                stats.overlapping_fdes += 1;
+                continue;
+            }
+            Some(end) if span.start < end => {
+                stats.overlapping_fdes += 1;
+                // The row in effect at `end` continues from there.
+                let beyond = span_rows.partition_point(|row| row.address <= end);
+                if let Some(in_effect) = beyond.checked_sub(1).map(|index| span_rows[index]) {
+                    push_merged(&mut merged, end, in_effect.rule);
+                }
+                for row in &span_rows[beyond..] {
+                    push_merged(&mut merged, row.address, row.rule);
+                }
+            }
+            previous => {
+                if let Some(end) = previous.filter(|&end| end < span.start) {
+                    push_merged(&mut merged, end, Rule::NONE);
+                }
+                for row in span_rows {
+                    push_merged(&mut merged, row.address, row.rule);
+                }
+            }
+        }
+        covered_end = Some(span.end);
+    }
+    if let Some(end) = covered_end {
+        push_merged(&mut merged, end, Rule::NONE);
+    }
+    stats.rows_after_merge = merged.len() as u64;
+    // Checks the invariants again, including the page span (TooManyPages).
+    UnwindTable::from_rows(merged, stats)
+}
+
+/// Appends a row, dropping it if it repeats the previous rule; a row at the same address
+/// replaces the previous (empty) one.
+fn push_merged(rows: &mut Vec<TableRow>, address: u64, rule: Rule) {
+    if rows.last().is_some_and(|last| last.address == address) {
+        rows.pop();
+    }
+    if rows.last().is_some_and(|last| last.rule == rule) {
+        return;
+    }
+    rows.push(TableRow { address, rule });
+}
+
+/// One FDE's address range and its rows in [`Collected::rows`].
+struct FdeSpan {
+    start: u64,
+    end: u64,
+    first_row: usize,
+    row_count: usize,
+}
+
+#[derive(Default)]
+struct Collected {
+    rows: Vec<TableRow>,
+    spans: Vec<FdeSpan>,
+    stats: TableStats,
+}
+
+impl Collected {
+    fn collect<'a, S>(
+        &mut self,
+        section: &S,
+        bases: &BaseAddresses,
+        cfi: &CfiSection<'a>,
+    ) -> Result<(), TableError>
+    where
+        S: UnwindSection<Reader<'a>>,
+        S::Offset: UnwindOffset<usize>,
+    {
+        let name = cfi.name();
+        let section_error = |source| TableError::MalformedSection {
+            section: name,
+            source,
+        };
+        let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
+        // Allocated once and reused by every FDE program.
+        let mut context = UnwindContext::new();
+        let mut entries = section.entries(bases);
+        while let Some(entry) = entries.next().map_err(section_error)? {
+            let partial = match entry {
+                CieOrFde::Cie(cie) => {
+                    cies.insert(cie.offset(), cie);
+                    continue;
+                }
+                CieOrFde::Fde(partial) => partial,
+            };
+            self.stats.fdes += 1;
+            if self.stats.fdes > MAX_FDES as u64 {
+                return Err(TableError::TooManyFdes);
+            }
+            let offset = partial.offset();
+            let fde_error = |source| TableError::MalformedFde {
+                section: name,
+                offset,
+                source,
+            };
+            let fde = partial
+                .parse(|section, bases, cie_offset| {
+                    let key = UnwindOffset::into(cie_offset);
+                    if let Some(cie) = cies.get(&key) {
+                        return Ok(cie.clone());
+                    }
+                    let cie = section.cie_from_offset(bases, cie_offset)?;
+                    cies.insert(key, cie.clone());
+                    Ok(cie)
+                })
+                .map_err(fde_error)?;
+            if fde.entry_len() > MAX_FDE_BYTES {
+                return Err(TableError::FdeTooLong {
+                    section: name,
+                    offset,
+                    length: fde.entry_len(),
+                });
+            }
+            let start = fde.initial_address();
+            let length = fde.len();
+            if length == 0 {
+                self.stats.empty_fdes += 1;
+                continue;
+            }
+            let end = start
+                .checked_add(length)
+                .filter(|&end| end <= MAX_ADDRESS)
+                .ok_or(TableError::AddressOutOfRange { start, length })?;
+            let first_row = self.rows.len();
+            if fde.is_signal_trampoline() {
+                self.stats.signal_fdes += 1;
+                self.push_row(start, Rule::SIGNAL)?;
+            } else {
+                let return_address = fde.cie().return_address_register();
+                let in_plt = cfi
+                    .plt_ranges
+                    .iter()
+                    .any(|plt| plt.start <= start && end <= plt.end);
+                let mut table = fde.rows(section, bases, &mut context).map_err(fde_error)?;
+                let mut previous_start = start;
+                while let Some(row) = table.next_row().map_err(fde_error)? {
+                    let row_start = row.start_address();
+                    // Empty rows (advance by 0) and rows past the FDE's end cover nothing.
+                    if row_start >= row.end_address() || row_start >= end {
+                        continue;
+                    }
+                    if row_start < previous_start {
+                        return Err(fde_error(gimli::Error::InvalidCfiSetLoc(row_start)));
+                    }
+                    previous_start = row_start;
+                    let rule = map_rule(row, return_address, in_plt, section, &mut self.stats);
+                    self.push_row(row_start, rule)?;
+                }
+            }
+            self.spans.push(FdeSpan {
+                start,
+                end,
+                first_row,
+                row_count: self.rows.len() - first_row,
+            });
+        }
+        Ok(())
+    }
+
+    fn push_row(&mut self, address: u64, rule: Rule) -> Result<(), TableError> {
+        if self.rows.len() >= MAX_ROWS {
+            return Err(TableError::TooManyRows);
+        }
+        self.stats.rows_before_merge += 1;
+        self.rows.push(TableRow { address, rule });
+        Ok(())
+    }
+}
+
+fn map_rule<'a, S: UnwindSection<Reader<'a>>>(
+    row: &UnwindTableRow<usize>,
+    return_address: Register,
+    in_plt: bool,
+    section: &S,
+    stats: &mut TableStats,
+) -> Rule {
+    if matches!(row.register(return_address), Some(RegisterRule::Undefined)) {
+        return Rule::END;
+    }
+    let (cfa_kind, cfa_offset) = match row.cfa() {
+        CfaRule::RegisterAndOffset { register, offset } => {
+            let kind = match *register {
+                RSP => CFA_RSP,
+                RBP => CFA_RBP,
+                _ => {
+                    stats.unsupported_cfa_registers += 1;
+                    return Rule::UNSUPPORTED;
+                }
+            };
+            let Ok(offset) = i16::try_from(*offset) else {
+                stats.offsets_out_of_range += 1;
+                return Rule::UNSUPPORTED;
+            };
+            (kind, offset)
+        }
+        CfaRule::Expression(expression) => {
+            let is_plt = in_plt
+                || expression
+                    .get(section)
+                    .is_ok_and(|bytes| is_plt_expression(bytes.0.slice()));
+            if !is_plt {
+                stats.unsupported_cfa_expressions += 1;
+                return Rule::UNSUPPORTED;
+            }
+            stats.plt_rows += 1;
+            (CFA_PLT, 0)
+        }
+    };
+    let (rbp_kind, rbp_offset) = match row.register(RBP) {
+        None | Some(RegisterRule::SameValue | RegisterRule::Undefined) => (RBP_UNCHANGED, 0),
+        Some(RegisterRule::Offset(offset)) => match i16::try_from(offset) {
+            Ok(offset) => (RBP_AT_CFA, offset),
+            Err(_) => {
+                stats.offsets_out_of_range += 1;
+                return Rule::UNSUPPORTED;
+            }
+        },
+        Some(_) => {
+            stats.unsupported_rbp_rules += 1;
+            (RBP_UNCHANGED, 0)
+        }
+    };
+    Rule {
+        cfa_kind,
+        rbp_kind,
+        cfa_offset,
+        rbp_offset,
+    }
+}
+
+/// ld's `.plt` CFA expression, with the `DW_OP_lit11` threshold or the IBT `DW_OP_lit10` one.
+fn is_plt_expression(bytes: &[u8]) -> bool {
+    bytes.len() == PLT_EXPRESSION.len()
+        && bytes
+            .iter()
+            .zip(PLT_EXPRESSION)
+            .enumerate()
+            .all(|(index, (&byte, expected))| {
+                byte == expected || (index == PLT_EXPRESSION_THRESHOLD_INDEX && byte == DW_OP_LIT10)
+            })
+}

@@ -1,0 +1,250 @@
+//! Built tables on disk, keyed by build id (files without one are not cached).
+//!
+//! File format (little-endian), version 1:
+//! `magic "PFUNWTAB"` · `version u32` · `reserved u32 (0)` · 12 × `u64` stats ·
+//! `row count u64` · rows (`address u64, cfa_kind u8, rbp_kind u8, cfa_offset i16,
+//! rbp_offset i16, 2 zero bytes`) · `FNV-1a 64 checksum u64` of everything before it.
+//!
+//! Entries are written to a temporary file and renamed, so a reader sees a whole file or none.
+//! A file that fails any check (size, magic, version, checksum, table invariants) is deleted and
+//! treated as missing: the table is simply rebuilt.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{CfiSource, MAX_ROWS, Rule, TableError, TableRow, TableStats, UnwindTable};
+
+const MAGIC: [u8; 8] = *b"PFUNWTAB";
+const FORMAT_VERSION: u32 = 1;
+const STATS_FIELDS: usize = 12;
+const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
+const ROW_BYTES: usize = 16;
+const CHECKSUM_BYTES: usize = 8;
+const MAX_FILE_BYTES: u64 = (HEADER_BYTES + MAX_ROWS * ROW_BYTES + CHECKSUM_BYTES) as u64;
+const FILE_EXTENSION: &str = "unwt";
+
+/// Longest build id accepted as a key (GNU build ids are 20 bytes, 40 hex digits).
+const MAX_BUILD_ID_LEN: usize = 128;
+
+/// Distinguishes temporary files of concurrent stores in one process.
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("build id {0:?} is not a hex string of at most {MAX_BUILD_ID_LEN} digits")]
+    InvalidBuildId(String),
+    #[error("cannot write the cache entry {path}: {source}")]
+    Write { path: PathBuf, source: io::Error },
+}
+
+/// A directory of cached tables.
+#[derive(Clone, Debug)]
+pub struct TableCache {
+    dir: PathBuf,
+}
+
+impl TableCache {
+    /// The directory is created by the first [`store`](Self::store).
+    pub fn new(dir: impl Into<PathBuf>) -> TableCache {
+        TableCache { dir: dir.into() }
+    }
+
+    /// Where the entry for `build_id` lives; `None` for ids that are not plain hex.
+    pub fn entry_path(&self, build_id: &str) -> Option<PathBuf> {
+        is_valid_build_id(build_id).then(|| self.dir.join(format!("{build_id}.{FILE_EXTENSION}")))
+    }
+
+    /// The cached table, if a valid entry exists; an invalid entry is deleted.
+    pub fn load(&self, build_id: &str) -> Option<UnwindTable> {
+        let path = self.entry_path(build_id)?;
+        let size = fs::metadata(&path).ok()?.len();
+        let decoded = if size > MAX_FILE_BYTES {
+            Err(TableError::InvalidRows("cache file too large"))
+        } else {
+            match fs::read(&path) {
+                Ok(bytes) => decode(&bytes),
+                Err(error) => {
+                    tracing::debug!(path = %path.display(), %error, "unreadable unwind-table cache entry");
+                    return None;
+                }
+            }
+        };
+        match decoded {
+            Ok(table) => Some(table),
+            Err(error) => {
+                tracing::debug!(path = %path.display(), %error, "discarding unwind-table cache entry");
+                let _ = fs::remove_file(&path);
+                None
+            }
+        }
+    }
+
+    pub fn store(&self, build_id: &str, table: &UnwindTable) -> Result<(), CacheError> {
+        let path = self
+            .entry_path(build_id)
+            .ok_or_else(|| CacheError::InvalidBuildId(build_id.to_owned()))?;
+        let temp = self.dir.join(format!(
+            ".{build_id}.{}.{}.tmp",
+            std::process::id(),
+            TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let write = || -> io::Result<()> {
+            fs::create_dir_all(&self.dir)?;
+            let mut file = fs::File::create(&temp)?;
+            file.write_all(&encode(table))?;
+            file.sync_all()?;
+            fs::rename(&temp, &path)
+        };
+        write().map_err(|source| {
+            let _ = fs::remove_file(&temp);
+            CacheError::Write {
+                path: path.clone(),
+                source,
+            }
+        })
+    }
+}
+
+fn is_valid_build_id(build_id: &str) -> bool {
+    !build_id.is_empty()
+        && build_id.len() <= MAX_BUILD_ID_LEN
+        && build_id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn stats_fields(stats: &TableStats) -> [u64; STATS_FIELDS] {
+    [
+        match stats.source {
+            CfiSource::None => 0,
+            CfiSource::EhFrame => 1,
+            CfiSource::DebugFrame => 2,
+        },
+        stats.fdes,
+        stats.signal_fdes,
+        stats.empty_fdes,
+        stats.overlapping_fdes,
+        stats.rows_before_merge,
+        stats.rows_after_merge,
+        stats.plt_rows,
+        stats.unsupported_cfa_expressions,
+        stats.unsupported_cfa_registers,
+        stats.offsets_out_of_range,
+        stats.unsupported_rbp_rules,
+    ]
+}
+
+fn stats_from_fields(fields: [u64; STATS_FIELDS]) -> Result<TableStats, TableError> {
+    let source = match fields[0] {
+        0 => CfiSource::None,
+        1 => CfiSource::EhFrame,
+        2 => CfiSource::DebugFrame,
+        _ => return Err(TableError::InvalidRows("unknown CFI source")),
+    };
+    Ok(TableStats {
+        source,
+        fdes: fields[1],
+        signal_fdes: fields[2],
+        empty_fdes: fields[3],
+        overlapping_fdes: fields[4],
+        rows_before_merge: fields[5],
+        rows_after_merge: fields[6],
+        plt_rows: fields[7],
+        unsupported_cfa_expressions: fields[8],
+        unsupported_cfa_registers: fields[9],
+        offsets_out_of_range: fields[10],
+        unsupported_rbp_rules: fields[11],
+    })
+}
+
+fn encode(table: &UnwindTable) -> Vec<u8> {
+    let rows = table.rows();
+    let mut bytes = Vec::with_capacity(HEADER_BYTES + rows.len() * ROW_BYTES + CHECKSUM_BYTES);
+    bytes.extend_from_slice(&MAGIC);
+    bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    bytes.extend_from_slice(&0u32.to_le_bytes());
+    for field in stats_fields(table.stats()) {
+        bytes.extend_from_slice(&field.to_le_bytes());
+    }
+    bytes.extend_from_slice(&(rows.len() as u64).to_le_bytes());
+    for row in rows {
+        bytes.extend_from_slice(&row.address.to_le_bytes());
+        bytes.push(row.rule.cfa_kind);
+        bytes.push(row.rule.rbp_kind);
+        bytes.extend_from_slice(&row.rule.cfa_offset.to_le_bytes());
+        bytes.extend_from_slice(&row.rule.rbp_offset.to_le_bytes());
+        bytes.extend_from_slice(&[0, 0]);
+    }
+    let checksum = fnv1a(&bytes);
+    bytes.extend_from_slice(&checksum.to_le_bytes());
+    bytes
+}
+
+/// Reads little-endian fields from a byte slice, failing instead of panicking at the end.
+struct Fields<'a>(&'a [u8]);
+
+impl Fields<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], TableError> {
+        let (head, rest) = self
+            .0
+            .split_first_chunk::<N>()
+            .ok_or(TableError::InvalidRows("cache file truncated"))?;
+        self.0 = rest;
+        Ok(*head)
+    }
+
+    fn u64(&mut self) -> Result<u64, TableError> {
+        self.take().map(u64::from_le_bytes)
+    }
+}
+
+fn decode(bytes: &[u8]) -> Result<UnwindTable, TableError> {
+    let (content, checksum) = bytes
+        .split_last_chunk::<CHECKSUM_BYTES>()
+        .ok_or(TableError::InvalidRows("cache file truncated"))?;
+    if fnv1a(content) != u64::from_le_bytes(*checksum) {
+        return Err(TableError::InvalidRows("cache checksum mismatch"));
+    }
+    let mut fields = Fields(content);
+    if fields.take::<8>()? != MAGIC {
+        return Err(TableError::InvalidRows("not an unwind-table cache file"));
+    }
+    if u32::from_le_bytes(fields.take()?) != FORMAT_VERSION {
+        return Err(TableError::InvalidRows("unknown cache format version"));
+    }
+    let _reserved = fields.take::<4>()?;
+    let mut stats = [0u64; STATS_FIELDS];
+    for field in &mut stats {
+        *field = fields.u64()?;
+    }
+    let stats = stats_from_fields(stats)?;
+    let row_count = fields.u64()?;
+    let expected_len = usize::try_from(row_count)
+        .ok()
+        .filter(|&count| count <= MAX_ROWS)
+        .map(|count| count * ROW_BYTES);
+    if expected_len != Some(fields.0.len()) || stats.rows_after_merge != row_count {
+        return Err(TableError::InvalidRows("cache row count does not match"));
+    }
+    let rows = fields
+        .0
+        .chunks_exact(ROW_BYTES)
+        .map(|row| {
+            let address = u64::from_le_bytes(std::array::from_fn(|index| row[index]));
+            let rule = Rule {
+                cfa_kind: row[8],
+                rbp_kind: row[9],
+                cfa_offset: i16::from_le_bytes([row[10], row[11]]),
+                rbp_offset: i16::from_le_bytes([row[12], row[13]]),
+            };
+            TableRow { address, rule }
+        })
+        .collect();
+    UnwindTable::from_rows(rows, stats)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

@@ -1,0 +1,296 @@
+//! Native unwind tables: an ELF file's CFI (`.eh_frame`, else `.debug_frame`) turned into the
+//! compact rows of `profiler_common::unwind` that the BPF unwinder walks.
+//!
+//! [`build_table`] runs every FDE's CFA program with gimli and maps each row to a
+//! [`Rule`] (see `builder.rs` for the mapping), then sorts, merges equal neighbours and marks
+//! gaps between FDEs with `CFA_NONE` rows. [`UnwindTable::paged`] splits the rows into the
+//! 64 KiB pages the BPF maps hold, and [`UnwindTable::lookup`] finds a PC's row with the very
+//! `find_row` BPF runs. [`TableCache`] keeps built tables on disk, keyed by build id.
+//!
+//! Invariants of a table's rows (checked again when a table comes from the disk cache): strictly
+//! increasing addresses below [`MAX_ADDRESS`], no two neighbours with the same rule, the last row
+//! is `CFA_NONE` (the end of the last FDE), and the rows span at most [`MAX_PAGES`] pages.
+
+mod builder;
+mod cache;
+mod pages;
+#[cfg(test)]
+mod tests;
+
+use std::sync::OnceLock;
+
+use profiler_common::unwind::{
+    CFA_END, CFA_NONE, CFA_PLT, CFA_RBP, CFA_RSP, CFA_SIGNAL, CFA_UNSUPPORTED, PAGE_SHIFT,
+    RBP_AT_CFA, RBP_UNCHANGED, UnwindRow,
+};
+
+pub use builder::build_table;
+pub use cache::{CacheError, TableCache};
+pub use pages::{PagedRows, SliceRows};
+
+/// Upper bound on rows produced by FDE programs (before merging); more is hostile or broken.
+pub const MAX_ROWS: usize = 16 << 20;
+/// Upper bound on FDEs in one section.
+pub const MAX_FDES: usize = 8 << 20;
+/// Upper bound on one FDE's length in bytes (its CFA program is inside it). The largest FDEs in
+/// real libraries are a few KiB.
+pub const MAX_FDE_BYTES: usize = 1 << 20;
+/// Upper bound on the 64 KiB pages a table spans (64 GiB of code).
+pub const MAX_PAGES: u64 = 1 << 20;
+/// Addresses must fit the `u32` page numbers of the BPF page map.
+pub const MAX_ADDRESS: u64 = 1 << (32 + PAGE_SHIFT);
+
+/// Why a table could not be built (or loaded).
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    #[error("not a readable ELF file: {0}")]
+    Elf(#[from] object::Error),
+    #[error("unsupported architecture {0:?} (only x86_64)")]
+    UnsupportedArchitecture(object::Architecture),
+    #[error("cannot read section {section}: {source}")]
+    Section {
+        section: &'static str,
+        source: object::Error,
+    },
+    #[error("malformed {section}: {source}")]
+    MalformedSection {
+        section: &'static str,
+        source: gimli::Error,
+    },
+    #[error("malformed FDE at {section}+{offset:#x}: {source}")]
+    MalformedFde {
+        section: &'static str,
+        offset: usize,
+        source: gimli::Error,
+    },
+    #[error("FDE at {section}+{offset:#x} is {length} bytes long (limit {MAX_FDE_BYTES})")]
+    FdeTooLong {
+        section: &'static str,
+        offset: usize,
+        length: usize,
+    },
+    #[error("FDE range {start:#x}+{length:#x} goes beyond address {MAX_ADDRESS:#x}")]
+    AddressOutOfRange { start: u64, length: u64 },
+    #[error("more than {MAX_FDES} FDEs")]
+    TooManyFdes,
+    #[error("more than {MAX_ROWS} rows")]
+    TooManyRows,
+    #[error("the table spans {pages} pages of 64 KiB (limit {MAX_PAGES})")]
+    TooManyPages { pages: u64 },
+    #[error("invalid table rows: {0}")]
+    InvalidRows(&'static str),
+}
+
+/// Which section a table was built from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CfiSource {
+    /// No CFI section at all: the table is empty.
+    #[default]
+    None,
+    EhFrame,
+    DebugFrame,
+}
+
+/// What the builder saw; kept with the table (and in the disk cache).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableStats {
+    pub source: CfiSource,
+    /// FDEs in the section, including empty and signal-frame ones.
+    pub fdes: u64,
+    /// FDEs whose CIE has the `S` augmentation (whole range `CFA_SIGNAL`).
+    pub signal_fdes: u64,
+    /// FDEs covering no address (length 0), skipped.
+    pub empty_fdes: u64,
+    /// FDEs overlapping an FDE that starts earlier; only their uncovered part is used.
+    pub overlapping_fdes: u64,
+    /// Rows of the FDE programs (one per signal FDE), before merging.
+    pub rows_before_merge: u64,
+    /// Rows of the table: merged, with the `CFA_NONE` gap and end markers.
+    pub rows_after_merge: u64,
+    /// Program rows whose CFA is the `.plt` expression.
+    pub plt_rows: u64,
+    /// Program rows with another CFA expression (`CFA_UNSUPPORTED`).
+    pub unsupported_cfa_expressions: u64,
+    /// Program rows whose CFA is based on a register other than RSP and RBP (`CFA_UNSUPPORTED`).
+    pub unsupported_cfa_registers: u64,
+    /// Program rows with a CFA or RBP offset outside `i16` (`CFA_UNSUPPORTED`).
+    pub offsets_out_of_range: u64,
+    /// Program rows whose RBP rule is neither "unchanged" nor "saved at CFA+n" (kept as
+    /// `RBP_UNCHANGED`).
+    pub unsupported_rbp_rules: u64,
+}
+
+/// A row's rules without its address.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Rule {
+    pub cfa_kind: u8,
+    pub rbp_kind: u8,
+    pub cfa_offset: i16,
+    pub rbp_offset: i16,
+}
+
+impl Rule {
+    /// No CFI here: the BPF unwinder falls back to the frame pointer.
+    pub const NONE: Rule = Rule::special(CFA_NONE);
+    pub const UNSUPPORTED: Rule = Rule::special(CFA_UNSUPPORTED);
+    pub const SIGNAL: Rule = Rule::special(CFA_SIGNAL);
+    pub const END: Rule = Rule::special(CFA_END);
+
+    /// A rule that computes no CFA, so carries no offsets and no RBP rule (keeps merging
+    /// effective and the table canonical).
+    pub const fn special(cfa_kind: u8) -> Rule {
+        Rule {
+            cfa_kind,
+            rbp_kind: RBP_UNCHANGED,
+            cfa_offset: 0,
+            rbp_offset: 0,
+        }
+    }
+
+    pub const fn with_pc_low(self, pc_low: u16) -> UnwindRow {
+        UnwindRow {
+            pc_low,
+            cfa_kind: self.cfa_kind,
+            rbp_kind: self.rbp_kind,
+            cfa_offset: self.cfa_offset,
+            rbp_offset: self.rbp_offset,
+        }
+    }
+
+    pub const fn of(row: &UnwindRow) -> Rule {
+        Rule {
+            cfa_kind: row.cfa_kind,
+            rbp_kind: row.rbp_kind,
+            cfa_offset: row.cfa_offset,
+            rbp_offset: row.rbp_offset,
+        }
+    }
+
+    /// Whether the kinds are ones the BPF unwinder knows.
+    pub const fn is_valid(&self) -> bool {
+        matches!(
+            self.cfa_kind,
+            CFA_NONE | CFA_RSP | CFA_RBP | CFA_PLT | CFA_SIGNAL | CFA_END | CFA_UNSUPPORTED
+        ) && matches!(self.rbp_kind, RBP_UNCHANGED | RBP_AT_CFA)
+    }
+}
+
+/// The rule in effect from `address` (a file virtual address) to the next row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableRow {
+    pub address: u64,
+    pub rule: Rule,
+}
+
+/// One ELF file's unwind table: merged rows by address; the BPF pages are derived on demand.
+#[derive(Debug)]
+pub struct UnwindTable {
+    rows: Vec<TableRow>,
+    stats: TableStats,
+    paged: OnceLock<PagedRows>,
+}
+
+impl UnwindTable {
+    /// A table from rows that must satisfy the invariants in the module documentation.
+    pub fn from_rows(rows: Vec<TableRow>, stats: TableStats) -> Result<UnwindTable, TableError> {
+        validate_rows(&rows)?;
+        Ok(UnwindTable {
+            rows,
+            stats,
+            paged: OnceLock::new(),
+        })
+    }
+
+    pub fn rows(&self) -> &[TableRow] {
+        &self.rows
+    }
+
+    pub fn stats(&self) -> &TableStats {
+        &self.stats
+    }
+
+    /// Merged rows, including the `CFA_NONE` markers.
+    pub fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The rows split into 64 KiB pages, as loaded into the BPF maps (built on first use).
+    pub fn paged(&self) -> &PagedRows {
+        self.paged.get_or_init(|| PagedRows::from_rows(&self.rows))
+    }
+
+    /// Each page (file virtual address >> `PAGE_SHIFT`) with its rows; the first row of every
+    /// page has `pc_low` 0.
+    pub fn pages(&self) -> Vec<(u32, Vec<UnwindRow>)> {
+        let paged = self.paged();
+        paged
+            .page_entries()
+            .map(|(page, entry)| {
+                let first = entry.first_row as usize;
+                let rows = paged.rows()[first..first + entry.row_count as usize].to_vec();
+                (page, rows)
+            })
+            .collect()
+    }
+
+    pub fn page_count(&self) -> usize {
+        self.paged().page_count()
+    }
+
+    /// Bytes the table takes in the BPF maps: 8 per paged row (page start rows included) and
+    /// 8 per page entry.
+    pub fn memory_bytes(&self) -> usize {
+        let paged = self.paged();
+        paged.rows().len() * 8 + paged.page_count() * 8
+    }
+
+    /// The row in effect at file virtual address `addr`, found the way BPF finds it. `None`
+    /// when no page covers `addr` (before the first FDE's page or after the last FDE's end).
+    pub fn lookup(&self, addr: u64) -> Option<UnwindRow> {
+        self.paged().lookup(addr)
+    }
+}
+
+fn validate_rows(rows: &[TableRow]) -> Result<(), TableError> {
+    let Some(last) = rows.last() else {
+        return Ok(());
+    };
+    if rows.len() == 1 {
+        return Err(TableError::InvalidRows(
+            "an end marker without covered rows",
+        ));
+    }
+    if last.rule != Rule::NONE {
+        return Err(TableError::InvalidRows("the last row is not CFA_NONE"));
+    }
+    if last.address > MAX_ADDRESS {
+        return Err(TableError::InvalidRows("address beyond the 48-bit range"));
+    }
+    for pair in rows.windows(2) {
+        if pair[0].address >= pair[1].address {
+            return Err(TableError::InvalidRows("addresses not strictly increasing"));
+        }
+        if pair[0].rule == pair[1].rule {
+            return Err(TableError::InvalidRows("neighbours with the same rule"));
+        }
+    }
+    if rows.iter().any(|row| !row.rule.is_valid()) {
+        return Err(TableError::InvalidRows("unknown rule kind"));
+    }
+    let pages = page_span(rows);
+    if pages > MAX_PAGES {
+        return Err(TableError::TooManyPages { pages });
+    }
+    Ok(())
+}
+
+/// Pages from the first row's page to the page of the last covered byte (the last row, a
+/// `CFA_NONE` marker, starts right after it).
+fn page_span(rows: &[TableRow]) -> u64 {
+    match (rows.first(), rows.last()) {
+        (Some(first), Some(last)) if rows.len() > 1 => {
+            ((last.address - 1) >> PAGE_SHIFT) - (first.address >> PAGE_SHIFT) + 1
+        }
+        _ => 0,
+    }
+}
