@@ -2,8 +2,8 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, bpf_perf_event_data},
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
-        bpf_ktime_get_ns, generated::bpf_get_stack,
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        generated::bpf_get_stack,
     },
     macros::{map, perf_event, raw_tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -13,8 +13,8 @@ use profiler_common::{
     EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS, MAX_KERNEL_FRAMES, ProcessEvent,
     RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED,
     SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
-    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
-    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
+    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
+    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
 use crate::user_stack;
@@ -90,7 +90,11 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             (MAX_KERNEL_FRAMES * 8) as u32,
             0,
         );
-        header.kernel_frames = if kernel_bytes > 0 { (kernel_bytes / 8) as u16 } else { 0 };
+        header.kernel_frames = if kernel_bytes > 0 {
+            (kernel_bytes / 8) as u16
+        } else {
+            0
+        };
         if kernel_bytes < 0 {
             // A sample taken in user mode has no kernel stack (-EFAULT): that is not an error.
             if !in_user_mode {
@@ -116,7 +120,10 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
 
         // No wakeup per sample: the agent drains the buffer on a timer, which costs it a few
         // wakeups a second instead of one per sample.
-        if SAMPLES.output::<RawSample>(&*sample, BPF_RB_NO_WAKEUP as u64).is_err() {
+        if SAMPLES
+            .output::<RawSample>(&*sample, BPF_RB_NO_WAKEUP as u64)
+            .is_err()
+        {
             count(STAT_RINGBUF_FULL);
             return 0;
         }
@@ -137,7 +144,10 @@ pub fn process_exit(_ctx: RawTracePointContext) -> i32 {
     if tgid != tid || tgid == 0 {
         return 0;
     }
-    let event = ProcessEvent { kind: EVENT_PROCESS_EXIT, pid: tgid };
+    let event = ProcessEvent {
+        kind: EVENT_PROCESS_EXIT,
+        pid: tgid,
+    };
     if EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
         count(STAT_EVENTS_LOST);
     }

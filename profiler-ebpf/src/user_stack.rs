@@ -7,6 +7,7 @@
 //! the same code the agent's tests run.
 use core::{ffi::c_void, ptr};
 
+use aya_ebpf::bindings::{BPF_F_NO_PREALLOC, pt_regs};
 use aya_ebpf::{
     helpers::{
         bpf_probe_read_kernel, bpf_probe_read_user,
@@ -15,7 +16,6 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
 };
-use aya_ebpf::bindings::{BPF_F_NO_PREALLOC, pt_regs};
 use profiler_common::{
     DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_UNWIND_PAGES, MAX_USER_FRAMES, RawSample,
     SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
@@ -93,7 +93,11 @@ pub fn task_user_registers() -> Option<Registers> {
         if regs.rip == 0 || regs.rsp == 0 {
             return None;
         }
-        Some(Registers { rip: regs.rip, rsp: regs.rsp, rbp: regs.rbp })
+        Some(Registers {
+            rip: regs.rip,
+            rsp: regs.rsp,
+            rbp: regs.rbp,
+        })
     }
 }
 
@@ -117,7 +121,12 @@ pub fn collect(pid: u32, regs: Option<Registers>, sample: &mut RawSample) {
         (*state).exact_pc = 1;
         (*state).done = 0;
         (*state).mapping = MappingValue::default();
-        bpf_loop(MAX_USER_FRAMES as u32, unwind_step as *mut c_void, ptr::null_mut(), 0);
+        bpf_loop(
+            MAX_USER_FRAMES as u32,
+            unwind_step as *mut c_void,
+            ptr::null_mut(),
+            0,
+        );
         if (*state).done == 0 {
             (*state).flags |= SAMPLE_USER_TRUNCATED;
             count(STAT_UNWIND_DEPTH_LIMIT);
@@ -164,7 +173,11 @@ extern "C" fn unwind_step(_index: u64, _ctx: *mut c_void) -> i64 {
     count(STAT_UNWIND_FRAMES);
 
     // A return address points after the call; the call itself belongs to the caller's rule.
-    let lookup_pc = if state.exact_pc != 0 { regs.rip } else { regs.rip - 1 };
+    let lookup_pc = if state.exact_pc != 0 {
+        regs.rip
+    } else {
+        regs.rip - 1
+    };
     state.exact_pc = 0;
 
     let m = &state.mapping;
@@ -185,7 +198,10 @@ extern "C" fn unwind_step(_index: u64, _ctx: *mut c_void) -> i64 {
         return frame_pointer_step(state);
     }
     let file_pc = lookup_pc.wrapping_sub(mapping.load_bias);
-    let page_key = PageKey { table_id: mapping.table_id, page: (file_pc >> PAGE_SHIFT) as u32 };
+    let page_key = PageKey {
+        table_id: mapping.table_id,
+        page: (file_pc >> PAGE_SHIFT) as u32,
+    };
     let Some(page) = (unsafe { UNWIND_PAGES.get(&page_key) }).copied() else {
         count(STAT_UNWIND_FP_NO_TABLE);
         state.flags |= SAMPLE_USER_TABLE_MISSING;
@@ -207,19 +223,34 @@ extern "C" fn unwind_step(_index: u64, _ctx: *mut c_void) -> i64 {
                 return stop(state, STAT_UNWIND_BAD_FRAME, SAMPLE_USER_TRUNCATED);
             };
             let Some(return_address) = read_user(cfa.wrapping_sub(8)) else {
-                return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+                return stop(
+                    state,
+                    STAT_UNWIND_READ_ERROR,
+                    SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
+                );
             };
             let rbp = if row.rbp_kind == RBP_AT_CFA {
                 match read_user(cfa.wrapping_add(row.rbp_offset as i64 as u64)) {
                     Some(rbp) => rbp,
                     None => {
-                        return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+                        return stop(
+                            state,
+                            STAT_UNWIND_READ_ERROR,
+                            SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
+                        );
                     }
                 }
             } else {
                 regs.rbp
             };
-            advance(state, Registers { rip: return_address, rsp: cfa, rbp })
+            advance(
+                state,
+                Registers {
+                    rip: return_address,
+                    rsp: cfa,
+                    rbp,
+                },
+            )
         }
         _ => {
             count(STAT_UNWIND_FP_NO_CFI);
@@ -250,13 +281,25 @@ fn frame_pointer_step(state: &mut UnwindState) -> i64 {
         // The ABI's marker of the outermost frame (`_start` clears RBP).
         return stop(state, STAT_UNWIND_FP_END, 0);
     }
-    let (Some(saved_rbp), Some(return_address)) = (read_user(rbp), read_user(rbp.wrapping_add(8))) else {
-        return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+    let (Some(saved_rbp), Some(return_address)) = (read_user(rbp), read_user(rbp.wrapping_add(8)))
+    else {
+        return stop(
+            state,
+            STAT_UNWIND_READ_ERROR,
+            SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
+        );
     };
     if return_address == 0 {
         return stop(state, STAT_UNWIND_FP_END, SAMPLE_USER_TRUNCATED);
     }
-    advance(state, Registers { rip: return_address, rsp: rbp.wrapping_add(16), rbp: saved_rbp })
+    advance(
+        state,
+        Registers {
+            rip: return_address,
+            rsp: rbp.wrapping_add(16),
+            rbp: saved_rbp,
+        },
+    )
 }
 
 /// `__restore_rt`: the interrupted context's registers are in the `ucontext` on the stack, and
@@ -270,7 +313,11 @@ fn signal_step(state: &mut UnwindState) -> i64 {
         read_user(gregs + SIGNAL_GREG_RSP * 8),
         read_user(gregs + SIGNAL_GREG_RIP * 8),
     ) else {
-        return stop(state, STAT_UNWIND_READ_ERROR, SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED);
+        return stop(
+            state,
+            STAT_UNWIND_READ_ERROR,
+            SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
+        );
     };
     if rip == 0 {
         return stop(state, STAT_UNWIND_COMPLETE, 0);

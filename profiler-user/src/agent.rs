@@ -116,6 +116,16 @@ impl Pipeline {
         self.samples_processed += 1;
     }
 
+    /// Registers the given processes before sampling starts, so even their first samples are
+    /// unwound from tables.
+    fn register_known(&mut self, pids: &[u32]) {
+        for &pid in pids {
+            if let Some(process) = self.processes.lookup(Pid(pid)) {
+                self.native_tables.sync(&process);
+            }
+        }
+    }
+
     /// Drops the BPF registrations of processes that exited.
     fn poll_events(&mut self) {
         for pid in self.events.exited_pids() {
@@ -260,7 +270,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     check_pids_exist(&config.sampling.pids)?;
     check_writable_file(&config.output)?;
     let start_unix_ns = unix_now_ns();
-    let (sampler, parts) = Sampler::start(&sampler_settings(&config.sampling))?;
+    let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
     let mut pipeline = Pipeline::new(
         Grouping::Single,
         &config.sampling,
@@ -268,6 +278,8 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         parts.unwind_maps,
         parts.events,
     );
+    pipeline.register_known(&config.sampling.pids);
+    sampler.attach()?;
     let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     let started = Instant::now();
     pump(&mut pipeline, &rx, |_| {
@@ -390,7 +402,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     check_pids_exist(&config.sampling.pids)?;
     check_writable_dir(&config.output_dir)?;
     let mut exporter = Exporter::spawn(DirectorySink::new(config.output_dir.clone()));
-    let (sampler, parts) = Sampler::start(&sampler_settings(&config.sampling))?;
+    let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
     let mut pipeline = Pipeline::new(
         Grouping::PerService,
         &config.sampling,
@@ -398,6 +410,8 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         parts.unwind_maps,
         parts.events,
     );
+    pipeline.register_known(&config.sampling.pids);
+    sampler.attach()?;
     let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     tracing::info!(
         interval_s = config.interval.as_secs_f64(),

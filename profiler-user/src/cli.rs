@@ -223,7 +223,7 @@ mod tests {
         assert!(
             error(&["profiler", "record", "--duration", "5", "-F", "5000"]).contains("1..=1000")
         );
-        assert!(error(&["profiler", "record", "--duration", "-1"]).contains("more than 0"));
+        assert!(error(&["profiler", "record", "--duration=-1"]).contains("more than 0"));
         assert!(
             error(&["profiler", "record", "--duration", "soon"])
                 .contains("not a number of seconds")

@@ -11,7 +11,10 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, lpm_trie::{Key, LpmTrie}},
+    maps::{
+        Array, HashMap, MapData, PerCpuArray, RingBuf,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{
         PerfEvent, RawTracePoint,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
@@ -75,7 +78,12 @@ pub trait UnwindMaps {
     fn write_row_chunk(&mut self, index: u32, chunk: &RowChunk) -> Result<(), BpfError>;
     fn insert_page(&mut self, key: PageKey, entry: PageEntry) -> Result<(), BpfError>;
     fn remove_page(&mut self, key: PageKey) -> Result<(), BpfError>;
-    fn insert_mapping(&mut self, prefix_len: u32, key: MappingKey, value: MappingValue) -> Result<(), BpfError>;
+    fn insert_mapping(
+        &mut self,
+        prefix_len: u32,
+        key: MappingKey,
+        value: MappingValue,
+    ) -> Result<(), BpfError>;
     fn remove_mapping(&mut self, prefix_len: u32, key: MappingKey) -> Result<(), BpfError>;
 }
 
@@ -88,7 +96,10 @@ pub struct KernelUnwindMaps {
 }
 
 fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> BpfError {
-    move |err| BpfError::Map { name, message: error_chain(&err) }
+    move |err| BpfError::Map {
+        name,
+        message: error_chain(&err),
+    }
 }
 
 impl UnwindMaps for KernelUnwindMaps {
@@ -97,23 +108,38 @@ impl UnwindMaps for KernelUnwindMaps {
     }
 
     fn write_row_chunk(&mut self, index: u32, chunk: &RowChunk) -> Result<(), BpfError> {
-        self.rows.set(index, chunk, 0).map_err(map_error(names::MAP_UNWIND_ROWS))
+        self.rows
+            .set(index, chunk, 0)
+            .map_err(map_error(names::MAP_UNWIND_ROWS))
     }
 
     fn insert_page(&mut self, key: PageKey, entry: PageEntry) -> Result<(), BpfError> {
-        self.pages.insert(key, entry, 0).map_err(map_error(names::MAP_UNWIND_PAGES))
+        self.pages
+            .insert(key, entry, 0)
+            .map_err(map_error(names::MAP_UNWIND_PAGES))
     }
 
     fn remove_page(&mut self, key: PageKey) -> Result<(), BpfError> {
-        self.pages.remove(&key).map_err(map_error(names::MAP_UNWIND_PAGES))
+        self.pages
+            .remove(&key)
+            .map_err(map_error(names::MAP_UNWIND_PAGES))
     }
 
-    fn insert_mapping(&mut self, prefix_len: u32, key: MappingKey, value: MappingValue) -> Result<(), BpfError> {
-        self.mappings.insert(&Key::new(prefix_len, key), value, 0).map_err(map_error(names::MAP_PROCESS_MAPPINGS))
+    fn insert_mapping(
+        &mut self,
+        prefix_len: u32,
+        key: MappingKey,
+        value: MappingValue,
+    ) -> Result<(), BpfError> {
+        self.mappings
+            .insert(&Key::new(prefix_len, key), value, 0)
+            .map_err(map_error(names::MAP_PROCESS_MAPPINGS))
     }
 
     fn remove_mapping(&mut self, prefix_len: u32, key: MappingKey) -> Result<(), BpfError> {
-        self.mappings.remove(&Key::new(prefix_len, key)).map_err(map_error(names::MAP_PROCESS_MAPPINGS))
+        self.mappings
+            .remove(&Key::new(prefix_len, key))
+            .map_err(map_error(names::MAP_PROCESS_MAPPINGS))
     }
 }
 
@@ -153,6 +179,7 @@ pub struct Sampler {
     stats: PerCpuArray<MapData, u64>,
     pid_filter_entries: u32,
     attached_cpus: usize,
+    frequency_hz: u64,
 }
 
 /// The ring buffer of samples, moved to the reader thread.
@@ -212,8 +239,9 @@ impl Sampler {
         check_kernel_support(&btf_path)
     }
 
-    /// Checks privileges and kernel support, loads the program and attaches it to every CPU.
-    pub fn start(settings: &SamplerSettings) -> Result<(Self, SamplerParts), BpfError> {
+    /// Checks privileges and kernel support and loads the programs; sampling begins with
+    /// [`Sampler::attach`], so the agent can register known processes first.
+    pub fn load(settings: &SamplerSettings) -> Result<(Self, SamplerParts), BpfError> {
         Self::preflight()?;
         if settings.pids.len() > MAX_FILTERED_PIDS as usize {
             return Err(BpfError::TooManyPids {
@@ -225,8 +253,10 @@ impl Sampler {
         // on older ones and fails without CAP_SYS_RESOURCE, which is harmless here.
         raise_memlock_limit();
 
-        let chunk_bytes = (ROWS_PER_CHUNK * std::mem::size_of::<profiler_common::unwind::UnwindRow>()) as u64;
-        let row_chunks = (settings.unwind_table_bytes / chunk_bytes).clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
+        let chunk_bytes =
+            (ROWS_PER_CHUNK * std::mem::size_of::<profiler_common::unwind::UnwindRow>()) as u64;
+        let row_chunks = (settings.unwind_table_bytes / chunk_bytes)
+            .clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .load(EBPF_OBJECT)
@@ -260,10 +290,14 @@ impl Sampler {
 
         let exit_program: &mut RawTracePoint = ebpf
             .program_mut(names::PROGRAM_PROCESS_EXIT)
-            .ok_or_else(|| BpfError::Load(format!("program {} not found", names::PROGRAM_PROCESS_EXIT)))?
+            .ok_or_else(|| {
+                BpfError::Load(format!("program {} not found", names::PROGRAM_PROCESS_EXIT))
+            })?
             .try_into()
             .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
-        exit_program.load().map_err(|err| BpfError::Load(error_chain(&err)))?;
+        exit_program
+            .load()
+            .map_err(|err| BpfError::Load(error_chain(&err)))?;
         exit_program
             .attach(names::TRACEPOINT_PROCESS_EXIT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
@@ -278,10 +312,37 @@ impl Sampler {
         program
             .load()
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
+        let sampler = Sampler {
+            ebpf,
+            stats,
+            pid_filter_entries: settings.pids.len() as u32,
+            attached_cpus: 0,
+            frequency_hz: settings.frequency_hz,
+        };
+        Ok((
+            sampler,
+            SamplerParts {
+                samples: SampleRing { ring },
+                events: EventRing { ring: events },
+                unwind_maps,
+            },
+        ))
+    }
+
+    /// Starts sampling: attaches the program to the cpu-clock event of every online CPU.
+    pub fn attach(&mut self) -> Result<(), BpfError> {
+        let program: &mut PerfEvent = self
+            .ebpf
+            .program_mut(names::PROGRAM_SAMPLE_CPU)
+            .ok_or_else(|| {
+                BpfError::Load(format!("program {} not found", names::PROGRAM_SAMPLE_CPU))
+            })?
+            .try_into()
+            .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
         let cpus = online_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
         // cpu-clock counts in nanoseconds, so a fixed period gives exactly `frequency_hz`
         // samples per second of CPU time.
-        let period_ns = 1_000_000_000 / settings.frequency_hz.max(1);
+        let period_ns = 1_000_000_000 / self.frequency_hz.max(1);
         for &cpu in &cpus {
             program
                 .attach(
@@ -295,18 +356,13 @@ impl Sampler {
                     message: error_chain(&err),
                 })?;
         }
+        self.attached_cpus = cpus.len();
         tracing::info!(
             cpus = cpus.len(),
-            frequency_hz = settings.frequency_hz,
+            frequency_hz = self.frequency_hz,
             "sampler attached"
         );
-        let sampler = Sampler {
-            ebpf,
-            stats,
-            pid_filter_entries: settings.pids.len() as u32,
-            attached_cpus: cpus.len(),
-        };
-        Ok((sampler, SamplerParts { samples: SampleRing { ring }, events: EventRing { ring: events }, unwind_maps }))
+        Ok(())
     }
 
     /// Per-cause counters summed over CPUs (the ring-buffer gauge is the maximum instead).

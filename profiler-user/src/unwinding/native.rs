@@ -70,18 +70,32 @@ impl Segments {
 
     /// PC - load_bias = virtual address, for a mapping of `file_offset` at `start`.
     fn load_bias(&self, start: u64, file_offset: u64) -> Option<u64> {
+        // The kernel maps a segment from its page-aligned offset, so the mapping's offset is the
+        // segment's offset rounded down; containment alone would pick a neighbouring segment
+        // that shares the page.
         let &(offset, vaddr, _) = self
             .0
             .iter()
-            .find(|(offset, _, size)| (*offset..offset + size.max(&1)).contains(&file_offset))
-            .or_else(|| self.0.iter().find(|(offset, _, _)| offset & !0xfff == file_offset & !0xfff))?;
-        Some(start.wrapping_sub(file_offset).wrapping_sub(vaddr.wrapping_sub(offset)))
+            .find(|(offset, _, _)| offset & !0xfff == file_offset)
+            .or_else(|| {
+                self.0.iter().find(|(offset, _, size)| {
+                    (*offset..offset + size.max(&1)).contains(&file_offset)
+                })
+            })?;
+        Some(
+            start
+                .wrapping_sub(file_offset)
+                .wrapping_sub(vaddr.wrapping_sub(offset)),
+        )
     }
 }
 
 #[derive(Debug)]
 enum SlotState {
-    Loaded { chunks: Range<u32>, pages: Vec<u32> },
+    Loaded {
+        chunks: Range<u32>,
+        pages: Vec<u32>,
+    },
     /// Evicted to make room; rebuilt when BPF misses it.
     Evicted,
     /// No usable table: the mappings use frame pointers.
@@ -114,7 +128,10 @@ struct ChunkAllocator {
 
 impl ChunkAllocator {
     fn new(capacity: u32) -> Self {
-        ChunkAllocator { free: vec![0..capacity], capacity }
+        ChunkAllocator {
+            free: std::iter::once(0..capacity).collect(),
+            capacity,
+        }
     }
 
     fn allocate(&mut self, chunks: u32) -> Option<Range<u32>> {
@@ -152,7 +169,11 @@ pub fn address_prefixes(start: u64, end: u64) -> Vec<(u32, u64)> {
     let mut prefixes = Vec::new();
     let mut addr = start;
     while addr < end {
-        let mut bits = if addr == 0 { 63 } else { addr.trailing_zeros().min(63) };
+        let mut bits = if addr == 0 {
+            63
+        } else {
+            addr.trailing_zeros().min(63)
+        };
         while bits > 0 && addr.checked_add(1u64 << bits).is_none_or(|next| next > end) {
             bits -= 1;
         }
@@ -189,7 +210,10 @@ impl<M: UnwindMaps> NativeTables<M> {
             tick: 0,
             processes: HashMap::new(),
             vdso: own_vdso(),
-            stats: NativeTableStats { row_capacity: u64::from(capacity) * ROWS_PER_CHUNK as u64, ..Default::default() },
+            stats: NativeTableStats {
+                row_capacity: u64::from(capacity) * ROWS_PER_CHUNK as u64,
+                ..Default::default()
+            },
         }
     }
 
@@ -207,7 +231,11 @@ impl<M: UnwindMaps> NativeTables<M> {
     /// Makes BPF unwind `process` with its current snapshot; cheap when already done.
     pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
         let snapshot = Arc::as_ptr(process) as usize;
-        if self.processes.get(&process.pid).is_some_and(|r| r.snapshot == snapshot) {
+        if self
+            .processes
+            .get(&process.pid)
+            .is_some_and(|r| r.snapshot == snapshot)
+        {
             return;
         }
         if process.is_kernel_thread {
@@ -231,13 +259,23 @@ impl<M: UnwindMaps> NativeTables<M> {
             }
         }
         self.stats.mapping_prefixes += prefixes.len() as u64;
-        self.processes.insert(process.pid, Registration { snapshot, prefixes, last_reload: None });
+        self.processes.insert(
+            process.pid,
+            Registration {
+                snapshot,
+                prefixes,
+                last_reload: None,
+            },
+        );
     }
 
     /// Forgets a process (it exited, or its pid now belongs to another process).
     pub fn unregister(&mut self, pid: Pid) {
         if let Some(registration) = self.processes.remove(&pid) {
-            self.stats.mapping_prefixes = self.stats.mapping_prefixes.saturating_sub(registration.prefixes.len() as u64);
+            self.stats.mapping_prefixes = self
+                .stats
+                .mapping_prefixes
+                .saturating_sub(registration.prefixes.len() as u64);
             for (prefix_len, key) in registration.prefixes {
                 let _ = self.maps.remove_mapping(prefix_len, key);
             }
@@ -250,7 +288,10 @@ impl<M: UnwindMaps> NativeTables<M> {
         let Some(registration) = self.processes.get_mut(&process.pid) else {
             return self.sync(process);
         };
-        if registration.last_reload.is_some_and(|at| at.elapsed() < RELOAD_INTERVAL) {
+        if registration
+            .last_reload
+            .is_some_and(|at| at.elapsed() < RELOAD_INTERVAL)
+        {
             return;
         }
         registration.last_reload = Some(Instant::now());
@@ -258,7 +299,10 @@ impl<M: UnwindMaps> NativeTables<M> {
         for mapping in &process.mappings {
             if let Some(file) = &mapping.file {
                 let key = table_key(file);
-                if matches!(self.slots.get(&key).map(|s| &s.state), Some(SlotState::Evicted)) {
+                if matches!(
+                    self.slots.get(&key).map(|s| &s.state),
+                    Some(SlotState::Evicted)
+                ) {
                     self.ensure_table(key, Some(file.clone()));
                 }
             }
@@ -284,11 +328,20 @@ impl<M: UnwindMaps> NativeTables<M> {
         let Some(load_bias) = slot.segments.load_bias(mapping.start, mapping.file_offset) else {
             return frame_pointers;
         };
-        MappingValue { table_id: slot.id, flags: MAPPING_HAS_TABLE, load_bias, ..frame_pointers }
+        MappingValue {
+            table_id: slot.id,
+            flags: MAPPING_HAS_TABLE,
+            load_bias,
+            ..frame_pointers
+        }
     }
 
     /// The slot for `key`, with its table in the maps when it can be.
-    fn ensure_table(&mut self, key: TableKey, source: Option<Arc<MappedFile>>) -> Option<&TableSlot> {
+    fn ensure_table(
+        &mut self,
+        key: TableKey,
+        source: Option<Arc<MappedFile>>,
+    ) -> Option<&TableSlot> {
         let tick = self.tick;
         let needs_load = match self.slots.get_mut(&key) {
             Some(slot) => {
@@ -304,7 +357,9 @@ impl<M: UnwindMaps> NativeTables<M> {
         if needs_load {
             self.load(key.clone(), source);
         }
-        self.slots.get(&key).filter(|slot| matches!(slot.state, SlotState::Loaded { .. }))
+        self.slots
+            .get(&key)
+            .filter(|slot| matches!(slot.state, SlotState::Loaded { .. }))
     }
 
     fn load(&mut self, key: TableKey, source: Option<Arc<MappedFile>>) {
@@ -320,7 +375,10 @@ impl<M: UnwindMaps> NativeTables<M> {
                 id
             }
         };
-        let name = source.as_ref().map(|f| f.path.to_string()).unwrap_or_else(|| "[vdso]".into());
+        let name = source
+            .as_ref()
+            .map(|f| f.path.to_string())
+            .unwrap_or_else(|| "[vdso]".into());
         let (state, segments) = match result {
             Ok((table, segments)) => (self.place(id, &table, &name), segments),
             Err(message) => {
@@ -329,10 +387,23 @@ impl<M: UnwindMaps> NativeTables<M> {
                 (SlotState::Unusable, Segments::default())
             }
         };
-        self.slots.insert(key, TableSlot { id, state, segments, last_used: self.tick, source });
+        self.slots.insert(
+            key,
+            TableSlot {
+                id,
+                state,
+                segments,
+                last_used: self.tick,
+                source,
+            },
+        );
     }
 
-    fn read_table(&mut self, key: &TableKey, source: Option<&MappedFile>) -> Result<(UnwindTable, Segments), String> {
+    fn read_table(
+        &mut self,
+        key: &TableKey,
+        source: Option<&MappedFile>,
+    ) -> Result<(UnwindTable, Segments), String> {
         let bytes: Arc<[u8]>;
         let mapped;
         let data: &[u8] = match (key, source) {
@@ -363,16 +434,18 @@ impl<M: UnwindMaps> NativeTables<M> {
         }
         let table = build_table(data).map_err(|err| err.to_string())?;
         self.stats.tables_built += 1;
-        if let (Some(cache), Some(build_id)) = (&self.cache, &build_id) {
-            cache.store(build_id, &table);
+        if let (Some(cache), Some(build_id)) = (&self.cache, &build_id)
+            && let Err(err) = cache.store(build_id, &table)
+        {
+            tracing::debug!("unwind-table cache: {err}");
         }
         Ok((table, segments))
     }
 
     /// Writes `table` into free chunks, evicting least-recently-used tables as needed.
     fn place(&mut self, id: u32, table: &UnwindTable, name: &str) -> SlotState {
-        let pages = table.pages();
-        let total_rows: usize = pages.iter().map(|(_, rows)| rows.len()).sum();
+        let paged = table.paged();
+        let total_rows = paged.rows().len();
         if total_rows == 0 {
             self.stats.tables_failed += 1;
             return SlotState::Unusable;
@@ -397,23 +470,30 @@ impl<M: UnwindMaps> NativeTables<M> {
                 return SlotState::Unusable;
             }
         };
-        let mut rows: Vec<UnwindRow> = Vec::with_capacity(chunks as usize * ROWS_PER_CHUNK);
-        let mut page_numbers = Vec::with_capacity(pages.len());
         let first_row = range.start * ROWS_PER_CHUNK as u32;
-        let mut page_entries = Vec::with_capacity(pages.len());
-        for (page, page_rows) in &pages {
-            page_entries.push((
-                PageKey { table_id: id, page: *page },
-                PageEntry { first_row: first_row + rows.len() as u32, row_count: page_rows.len() as u32 },
-            ));
-            rows.extend_from_slice(page_rows);
-            page_numbers.push(*page);
-        }
+        let mut page_numbers = Vec::with_capacity(paged.page_count());
+        let page_entries: Vec<_> = paged
+            .page_entries()
+            .map(|(page, entry)| {
+                page_numbers.push(page);
+                let entry = PageEntry {
+                    first_row: first_row + entry.first_row,
+                    ..entry
+                };
+                (PageKey { table_id: id, page }, entry)
+            })
+            .collect();
+        let mut rows = paged.rows().to_vec();
         rows.resize(chunks as usize * ROWS_PER_CHUNK, UnwindRow::default());
         let mut failed = false;
         for (i, chunk_rows) in rows.chunks_exact(ROWS_PER_CHUNK).enumerate() {
-            let chunk = RowChunk { rows: chunk_rows.try_into().expect("exact chunk") };
-            failed |= self.maps.write_row_chunk(range.start + i as u32, &chunk).is_err();
+            let chunk = RowChunk {
+                rows: chunk_rows.try_into().expect("exact chunk"),
+            };
+            failed |= self
+                .maps
+                .write_row_chunk(range.start + i as u32, &chunk)
+                .is_err();
         }
         for (key, entry) in page_entries {
             failed |= self.maps.insert_page(key, entry).is_err();
@@ -421,13 +501,19 @@ impl<M: UnwindMaps> NativeTables<M> {
         if failed {
             self.stats.map_errors += 1;
             for page in &page_numbers {
-                let _ = self.maps.remove_page(PageKey { table_id: id, page: *page });
+                let _ = self.maps.remove_page(PageKey {
+                    table_id: id,
+                    page: *page,
+                });
             }
             self.allocator.release(range);
             return SlotState::Unusable;
         }
         self.stats.tables_loaded += 1;
-        SlotState::Loaded { chunks: range, pages: page_numbers }
+        SlotState::Loaded {
+            chunks: range,
+            pages: page_numbers,
+        }
     }
 
     fn evict_least_recently_used(&mut self) -> bool {
@@ -441,9 +527,14 @@ impl<M: UnwindMaps> NativeTables<M> {
             return false;
         };
         let slot = self.slots.get_mut(&key).expect("present");
-        if let SlotState::Loaded { chunks, pages } = std::mem::replace(&mut slot.state, SlotState::Evicted) {
+        if let SlotState::Loaded { chunks, pages } =
+            std::mem::replace(&mut slot.state, SlotState::Evicted)
+        {
             for page in pages {
-                let _ = self.maps.remove_page(PageKey { table_id: slot.id, page });
+                let _ = self.maps.remove_page(PageKey {
+                    table_id: slot.id,
+                    page,
+                });
             }
             self.allocator.release(chunks);
             self.stats.tables_evicted += 1;
@@ -465,10 +556,16 @@ fn own_vdso() -> Option<Arc<[u8]>> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     let line = maps.lines().find(|line| line.ends_with("[vdso]"))?;
     let (start, end) = line.split_whitespace().next()?.split_once('-')?;
-    let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+    let (start, end) = (
+        u64::from_str_radix(start, 16).ok()?,
+        u64::from_str_radix(end, 16).ok()?,
+    );
     let mut bytes = vec![0u8; end.checked_sub(start)? as usize];
     use std::os::unix::fs::FileExt;
-    std::fs::File::open("/proc/self/mem").ok()?.read_exact_at(&mut bytes, start).ok()?;
+    std::fs::File::open("/proc/self/mem")
+        .ok()?
+        .read_exact_at(&mut bytes, start)
+        .ok()?;
     Some(bytes.into())
 }
 
@@ -478,7 +575,12 @@ mod tests {
 
     #[test]
     fn prefixes_cover_exactly_the_range() {
-        for (start, end) in [(0x1000u64, 0x2000u64), (0x40_1000, 0x40_5123), (0x7f12_3456_7000, 0x7f12_3460_0000), (5, 6)] {
+        for (start, end) in [
+            (0x1000u64, 0x2000u64),
+            (0x40_1000, 0x40_5123),
+            (0x7f12_3456_7000, 0x7f12_3460_0000),
+            (5, 6),
+        ] {
             let prefixes = address_prefixes(start, end);
             let mut covered = start;
             for (bits, base) in &prefixes {
@@ -503,15 +605,36 @@ mod tests {
         assert_eq!(a.in_use(), 8);
         a.release(x);
         a.release(y);
-        assert_eq!(a.allocate(10), Some(0..10), "freed neighbours merge back into one range");
+        assert_eq!(
+            a.allocate(10),
+            Some(0..10),
+            "freed neighbours merge back into one range"
+        );
     }
 
     #[test]
     fn load_bias_for_pie_and_fixed_segments() {
-        let segments = Segments(vec![(0, 0, 0x1000), (0x1000, 0x1000, 0x5000), (0x6000, 0x7000, 0x100)]);
+        let segments = Segments(vec![
+            (0, 0, 0x1000),
+            (0x1000, 0x1000, 0x5000),
+            (0x6000, 0x7000, 0x100),
+        ]);
         // A PIE text mapping at 0x5555_5555_5000 for file offset 0x1000.
-        assert_eq!(segments.load_bias(0x5555_5555_5000, 0x1000), Some(0x5555_5555_4000));
+        assert_eq!(
+            segments.load_bias(0x5555_5555_5000, 0x1000),
+            Some(0x5555_5555_4000)
+        );
         // A segment whose address differs from its file offset.
-        assert_eq!(segments.load_bias(0x7f00_0000_6000, 0x6000), Some(0x7f00_0000_6000 - 0x7000));
+        assert_eq!(
+            segments.load_bias(0x7f00_0000_6000, 0x6000),
+            Some(0x7f00_0000_6000 - 0x7000)
+        );
+        // rustc's layout: the code segment starts mid-page, sharing its first page with the
+        // read-only segment before it, and its address is one page above its offset.
+        let rust = Segments(vec![(0, 0, 0x16a58), (0x16a60, 0x17a60, 0x3f050)]);
+        assert_eq!(
+            rust.load_bias(0x5555_5556_b000, 0x16000),
+            Some(0x5555_5556_b000 - 0x16000 - 0x1000)
+        );
     }
 }

@@ -123,15 +123,3 @@ fn libc_restore_rt_is_a_signal_frame() {
             .any(|(number, rows)| *number == page && rows[0].pc_low == 0)
     );
 }
-
-/// The same check for any files, e.g. big libraries in release mode:
-/// `PROFILER_TABLE_CHECK_FILES=/usr/lib/x86_64-linux-gnu/libLLVM-15.so.1 cargo test -p
-/// profiler-user --release --lib tables::tests::real_libraries::listed_files -- --ignored`.
-#[test]
-#[ignore = "needs PROFILER_TABLE_CHECK_FILES"]
-fn listed_files_lookup_matches_gimli_for_every_pc() {
-    let files = std::env::var("PROFILER_TABLE_CHECK_FILES").unwrap_or_default();
-    for path in files.split(':').filter(|path| !path.is_empty()) {
-        check_library(Path::new(path), path, 0, 0);
-    }
-}
