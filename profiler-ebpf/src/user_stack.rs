@@ -60,6 +60,9 @@ pub struct UnwindState {
     _pad: u32,
     /// The last mapping found, so frames in the same file skip the trie.
     mapping: MappingValue,
+    /// The last page found, so frames in the same 64 KiB of code skip the hash lookup.
+    page_key: PageKey,
+    page: PageEntry,
 }
 
 #[map(name = "UNWIND_STATE")]
@@ -121,6 +124,7 @@ pub fn collect(pid: u32, regs: Option<Registers>, sample: &mut RawSample) {
         (*state).exact_pc = 1;
         (*state).done = 0;
         (*state).mapping = MappingValue::default();
+        (*state).page_key = PageKey::default();
         bpf_loop(
             MAX_USER_FRAMES as u32,
             unwind_step as *mut c_void,
@@ -202,11 +206,17 @@ extern "C" fn unwind_step(_index: u64, _ctx: *mut c_void) -> i64 {
         table_id: mapping.table_id,
         page: (file_pc >> PAGE_SHIFT) as u32,
     };
-    let Some(page) = (unsafe { UNWIND_PAGES.get(&page_key) }).copied() else {
-        count(STAT_UNWIND_FP_NO_TABLE);
-        state.flags |= SAMPLE_USER_TABLE_MISSING;
-        return frame_pointer_step(state);
-    };
+    // Table ids start at 1, so the zeroed key of a fresh walk never matches.
+    if state.page_key != page_key {
+        let Some(page) = (unsafe { UNWIND_PAGES.get(&page_key) }).copied() else {
+            count(STAT_UNWIND_FP_NO_TABLE);
+            state.flags |= SAMPLE_USER_TABLE_MISSING;
+            return frame_pointer_step(state);
+        };
+        state.page_key = page_key;
+        state.page = page;
+    }
+    let page = state.page;
     let Some(row) = find_row(&Rows, page.first_row, page.row_count, file_pc as u16) else {
         count(STAT_UNWIND_FP_NO_TABLE);
         state.flags |= SAMPLE_USER_TABLE_MISSING;

@@ -86,7 +86,10 @@ impl Pipeline {
             unwinder: Unwinder::default(),
             native_tables: NativeTables::new(unwind_maps, sampling.cache_dir.as_deref()),
             events,
-            symbolizer: Symbolizer::new(SymbolizerOptions::default()),
+            symbolizer: Symbolizer::new(SymbolizerOptions {
+                source_lines: sampling.source_lines,
+                ..SymbolizerOptions::default()
+            }),
             aggregator: Aggregator::new(
                 AggregatorSettings {
                     grouping,

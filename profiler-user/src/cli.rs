@@ -61,6 +61,10 @@ pub struct SamplingArgs {
     /// Do not read or write the unwind-table cache.
     #[arg(long, env = "PROFILER_NO_CACHE")]
     pub no_cache: bool,
+    /// Add source files, line numbers and inlined functions to native frames from DWARF debug
+    /// info (more agent memory and CPU per new binary).
+    #[arg(long, env = "PROFILER_SOURCE_LINES")]
+    pub source_lines: bool,
 }
 
 #[derive(Debug, Args)]
@@ -130,6 +134,7 @@ impl SamplingArgs {
             pids,
             unwind_table_bytes: self.unwind_table_memory << 20,
             cache_dir: (!self.no_cache).then_some(self.cache_dir),
+            source_lines: self.source_lines,
         }
     }
 }

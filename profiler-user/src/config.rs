@@ -14,6 +14,8 @@ pub struct SamplingConfig {
     pub unwind_table_bytes: u64,
     /// Where built unwind tables are cached by build id; `None` disables the cache.
     pub cache_dir: Option<PathBuf>,
+    /// Symbolize native frames with DWARF source files, lines and inlined functions.
+    pub source_lines: bool,
 }
 
 impl Default for SamplingConfig {
@@ -23,6 +25,7 @@ impl Default for SamplingConfig {
             pids: Vec::new(),
             unwind_table_bytes: DEFAULT_UNWIND_TABLE_MIB << 20,
             cache_dir: Some(PathBuf::from(DEFAULT_CACHE_DIR)),
+            source_lines: false,
         }
     }
 }

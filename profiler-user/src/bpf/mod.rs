@@ -257,7 +257,10 @@ impl Sampler {
             (ROWS_PER_CHUNK * std::mem::size_of::<profiler_common::unwind::UnwindRow>()) as u64;
         let row_chunks = (settings.unwind_table_bytes / chunk_bytes)
             .clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
+        // The program needs no CO-RE relocations, so skip parsing the kernel's BTF (a third of
+        // start-up time); the object's own BTF still goes to the kernel.
         let mut ebpf = EbpfLoader::new()
+            .btf(None)
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .load(EBPF_OBJECT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;

@@ -33,6 +33,10 @@ struct ModuleRange {
 impl ModuleIndex {
     pub(super) fn load(kallsyms: &Path) -> std::io::Result<Self> {
         let reader = BufReader::new(File::open(kallsyms)?);
+        Self::parse(reader)
+    }
+
+    pub(super) fn parse(reader: impl BufRead) -> std::io::Result<Self> {
         let mut bounds: HashMap<String, (u64, u64)> = HashMap::new();
         for line in reader.lines() {
             let line = line?;
@@ -78,6 +82,10 @@ impl ModuleIndex {
 #[derive(Debug)]
 pub(super) struct KernelSymbols {
     kallsyms: PathBuf,
+    /// An in-memory copy of `kallsyms` taken at first use, and the path blazesym reads it by.
+    /// /proc/kallsyms is expensive to read (the kernel formats every symbol each time), so it is
+    /// read once for both blazesym and the module index.
+    snapshot: Option<(File, PathBuf)>,
     modules: Option<ModuleIndex>,
     /// The pseudo file name of core kernel symbols (as perf names it).
     core_kernel: Arc<str>,
@@ -101,15 +109,34 @@ impl KernelSymbols {
     pub(super) fn new(kallsyms: PathBuf) -> Self {
         Self {
             kallsyms,
+            snapshot: None,
             modules: None,
             core_kernel: Arc::from("[kernel.kallsyms]"),
             warned: false,
         }
     }
 
+    /// Reads kallsyms once into a memfd, indexing modules on the way.
+    fn snapshot_path(&mut self) -> PathBuf {
+        if self.snapshot.is_none() {
+            match snapshot_kallsyms(&self.kallsyms) {
+                Ok((file, path, modules)) => {
+                    self.snapshot = Some((file, path));
+                    self.modules = Some(modules);
+                }
+                Err(err) => debug!(error = %err, "cannot snapshot kallsyms; reading it directly"),
+            }
+        }
+        match &self.snapshot {
+            Some((_, path)) => path.clone(),
+            None => self.kallsyms.clone(),
+        }
+    }
+
     pub(super) fn lookup(&mut self, resolver: &bz::Symbolizer, addr: u64) -> KernelLookup {
+        let kallsyms = self.snapshot_path();
         let source = Source::Kernel(Kernel {
-            kallsyms: MaybeDefault::Some(self.kallsyms.clone()),
+            kallsyms: MaybeDefault::Some(kallsyms),
             // kallsyms has every symbol, including modules; vmlinux discovery would only add
             // disk probing and the risk of a mismatched image.
             vmlinux: MaybeDefault::None,
@@ -146,10 +173,29 @@ impl KernelSymbols {
         }
     }
 
-    /// Forgets the module index so a reload picks up (un)loaded modules.
+    /// Forgets the snapshot and module index so a reload picks up (un)loaded modules.
     pub(super) fn clear(&mut self) {
         self.modules = None;
+        self.snapshot = None;
     }
+}
+
+fn snapshot_kallsyms(kallsyms: &Path) -> std::io::Result<(File, PathBuf, ModuleIndex)> {
+    use std::io::{Read, Seek, Write};
+    let mut text = Vec::new();
+    File::open(kallsyms)?.read_to_end(&mut text)?;
+    let modules = ModuleIndex::parse(&text[..])?;
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned by the File below.
+    let fd = unsafe { libc::memfd_create(c"profiler-kallsyms".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let mut file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.write_all(&text)?;
+    file.rewind()?;
+    let path = PathBuf::from(format!("/proc/self/fd/{fd}"));
+    Ok((file, path, modules))
 }
 
 #[cfg(test)]

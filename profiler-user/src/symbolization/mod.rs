@@ -59,6 +59,9 @@ pub struct SymbolizerOptions {
     pub kallsyms_path: PathBuf,
     /// When the frame cache grows beyond this many entries, all caches are dropped.
     pub max_cached_frames: usize,
+    /// Read DWARF for source files, lines and inlined functions. Costs memory and CPU for
+    /// every binary with debug info; without it names come from the ELF symbol tables.
+    pub source_lines: bool,
 }
 
 impl Default for SymbolizerOptions {
@@ -69,6 +72,7 @@ impl Default for SymbolizerOptions {
             debug_dirs: vec![PathBuf::from("/usr/lib/debug")],
             kallsyms_path: PathBuf::from("/proc/kallsyms"),
             max_cached_frames: 200_000,
+            source_lines: true,
         }
     }
 }
@@ -285,6 +289,7 @@ impl Symbolizer {
             resolver: &self.resolver,
             strings: &mut self.strings,
             demangle: self.options.demangle,
+            debug_info: self.options.source_lines,
         };
         let lines = match native::lookup_user(&mut ctx, state, file, file_offset) {
             native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
@@ -360,8 +365,8 @@ fn build_resolver(options: &SymbolizerOptions) -> bz::Symbolizer {
     bz::Symbolizer::builder()
         // Demangling is ours, so the raw name stays available as `system_name`.
         .enable_demangling(false)
-        .enable_code_info(true)
-        .enable_inlined_fns(options.inline_frames)
+        .enable_code_info(options.source_lines)
+        .enable_inlined_fns(options.source_lines && options.inline_frames)
         .set_debug_dirs(Some(&options.debug_dirs))
         .build()
 }

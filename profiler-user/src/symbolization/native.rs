@@ -234,6 +234,14 @@ pub(super) struct LookupContext<'a> {
     pub(super) resolver: &'a bz::Symbolizer,
     pub(super) strings: &'a mut StringInterner,
     pub(super) demangle: bool,
+    /// Use DWARF (source lines, inlined functions) rather than only ELF symbol tables.
+    pub(super) debug_info: bool,
+}
+
+fn elf_source(path: &std::path::Path, debug_info: bool) -> Source<'static> {
+    let mut elf = Elf::new(path);
+    elf.debug_syms = debug_info;
+    Source::Elf(elf)
 }
 
 /// Symbolizes `file_offset` of `file`, never panicking on bad input.
@@ -251,7 +259,7 @@ pub(super) fn lookup_user(
     if let SymbolSource::SeparateDebugFile { debug_path, layout } = &state.source
         && let Some(vaddr) = layout.file_offset_to_vaddr(file_offset)
     {
-        let source = Source::Elf(Elf::new(debug_path));
+        let source = elf_source(debug_path, ctx.debug_info);
         match ctx
             .resolver
             .symbolize_single(&source, Input::VirtOffset(vaddr))
@@ -274,7 +282,7 @@ pub(super) fn lookup_user(
         }
     }
 
-    let source = Source::Elf(Elf::new(&file.open_path));
+    let source = elf_source(&file.open_path, ctx.debug_info);
     match ctx
         .resolver
         .symbolize_single(&source, Input::FileOffset(file_offset))
