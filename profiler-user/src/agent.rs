@@ -124,13 +124,15 @@ impl Pipeline {
     fn register_known(&mut self, pids: &[u32]) {
         for &pid in pids {
             if let Some(process) = self.processes.lookup(Pid(pid)) {
-                self.native_tables.sync(&process);
+                self.native_tables
+                    .sync_waiting(&process, Duration::from_secs(10));
             }
         }
     }
 
-    /// Drops the BPF registrations of processes that exited.
+    /// Places finished unwind tables and drops the BPF registrations of exited processes.
     fn poll_events(&mut self) {
+        self.native_tables.poll_builds();
         for pid in self.events.exited_pids() {
             self.native_tables.unregister(Pid(pid));
         }

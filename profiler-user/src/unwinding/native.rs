@@ -7,7 +7,7 @@
 //! executable mappings are registered in the LPM trie as (pid, address range) → (table, load
 //! bias); exits and pid reuse remove them.
 use std::{
-    collections::{HashMap, hash_map::Entry},
+    collections::HashMap,
     ops::Range,
     path::Path,
     sync::Arc,
@@ -96,6 +96,8 @@ enum SlotState {
         chunks: Range<u32>,
         pages: Vec<u32>,
     },
+    /// Being built (or read from the cache) on the builder thread.
+    Building,
     /// Evicted to make room; rebuilt when BPF misses it.
     Evicted,
     /// No usable table: the mappings use frame pointers.
@@ -117,6 +119,9 @@ struct Registration {
     snapshot: usize,
     prefixes: Vec<(u32, MappingKey)>,
     last_reload: Option<Instant>,
+    /// Tables this registration went without because they were still being built; when one
+    /// is ready the process is registered again.
+    waiting_for: Vec<TableKey>,
 }
 
 /// First-fit allocator of contiguous chunk ranges in the row array.
@@ -185,14 +190,85 @@ pub fn address_prefixes(start: u64, end: u64) -> Vec<(u32, u64)> {
 
 pub struct NativeTables<M: UnwindMaps> {
     maps: M,
-    cache: Option<TableCache>,
+    builder: TableBuilder,
     allocator: ChunkAllocator,
     slots: HashMap<TableKey, TableSlot>,
     next_table_id: u32,
     tick: u64,
     processes: HashMap<Pid, Registration>,
-    vdso: Option<Arc<[u8]>>,
+    has_vdso: bool,
     stats: NativeTableStats,
+}
+
+/// A table to build: the file (none for the vDSO).
+struct BuildRequest {
+    key: TableKey,
+    source: Option<Arc<MappedFile>>,
+}
+
+struct BuildResult {
+    key: TableKey,
+    table: Result<(UnwindTable, Segments), String>,
+    from_cache: bool,
+    elapsed: Duration,
+}
+
+/// Builds tables on its own thread, so a large library (or hundreds of processes appearing at
+/// once) never holds up sample processing.
+struct TableBuilder {
+    requests: Option<crossbeam_channel::Sender<BuildRequest>>,
+    results: crossbeam_channel::Receiver<BuildResult>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TableBuilder {
+    fn spawn(cache: Option<TableCache>, vdso: Option<Arc<[u8]>>) -> TableBuilder {
+        let (requests, incoming) = crossbeam_channel::unbounded::<BuildRequest>();
+        let (outgoing, results) = crossbeam_channel::unbounded();
+        let thread = std::thread::Builder::new()
+            .name("unwind-tables".into())
+            .spawn(move || {
+                for request in incoming {
+                    let started = Instant::now();
+                    let (table, from_cache) = read_table(
+                        &request.key,
+                        request.source.as_deref(),
+                        cache.as_ref(),
+                        vdso.as_deref(),
+                    );
+                    let result = BuildResult {
+                        key: request.key,
+                        table,
+                        from_cache,
+                        elapsed: started.elapsed(),
+                    };
+                    if outgoing.send(result).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the unwind-table builder thread");
+        TableBuilder {
+            requests: Some(requests),
+            results,
+            thread: Some(thread),
+        }
+    }
+
+    fn submit(&self, request: BuildRequest) {
+        if let Some(requests) = &self.requests {
+            let _ = requests.send(request);
+        }
+    }
+}
+
+impl Drop for TableBuilder {
+    fn drop(&mut self) {
+        self.requests = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// Minimum time between two reloads of evicted tables for one process.
@@ -201,15 +277,16 @@ const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
 impl<M: UnwindMaps> NativeTables<M> {
     pub fn new(maps: M, cache_dir: Option<&Path>) -> Self {
         let capacity = maps.row_chunk_capacity();
+        let vdso = own_vdso();
         NativeTables {
             maps,
-            cache: cache_dir.map(TableCache::new),
+            has_vdso: vdso.is_some(),
+            builder: TableBuilder::spawn(cache_dir.map(TableCache::new), vdso),
             allocator: ChunkAllocator::new(capacity),
             slots: HashMap::new(),
             next_table_id: 1,
             tick: 0,
             processes: HashMap::new(),
-            vdso: own_vdso(),
             stats: NativeTableStats {
                 row_capacity: u64::from(capacity) * ROWS_PER_CHUNK as u64,
                 ..Default::default()
@@ -228,13 +305,20 @@ impl<M: UnwindMaps> NativeTables<M> {
         &self.maps
     }
 
-    /// Makes BPF unwind `process` with its current snapshot; cheap when already done.
+    /// Makes BPF unwind `process` with its current snapshot; cheap when already done. Tables
+    /// not built yet are requested; until they are ready those mappings use frame pointers and
+    /// the process is registered again once they are.
     pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
+        self.poll_builds();
         let snapshot = Arc::as_ptr(process) as usize;
-        if self
-            .processes
-            .get(&process.pid)
-            .is_some_and(|r| r.snapshot == snapshot)
+        if let Some(registration) = self.processes.get(&process.pid)
+            && registration.snapshot == snapshot
+            && registration.waiting_for.iter().all(|key| {
+                matches!(
+                    self.slots.get(key).map(|s| &s.state),
+                    Some(SlotState::Building)
+                )
+            })
         {
             return;
         }
@@ -244,8 +328,10 @@ impl<M: UnwindMaps> NativeTables<M> {
         self.unregister(process.pid);
         self.tick += 1;
         let mut prefixes = Vec::new();
+        let mut waiting_for = Vec::new();
         for mapping in &process.mappings {
-            let value = self.mapping_value(mapping);
+            let (value, waiting) = self.mapping_value(mapping);
+            waiting_for.extend(waiting);
             for (bits, base) in address_prefixes(mapping.start, mapping.end) {
                 let key = MappingKey::new(process.pid.0, base);
                 let prefix_len = 32 + bits;
@@ -265,8 +351,66 @@ impl<M: UnwindMaps> NativeTables<M> {
                 snapshot,
                 prefixes,
                 last_reload: None,
+                waiting_for,
             },
         );
+    }
+
+    /// Like [`Self::sync`], but first waits (up to `timeout`) for the process's tables, so
+    /// even its first samples unwind from them. Used before sampling starts.
+    pub fn sync_waiting(&mut self, process: &Arc<ProcessInfo>, timeout: Duration) {
+        self.sync(process);
+        let deadline = Instant::now() + timeout;
+        while self
+            .processes
+            .get(&process.pid)
+            .is_some_and(|r| !r.waiting_for.is_empty())
+            && let Some(left) = deadline.checked_duration_since(Instant::now())
+        {
+            match self.builder.results.recv_timeout(left) {
+                Ok(result) => self.finish_build(result),
+                Err(_) => break,
+            }
+            self.sync(process);
+        }
+    }
+
+    /// Places tables the builder thread has finished.
+    pub fn poll_builds(&mut self) {
+        while let Ok(result) = self.builder.results.try_recv() {
+            self.finish_build(result);
+        }
+    }
+
+    fn finish_build(&mut self, result: BuildResult) {
+        self.stats.build_time += result.elapsed;
+        let Some(slot) = self.slots.get(&result.key) else {
+            return;
+        };
+        let (id, source) = (slot.id, slot.source.clone());
+        let name = source
+            .as_ref()
+            .map(|f| f.path.to_string())
+            .unwrap_or_else(|| "[vdso]".into());
+        let (state, segments) = match result.table {
+            Ok((table, segments)) => {
+                if result.from_cache {
+                    self.stats.tables_from_cache += 1;
+                } else {
+                    self.stats.tables_built += 1;
+                }
+                (self.place(id, &table, &name), segments)
+            }
+            Err(message) => {
+                self.stats.tables_failed += 1;
+                tracing::info!(file = %name, "no unwind table, using frame pointers: {message}");
+                (SlotState::Unusable, Segments::default())
+            }
+        };
+        if let Some(slot) = self.slots.get_mut(&result.key) {
+            slot.state = state;
+            slot.segments = segments;
+        }
     }
 
     /// Forgets a process (it exited, or its pid now belongs to another process).
@@ -303,13 +447,14 @@ impl<M: UnwindMaps> NativeTables<M> {
                     self.slots.get(&key).map(|s| &s.state),
                     Some(SlotState::Evicted)
                 ) {
-                    self.ensure_table(key, Some(file.clone()));
+                    self.ensure_table(&key, Some(file.clone()));
                 }
             }
         }
     }
 
-    fn mapping_value(&mut self, mapping: &Mapping) -> MappingValue {
+    /// The trie value for `mapping`, and the table it still waits for, if any.
+    fn mapping_value(&mut self, mapping: &Mapping) -> (MappingValue, Option<TableKey>) {
         let frame_pointers = MappingValue {
             table_id: 0,
             flags: MAPPING_FRAME_POINTERS,
@@ -319,127 +464,76 @@ impl<M: UnwindMaps> NativeTables<M> {
         };
         let (key, source) = match &mapping.file {
             Some(file) => (table_key(file), Some(file.clone())),
-            None if &*mapping.name == "[vdso]" && self.vdso.is_some() => (TableKey::Vdso, None),
-            None => return frame_pointers,
+            None if &*mapping.name == "[vdso]" && self.has_vdso => (TableKey::Vdso, None),
+            None => return (frame_pointers, None),
         };
-        let Some(slot) = self.ensure_table(key, source) else {
-            return frame_pointers;
+        let Some(slot) = self.ensure_table(&key, source) else {
+            let building = matches!(
+                self.slots.get(&key).map(|s| &s.state),
+                Some(SlotState::Building)
+            );
+            return (frame_pointers, building.then_some(key));
         };
         let Some(load_bias) = slot.segments.load_bias(mapping.start, mapping.file_offset) else {
-            return frame_pointers;
+            return (frame_pointers, None);
         };
-        MappingValue {
-            table_id: slot.id,
-            flags: MAPPING_HAS_TABLE,
-            load_bias,
-            ..frame_pointers
-        }
+        (
+            MappingValue {
+                table_id: slot.id,
+                flags: MAPPING_HAS_TABLE,
+                load_bias,
+                ..frame_pointers
+            },
+            None,
+        )
     }
 
-    /// The slot for `key`, with its table in the maps when it can be.
+    /// The slot for `key` if its table is in the maps; otherwise requests it (once).
     fn ensure_table(
         &mut self,
-        key: TableKey,
+        key: &TableKey,
         source: Option<Arc<MappedFile>>,
     ) -> Option<&TableSlot> {
         let tick = self.tick;
-        let needs_load = match self.slots.get_mut(&key) {
+        let request = match self.slots.get_mut(key) {
             Some(slot) => {
                 slot.last_used = tick;
                 match slot.state {
                     SlotState::Loaded { .. } => false,
-                    SlotState::Unusable => return None,
-                    SlotState::Evicted => true,
+                    SlotState::Unusable | SlotState::Building => return None,
+                    SlotState::Evicted => {
+                        slot.state = SlotState::Building;
+                        true
+                    }
                 }
             }
-            None => true,
-        };
-        if needs_load {
-            self.load(key.clone(), source);
-        }
-        self.slots
-            .get(&key)
-            .filter(|slot| matches!(slot.state, SlotState::Loaded { .. }))
-    }
-
-    fn load(&mut self, key: TableKey, source: Option<Arc<MappedFile>>) {
-        let source = source.or_else(|| self.slots.get(&key).and_then(|s| s.source.clone()));
-        let started = Instant::now();
-        let result = self.read_table(&key, source.as_deref());
-        self.stats.build_time += started.elapsed();
-        let id = match self.slots.entry(key.clone()) {
-            Entry::Occupied(slot) => slot.get().id,
-            Entry::Vacant(_) => {
+            None => {
                 let id = self.next_table_id;
                 self.next_table_id += 1;
-                id
+                self.slots.insert(
+                    key.clone(),
+                    TableSlot {
+                        id,
+                        state: SlotState::Building,
+                        segments: Segments::default(),
+                        last_used: tick,
+                        source: source.clone(),
+                    },
+                );
+                true
             }
         };
-        let name = source
-            .as_ref()
-            .map(|f| f.path.to_string())
-            .unwrap_or_else(|| "[vdso]".into());
-        let (state, segments) = match result {
-            Ok((table, segments)) => (self.place(id, &table, &name), segments),
-            Err(message) => {
-                self.stats.tables_failed += 1;
-                tracing::info!(file = %name, "no unwind table, using frame pointers: {message}");
-                (SlotState::Unusable, Segments::default())
-            }
-        };
-        self.slots.insert(
-            key,
-            TableSlot {
-                id,
-                state,
-                segments,
-                last_used: self.tick,
+        if request {
+            let source = source.or_else(|| self.slots.get(key).and_then(|s| s.source.clone()));
+            self.builder.submit(BuildRequest {
+                key: key.clone(),
                 source,
-            },
-        );
-    }
-
-    fn read_table(
-        &mut self,
-        key: &TableKey,
-        source: Option<&MappedFile>,
-    ) -> Result<(UnwindTable, Segments), String> {
-        let bytes: Arc<[u8]>;
-        let mapped;
-        let data: &[u8] = match (key, source) {
-            (TableKey::Vdso, _) => {
-                bytes = self.vdso.clone().ok_or("no vdso")?;
-                &bytes
-            }
-            (_, Some(file)) => {
-                let handle = std::fs::File::open(&file.open_path).map_err(|err| err.to_string())?;
-                // SAFETY: read-only private mapping; a concurrent truncation can at worst fault
-                // this thread, which the kernel does not do for files the process has mapped.
-                mapped = unsafe { memmap2::Mmap::map(&handle) }.map_err(|err| err.to_string())?;
-                &mapped
-            }
-            (_, None) => return Err("the file is no longer available".into()),
-        };
-        let elf = object::File::parse(data).map_err(|err| err.to_string())?;
-        let segments = Segments::of(&elf);
-        let build_id = match key {
-            TableKey::BuildId(id) => Some(id.clone()),
-            _ => None,
-        };
-        if let (Some(cache), Some(build_id)) = (&self.cache, &build_id)
-            && let Some(table) = cache.load(build_id)
-        {
-            self.stats.tables_from_cache += 1;
-            return Ok((table, segments));
+            });
+            return None;
         }
-        let table = build_table(data).map_err(|err| err.to_string())?;
-        self.stats.tables_built += 1;
-        if let (Some(cache), Some(build_id)) = (&self.cache, &build_id)
-            && let Err(err) = cache.store(build_id, &table)
-        {
-            tracing::debug!("unwind-table cache: {err}");
-        }
-        Ok((table, segments))
+        self.slots
+            .get(key)
+            .filter(|slot| matches!(slot.state, SlotState::Loaded { .. }))
     }
 
     /// Writes `table` into free chunks, evicting least-recently-used tables as needed.
@@ -544,6 +638,61 @@ impl<M: UnwindMaps> NativeTables<M> {
     }
 }
 
+/// Reads a file's table: from the cache by build id, else built from its CFI (and cached).
+/// Returns whether it came from the cache.
+fn read_table(
+    key: &TableKey,
+    source: Option<&MappedFile>,
+    cache: Option<&TableCache>,
+    vdso: Option<&[u8]>,
+) -> (Result<(UnwindTable, Segments), String>, bool) {
+    let mapped;
+    let data: &[u8] = match (key, source) {
+        (TableKey::Vdso, _) => match vdso {
+            Some(vdso) => vdso,
+            None => return (Err("no vdso".into()), false),
+        },
+        (_, Some(file)) => {
+            let handle = match std::fs::File::open(&file.open_path) {
+                Ok(handle) => handle,
+                Err(err) => return (Err(err.to_string()), false),
+            };
+            // SAFETY: read-only private mapping of a file the agent holds open.
+            mapped = match unsafe { memmap2::Mmap::map(&handle) } {
+                Ok(mapped) => mapped,
+                Err(err) => return (Err(err.to_string()), false),
+            };
+            &mapped
+        }
+        (_, None) => return (Err("the file is no longer available".into()), false),
+    };
+    let elf = match object::File::parse(data) {
+        Ok(elf) => elf,
+        Err(err) => return (Err(err.to_string()), false),
+    };
+    let segments = Segments::of(&elf);
+    let build_id = match key {
+        TableKey::BuildId(id) => Some(id.clone()),
+        _ => None,
+    };
+    if let (Some(cache), Some(build_id)) = (cache, &build_id)
+        && let Some(table) = cache.load(build_id)
+    {
+        return (Ok((table, segments)), true);
+    }
+    match build_table(data) {
+        Ok(table) => {
+            if let (Some(cache), Some(build_id)) = (cache, &build_id)
+                && let Err(err) = cache.store(build_id, &table)
+            {
+                tracing::debug!("unwind-table cache: {err}");
+            }
+            (Ok((table, segments)), false)
+        }
+        Err(err) => (Err(err.to_string()), false),
+    }
+}
+
 fn table_key(file: &MappedFile) -> TableKey {
     match &file.build_id {
         Some(id) => TableKey::BuildId(id.clone()),
@@ -571,7 +720,191 @@ fn own_vdso() -> Option<Arc<[u8]>> {
 
 #[cfg(test)]
 mod tests {
+    use std::{collections::BTreeMap, os::unix::fs::MetadataExt, path::PathBuf};
+
     use super::*;
+    use crate::{bpf::BpfError, model::ProcessLabels};
+
+    /// The maps as plain collections, so registration logic is tested without a kernel.
+    #[derive(Default)]
+    struct FakeMaps {
+        capacity: u32,
+        chunks: BTreeMap<u32, RowChunk>,
+        pages: HashMap<PageKey, PageEntry>,
+        mappings: HashMap<(u32, [u8; 12]), MappingValue>,
+    }
+
+    impl UnwindMaps for FakeMaps {
+        fn row_chunk_capacity(&self) -> u32 {
+            self.capacity
+        }
+        fn write_row_chunk(&mut self, index: u32, chunk: &RowChunk) -> Result<(), BpfError> {
+            assert!(index < self.capacity);
+            self.chunks.insert(index, *chunk);
+            Ok(())
+        }
+        fn insert_page(&mut self, key: PageKey, entry: PageEntry) -> Result<(), BpfError> {
+            self.pages.insert(key, entry);
+            Ok(())
+        }
+        fn remove_page(&mut self, key: PageKey) -> Result<(), BpfError> {
+            self.pages.remove(&key);
+            Ok(())
+        }
+        fn insert_mapping(
+            &mut self,
+            len: u32,
+            key: MappingKey,
+            value: MappingValue,
+        ) -> Result<(), BpfError> {
+            self.mappings.insert((len, key.bytes), value);
+            Ok(())
+        }
+        fn remove_mapping(&mut self, len: u32, key: MappingKey) -> Result<(), BpfError> {
+            self.mappings.remove(&(len, key.bytes));
+            Ok(())
+        }
+    }
+
+    fn mapped(path: &str) -> Arc<MappedFile> {
+        let meta = std::fs::metadata(path).unwrap();
+        Arc::new(MappedFile {
+            id: FileId {
+                dev: meta.dev(),
+                ino: meta.ino(),
+            },
+            path: path.into(),
+            open_path: PathBuf::from(path),
+            build_id: None,
+            handle: None,
+        })
+    }
+
+    fn process(pid: u32, files: &[Arc<MappedFile>]) -> Arc<ProcessInfo> {
+        let mappings = files
+            .iter()
+            .enumerate()
+            .map(|(i, file)| Mapping {
+                start: 0x7f00_0000_0000 + (i as u64) * 0x1000_0000,
+                end: 0x7f00_0000_0000 + (i as u64) * 0x1000_0000 + 0x20_0000,
+                file_offset: 0,
+                file: Some(file.clone()),
+                name: file.path.clone(),
+            })
+            .collect();
+        Arc::new(ProcessInfo {
+            pid: Pid(pid),
+            start_time: 1,
+            comm: "p".into(),
+            labels: ProcessLabels::default(),
+            mappings,
+            is_kernel_thread: false,
+        })
+    }
+
+    const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
+    const LIBM: &str = "/lib/x86_64-linux-gnu/libm.so.6";
+
+    #[test]
+    fn processes_share_one_table_per_file_and_unregister_cleanly() {
+        let maps = FakeMaps {
+            capacity: 4096,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let libc = mapped(LIBC);
+        let (a, b) = (
+            process(10, std::slice::from_ref(&libc)),
+            process(11, &[libc]),
+        );
+        tables.sync_waiting(&a, Duration::from_secs(30));
+        tables.sync_waiting(&b, Duration::from_secs(30));
+        let stats = tables.stats();
+        assert_eq!(stats.tables_loaded, 1, "two processes, one table");
+        assert_eq!(stats.processes_registered, 2);
+        let values: Vec<_> = tables.maps().mappings.values().collect();
+        assert!(
+            values
+                .iter()
+                .all(|v| v.flags == MAPPING_HAS_TABLE && v.table_id == values[0].table_id)
+        );
+        assert!(!tables.maps().pages.is_empty());
+        // Every page entry points inside the rows written.
+        let rows_written = tables.maps().chunks.len() * ROWS_PER_CHUNK;
+        assert!(
+            tables
+                .maps()
+                .pages
+                .values()
+                .all(|p| (p.first_row + p.row_count) as usize <= rows_written)
+        );
+
+        let before = tables.maps().mappings.len();
+        tables.unregister(Pid(10));
+        assert_eq!(
+            tables.maps().mappings.len(),
+            before / 2,
+            "only pid 10's prefixes removed"
+        );
+        tables.unregister(Pid(11));
+        assert!(tables.maps().mappings.is_empty());
+    }
+
+    #[test]
+    fn full_budget_evicts_least_recently_used_and_reloads_on_demand() {
+        // Room for one of the two tables at a time.
+        let libc_chunks = build_table(&std::fs::read(LIBC).unwrap())
+            .unwrap()
+            .paged()
+            .rows()
+            .len()
+            .div_ceil(ROWS_PER_CHUNK);
+        let maps = FakeMaps {
+            capacity: libc_chunks as u32 + 8,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let (libc, libm) = (mapped(LIBC), mapped(LIBM));
+        let a = process(20, &[libc]);
+        tables.sync_waiting(&a, Duration::from_secs(30));
+        let libc_table = tables.maps().mappings.values().next().unwrap().table_id;
+        let b = process(21, &[libm]);
+        tables.sync_waiting(&b, Duration::from_secs(30));
+        let stats = tables.stats();
+        assert_eq!(stats.tables_evicted, 1, "libc's table made room for libm's");
+        assert!(tables.maps().pages.keys().all(|k| k.table_id != libc_table));
+        // BPF reports libc's pages missing: the table comes back (evicting libm's).
+        tables.reload_missing(&a);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while tables.maps().pages.keys().all(|k| k.table_id != libc_table)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(20));
+            tables.poll_builds();
+        }
+        assert!(tables.maps().pages.keys().any(|k| k.table_id == libc_table));
+        assert_eq!(tables.stats().tables_evicted, 2);
+    }
+
+    #[test]
+    fn table_larger_than_the_budget_falls_back_to_frame_pointers() {
+        let maps = FakeMaps {
+            capacity: 2,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let p = process(30, &[mapped(LIBC)]);
+        tables.sync_waiting(&p, Duration::from_secs(30));
+        assert_eq!(tables.stats().tables_too_large, 1);
+        assert!(
+            tables
+                .maps()
+                .mappings
+                .values()
+                .all(|v| v.flags == MAPPING_FRAME_POINTERS)
+        );
+        assert!(tables.maps().pages.is_empty());
+    }
 
     #[test]
     fn prefixes_cover_exactly_the_range() {
