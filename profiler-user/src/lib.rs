@@ -11,6 +11,7 @@ pub mod config;
 pub mod export;
 pub mod model;
 pub mod process;
+pub mod runtimes;
 pub mod sampling;
 pub mod self_metrics;
 pub mod symbolization;

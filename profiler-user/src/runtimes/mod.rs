@@ -1,0 +1,2 @@
+//! Language runtimes whose frames the profiler reads from process memory.
+pub mod python;

@@ -1,0 +1,438 @@
+//! Symbolizing code objects: (code object address, instruction) → qualname, file, line.
+//!
+//! A code object is read once (one read of its header, one per string, one for the line
+//! table) into a [`CodeObject`], which then resolves any instruction offset without further
+//! reads; [`CodeCache`] keeps them per (pid, address, fingerprint).
+use std::{collections::HashMap, sync::Arc};
+
+use thiserror::Error;
+
+use super::{
+    layout::{InstructionUnit, LineTableFormat, PyLayout},
+    memory::{MemoryError, ProcessMemory, ProcessMemoryExt},
+};
+use crate::model::Pid;
+
+/// Longest string (name, file name) read, in bytes.
+pub const MAX_STRING_BYTES: usize = 4096;
+/// Longest line table read.
+pub const MAX_LINE_TABLE_BYTES: usize = 256 * 1024;
+
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum CodeError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error("object at {addr:#x} has type {found:#x}, not PyCode_Type {expected:#x}")]
+    NotCode {
+        addr: u64,
+        found: u64,
+        expected: u64,
+    },
+    #[error("string at {addr:#x}: {reason}")]
+    BadString { addr: u64, reason: &'static str },
+    #[error("line table at {addr:#x} has implausible size {size}")]
+    BadLineTable { addr: u64, size: i64 },
+}
+
+/// What a Python frame shows.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PyFrameInfo {
+    /// `co_qualname` (3.11+, e.g. `Worker.spin`) or `co_name` (≤3.10).
+    pub qualname: Arc<str>,
+    pub filename: Arc<str>,
+    /// `None` when the line table has no line for the instruction.
+    pub line: Option<u32>,
+    pub firstlineno: u32,
+}
+
+/// The parts of a code object needed to symbolize any of its instructions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodeObject {
+    pub qualname: Arc<str>,
+    pub filename: Arc<str>,
+    pub firstlineno: i32,
+    pub line_table: Box<[u8]>,
+    pub line_table_format: LineTableFormat,
+}
+
+impl CodeObject {
+    /// The line of the instruction at `byte_offset` in the bytecode; a negative offset (a
+    /// frame that has not started) is the first line.
+    pub fn line_at(&self, byte_offset: i64) -> Option<u32> {
+        let line = if byte_offset < 0 {
+            Some(self.firstlineno)
+        } else {
+            match self.line_table_format {
+                LineTableFormat::Lnotab => {
+                    Some(lnotab_line(&self.line_table, self.firstlineno, byte_offset))
+                }
+                LineTableFormat::LineTable310 => {
+                    linetable310_line(&self.line_table, self.firstlineno, byte_offset)
+                }
+                LineTableFormat::Locations => {
+                    locations_line(&self.line_table, self.firstlineno, byte_offset)
+                }
+            }
+        };
+        line.and_then(|line| u32::try_from(line).ok())
+    }
+
+    pub fn frame_info(&self, byte_offset: i64) -> PyFrameInfo {
+        PyFrameInfo {
+            qualname: Arc::clone(&self.qualname),
+            filename: Arc::clone(&self.filename),
+            line: self.line_at(byte_offset),
+            firstlineno: u32::try_from(self.firstlineno).unwrap_or(0),
+        }
+    }
+}
+
+/// Byte offset into the bytecode of a frame's raw instruction field (see
+/// [`InstructionUnit`]); `f_lasti` fields are sign-extended `int`s.
+pub fn instruction_byte_offset(layout: &PyLayout, code_addr: u64, instruction: u64) -> i64 {
+    match layout.instruction_unit {
+        InstructionUnit::LastiBytes => instruction as i64,
+        InstructionUnit::LastiCodeUnits => (instruction as i64).saturating_mul(2),
+        InstructionUnit::InstructionPointer => {
+            let bytecode = code_addr.wrapping_add(layout.code_bytecode.unwrap_or(0).into());
+            instruction.wrapping_sub(bytecode) as i64
+        }
+    }
+}
+
+/// 3.8/3.9 `PyCode_Addr2Line` over `co_lnotab`.
+pub fn lnotab_line(table: &[u8], firstlineno: i32, byte_offset: i64) -> i32 {
+    let mut line = firstlineno;
+    let mut addr: i64 = 0;
+    for pair in table.chunks_exact(2) {
+        addr += i64::from(pair[0]);
+        if addr > byte_offset {
+            break;
+        }
+        line += i32::from(pair[1] as i8);
+    }
+    line
+}
+
+/// 3.10 `PyCode_Addr2Line` over `co_linetable`: ranges of `pair[0]` bytes, line delta
+/// `pair[1]` (-128: no line).
+pub fn linetable310_line(table: &[u8], firstlineno: i32, byte_offset: i64) -> Option<i32> {
+    let mut line = firstlineno;
+    let mut end: i64 = 0;
+    for pair in table.chunks_exact(2) {
+        let start = end;
+        end += i64::from(pair[0]);
+        let delta = pair[1] as i8;
+        let range_line = if delta == -128 {
+            None
+        } else {
+            line += i32::from(delta);
+            Some(line)
+        };
+        if start <= byte_offset && byte_offset < end {
+            return range_line;
+        }
+    }
+    None
+}
+
+/// A PEP 657 varint: 6-bit chunks, least significant first, 0x40 = more follow.
+fn read_varint(table: &[u8], pos: &mut usize) -> Option<u32> {
+    let mut value: u32 = 0;
+    let mut shift = 0;
+    loop {
+        let byte = *table.get(*pos)?;
+        *pos += 1;
+        value |= u32::from(byte & 0x3f).checked_shl(shift)?;
+        if byte & 0x40 == 0 {
+            return Some(value);
+        }
+        shift += 6;
+        if shift > 30 {
+            return None;
+        }
+    }
+}
+
+fn read_signed_varint(table: &[u8], pos: &mut usize) -> Option<i32> {
+    let raw = read_varint(table, pos)?;
+    let magnitude = (raw >> 1) as i32;
+    Some(if raw & 1 != 0 { -magnitude } else { magnitude })
+}
+
+/// 3.11+ `PyCode_Addr2Line` over the PEP 657 location table. Each entry starts with a byte
+/// `1 cccc lll`: `lll + 1` code units, code `cccc` says how the line changes.
+pub fn locations_line(table: &[u8], firstlineno: i32, byte_offset: i64) -> Option<i32> {
+    let target = byte_offset / 2;
+    let mut line = firstlineno;
+    let mut start: i64 = 0;
+    let mut pos = 0;
+    while pos < table.len() {
+        let header = table[pos];
+        if header & 0x80 == 0 {
+            // Not an entry start: resynchronise on the next one, as CPython does.
+            pos += 1;
+            continue;
+        }
+        let code = (header >> 3) & 0x0f;
+        let length = i64::from(header & 0x07) + 1;
+        let mut after_header = pos + 1;
+        let delta = match code {
+            // No location.
+            15 => 0,
+            // Long form and no-column form start with the signed line delta.
+            13 | 14 => read_signed_varint(table, &mut after_header)?,
+            // One-line forms: line + 0, 1, 2.
+            10..=12 => i32::from(code - 10),
+            // Short forms: same line.
+            _ => 0,
+        };
+        line = line.saturating_add(delta);
+        let end = start + length;
+        if start <= target && target < end {
+            return (code != 15).then_some(line);
+        }
+        start = end;
+        pos += 1;
+        while pos < table.len() && table[pos] & 0x80 == 0 {
+            pos += 1;
+        }
+    }
+    None
+}
+
+/// Reads a `str` object: compact ASCII, or compact UCS-1/2/4.
+pub fn read_unicode(
+    mem: &dyn ProcessMemory,
+    layout: &PyLayout,
+    addr: u64,
+) -> Result<String, CodeError> {
+    // The ASCII header (length, state) is a prefix of every compact string.
+    let header = mem.read_vec(addr, layout.unicode_ascii_data as usize)?;
+    let field = |offset: u32, size: usize| -> Option<u64> {
+        let bytes = header.get(offset as usize..offset as usize + size)?;
+        let mut buf = [0u8; 8];
+        buf[..size].copy_from_slice(bytes);
+        Some(u64::from_le_bytes(buf))
+    };
+    let bad = |reason| CodeError::BadString { addr, reason };
+    let length = field(layout.unicode_length, 8).ok_or(bad("header"))?;
+    let state = field(layout.unicode_state, 4).ok_or(bad("header"))?;
+    // state bits: interned:2, kind:3, compact:1, ascii:1 (every version 3.8–3.14).
+    let kind = (state >> 2) & 0x7;
+    let compact = state & (1 << 5) != 0;
+    let ascii = state & (1 << 6) != 0;
+    if !compact {
+        return Err(bad("not a compact string"));
+    }
+    let char_size: u64 = match kind {
+        1 => 1,
+        2 => 2,
+        4 => 4,
+        _ => return Err(bad("invalid kind")),
+    };
+    let byte_len = length.saturating_mul(char_size);
+    if byte_len > MAX_STRING_BYTES as u64 {
+        return Err(bad("too long"));
+    }
+    let data_offset = if ascii {
+        layout.unicode_ascii_data
+    } else {
+        layout.unicode_compact_data
+    };
+    let data = mem.read_vec(addr + u64::from(data_offset), byte_len as usize)?;
+    let text = match char_size {
+        1 if ascii => {
+            if !data.is_ascii() {
+                return Err(bad("non-ASCII byte in an ASCII string"));
+            }
+            data.into_iter().map(char::from).collect()
+        }
+        // UCS-1 is Latin-1: every byte is the code point.
+        1 => data.into_iter().map(char::from).collect(),
+        2 => data
+            .chunks_exact(2)
+            .map(|c| char::from_u32(u16::from_le_bytes([c[0], c[1]]).into()).unwrap_or('\u{fffd}'))
+            .collect(),
+        _ => data
+            .chunks_exact(4)
+            .map(|c| {
+                char::from_u32(u32::from_le_bytes([c[0], c[1], c[2], c[3]])).unwrap_or('\u{fffd}')
+            })
+            .collect(),
+    };
+    Ok(text)
+}
+
+/// Reads a `bytes` object's contents.
+pub fn read_bytes_object(
+    mem: &dyn ProcessMemory,
+    layout: &PyLayout,
+    addr: u64,
+) -> Result<Vec<u8>, CodeError> {
+    let size = mem.read_u64(addr + u64::from(layout.bytes_size))? as i64;
+    if !(0..=MAX_LINE_TABLE_BYTES as i64).contains(&size) {
+        return Err(CodeError::BadLineTable { addr, size });
+    }
+    Ok(mem.read_vec(addr + u64::from(layout.bytes_data), size as usize)?)
+}
+
+/// Reads the code object at `code_addr`, checking that its type is `PyCode_Type` (at
+/// `code_type_addr` in the process).
+pub fn read_code_object(
+    mem: &dyn ProcessMemory,
+    layout: &PyLayout,
+    code_type_addr: u64,
+    code_addr: u64,
+) -> Result<CodeObject, CodeError> {
+    // One read covers every pointer and int field used.
+    let fields = [
+        layout.object_type,
+        layout.code_firstlineno,
+        layout.code_filename,
+        layout.code_name,
+        layout.code_qualname.unwrap_or(0),
+        layout.code_line_table,
+    ];
+    let header_len = fields.iter().max().copied().unwrap_or(0) as usize + 8;
+    let header = mem.read_vec(code_addr, header_len)?;
+    let pointer = |offset: u32| -> u64 {
+        let at = offset as usize;
+        header
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0)
+    };
+    let found = pointer(layout.object_type);
+    if found != code_type_addr {
+        return Err(CodeError::NotCode {
+            addr: code_addr,
+            found,
+            expected: code_type_addr,
+        });
+    }
+    let firstlineno = pointer(layout.code_firstlineno) as u32 as i32;
+    let name_addr = pointer(layout.code_qualname.unwrap_or(layout.code_name));
+    let qualname = read_unicode(mem, layout, name_addr)?;
+    let filename = read_unicode(mem, layout, pointer(layout.code_filename))?;
+    let line_table = read_bytes_object(mem, layout, pointer(layout.code_line_table))?;
+    Ok(CodeObject {
+        qualname: Arc::from(qualname),
+        filename: Arc::from(filename),
+        firstlineno,
+        line_table: line_table.into_boxed_slice(),
+        line_table_format: layout.line_table_format,
+    })
+}
+
+/// Symbolizes one frame: reads the code object and resolves the frame's raw instruction
+/// field (`f_lasti` or an instruction pointer, per `layout.instruction_unit`).
+pub fn symbolize_code(
+    mem: &dyn ProcessMemory,
+    layout: &PyLayout,
+    code_type_addr: u64,
+    code_addr: u64,
+    instruction: u64,
+) -> Result<PyFrameInfo, CodeError> {
+    let code = read_code_object(mem, layout, code_type_addr, code_addr)?;
+    Ok(code.frame_info(instruction_byte_offset(layout, code_addr, instruction)))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct CacheKey {
+    pid: Pid,
+    code_addr: u64,
+    fingerprint: u64,
+}
+
+/// Counters of a [`CodeCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CodeCacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub errors: u64,
+}
+
+/// Code objects by (pid, address, fingerprint), bounded to `capacity` entries. Two
+/// generations: when the young one is half full it becomes the old one and the previous old
+/// one is dropped, so eviction is O(1) and recently used entries survive (they are promoted).
+#[derive(Debug)]
+pub struct CodeCache {
+    young: HashMap<CacheKey, Arc<CodeObject>>,
+    old: HashMap<CacheKey, Arc<CodeObject>>,
+    capacity: usize,
+    stats: CodeCacheStats,
+}
+
+impl CodeCache {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            young: HashMap::new(),
+            old: HashMap::new(),
+            capacity: capacity.max(2),
+            stats: CodeCacheStats::default(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.young.len() + self.old.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> CodeCacheStats {
+        self.stats
+    }
+
+    /// The code object, read through `mem` on a miss. A different fingerprint at the same
+    /// address (the object was freed and the memory reused) is a different entry.
+    pub fn code_object(
+        &mut self,
+        mem: &dyn ProcessMemory,
+        layout: &PyLayout,
+        code_type_addr: u64,
+        pid: Pid,
+        code_addr: u64,
+        fingerprint: u64,
+    ) -> Result<Arc<CodeObject>, CodeError> {
+        let key = CacheKey {
+            pid,
+            code_addr,
+            fingerprint,
+        };
+        if let Some(code) = self.young.get(&key) {
+            self.stats.hits += 1;
+            return Ok(Arc::clone(code));
+        }
+        let code = match self.old.remove(&key) {
+            Some(code) => {
+                self.stats.hits += 1;
+                code
+            }
+            None => {
+                self.stats.misses += 1;
+                match read_code_object(mem, layout, code_type_addr, code_addr) {
+                    Ok(code) => Arc::new(code),
+                    Err(error) => {
+                        self.stats.errors += 1;
+                        return Err(error);
+                    }
+                }
+            }
+        };
+        if self.young.len() >= self.capacity / 2 {
+            self.old = std::mem::take(&mut self.young);
+        }
+        self.young.insert(key, Arc::clone(&code));
+        Ok(code)
+    }
+
+    /// Drops every entry of `pid` (process exited or exec'ed).
+    pub fn forget_process(&mut self, pid: Pid) {
+        self.young.retain(|key, _| key.pid != pid);
+        self.old.retain(|key, _| key.pid != pid);
+    }
+}

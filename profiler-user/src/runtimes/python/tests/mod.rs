@@ -1,0 +1,379 @@
+//! Unit tests that need no interpreter, plus the live interpreter matrix in `live`.
+mod live;
+
+use super::{
+    code::{
+        CodeCache, CodeError, linetable310_line, lnotab_line, locations_line, read_unicode,
+        symbolize_code,
+    },
+    debug_offsets::{DebugOffsetsError, parse_debug_offsets, parse_header},
+    detect::version_from_file_name,
+    layout::{LAYOUT_TABLE, PY38, PY311, PY312, layout_for},
+    memory::{MAX_READ_LEN, MemoryError, MemoryImage, ProcMemory, ProcessMemoryExt},
+    walk::{ChainEnd, MAX_FRAMES, walk_frame_chain},
+};
+use crate::model::Pid;
+
+#[test]
+fn layout_rows_are_unique_and_complete() {
+    for (minor, row) in (8..=12).zip(LAYOUT_TABLE) {
+        assert_eq!(row.python, (3, minor));
+        assert_eq!(layout_for(3, minor), Some(row));
+    }
+    assert_eq!(layout_for(3, 7), None);
+    assert_eq!(layout_for(3, 13), None, "3.13+ come from _Py_DebugOffsets");
+    // Spot checks against unwinding.md §2.3 (the full rows were checked with gen_layouts.sh).
+    assert_eq!(PY38.runtime_autotss_key, 1392 + 4);
+    assert_eq!(PY311.code_bytecode, Some(184));
+    assert_eq!(PY312.unicode_ascii_data, 40);
+}
+
+#[test]
+fn lnotab_matches_cpython_addr2line() {
+    // Lines 10 (bytes 0..6), 11 (6..10), 13 (10..): pairs (byte incr, line incr).
+    let table = [6, 1, 4, 2];
+    let line = |offset| lnotab_line(&table, 10, offset);
+    assert_eq!(
+        [line(0), line(5), line(6), line(9), line(10), line(100)],
+        [10, 10, 11, 11, 13, 13]
+    );
+    // Negative line increments are signed bytes.
+    assert_eq!(lnotab_line(&[2, 0xff], 10, 4), 9);
+}
+
+#[test]
+fn linetable310_matches_cpython_addr2line() {
+    // 0..4 line 5, 4..6 no line, 6..10 line 7.
+    let table = [4, 0, 2, 0x80, 4, 2];
+    let line = |offset| linetable310_line(&table, 5, offset);
+    assert_eq!(line(0), Some(5));
+    assert_eq!(line(3), Some(5));
+    assert_eq!(line(4), None);
+    assert_eq!(line(6), Some(7));
+    assert_eq!(line(10), None, "past the end");
+}
+
+#[test]
+fn locations_table_decodes_every_entry_kind() {
+    let table = [
+        // short form (code 0), 2 code units, one column byte: line 20
+        0x80 | 1,
+        0x05,
+        // one-line form +1 (code 11), 1 unit, two column bytes: line 21
+        0x80 | (11 << 3),
+        1,
+        2,
+        // no-column form (code 13), 1 unit, signed varint -2 (raw 5): line 19
+        0x80 | (13 << 3),
+        5,
+        // no location (code 15), 1 unit
+        0x80 | (15 << 3),
+        // long form (code 14), 3 units, line delta +70 (raw 140 = 0x4c | 0x40, 0x02), end
+        // line, columns
+        0x80 | (14 << 3) | 2,
+        0x40 | (140 & 0x3f),
+        140 >> 6,
+        0,
+        1,
+        2,
+    ];
+    let line = |unit: i64| locations_line(&table, 20, unit * 2);
+    assert_eq!(line(0), Some(20));
+    assert_eq!(line(1), Some(20));
+    assert_eq!(line(2), Some(21));
+    assert_eq!(line(3), Some(19));
+    assert_eq!(line(4), None);
+    assert_eq!(line(5), Some(89));
+    assert_eq!(line(7), Some(89));
+    assert_eq!(line(8), None, "past the end");
+    // Garbage never panics.
+    for len in 0..table.len() {
+        let _ = locations_line(&table[..len], 1, 100);
+    }
+    assert_eq!(locations_line(&[0xff, 0xff, 0xff], 1, 0), None);
+    assert_eq!(
+        locations_line(&[0xf0, 0x7f, 0x7f, 0x7f, 0x7f, 0x7f, 0x7f], 1, 0),
+        None
+    );
+}
+
+#[test]
+fn debug_offsets_reject_garbage() {
+    assert_eq!(parse_header(b"notthis!"), Err(DebugOffsetsError::NoCookie));
+    assert_eq!(parse_header(b""), Err(DebugOffsetsError::NoCookie));
+    assert!(matches!(
+        parse_header(b"xdebugpy\x00"),
+        Err(DebugOffsetsError::Truncated { .. })
+    ));
+    let mut unknown = b"xdebugpy".to_vec();
+    unknown.extend_from_slice(&0x030f_00a0u64.to_le_bytes());
+    unknown.extend_from_slice(&0u64.to_le_bytes());
+    unknown.resize(2048, 0xff);
+    assert_eq!(
+        parse_debug_offsets(&unknown),
+        Err(DebugOffsetsError::UnknownVersion {
+            version: 0x030f_00a0,
+            major: 3,
+            minor: 15
+        })
+    );
+    let mut free_threaded = b"xdebugpy".to_vec();
+    free_threaded.extend_from_slice(&0x030d_00f0u64.to_le_bytes());
+    free_threaded.extend_from_slice(&1u64.to_le_bytes());
+    assert!(parse_header(&free_threaded).expect("header").free_threaded);
+    // A known version over garbage fields: an error naming the field, not a panic.
+    let mut garbage = b"xdebugpy".to_vec();
+    garbage.extend_from_slice(&0x030d_00f0u64.to_le_bytes());
+    garbage.extend_from_slice(&0u64.to_le_bytes());
+    garbage.resize(1024, 0xff);
+    assert!(matches!(
+        parse_debug_offsets(&garbage),
+        Err(DebugOffsetsError::Implausible { .. })
+    ));
+    assert!(matches!(
+        parse_debug_offsets(&garbage[..100]),
+        Err(DebugOffsetsError::Truncated { .. })
+    ));
+}
+
+/// A 3.14 `_Py_DebugOffsets` built from the values of Debian's 3.14 (unwinding.md §2.3).
+#[test]
+fn debug_offsets_314_layout() {
+    let mut bytes = vec![0u8; 760];
+    bytes[..8].copy_from_slice(b"xdebugpy");
+    let mut put = |at: usize, value: u64| bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    put(8, 0x030e_0af0);
+    for (at, value) in [
+        (40, 808),  // runtime_state.interpreters_head
+        (64, 7264), // interpreter_state.next (any plausible value)
+        (72, 7344), // threads_head
+        (192, 8),   // thread_state.next
+        (208, 72),  // current_frame
+        (216, 152), // thread_id
+        (224, 160), // native_thread_id
+        (256, 8),   // interpreter_frame.previous
+        (264, 0),   // executable
+        (272, 56),  // instr_ptr
+        (288, 74),  // owner
+        (320, 112), // code_object.filename
+        (328, 120), // name
+        (336, 128), // qualname
+        (344, 136), // linetable
+        (352, 68),  // firstlineno
+        (384, 208), // co_code_adaptive
+        (408, 8),   // pyobject.ob_type
+        (600, 16),  // bytes_object.ob_size
+        (608, 32),  // ob_sval
+        (624, 32),  // unicode_object.state
+        (632, 16),  // length
+        (640, 40),  // asciiobject_size
+    ] {
+        put(at, value);
+    }
+    let (header, layout) = parse_debug_offsets(&bytes).expect("3.14 parses");
+    assert_eq!(header.version(), (3, 14, 10));
+    assert_eq!(layout.runtime_interpreters_head, 808);
+    assert_eq!(layout.interp_threads_head, 7344);
+    assert_eq!(layout.code_bytecode, Some(208));
+    assert_eq!(layout.stackref_tag_mask, 3);
+    assert_eq!(layout.runtime_autotss_key, 2336 + 4);
+    assert_eq!(
+        layout.entry_marker,
+        super::layout::EntryMarker::ShimOwner {
+            offset: 74,
+            value: 3
+        }
+    );
+}
+
+#[test]
+fn file_names_give_versions() {
+    assert_eq!(
+        version_from_file_name("/x/lib/libpython3.9.so.1.0"),
+        Some((3, 9, false))
+    );
+    assert_eq!(
+        version_from_file_name("/usr/bin/python3.11"),
+        Some((3, 11, false))
+    );
+    assert_eq!(version_from_file_name("python3.13t"), Some((3, 13, true)));
+    assert_eq!(
+        version_from_file_name("libpython3.14t.so.1.0"),
+        Some((3, 14, true))
+    );
+    assert_eq!(version_from_file_name("/usr/bin/python3"), None);
+    assert_eq!(version_from_file_name("libc.so.6"), None);
+}
+
+#[test]
+fn memory_errors_are_values() {
+    let mut image = MemoryImage::new();
+    image.insert(0x10_000, vec![1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(image.read_u64(0x10_000), Ok(0x0807_0605_0403_0201));
+    assert!(matches!(
+        image.read_u64(0x10_004),
+        Err(MemoryError::Unreadable { .. })
+    ));
+    assert_eq!(image.read_u8(0), Err(MemoryError::BadAddress { addr: 0 }));
+    assert_eq!(
+        image.read_u8(u64::MAX),
+        Err(MemoryError::BadAddress { addr: u64::MAX })
+    );
+    assert!(matches!(
+        image.read_vec(0x10_000, MAX_READ_LEN + 1),
+        Err(MemoryError::TooLarge { .. })
+    ));
+
+    let own = ProcMemory::open(Pid(std::process::id())).expect("/proc/self/mem");
+    let value: u64 = 0x1234_5678_9abc_def0;
+    let addr = std::ptr::from_ref(&value) as u64;
+    assert_eq!(own.read_u64(addr), Ok(value));
+    assert!(matches!(
+        own.read_u64(0x1000),
+        Err(MemoryError::Unreadable { .. })
+    ));
+    assert!(matches!(
+        ProcMemory::open(Pid(u32::MAX)),
+        Err(MemoryError::Open { .. })
+    ));
+}
+
+/// A compact string object in `image`: `kind` 1/2/4 bytes per character.
+fn put_string(image: &mut MemoryImage, layout: &super::PyLayout, addr: u64, text: &str) {
+    let chars: Vec<u32> = text.chars().map(u32::from).collect();
+    let ascii = text.is_ascii();
+    let max = chars.iter().copied().max().unwrap_or(0);
+    let kind: u32 = if max < 0x100 {
+        1
+    } else if max < 0x1_0000 {
+        2
+    } else {
+        4
+    };
+    let data_offset = if ascii {
+        layout.unicode_ascii_data
+    } else {
+        layout.unicode_compact_data
+    } as usize;
+    let mut bytes = vec![0u8; data_offset];
+    bytes[16..24].copy_from_slice(&(chars.len() as u64).to_le_bytes());
+    let state = (kind << 2) | (1 << 5) | (u32::from(ascii) << 6);
+    bytes[32..36].copy_from_slice(&state.to_le_bytes());
+    for c in chars {
+        bytes.extend_from_slice(&c.to_le_bytes()[..kind as usize]);
+    }
+    image.insert(addr, bytes);
+}
+
+#[test]
+fn strings_of_every_kind() {
+    for layout in [&PY38, &PY312] {
+        let mut image = MemoryImage::new();
+        for (i, text) in ["spin", "grüße", "σφαίρα", "emoji😀", ""]
+            .iter()
+            .enumerate()
+        {
+            let addr = 0x100_000 + i as u64 * 0x1000;
+            put_string(&mut image, layout, addr, text);
+            assert_eq!(read_unicode(&image, layout, addr).as_deref(), Ok(*text));
+        }
+        // Not compact, or an impossible kind: an error, not garbage text.
+        let mut bad = vec![0u8; 80];
+        bad[16] = 1;
+        bad[32] = 3 << 2 | 1 << 5;
+        image.insert(0x200_000, bad);
+        assert!(matches!(
+            read_unicode(&image, layout, 0x200_000),
+            Err(CodeError::BadString { .. })
+        ));
+    }
+}
+
+/// A 3.12 code object in memory: symbolize it, then check the type guard and the cache.
+#[test]
+fn symbolizes_a_synthetic_code_object() {
+    let layout = &PY312;
+    let mut image = MemoryImage::new();
+    let (code, code_type, name, file, table) =
+        (0x400_000u64, 0x500_000u64, 0x410_000, 0x420_000, 0x430_000);
+    let mut object = vec![0u8; 256];
+    let mut put = |at: u32, value: u64| {
+        object[at as usize..at as usize + 8].copy_from_slice(&value.to_le_bytes())
+    };
+    put(layout.object_type, code_type);
+    put(layout.code_firstlineno, 41);
+    put(layout.code_qualname.expect("3.12 has qualnames"), name);
+    put(layout.code_filename, file);
+    put(layout.code_line_table, table);
+    image.insert(code, object);
+    put_string(&mut image, layout, name, "Worker.spin");
+    put_string(&mut image, layout, file, "/app/wörk.py");
+    // Line table: 2 units on line 41, then 3 units on line 43 (one-line form +2).
+    let mut bytes_object = vec![0u8; 32];
+    bytes_object[16..24].copy_from_slice(&4u64.to_le_bytes());
+    bytes_object.extend_from_slice(&[0x80 | 1, 0, 0x80 | (12 << 3) | 2, 0]);
+    image.insert(table, bytes_object);
+
+    let bytecode = code + u64::from(layout.code_bytecode.expect("3.12"));
+    let info =
+        symbolize_code(&image, layout, code_type, code, bytecode + 2 * 3).expect("symbolized");
+    assert_eq!(&*info.qualname, "Worker.spin");
+    assert_eq!(&*info.filename, "/app/wörk.py");
+    assert_eq!(info.line, Some(43));
+    assert_eq!(info.firstlineno, 41);
+    // Before the first instruction (prev_instr = bytecode - 2): the first line.
+    let info = symbolize_code(&image, layout, code_type, code, bytecode - 2).expect("symbolized");
+    assert_eq!(info.line, Some(41));
+    assert!(matches!(
+        symbolize_code(&image, layout, code_type + 8, code, bytecode),
+        Err(CodeError::NotCode { .. })
+    ));
+
+    let mut cache = CodeCache::new(4);
+    for round in 0..3 {
+        for fingerprint in 0..4 {
+            let code = cache
+                .code_object(&image, layout, code_type, Pid(1), code, fingerprint)
+                .expect("cached read");
+            assert_eq!(&*code.qualname, "Worker.spin", "round {round}");
+        }
+        assert!(cache.len() <= 4);
+    }
+    let stats = cache.stats();
+    assert_eq!(stats.hits + stats.misses, 12);
+    assert!(stats.misses >= 4);
+    cache.forget_process(Pid(1));
+    assert!(cache.is_empty());
+}
+
+/// Frame chains that loop back or never end stop at the bounds.
+#[test]
+fn cyclic_and_endless_chains_are_bounded() {
+    let layout = &PY311;
+    let mut image = MemoryImage::new();
+    // Two frames pointing at each other.
+    let frame = |back: u64| {
+        let mut bytes = vec![0u8; 80];
+        bytes[32..40].copy_from_slice(&0x999_000u64.to_le_bytes());
+        bytes[48..56].copy_from_slice(&back.to_le_bytes());
+        bytes
+    };
+    image.insert(0x100_000, frame(0x200_000));
+    image.insert(0x200_000, frame(0x100_000));
+    let (frames, end) = walk_frame_chain(&image, layout, 0x100_000);
+    assert_eq!(frames.len(), 2);
+    assert_eq!(end, ChainEnd::Cycle);
+    // A chain of distinct frames longer than the limit.
+    let mut long = MemoryImage::new();
+    let count = MAX_FRAMES as u64 + 10;
+    for i in 0..count {
+        long.insert(0x100_000 + i * 0x100, frame(0x100_000 + (i + 1) * 0x100));
+    }
+    let (frames, end) = walk_frame_chain(&long, layout, 0x100_000);
+    assert_eq!(frames.len(), MAX_FRAMES);
+    assert_eq!(end, ChainEnd::DepthLimit);
+    // A dangling pointer ends the chain with the error.
+    let (frames, end) = walk_frame_chain(&image, layout, 0x300_000);
+    assert!(frames.is_empty());
+    assert!(matches!(end, ChainEnd::Unreadable(_)));
+}
