@@ -51,6 +51,8 @@ pub enum Prerequisite {
     RustupLink,
     /// The npm dependencies of the JavaScript tests (tests/js).
     NpmDeps,
+    /// py-spy from PyPI, the oracle the Python-stack tests compare with, under `.tools/`.
+    PySpy,
 }
 
 impl Prerequisite {
@@ -66,6 +68,9 @@ impl Prerequisite {
             ),
             Prerequisite::NpmDeps => format!(
                 "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles)"
+            ),
+            Prerequisite::PySpy => format!(
+                "py-spy {PY_SPY_VERSION} from PyPI into {PY_SPY_DIR}/ (the reference for Python stacks in the tests)"
             ),
         }
     }
@@ -97,7 +102,47 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
     if npm_deps_stale(&workspace.join(JS_TESTS_DIR)) {
         missing.push(Prerequisite::NpmDeps);
     }
+    if !workspace
+        .join(PY_SPY_DIR)
+        .join("bin")
+        .join("py-spy")
+        .is_file()
+    {
+        missing.push(Prerequisite::PySpy);
+    }
     missing
+}
+
+/// Where py-spy is installed; profiler-user's Python tests look for it there.
+pub const PY_SPY_DIR: &str = ".tools/py-spy";
+pub const PY_SPY_VERSION: &str = "0.4.3";
+
+fn install_py_spy(workspace: &Path) -> Result<()> {
+    // Any Python with pip will do: the wheel carries a static binary.
+    let python = ["python3", "/usr/bin/python3"]
+        .into_iter()
+        .find(|p| {
+            Command::new(p)
+                .args(["-m", "pip", "--version"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .ok_or_else(|| anyhow::anyhow!("no python3 with pip found to install py-spy"))?;
+    cmd::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--target",
+            ])
+            .arg(workspace.join(PY_SPY_DIR))
+            .arg(format!("py-spy=={PY_SPY_VERSION}")),
+    )
 }
 
 /// The subset of `packages` dpkg reports as installed (none if dpkg is unavailable).
@@ -210,6 +255,7 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
                 "/usr",
             ]))?,
             Prerequisite::NpmDeps => install_npm_deps(&workspace.join(JS_TESTS_DIR))?,
+            Prerequisite::PySpy => install_py_spy(workspace)?,
             Prerequisite::Apt { .. } => unreachable!("installed above"),
         }
     }

@@ -523,7 +523,7 @@ fn compare_with_py_spy(py_spy: &Path, pid: Pid, stacks: &[PyThreadStack]) -> Res
 fn run_matrix(mode: &'static str, threads: usize, check: Check) {
     let py_spy = find_py_spy(&workspace_root());
     if py_spy.is_none() {
-        skip("py-spy not installed under target/py-spy (see runtimes::python::py_spy)");
+        skip("py-spy not installed under .tools/py-spy (`cargo xtask setup` installs it)");
     }
     let mut failures = Vec::new();
     for (label, python) in interpreters() {
