@@ -269,13 +269,6 @@ fn run(args: &[String]) -> Result<()> {
         }
         markdown.push_str(&report::render_depth(&depth_runs, options.depth_seconds));
     }
-    let mut table_results = None;
-    if suites.tables {
-        eprintln!("bench: [tables] unwind-table build time and size");
-        let result = tables::run()?;
-        markdown.push_str(&report::render_tables(&result));
-        table_results = Some(result);
-    }
     let mut shared_runs = Vec::new();
     if let (true, Some(profiler)) = (suites.shared, &profiler) {
         eprintln!(
@@ -305,6 +298,13 @@ fn run(args: &[String]) -> Result<()> {
             settle()?;
         }
         markdown.push_str(&report::render_shared(&shared_runs));
+    }
+    let mut table_results = None;
+    if suites.tables {
+        eprintln!("bench: [tables] unwind-table build time and size");
+        let result = tables::run()?;
+        markdown.push_str(&report::render_tables(&result));
+        table_results = Some(result);
     }
     markdown.push_str(&report::render_unwind_targets(
         &depth_runs,

@@ -4,7 +4,8 @@ use std::{fmt::Write, time::Duration};
 use integration_tests::workspace_root;
 
 use crate::{
-    CollectorRun, Outcome, Results, Throughput, parse,
+    CollectorRun, Outcome, Results, Throughput,
+    parse::{self, AgentSummary},
     tables::TablesResult,
     unwind::{DepthRun, SharedRun},
 };
@@ -326,6 +327,15 @@ fn counter_percent(part: u64, whole: u64) -> String {
     )
 }
 
+/// The agent's own peak RSS (`VmHWM`, from its final log line), MiB. `ru_maxrss` from `wait4`
+/// is not used here: Linux carries the pre-exec memory of the forked child (a copy of the
+/// bench's) into it, which after the table-build suite is larger than the agent.
+fn agent_rss(agent: Option<&AgentSummary>) -> String {
+    agent
+        .filter(|a| a.peak_rss_bytes > 0)
+        .map_or_else(|| "n/a".into(), |a| format!("{:.1}", mib(a.peak_rss_bytes)))
+}
+
 /// The depth scenario: BPF cost per sample and the stacks' completeness by stack depth.
 pub fn render_depth(runs: &[DepthRun], seconds: u64) -> String {
     let mut out = String::new();
@@ -337,7 +347,7 @@ pub fn render_depth(runs: &[DepthRun], seconds: u64) -> String {
     );
     let _ = writeln!(
         out,
-        "| stack frames | BPF ns/run median / mean | BPF ns per sent sample | BPF runs | worker samples | user frames/sample mean (min–max) | complete stacks | BPF unwind_complete | agent peak RSS MiB |"
+        "| stack frames | BPF ns/run median / mean | BPF ns per sent sample | BPF runs on workers | worker samples | user frames/sample mean (min–max) | complete stacks | BPF unwind_complete | agent peak RSS MiB |"
     );
     let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for run in runs {
@@ -348,12 +358,15 @@ pub fn render_depth(runs: &[DepthRun], seconds: u64) -> String {
         );
         let _ = writeln!(
             out,
-            "| {} | {} / {} | {} | {} | {} | {} | {} | {} | {:.1} |",
+            "| {} | {} / {} | {} | {} | {} | {} | {} | {} | {} |",
             run.frames,
             opt(parse::median(&run.bpf.per_second_ns), 0),
             opt(run.bpf.window_mean_ns, 0),
             opt(run.ns_per_sent_sample(), 0),
-            run.bpf.window_runs,
+            run.counters.as_ref().map_or_else(
+                || "n/a".into(),
+                |c| counter_percent(c.bpf("samples_sent"), c.bpf("samples_seen"))
+            ),
             stacks.map_or_else(|| "n/a".into(), |s| s.samples.to_string()),
             stacks.map_or_else(
                 || "n/a".into(),
@@ -364,7 +377,7 @@ pub fn render_depth(runs: &[DepthRun], seconds: u64) -> String {
             ),
             stacks.map_or_else(|| "n/a".into(), |s| percent(s.complete, s.samples)),
             complete_bpf,
-            mib(run.usage.max_rss_bytes),
+            agent_rss(run.agent.as_ref()),
         );
     }
     let _ = writeln!(out, "\n#### Details\n");
@@ -374,7 +387,7 @@ pub fn render_depth(runs: &[DepthRun], seconds: u64) -> String {
     );
     let _ = writeln!(
         out,
-        "- complete stacks: worker samples (from the pprof output) whose leaf is `depth_leaf` with exactly `recursion` × `depth_recurse` above it, `main`, `_start` as the outermost user frame and no `[truncated]` marker. BPF unwind_complete: the BPF counter over the samples it sent (all pids in the filter, whole recording)."
+        "- complete stacks: worker samples (from the pprof output) whose user stack is `_start` … `main` → `depth_recurse` × recursion → `depth_leaf` (innermost user frame) with no `[truncated]` marker. BPF unwind_complete: the BPF counter over the samples it sent (all pids in the filter, whole recording)."
     );
     for run in runs {
         let mut parts = vec![format!("recursion {}", run.recursion)];
@@ -416,6 +429,11 @@ pub fn render_depth(runs: &[DepthRun], seconds: u64) -> String {
                 parts.push(format!("most frequent incomplete stack: `{top}`"));
             }
         }
+        parts.push(format!(
+            "agent CPU {:.2} s, ru_maxrss {:.1} MiB",
+            run.usage.cpu.as_secs_f64(),
+            mib(run.usage.max_rss_bytes)
+        ));
         parts.push(format!(
             "per-second BPF means min {} / max {} ns",
             opt(parse::quantile(&run.bpf.per_second_ns, 0.0), 0),
@@ -512,7 +530,7 @@ pub fn render_shared(runs: &[SharedRun]) -> String {
     }
     let _ = writeln!(
         out,
-        "| scenario | drivers sampled | complete driver stacks | processes registered | executable files: drivers / all sampled | tables loaded / evicted / resident | rows in use | mapping prefixes | agent peak RSS MiB (ru_maxrss / self) | agent CPU s |"
+        "| scenario | drivers sampled | complete driver stacks | processes registered | executable files: drivers / all sampled | tables loaded / evicted / resident | rows in use | mapping prefixes | agent peak RSS MiB | agent CPU s |"
     );
     let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for run in runs {
@@ -524,7 +542,7 @@ pub fn render_shared(runs: &[SharedRun]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} of {} | {} | {} | {} / {} | {} / {} / {} | {} | {} | {:.1} / {} | {:.2} |",
+            "| {} | {} of {} | {} | {} | {} / {} | {} / {} / {} | {} | {} | {} | {:.2} |",
             run.label,
             show(run.drivers_sampled.map(|n| n as u64)),
             run.processes,
@@ -537,20 +555,18 @@ pub fn render_shared(runs: &[SharedRun]) -> String {
             show(resident),
             show(table("rows_in_use")),
             show(table("mapping_prefixes")),
-            mib(run.usage.max_rss_bytes),
-            run.agent
-                .map_or_else(|| "n/a".into(), |a| format!("{:.1}", mib(a.peak_rss_bytes))),
+            agent_rss(run.agent.as_ref()),
             run.usage.cpu.as_secs_f64(),
         );
     }
     let _ = writeln!(out, "\n#### Details\n");
     let _ = writeln!(
         out,
-        "- executable files: distinct (device, inode) of executable file mappings in /proc/PID/maps, plus the vDSO: of the 100 drivers (read before the recording), and of every process with samples in the profile (read in the middle of the recording; the agent itself and other processes on the machine included). One table per file means resident tables (loaded − evicted) ≤ the latter. complete driver stacks: the drivers' samples in the profile whose user stack reaches `_start` without a `[truncated]` marker (a process's first sample is taken before its tables exist and may be cut short)."
+        "- executable files: distinct (device, inode) of executable file mappings in /proc/PID/maps, plus the vDSO: of the 100 drivers (read before the recording), and of every process with samples in the profile (all processes' maps read once a second during the recording; the agent itself and other processes on the machine included). One table per file means resident tables (loaded − evicted) ≤ the latter. complete driver stacks: the drivers' samples in the profile whose user stack reaches `_start` without a `[truncated]` marker (a process's first sample is taken before its tables exist and may be cut short)."
     );
     let _ = writeln!(
         out,
-        "- processes registered, tables, rows and prefixes: the agent's `NativeTableStats` in its final debug log line. rows in use counts whole 256-row chunks; mapping prefixes are the LPM-trie entries of all registered processes."
+        "- processes registered, tables, rows and prefixes: the agent's `NativeTableStats` in its final debug log line. rows in use counts whole 256-row chunks; mapping prefixes are the LPM-trie entries of all registered processes. agent peak RSS: the agent's own `VmHWM` (`peak_rss_bytes` of its final log line); `wait4`'s ru_maxrss (below) can be higher, as Linux carries the forked child's pre-exec size (a copy of the bench process) into it."
     );
     for run in runs {
         if let Some(c) = &run.counters {
@@ -571,13 +587,14 @@ pub fn render_shared(runs: &[SharedRun]) -> String {
         }
         let _ = writeln!(
             out,
-            "- {}: {} generated libraries; {} processes in the profile; {} driver samples, {} complete",
+            "- {}: {} generated libraries; {} processes in the profile; {} driver samples, {} complete; agent ru_maxrss {:.1} MiB",
             run.label,
             run.libraries,
             run.processes_sampled
                 .map_or_else(|| "n/a".into(), |n| n.to_string()),
             run.driver_samples,
             run.driver_complete,
+            mib(run.usage.max_rss_bytes),
         );
         for note in &run.notes {
             let _ = writeln!(out, "  - agent log: {note}");

@@ -528,12 +528,12 @@ pub fn run_shared(
         .arg(&output);
     let profiler = Proc::spawn(cmd, "profiler record")?;
     let profiler_pid = profiler.pid();
-    // Everyone's executable files, read in the middle of the recording (the agent included),
-    // so short-lived processes sampled early are still known at the end.
+    // Everyone's executable files (the agent's included), read once a second during the
+    // recording and kept per pid, so processes sampled and gone before the end still count.
     let mut files_by_pid: HashMap<u32, BTreeSet<String>> = HashMap::new();
-    let (finished, _) = record(profiler, |tick| {
-        if u64::from(tick) == seconds / 2 {
-            files_by_pid = all_executable_files();
+    let (finished, _) = record(profiler, |_| {
+        for (pid, files) in all_executable_files() {
+            files_by_pid.entry(pid).or_default().extend(files);
         }
         Ok(true)
     })?;
