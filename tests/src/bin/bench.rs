@@ -1,8 +1,9 @@
-//! Benchmark harness (`cargo xtask bench [-- --seconds N --output FILE]`): runs a fixed busy
-//! workload on every CPU alone, under `profiler record`, and under `perf record -F 100 -a -g`,
-//! and reports the BPF program's cost per sample, the collector's CPU time and peak RSS, and the
-//! workload's slowdown. It measures and reports; it asserts nothing about timing.
-//! See docs/benchmarks.md.
+//! Benchmark harness (`cargo xtask bench [-- --suite ... --output FILE]`). Suites: `overhead`
+//! (a busy workload on every CPU alone, under `profiler record` and under `perf record -F 100
+//! -a -g`: BPF cost per sample, collector CPU and peak RSS, slowdown), and the unwinder's
+//! `depth` (BPF cost and stack completeness at 10-128 frames without frame pointers), `tables`
+//! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes).
+//! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
 #[path = "bench/parse.rs"]
 mod parse;
