@@ -1,8 +1,9 @@
-//! Benchmark harness (`cargo xtask bench [-- --seconds N --output FILE]`): runs a fixed busy
-//! workload on every CPU alone, under `profiler record`, and under `perf record -F 100 -a -g`,
-//! and reports the BPF program's cost per sample, the collector's CPU time and peak RSS, and the
-//! workload's slowdown. It measures and reports; it asserts nothing about timing.
-//! See docs/benchmarks.md.
+//! Benchmark harness (`cargo xtask bench [-- --suite ... --output FILE]`). Suites: `overhead`
+//! (a busy workload on every CPU alone, under `profiler record` and under `perf record -F 100
+//! -a -g`: BPF cost per sample, collector CPU and peak RSS, slowdown), and the unwinder's
+//! `depth` (BPF cost and stack completeness at 10-128 frames without frame pointers), `tables`
+//! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes).
+//! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
 #[path = "bench/parse.rs"]
 mod parse;
@@ -10,6 +11,10 @@ mod parse;
 mod procs;
 #[path = "bench/report.rs"]
 mod report;
+#[path = "bench/tables.rs"]
+mod tables;
+#[path = "bench/unwind.rs"]
+mod unwind;
 
 use std::{
     path::{Path, PathBuf},
@@ -24,24 +29,94 @@ use parse::{AgentSummary, ProgStats};
 use procs::{Finished, Proc, Usage};
 
 const USAGE: &str = "\
-usage: bench [--seconds N] [--output FILE] [--no-build]
+usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-seconds N]
+             [--output FILE] [--no-build]
 
-  --seconds N    length of each scenario in seconds (default 20)
-  --output FILE  also write the markdown report to FILE
-  --no-build     do not run `cargo build --release -p profiler-user` first
+  --suite SUITES       comma-separated, any of: overhead, depth, tables, shared,
+                       unwind (= depth,tables,shared), all (default: all)
+  --seconds N          overhead suite: length of each scenario in seconds (default 20)
+  --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
+  --shared-seconds N   shared suite: recording per variant in seconds (default 10)
+  --output FILE        also write the markdown report to FILE
+  --no-build           do not run `cargo build --release -p profiler-user` first
 
-Needs root. Runs the scenarios in order: baseline, profiler, perf, baseline again
-(the repeat shows the run-to-run noise).";
+Needs root. Suites:
+  overhead  workload alone, under `profiler record`, under `perf record -F 100 -a -g`, alone
+            again (the repeat shows the run-to-run noise)
+  depth     BPF cost per sample and stack completeness at 10, 30, 50 and 128 frames
+            (a workload without frame pointers)
+  tables    unwind-table build time and size for libc, libpython3.11, libstdc++ and the
+            largest shared library on the machine
+  shared    agent RSS and table sharing with 100 processes mapping 50 libraries, and with
+            100 processes of one binary";
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Suites {
+    overhead: bool,
+    depth: bool,
+    tables: bool,
+    shared: bool,
+}
+
+impl Suites {
+    fn parse(text: &str) -> Result<Suites> {
+        let mut suites = Suites::default();
+        for name in text.split(',').map(str::trim) {
+            match name {
+                "all" => {
+                    suites = Suites {
+                        overhead: true,
+                        depth: true,
+                        tables: true,
+                        shared: true,
+                    }
+                }
+                "overhead" => suites.overhead = true,
+                "unwind" => {
+                    suites.depth = true;
+                    suites.tables = true;
+                    suites.shared = true;
+                }
+                "depth" => suites.depth = true,
+                "tables" => suites.tables = true,
+                "shared" => suites.shared = true,
+                other => bail!(
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, unwind or all"
+                ),
+            }
+        }
+        Ok(suites)
+    }
+
+    /// Whether a suite needs the BPF program (root, the release profiler, the sysctl).
+    fn needs_bpf(&self) -> bool {
+        self.overhead || self.depth || self.shared
+    }
+}
 
 struct Options {
+    suites: Suites,
     seconds: u64,
+    depth_seconds: u64,
+    shared_seconds: u64,
     output: Option<PathBuf>,
     build: bool,
 }
 
+/// A whole number of seconds from `min` to 3600.
+fn parse_seconds(flag: &str, text: &str, min: u64) -> Result<u64> {
+    match text.parse::<u64>() {
+        Ok(n) if (min..=3600).contains(&n) => Ok(n),
+        _ => bail!("{flag} must be a whole number from {min} to 3600, not {text:?}"),
+    }
+}
+
 fn parse_args(args: &[String]) -> Result<Option<Options>> {
     let mut options = Options {
+        suites: Suites::parse("all")?,
         seconds: 20,
+        depth_seconds: 8,
+        shared_seconds: 10,
         output: None,
         build: true,
     };
@@ -58,14 +133,11 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
                 .with_context(|| format!("{flag} needs a value\n\n{USAGE}"))
         };
         match flag {
-            "--seconds" => {
-                let text = value()?;
-                options.seconds = match text.parse::<u64>() {
-                    // Below a few seconds the per-second BPF figures have too few points.
-                    Ok(n) if (3..=3600).contains(&n) => n,
-                    _ => bail!("--seconds must be a whole number from 3 to 3600, not {text:?}"),
-                };
-            }
+            // Below a few seconds the per-second BPF figures have too few points.
+            "--seconds" => options.seconds = parse_seconds(flag, &value()?, 3)?,
+            "--depth-seconds" => options.depth_seconds = parse_seconds(flag, &value()?, 3)?,
+            "--shared-seconds" => options.shared_seconds = parse_seconds(flag, &value()?, 2)?,
+            "--suite" => options.suites = Suites::parse(&value()?)?,
             "--output" => options.output = Some(PathBuf::from(value()?)),
             "--no-build" => options.build = false,
             "-h" | "--help" => {
@@ -130,7 +202,6 @@ pub enum Outcome {
 }
 
 pub struct Results {
-    pub options_line: String,
     pub seconds: u64,
     pub facts: report::Facts,
     pub baseline: Throughput,
@@ -143,24 +214,126 @@ fn run(args: &[String]) -> Result<()> {
     let Some(options) = parse_args(args)? else {
         return Ok(());
     };
+    let suites = options.suites;
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if suites.needs_bpf() && unsafe { libc::geteuid() } != 0 {
         bail!("the benchmark loads BPF programs and sets kernel.bpf_stats_enabled: run it as root");
     }
     procs::catch_sigint();
+    let options_line = std::iter::once("bench".to_string())
+        .chain(args.iter().cloned())
+        .collect::<Vec<_>>()
+        .join(" ");
 
-    let profiler = profiler_binary(options.build)?;
-    let workload = build_workload()?;
-    let perf = find_perf();
+    let profiler = if suites.needs_bpf() {
+        Some(profiler_binary(options.build)?)
+    } else {
+        None
+    };
+    let perf = if suites.overhead { find_perf() } else { None };
     let facts = report::Facts::collect(perf.as_ref().map(|(_, version)| version.clone()));
     let scratch = Scratch::new("bench");
 
     // Restored when this guard drops, also on error or Ctrl-C.
-    let _stats = SysctlGuard::set("/proc/sys/kernel/bpf_stats_enabled", "1")?;
+    let _stats = if suites.needs_bpf() {
+        Some(SysctlGuard::set("/proc/sys/kernel/bpf_stats_enabled", "1")?)
+    } else {
+        None
+    };
 
+    let mut markdown = report::render_header(&facts, &options_line);
+    if let (true, Some(profiler)) = (suites.overhead, &profiler) {
+        let results = run_overhead(&options, profiler, perf.as_ref(), &facts, &scratch)?;
+        markdown.push_str(&report::render(&results));
+        settle()?;
+    }
+    let mut depth_runs = Vec::new();
+    if let (true, Some(profiler)) = (suites.depth, &profiler) {
+        let workload = unwind::depth_workload()?;
+        for (i, &frames) in unwind::DEPTHS.iter().enumerate() {
+            eprintln!(
+                "bench: [depth {}/{}] {frames}-frame stacks, {} workers, {} s",
+                i + 1,
+                unwind::DEPTHS.len(),
+                facts.cpus,
+                options.depth_seconds
+            );
+            depth_runs.push(unwind::run_depth(
+                profiler,
+                &workload,
+                facts.cpus,
+                frames,
+                options.depth_seconds,
+                &scratch,
+            )?);
+            settle()?;
+        }
+        markdown.push_str(&report::render_depth(&depth_runs, options.depth_seconds));
+    }
+    let mut shared_runs = Vec::new();
+    if let (true, Some(profiler)) = (suites.shared, &profiler) {
+        eprintln!(
+            "bench: [shared] building the driver and {} libraries",
+            unwind::SHARED_LIBRARIES
+        );
+        let fixtures = unwind::shared_fixtures()?;
+        for (i, with_libraries) in [true, false].into_iter().enumerate() {
+            eprintln!(
+                "bench: [shared {}/2] {} driver processes{}, {} s",
+                i + 1,
+                unwind::SHARED_PROCESSES,
+                if with_libraries {
+                    " mapping 50 libraries"
+                } else {
+                    " of one binary"
+                },
+                options.shared_seconds
+            );
+            shared_runs.push(unwind::run_shared(
+                profiler,
+                &fixtures,
+                with_libraries,
+                options.shared_seconds,
+                &scratch,
+            )?);
+            settle()?;
+        }
+        markdown.push_str(&report::render_shared(&shared_runs));
+    }
+    let mut table_results = None;
+    if suites.tables {
+        eprintln!("bench: [tables] unwind-table build time and size");
+        let result = tables::run()?;
+        markdown.push_str(&report::render_tables(&result));
+        table_results = Some(result);
+    }
+    markdown.push_str(&report::render_unwind_targets(
+        &depth_runs,
+        table_results.as_ref(),
+        &shared_runs,
+    ));
+
+    println!("{markdown}");
+    if let Some(path) = &options.output {
+        std::fs::write(path, &markdown)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("bench: report written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The CPU-overhead suite: baseline, profiler, perf, baseline again.
+fn run_overhead(
+    options: &Options,
+    profiler: &Path,
+    perf: Option<&(PathBuf, String)>,
+    facts: &report::Facts,
+    scratch: &Scratch,
+) -> Result<Results> {
+    let workload = build_workload()?;
     let seconds = options.seconds;
     eprintln!(
-        "bench: {} workers per scenario, {seconds} s each: baseline, profiler, perf, baseline again",
+        "bench: [overhead] {} workers per scenario, {seconds} s each: baseline, profiler, perf, baseline again",
         facts.cpus
     );
 
@@ -169,55 +342,43 @@ fn run(args: &[String]) -> Result<()> {
     finish_workers(start_workers(&workload, facts.cpus, 3)?)?;
     settle()?;
 
-    eprintln!("bench: [1/4] baseline (workload alone)");
+    eprintln!("bench: [overhead 1/4] baseline (workload alone)");
     let workers = start_workers(&workload, facts.cpus, seconds)?;
     let baseline = finish_workers(workers)?;
     settle()?;
 
-    eprintln!("bench: [2/4] profiler record");
-    let ours = run_ours(&profiler, &workload, facts.cpus, seconds, &scratch)?;
+    eprintln!("bench: [overhead 2/4] profiler record");
+    let ours = run_ours(profiler, &workload, facts.cpus, seconds, scratch)?;
     settle()?;
 
-    let perf = match &perf {
+    let perf = match perf {
         None => {
             eprintln!(
-                "bench: [3/4] perf skipped: `perf` not found (Debian: apt-get install linux-perf; `cargo xtask setup` installs it)"
+                "bench: [overhead 3/4] perf skipped: `perf` not found (Debian: apt-get install linux-perf; `cargo xtask setup` installs it)"
             );
             Outcome::Skipped("perf not found (install Debian's linux-perf)".into())
         }
         Some((perf, _)) => {
-            eprintln!("bench: [3/4] perf record -F 100 -a -g");
-            run_perf(perf, &workload, facts.cpus, seconds, &scratch)?
+            eprintln!("bench: [overhead 3/4] perf record -F 100 -a -g");
+            run_perf(perf, &workload, facts.cpus, seconds, scratch)?
         }
     };
     settle()?;
 
     // The same baseline again: how far two identical runs differ is the noise floor for the
     // slowdown column (large on shared VMs).
-    eprintln!("bench: [4/4] baseline again (noise check)");
+    eprintln!("bench: [overhead 4/4] baseline again (noise check)");
     let workers = start_workers(&workload, facts.cpus, seconds)?;
     let baseline_again = finish_workers(workers)?;
 
-    let results = Results {
-        options_line: std::iter::once("bench".to_string())
-            .chain(args.iter().cloned())
-            .collect::<Vec<_>>()
-            .join(" "),
+    Ok(Results {
         seconds,
-        facts,
+        facts: facts.clone(),
         baseline,
         baseline_again,
         ours,
         perf,
-    };
-    let markdown = report::render(&results);
-    println!("{markdown}");
-    if let Some(path) = &options.output {
-        std::fs::write(path, &markdown)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        eprintln!("bench: report written to {}", path.display());
-    }
-    Ok(())
+    })
 }
 
 /// The release `profiler` next to this binary (both live in target/release). Building it here
@@ -364,11 +525,15 @@ struct Poll {
     agent_cpu: Option<Duration>,
 }
 
-/// Sums the run counters of every BPF program `pid` holds an fd for (each program once).
-fn bpf_prog_stats(pid: u32) -> Option<ProgStats> {
+/// `BPF_PROG_TYPE_PERF_EVENT`: the sampler. The agent also holds a raw-tracepoint program
+/// (`sched_process_exit`) whose cheap runs must not dilute the per-sample figures.
+const PROG_TYPE_PERF_EVENT: u32 = 7;
+
+/// Sums the run counters of the perf-event BPF programs `pid` holds an fd for (each program
+/// once); of all its programs when it holds no perf-event program.
+pub fn bpf_prog_stats(pid: u32) -> Option<ProgStats> {
     let entries = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).ok()?;
-    let mut seen = Vec::new();
-    let mut total: Option<ProgStats> = None;
+    let mut programs: Vec<ProgStats> = Vec::new();
     for entry in entries.flatten() {
         let Ok(text) = std::fs::read_to_string(entry.path()) else {
             continue;
@@ -376,21 +541,65 @@ fn bpf_prog_stats(pid: u32) -> Option<ProgStats> {
         let Some(stats) = parse::parse_prog_fdinfo(&text) else {
             continue;
         };
-        if stats.prog_id != 0 {
-            if seen.contains(&stats.prog_id) {
-                continue;
-            }
-            seen.push(stats.prog_id);
+        if stats.prog_id != 0 && programs.iter().any(|p| p.prog_id == stats.prog_id) {
+            continue;
         }
-        let sum = total.get_or_insert(ProgStats {
-            prog_id: 0,
-            run_time_ns: 0,
-            run_cnt: 0,
-        });
-        sum.run_time_ns += stats.run_time_ns;
-        sum.run_cnt += stats.run_cnt;
+        programs.push(stats);
     }
-    total
+    if programs.is_empty() {
+        return None;
+    }
+    let samplers = programs.iter().any(|p| p.prog_type == PROG_TYPE_PERF_EVENT);
+    let mut total = ProgStats {
+        prog_id: 0,
+        prog_type: if samplers { PROG_TYPE_PERF_EVENT } else { 0 },
+        run_time_ns: 0,
+        run_cnt: 0,
+    };
+    for program in programs
+        .iter()
+        .filter(|p| !samplers || p.prog_type == PROG_TYPE_PERF_EVENT)
+    {
+        total.run_time_ns += program.run_time_ns;
+        total.run_cnt += program.run_cnt;
+    }
+    Some(total)
+}
+
+/// Per-second and overall BPF cost from consecutive once-a-second polls.
+pub fn bpf_cost(window: &[ProgStats]) -> BpfCost {
+    let mut bpf = BpfCost::default();
+    for pair in window.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        let runs = b.run_cnt.saturating_sub(a.run_cnt);
+        if runs > 0 {
+            bpf.per_second_ns
+                .push(b.run_time_ns.saturating_sub(a.run_time_ns) as f64 / runs as f64);
+        }
+    }
+    if let (Some(first), Some(last)) = (window.first(), window.last()) {
+        let runs = last.run_cnt.saturating_sub(first.run_cnt);
+        if runs > 0 {
+            bpf.window_runs = runs;
+            bpf.window_mean_ns =
+                Some(last.run_time_ns.saturating_sub(first.run_time_ns) as f64 / runs as f64);
+        }
+    }
+    bpf
+}
+
+/// `profiler --log-format json record ...` with `RUST_LOG` as given and none of the bench's own
+/// `PROFILER_*` environment variables (they must not change what is measured).
+pub fn profiler_command(profiler: &Path, rust_log: &str) -> Command {
+    let mut cmd = Command::new(profiler);
+    cmd.args(["--log-format", "json", "record"])
+        .env("RUST_LOG", rust_log);
+    for (var, _) in std::env::vars_os() {
+        if var.to_string_lossy().starts_with("PROFILER_") {
+            cmd.env_remove(var);
+        }
+    }
+    cmd
 }
 
 /// Polls the workers and the collector once a second until all have exited; `on_tick` sees
@@ -436,23 +645,11 @@ fn run_ours(
     scratch: &Scratch,
 ) -> Result<(Throughput, CollectorRun)> {
     let mut workers = start_workers(workload, cpus, seconds)?;
-    let mut cmd = Command::new(profiler);
-    cmd.args(["--log-format", "json", "record", "--duration"])
+    let mut cmd = profiler_command(profiler, "info");
+    cmd.arg("--duration")
         .arg(seconds.to_string())
         .arg("--output")
-        .arg(scratch.path("profile.pb.gz"))
-        .env("RUST_LOG", "info");
-    // The bench's own environment must not change what is measured.
-    for var in [
-        "PROFILER_FREQUENCY",
-        "PROFILER_PID",
-        "PROFILER_OUTPUT",
-        "PROFILER_FORMAT",
-        "PROFILER_DURATION",
-        "PROFILER_LOG_FORMAT",
-    ] {
-        cmd.env_remove(var);
-    }
+        .arg(scratch.path("profile.pb.gz"));
     let mut profiler = Proc::spawn(cmd, "profiler record")?;
     let profiler_pid = profiler.pid();
 
@@ -484,26 +681,15 @@ fn run_ours(
         .filter(|p| p.workers_running)
         .filter_map(|p| Some((p.bpf?, p.agent_cpu)))
         .collect();
-    let mut bpf = BpfCost::default();
-    for pair in window.windows(2) {
-        let (a, b) = (pair[0].0, pair[1].0);
-        let runs = b.run_cnt.saturating_sub(a.run_cnt);
-        if runs > 0 {
-            bpf.per_second_ns
-                .push(b.run_time_ns.saturating_sub(a.run_time_ns) as f64 / runs as f64);
-        }
-    }
+    let stats: Vec<ProgStats> = window.iter().map(|(stats, _)| *stats).collect();
+    let bpf = bpf_cost(&stats);
     let mut steady_cpu_per_run = None;
-    if let (Some(first), Some(last)) = (window.first(), window.last()) {
-        let runs = last.0.run_cnt.saturating_sub(first.0.run_cnt);
-        if runs > 0 {
-            bpf.window_runs = runs;
-            bpf.window_mean_ns =
-                Some(last.0.run_time_ns.saturating_sub(first.0.run_time_ns) as f64 / runs as f64);
-            if let (Some(a), Some(b)) = (first.1, last.1) {
-                steady_cpu_per_run = Some(b.saturating_sub(a) / runs.min(u32::MAX as u64) as u32);
-            }
-        }
+    if let (Some(first), Some(last)) = (window.first(), window.last())
+        && let (Some(a), Some(b)) = (first.1, last.1)
+        && bpf.window_runs > 0
+    {
+        steady_cpu_per_run =
+            Some(b.saturating_sub(a) / bpf.window_runs.min(u64::from(u32::MAX)) as u32);
     }
     if bpf.per_second_ns.is_empty() {
         eprintln!(
@@ -583,7 +769,7 @@ fn perf_event(perf: &Path, data: &Path) -> Option<String> {
     (out.status.success() && !events.is_empty()).then(|| events.join(", "))
 }
 
-fn tail(text: &str, lines: usize) -> String {
+pub fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -1,12 +1,15 @@
 //! Parsers for what the bench reads: BPF fdinfo, the agent's JSON log, perf's stderr, the
 //! workload's output. All of them tolerate missing or malformed input (they return `None`)
 //! because kernels, perf versions and log formats vary.
+use std::collections::BTreeMap;
 
 /// Kernel statistics of one BPF program, from `/proc/PID/fdinfo/FD`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProgStats {
     /// `prog_id:` (absent on old kernels: 0), used to count a program held by two fds once.
     pub prog_id: u64,
+    /// `prog_type:` (7 is `BPF_PROG_TYPE_PERF_EVENT`, the sampler).
+    pub prog_type: u32,
     pub run_time_ns: u64,
     pub run_cnt: u64,
 }
@@ -14,7 +17,7 @@ pub struct ProgStats {
 /// Parses one fdinfo file. `None` unless it describes a BPF program (`prog_type:`) with both
 /// run counters (kernels without BPF stats omit them).
 pub fn parse_prog_fdinfo(text: &str) -> Option<ProgStats> {
-    let mut is_prog = false;
+    let mut prog_type = None;
     let mut prog_id = 0;
     let mut run_time_ns = None;
     let mut run_cnt = None;
@@ -24,18 +27,16 @@ pub fn parse_prog_fdinfo(text: &str) -> Option<ProgStats> {
         };
         let value = value.trim();
         match key.trim() {
-            "prog_type" => is_prog = true,
+            "prog_type" => prog_type = Some(value.parse().unwrap_or(u32::MAX)),
             "prog_id" => prog_id = value.parse().unwrap_or(0),
             "run_time_ns" => run_time_ns = value.parse().ok(),
             "run_cnt" => run_cnt = value.parse().ok(),
             _ => {}
         }
     }
-    if !is_prog {
-        return None;
-    }
     Some(ProgStats {
         prog_id,
+        prog_type: prog_type?,
         run_time_ns: run_time_ns?,
         run_cnt: run_cnt?,
     })
@@ -106,6 +107,99 @@ pub fn parse_workload_output(stdout: &str) -> Option<(u64, f64)> {
     })
 }
 
+/// The agent's debug line `recording finished: BPF counters` (`RUST_LOG=profiler=debug`): the
+/// BPF counters and the native table manager's `NativeTableStats`, both logged with `Debug`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentCounters {
+    /// BPF counters by name (`samples_seen`, `unwind_complete`, `unwind_frames`, ...).
+    pub bpf: BTreeMap<String, u64>,
+    /// `NativeTableStats` fields by name; `build_time` is kept as text (e.g. `11.3ms`).
+    pub tables: BTreeMap<String, String>,
+}
+
+impl AgentCounters {
+    pub fn bpf(&self, name: &str) -> u64 {
+        self.bpf.get(name).copied().unwrap_or(0)
+    }
+
+    pub fn table(&self, name: &str) -> Option<u64> {
+        self.tables.get(name).and_then(|v| v.parse().ok())
+    }
+}
+
+/// Finds the last `recording finished: BPF counters` line of the JSON log.
+pub fn parse_agent_counters(stderr: &str) -> Option<AgentCounters> {
+    stderr.lines().rev().find_map(|line| {
+        let value: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+        let fields = value.get("fields")?;
+        if fields.get("message")?.as_str()? != "recording finished: BPF counters" {
+            return None;
+        }
+        let mut counters = AgentCounters::default();
+        // `{"samples_seen": 223, "samples_sent": 24}`
+        let bpf = fields.get("counters")?.as_str()?;
+        for pair in debug_fields(bpf.trim().trim_start_matches('{').trim_end_matches('}')) {
+            if let Ok(n) = pair.1.parse() {
+                counters.bpf.insert(pair.0.trim_matches('"').to_string(), n);
+            }
+        }
+        // `NativeTableStats { tables_loaded: 6, ..., build_time: 11.343566ms }`
+        if let Some(tables) = fields.get("tables").and_then(serde_json::Value::as_str) {
+            let inner = tables
+                .split_once('{')
+                .map_or("", |(_, rest)| rest.trim_end().trim_end_matches('}'));
+            for (key, value) in debug_fields(inner) {
+                counters.tables.insert(key.to_string(), value.to_string());
+            }
+        }
+        Some(counters)
+    })
+}
+
+/// The distinct notable lines of the agent's JSON log: warnings, errors, and the `no unwind
+/// table` notes, as `LEVEL message (file)`, in order of first appearance.
+pub fn notable_log_lines(stderr: &str) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for line in stderr.lines() {
+        let Ok(value) = serde_json::from_str::<serde_json::Value>(line.trim()) else {
+            continue;
+        };
+        let level = value
+            .get("level")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        let Some(fields) = value.get("fields") else {
+            continue;
+        };
+        let message = fields
+            .get("message")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        if !(level == "WARN" || level == "ERROR" || message.starts_with("no unwind table")) {
+            continue;
+        }
+        let mut text = format!("{level} {message}");
+        if let Some(file) = fields.get("file").and_then(serde_json::Value::as_str) {
+            text.push_str(&format!(" ({file})"));
+        }
+        if !lines.contains(&text) {
+            lines.push(text);
+        }
+    }
+    lines
+}
+
+/// `a: 1, b: 2` → [(a, 1), (b, 2)], trimmed; pairs without `:` are skipped.
+fn debug_fields(text: &str) -> Vec<(&str, &str)> {
+    text.split(',')
+        .filter_map(|pair| {
+            let (key, value) = pair.split_once(':')?;
+            Some((key.trim(), value.trim()))
+        })
+        .filter(|(key, _)| !key.is_empty())
+        .collect()
+}
+
 /// The `q`-quantile (0..=1) of `values` by the nearest-rank method; `None` when empty.
 pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
     let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
@@ -145,6 +239,7 @@ mod tests {
             parse_prog_fdinfo(text),
             Some(ProgStats {
                 prog_id: 42,
+                prog_type: 7,
                 run_time_ns: 123456,
                 run_cnt: 100
             })
@@ -178,6 +273,40 @@ not json at all
         assert_eq!(summary.bpf_run_count, 4001);
         assert_eq!(summary.peak_rss_bytes, 20_000_000);
         assert_eq!(parse_agent_summary("plain text log\n{}\n"), None);
+    }
+
+    #[test]
+    fn agent_counters_from_debug_line() {
+        let log = r#"{"timestamp":"t","level":"DEBUG","fields":{"message":"recording finished: BPF counters","counters":"{\"idle\": 199, \"samples_seen\": 223, \"unwind_frames\": 215}","tables":"NativeTableStats { tables_loaded: 6, tables_built: 6, processes_registered: 2, build_time: 11.343566ms }"},"target":"profiler::self_metrics"}
+{"timestamp":"t","level":"INFO","fields":{"message":"recording finished","samples_seen":223},"target":"profiler::self_metrics"}"#;
+        let counters = parse_agent_counters(log).expect("counters");
+        assert_eq!(counters.bpf("samples_seen"), 223);
+        assert_eq!(counters.bpf("unwind_frames"), 215);
+        assert_eq!(counters.bpf("missing"), 0);
+        assert_eq!(counters.table("tables_loaded"), Some(6));
+        assert_eq!(counters.table("processes_registered"), Some(2));
+        assert_eq!(counters.table("build_time"), None);
+        assert_eq!(
+            counters.tables.get("build_time").map(String::as_str),
+            Some("11.343566ms")
+        );
+        assert_eq!(parse_agent_counters("not json\n{}\n"), None);
+    }
+
+    #[test]
+    fn notable_lines() {
+        let log = r#"{"level":"INFO","fields":{"message":"sampling started"}}
+{"level":"INFO","fields":{"message":"no unwind table, using frame pointers: bad","file":"/x.so"}}
+{"level":"WARN","fields":{"message":"slow"}}
+{"level":"WARN","fields":{"message":"slow"}}
+garbage"#;
+        assert_eq!(
+            notable_log_lines(log),
+            [
+                "INFO no unwind table, using frame pointers: bad (/x.so)",
+                "WARN slow"
+            ]
+        );
     }
 
     #[test]
