@@ -37,6 +37,8 @@ pub struct NativeTableStats {
     pub tables_failed: u64,
     /// Files whose table alone exceeds the memory budget: frame pointers.
     pub tables_too_large: u64,
+    /// Placements put off because the budget was full of recently used tables.
+    pub tables_deferred: u64,
     pub rows_in_use: u64,
     pub row_capacity: u64,
     pub processes_registered: u64,
@@ -110,6 +112,12 @@ struct TableSlot {
     state: SlotState,
     segments: Segments,
     last_used: u64,
+    /// When the table was last placed or asked for: a table younger than the minimum
+    /// residency is never evicted, so a budget too small for the working set degrades to
+    /// frame pointers for some files instead of rebuilding tables in a loop.
+    used_at: Instant,
+    /// No rebuild before this (set when a table could not be placed).
+    retry_after: Option<Instant>,
     source: Option<Arc<MappedFile>>,
 }
 
@@ -197,8 +205,12 @@ pub struct NativeTables<M: UnwindMaps> {
     tick: u64,
     processes: HashMap<Pid, Registration>,
     has_vdso: bool,
+    min_residency: Duration,
     stats: NativeTableStats,
 }
+
+/// Default minimum time a placed table stays before it may be evicted.
+pub const MIN_RESIDENCY: Duration = Duration::from_secs(10);
 
 /// A table to build: the file (none for the vDSO).
 struct BuildRequest {
@@ -287,6 +299,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             next_table_id: 1,
             tick: 0,
             processes: HashMap::new(),
+            min_residency: MIN_RESIDENCY,
             stats: NativeTableStats {
                 row_capacity: u64::from(capacity) * ROWS_PER_CHUNK as u64,
                 ..Default::default()
@@ -299,6 +312,12 @@ impl<M: UnwindMaps> NativeTables<M> {
         stats.rows_in_use = u64::from(self.allocator.in_use()) * ROWS_PER_CHUNK as u64;
         stats.processes_registered = self.processes.len() as u64;
         stats
+    }
+
+    /// Overrides [`MIN_RESIDENCY`].
+    pub fn with_min_residency(mut self, min_residency: Duration) -> Self {
+        self.min_residency = min_residency;
+        self
     }
 
     pub fn maps(&self) -> &M {
@@ -408,6 +427,9 @@ impl<M: UnwindMaps> NativeTables<M> {
             }
         };
         if let Some(slot) = self.slots.get_mut(&result.key) {
+            slot.retry_after =
+                matches!(state, SlotState::Evicted).then(|| Instant::now() + self.min_residency);
+            slot.used_at = Instant::now();
             slot.state = state;
             slot.segments = segments;
         }
@@ -498,9 +520,15 @@ impl<M: UnwindMaps> NativeTables<M> {
         let request = match self.slots.get_mut(key) {
             Some(slot) => {
                 slot.last_used = tick;
+                slot.used_at = Instant::now();
                 match slot.state {
                     SlotState::Loaded { .. } => false,
                     SlotState::Unusable | SlotState::Building => return None,
+                    SlotState::Evicted
+                        if slot.retry_after.is_some_and(|at| Instant::now() < at) =>
+                    {
+                        return None;
+                    }
                     SlotState::Evicted => {
                         slot.state = SlotState::Building;
                         true
@@ -517,6 +545,8 @@ impl<M: UnwindMaps> NativeTables<M> {
                         state: SlotState::Building,
                         segments: Segments::default(),
                         last_used: tick,
+                        used_at: Instant::now(),
+                        retry_after: None,
                         source: source.clone(),
                     },
                 );
@@ -560,8 +590,15 @@ impl<M: UnwindMaps> NativeTables<M> {
                 break range;
             }
             if !self.evict_least_recently_used() {
-                self.stats.tables_too_large += 1;
-                return SlotState::Unusable;
+                // Everything placed is in recent use: this file waits (frame pointers) and is
+                // retried later, rather than pushing out a table that is needed right now.
+                self.stats.tables_deferred += 1;
+                tracing::debug!(
+                    file = name,
+                    rows = total_rows,
+                    "unwind-table budget full of recently used tables; deferring"
+                );
+                return SlotState::Evicted;
             }
         };
         let first_row = range.start * ROWS_PER_CHUNK as u32;
@@ -615,6 +652,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             .slots
             .iter()
             .filter(|(_, slot)| matches!(slot.state, SlotState::Loaded { .. }))
+            .filter(|(_, slot)| slot.used_at.elapsed() >= self.min_residency)
             .min_by_key(|(_, slot)| slot.last_used)
             .map(|(key, _)| key.clone())
         else {
@@ -863,7 +901,7 @@ mod tests {
             capacity: libc_chunks as u32 + 8,
             ..FakeMaps::default()
         };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = NativeTables::new(maps, None).with_min_residency(Duration::ZERO);
         let (libc, libm) = (mapped(LIBC), mapped(LIBM));
         let a = process(20, &[libc]);
         tables.sync_waiting(&a, Duration::from_secs(30));
@@ -884,6 +922,46 @@ mod tests {
         }
         assert!(tables.maps().pages.keys().any(|k| k.table_id == libc_table));
         assert_eq!(tables.stats().tables_evicted, 2);
+    }
+
+    #[test]
+    fn recently_used_tables_are_not_evicted() {
+        let libc_chunks = build_table(&std::fs::read(LIBC).unwrap())
+            .unwrap()
+            .paged()
+            .rows()
+            .len()
+            .div_ceil(ROWS_PER_CHUNK);
+        let maps = FakeMaps {
+            capacity: libc_chunks as u32 + 8,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        tables.sync_waiting(&process(40, &[mapped(LIBC)]), Duration::from_secs(30));
+        let libc_table = tables.maps().mappings.values().next().unwrap().table_id;
+        let libm_process = process(41, &[mapped(LIBM)]);
+        tables.sync(&libm_process);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while tables.stats().tables_deferred == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            tables.poll_builds();
+        }
+        let stats = tables.stats();
+        assert_eq!(
+            (stats.tables_deferred, stats.tables_evicted),
+            (1, 0),
+            "libc stays, libm waits"
+        );
+        assert!(tables.maps().pages.keys().any(|k| k.table_id == libc_table));
+        // Asking again right away does not rebuild: the deferral backs off.
+        tables.reload_missing(&libm_process);
+        std::thread::sleep(Duration::from_millis(200));
+        tables.poll_builds();
+        assert_eq!(
+            tables.stats().tables_built,
+            2,
+            "no rebuild during the back-off"
+        );
     }
 
     #[test]
