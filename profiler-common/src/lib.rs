@@ -22,6 +22,8 @@ pub mod names {
     pub const MAP_CONFIG: &str = "CONFIG";
     pub const PROGRAM_PROCESS_EXIT: &str = "process_exit";
     pub const TRACEPOINT_PROCESS_EXIT: &str = "sched_process_exit";
+    pub const PROGRAM_PROCESS_EXEC: &str = "process_exec";
+    pub const TRACEPOINT_PROCESS_EXEC: &str = "sched_process_exec";
     pub const MAP_EVENTS: &str = "EVENTS";
     pub const MAP_UNWIND_ROWS: &str = "UNWIND_ROWS";
     pub const MAP_UNWIND_PAGES: &str = "UNWIND_PAGES";

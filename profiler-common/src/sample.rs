@@ -74,6 +74,8 @@ unsafe impl aya::Pod for RawSample {}
 
 /// `ProcessEvent::kind`: the process (its thread-group leader) exited.
 pub const EVENT_PROCESS_EXIT: u32 = 1;
+/// `ProcessEvent::kind`: the process replaced its program (execve): its mappings are new.
+pub const EVENT_PROCESS_EXEC: u32 = 2;
 
 /// A process lifecycle event from the `EVENTS` ring buffer.
 #[repr(C)]

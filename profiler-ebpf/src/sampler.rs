@@ -10,11 +10,11 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext},
 };
 use profiler_common::{
-    EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS, MAX_KERNEL_FRAMES, ProcessEvent,
-    RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED,
-    SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
-    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
-    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
+    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS,
+    MAX_KERNEL_FRAMES, ProcessEvent, RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
+    STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
+    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
 use crate::user_stack;
@@ -144,12 +144,26 @@ pub fn process_exit(_ctx: RawTracePointContext) -> i32 {
     if tgid != tid || tgid == 0 {
         return 0;
     }
-    let event = ProcessEvent {
-        kind: EVENT_PROCESS_EXIT,
-        pid: tgid,
-    };
-    if EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
+    send_event(EVENT_PROCESS_EXIT, tgid);
+    0
+}
+
+/// Tells the agent a process exec'ed: its old mappings (and their tables) no longer apply.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    send_event(EVENT_PROCESS_EXEC, tgid);
+    0
+}
+
+#[inline(always)]
+fn send_event(kind: u32, pid: u32) {
+    let event = ProcessEvent { kind, pid };
+    // The agent polls the events ring on its own timer: no wakeup needed.
+    if EVENTS
+        .output::<ProcessEvent>(&event, BPF_RB_NO_WAKEUP as u64)
+        .is_err()
+    {
         count(STAT_EVENTS_LOST);
     }
-    0
 }

@@ -16,7 +16,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
 
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping},
-    bpf::{BpfError, EventRing, KernelUnwindMaps, Sampler, SamplerSettings},
+    bpf::{BpfError, EventRing, KernelUnwindMaps, LifecycleEvent, Sampler, SamplerSettings},
     config::{AgentConfig, RecordConfig, SamplingConfig},
     export::{self, DirectorySink, ExportError, ProfileSink},
     model::{Pid, ProcessInfo, Profile, Sample},
@@ -130,11 +130,18 @@ impl Pipeline {
         }
     }
 
-    /// Places finished unwind tables and drops the BPF registrations of exited processes.
+    /// Places finished unwind tables and follows exits and execs.
     fn poll_events(&mut self) {
         self.native_tables.poll_builds();
-        for pid in self.events.exited_pids() {
-            self.native_tables.unregister(Pid(pid));
+        for event in self.events.drain() {
+            match event {
+                LifecycleEvent::Exited(pid) => self.native_tables.unregister(Pid(pid)),
+                LifecycleEvent::Execed(pid) => {
+                    // A new program: its next sample takes a new snapshot and registration.
+                    self.native_tables.unregister(Pid(pid));
+                    self.processes.forget(Pid(pid));
+                }
+            }
         }
     }
 

@@ -554,3 +554,28 @@ fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
         },
     );
 }
+
+#[test]
+fn program_exec_ed_by_a_profiled_process_is_unwound_with_its_own_tables() {
+    let _guard = exclusive();
+    let fixture = nofp_fixture("fp_chain.c");
+    // A busy shell (sampled, so its own mappings get registered) that then execs the fixture
+    // under the same pid.
+    let script = format!(
+        "i=0; while [ $i -lt 150000 ]; do i=$((i+1)); done; exec {} 20",
+        fixture.display()
+    );
+    let running = spawn(Path::new("/bin/sh"), &["-c", &script]);
+    let samples = of_pid(&record(&[running.pid()], "5", "exec"), running.pid());
+    let after_exec: Vec<StackSample> = samples
+        .into_iter()
+        .filter(|s| s.frames.iter().any(|f| f.starts_with("level")))
+        .collect();
+    assert_fraction(
+        &after_exec,
+        0.95,
+        100,
+        "have the chain main;level1;level2;level3;level4 after the exec",
+        |s| find_chain(&s.frames, &CHAIN).is_some(),
+    );
+}

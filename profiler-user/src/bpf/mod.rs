@@ -22,8 +22,8 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, STAT_COUNT, STAT_NAMES,
-    STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
+    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, STAT_COUNT,
+    STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -149,20 +149,29 @@ pub struct EventRing {
 }
 
 impl EventRing {
-    /// Pids of processes that exited since the last call.
-    pub fn exited_pids(&mut self) -> Vec<u32> {
-        let mut pids = Vec::new();
+    /// Lifecycle events since the last call, oldest first.
+    pub fn drain(&mut self) -> Vec<LifecycleEvent> {
+        let mut events = Vec::new();
         while let Some(item) = self.ring.next() {
             if item.len() >= std::mem::size_of::<ProcessEvent>() {
                 // SAFETY: length checked; ProcessEvent is plain old data.
                 let event: ProcessEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-                if event.kind == EVENT_PROCESS_EXIT {
-                    pids.push(event.pid);
+                match event.kind {
+                    EVENT_PROCESS_EXIT => events.push(LifecycleEvent::Exited(event.pid)),
+                    EVENT_PROCESS_EXEC => events.push(LifecycleEvent::Execed(event.pid)),
+                    _ => {}
                 }
             }
         }
-        pids
+        events
     }
+}
+
+/// A process lifecycle event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LifecycleEvent {
+    Exited(u32),
+    Execed(u32),
 }
 
 /// Everything `Sampler::start` hands to the agent besides the sampler itself.
@@ -291,19 +300,22 @@ impl Sampler {
             row_chunks,
         };
 
-        let exit_program: &mut RawTracePoint = ebpf
-            .program_mut(names::PROGRAM_PROCESS_EXIT)
-            .ok_or_else(|| {
-                BpfError::Load(format!("program {} not found", names::PROGRAM_PROCESS_EXIT))
-            })?
-            .try_into()
-            .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
-        exit_program
-            .load()
-            .map_err(|err| BpfError::Load(error_chain(&err)))?;
-        exit_program
-            .attach(names::TRACEPOINT_PROCESS_EXIT)
-            .map_err(|err| BpfError::Load(error_chain(&err)))?;
+        for (program, tracepoint) in [
+            (names::PROGRAM_PROCESS_EXIT, names::TRACEPOINT_PROCESS_EXIT),
+            (names::PROGRAM_PROCESS_EXEC, names::TRACEPOINT_PROCESS_EXEC),
+        ] {
+            let lifecycle: &mut RawTracePoint = ebpf
+                .program_mut(program)
+                .ok_or_else(|| BpfError::Load(format!("program {program} not found")))?
+                .try_into()
+                .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
+            lifecycle
+                .load()
+                .map_err(|err| BpfError::Load(error_chain(&err)))?;
+            lifecycle
+                .attach(tracepoint)
+                .map_err(|err| BpfError::Load(error_chain(&err)))?;
+        }
 
         let program: &mut PerfEvent = ebpf
             .program_mut(names::PROGRAM_SAMPLE_CPU)

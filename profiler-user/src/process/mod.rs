@@ -246,6 +246,11 @@ impl ProcessRegistry {
         }
     }
 
+    /// Drops the snapshot of `pid` (it exec'ed a new program): the next lookup takes a new one.
+    pub fn forget(&mut self, pid: Pid) {
+        self.processes.remove(&pid);
+    }
+
     /// Drops snapshots of processes that have exited and were not looked up since the previous
     /// call. Call once per interval.
     pub fn evict_exited(&mut self) {
