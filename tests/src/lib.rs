@@ -286,6 +286,9 @@ pub struct ReadableSample {
     pub values: Vec<i64>,
     pub str_labels: HashMap<String, String>,
     pub num_labels: HashMap<String, i64>,
+    /// How many user-space locations (unwound frames, not counting inlined functions) the
+    /// stack has.
+    pub user_frames: usize,
 }
 
 pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
@@ -305,8 +308,12 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
         .iter()
         .map(|s| {
             let mut names = Vec::new();
+            let mut user_frames = 0;
             for id in &s.location_id {
                 let location = locations.get(id).expect("location exists");
+                if location.address != 0 && location.address < KERNEL_START {
+                    user_frames += 1;
+                }
                 for line in &location.line {
                     names.push(string(
                         functions
@@ -330,6 +337,7 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
                 values: s.value.clone(),
                 str_labels,
                 num_labels,
+                user_frames,
             }
         })
         .collect()
@@ -381,46 +389,14 @@ pub struct StackSample {
 const KERNEL_START: u64 = 0xffff_8000_0000_0000;
 
 pub fn stack_samples(profile: &proto::Profile) -> Vec<StackSample> {
-    let string = |i: i64| {
-        profile
-            .string_table
-            .get(i as usize)
-            .cloned()
-            .unwrap_or_default()
-    };
-    let functions: HashMap<u64, &proto::Function> =
-        profile.function.iter().map(|f| (f.id, f)).collect();
-    let locations: HashMap<u64, &proto::Location> =
-        profile.location.iter().map(|l| (l.id, l)).collect();
-    let pid_key = profile.string_table.iter().position(|s| s == "pid");
-    profile
-        .sample
-        .iter()
-        .map(|s| {
-            let mut frames = Vec::new();
-            let mut user_frames = 0;
-            // pprof lists locations leaf first, and a location's lines innermost first.
-            for id in s.location_id.iter().rev() {
-                let location = locations.get(id).expect("location exists");
-                if location.address != 0 && location.address < KERNEL_START {
-                    user_frames += 1;
-                }
-                for line in location.line.iter().rev() {
-                    let function = functions.get(&line.function_id).expect("function exists");
-                    frames.push(string(function.name));
-                }
-            }
-            let pid = s
-                .label
-                .iter()
-                .find(|l| Some(l.key as usize) == pid_key)
-                .map(|l| l.num);
-            StackSample {
-                frames,
-                user_frames,
-                count: s.value[0],
-                pid,
-            }
+    readable_samples(profile)
+        .into_iter()
+        .map(|s| StackSample {
+            // pprof lists functions leaf first; these tests read stacks root first.
+            frames: s.functions.into_iter().rev().collect(),
+            user_frames: s.user_frames,
+            count: s.values[0],
+            pid: s.num_labels.get("pid").copied(),
         })
         .collect()
 }

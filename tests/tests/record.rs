@@ -5,13 +5,6 @@ use integration_tests::*;
 
 const CHAIN: [&str; 5] = ["main", "level1", "level2", "level3", "level4"];
 
-/// Index of `chain` as a contiguous run inside `frames` (root to leaf), if present.
-fn find_chain(frames: &[String], chain: &[&str]) -> Option<usize> {
-    frames
-        .windows(chain.len())
-        .position(|w| w.iter().zip(chain).all(|(a, b)| a == b))
-}
-
 #[test]
 fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
     let _guard = exclusive();

@@ -841,6 +841,12 @@ mod tests {
     }
 
     const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
+
+    /// Row-array chunks the table of `path` takes.
+    fn chunks_needed(path: &str) -> usize {
+        let table = build_table(&std::fs::read(path).unwrap()).unwrap();
+        table.paged().rows().len().div_ceil(ROWS_PER_CHUNK)
+    }
     const LIBM: &str = "/lib/x86_64-linux-gnu/libm.so.6";
 
     #[test]
@@ -891,12 +897,7 @@ mod tests {
     #[test]
     fn full_budget_evicts_least_recently_used_and_reloads_on_demand() {
         // Room for one of the two tables at a time.
-        let libc_chunks = build_table(&std::fs::read(LIBC).unwrap())
-            .unwrap()
-            .paged()
-            .rows()
-            .len()
-            .div_ceil(ROWS_PER_CHUNK);
+        let libc_chunks = chunks_needed(LIBC);
         let maps = FakeMaps {
             capacity: libc_chunks as u32 + 8,
             ..FakeMaps::default()
@@ -926,12 +927,7 @@ mod tests {
 
     #[test]
     fn recently_used_tables_are_not_evicted() {
-        let libc_chunks = build_table(&std::fs::read(LIBC).unwrap())
-            .unwrap()
-            .paged()
-            .rows()
-            .len()
-            .div_ceil(ROWS_PER_CHUNK);
+        let libc_chunks = chunks_needed(LIBC);
         let maps = FakeMaps {
             capacity: libc_chunks as u32 + 8,
             ..FakeMaps::default()
