@@ -191,8 +191,8 @@ fn signal_handler_stacks_continue_through_the_signal_frame() {
     let fixture = nofp_fixture("signal_handler.c");
     let running = spawn(&fixture, &["20"]);
     let samples = of_pid(&record(&[running.pid()], "3", "nofp-signal"), running.pid());
-    // The handler runs ~2 ms of every ~5 ms of CPU time; its leaf frame is right even without
-    // unwinding, so this checks the fixture rather than the unwinder.
+    // The fixture faults into its handler once per ~3 ms loop round and spins ~3 ms there; the
+    // leaf frame is right even without unwinding, so this checks the fixture, not the unwinder.
     let in_handler: Vec<StackSample> = samples
         .iter()
         .filter(|s| s.frames.iter().any(|f| f == "handler_spin"))
