@@ -5,6 +5,25 @@ use integration_tests::*;
 
 const CHAIN: [&str; 5] = ["main", "level1", "level2", "level3", "level4"];
 
+/// Records `pid` for `seconds` in folded format; returns the file's text.
+fn record_folded(pid: u32, seconds: &str, tag: &str) -> String {
+    let scratch = Scratch::new(tag);
+    let out = scratch.path("stacks.folded");
+    let pid = pid.to_string();
+    assert_success(&run_profiler(&[
+        "record",
+        "-d",
+        seconds,
+        "-p",
+        &pid,
+        "--format",
+        "folded",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
+    std::fs::read_to_string(&out).unwrap()
+}
+
 #[test]
 fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
     let _guard = exclusive();
@@ -79,22 +98,7 @@ fn folded_output_and_pid_filter() {
     let fixture = fp_fixture("fp_chain.c");
     let wanted = spawn(&fixture, &["20"]);
     let other = spawn(&fixture, &["20"]);
-    let scratch = Scratch::new("folded");
-    let out = scratch.path("stacks.folded");
-    let pid = wanted.pid().to_string();
-    let output = run_profiler(&[
-        "record",
-        "-d",
-        "2",
-        "-p",
-        &pid,
-        "--format",
-        "folded",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert_success(&output);
-    let text = std::fs::read_to_string(&out).unwrap();
+    let text = record_folded(wanted.pid(), "2", "folded");
     let stacks = parse_folded(&text);
     assert!(!stacks.is_empty());
     let comm = fixture.file_name().unwrap().to_str().unwrap();
@@ -129,21 +133,7 @@ fn kernel_frames_for_a_syscall_heavy_process() {
     let _guard = exclusive();
     let fixture = fp_fixture("syscall_heavy.c");
     let running = spawn(&fixture, &["20"]);
-    let scratch = Scratch::new("kernel");
-    let out = scratch.path("stacks.folded");
-    let pid = running.pid().to_string();
-    assert_success(&run_profiler(&[
-        "record",
-        "-d",
-        "2",
-        "-p",
-        &pid,
-        "-f",
-        "folded",
-        "-o",
-        out.to_str().unwrap(),
-    ]));
-    let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
+    let stacks = parse_folded(&record_folded(running.pid(), "2", "kernel"));
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     let in_kernel: u64 = stacks
         .iter()
@@ -171,21 +161,7 @@ fn process_that_exits_mid_record_is_still_symbolized() {
     let fixture = fp_fixture("fp_chain.c");
     // Runs for one second of a three-second recording, then exits.
     let running = spawn(&fixture, &["1"]);
-    let scratch = Scratch::new("exits");
-    let out = scratch.path("stacks.folded");
-    let pid = running.pid().to_string();
-    assert_success(&run_profiler(&[
-        "record",
-        "-d",
-        "3",
-        "-p",
-        &pid,
-        "-f",
-        "folded",
-        "-o",
-        out.to_str().unwrap(),
-    ]));
-    let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
+    let stacks = parse_folded(&record_folded(running.pid(), "3", "exits"));
     let total: u64 = stacks.iter().map(|s| s.count).sum();
     assert!(
         (40..=130).contains(&total),

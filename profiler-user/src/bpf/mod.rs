@@ -304,11 +304,7 @@ impl Sampler {
             (names::PROGRAM_PROCESS_EXIT, names::TRACEPOINT_PROCESS_EXIT),
             (names::PROGRAM_PROCESS_EXEC, names::TRACEPOINT_PROCESS_EXEC),
         ] {
-            let lifecycle: &mut RawTracePoint = ebpf
-                .program_mut(program)
-                .ok_or_else(|| BpfError::Load(format!("program {program} not found")))?
-                .try_into()
-                .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
+            let lifecycle: &mut RawTracePoint = program_mut(&mut ebpf, program)?;
             lifecycle
                 .load()
                 .map_err(|err| BpfError::Load(error_chain(&err)))?;
@@ -317,13 +313,7 @@ impl Sampler {
                 .map_err(|err| BpfError::Load(error_chain(&err)))?;
         }
 
-        let program: &mut PerfEvent = ebpf
-            .program_mut(names::PROGRAM_SAMPLE_CPU)
-            .ok_or_else(|| {
-                BpfError::Load(format!("program {} not found", names::PROGRAM_SAMPLE_CPU))
-            })?
-            .try_into()
-            .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
+        let program: &mut PerfEvent = program_mut(&mut ebpf, names::PROGRAM_SAMPLE_CPU)?;
         program
             .load()
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
@@ -346,14 +336,7 @@ impl Sampler {
 
     /// Starts sampling: attaches the program to the cpu-clock event of every online CPU.
     pub fn attach(&mut self) -> Result<(), BpfError> {
-        let program: &mut PerfEvent = self
-            .ebpf
-            .program_mut(names::PROGRAM_SAMPLE_CPU)
-            .ok_or_else(|| {
-                BpfError::Load(format!("program {} not found", names::PROGRAM_SAMPLE_CPU))
-            })?
-            .try_into()
-            .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))?;
+        let program: &mut PerfEvent = program_mut(&mut self.ebpf, names::PROGRAM_SAMPLE_CPU)?;
         let cpus = online_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
         // cpu-clock counts in nanoseconds, so a fixed period gives exactly `frequency_hz`
         // samples per second of CPU time.
@@ -414,6 +397,17 @@ impl Sampler {
     pub fn attached_cpus(&self) -> usize {
         self.attached_cpus
     }
+}
+
+/// The program `name` of the object, as its concrete type.
+fn program_mut<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, BpfError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or_else(|| BpfError::Load(format!("program {name} not found")))?
+        .try_into()
+        .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, BpfError>

@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use integration_tests::{Scratch, build_c_fixture, workspace_root};
+use integration_tests::{Scratch, fp_fixture, workspace_root};
 
 use parse::{AgentSummary, ProgStats};
 use procs::{Finished, Proc, Usage};
@@ -418,23 +418,12 @@ fn profiler_binary(build: bool) -> Result<PathBuf> {
 }
 
 fn build_workload() -> Result<PathBuf> {
-    // build_c_fixture panics when the compiler is missing; say so plainly instead.
+    // fp_fixture panics when the compiler is missing; say so plainly instead.
     let gcc = Command::new("gcc").arg("--version").output();
     if !gcc.is_ok_and(|out| out.status.success()) {
         bail!("gcc is needed to build the workload (apt-get install gcc)");
     }
-    Ok(build_c_fixture(
-        "bench_workload.c",
-        "bench_workload",
-        "gcc",
-        &[
-            "-O2",
-            "-g",
-            "-fno-omit-frame-pointer",
-            "-mno-omit-leaf-frame-pointer",
-            "-fno-optimize-sibling-calls",
-        ],
-    ))
+    Ok(fp_fixture("bench_workload.c"))
 }
 
 /// `perf` and its version, if it runs.
