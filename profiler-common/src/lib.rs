@@ -6,10 +6,12 @@
 //! on one side cannot silently desynchronise the other.
 #![no_std]
 
+pub mod python;
 pub mod sample;
 pub mod stats;
 pub mod unwind;
 
+pub use python::*;
 pub use sample::*;
 pub use stats::*;
 
@@ -28,6 +30,8 @@ pub mod names {
     pub const MAP_UNWIND_ROWS: &str = "UNWIND_ROWS";
     pub const MAP_UNWIND_PAGES: &str = "UNWIND_PAGES";
     pub const MAP_PROCESS_MAPPINGS: &str = "PROCESS_MAPPINGS";
+    pub const MAP_PYTHON_PROCESSES: &str = "PYTHON_PROCESSES";
+    pub const MAP_PYTHON_THREADS: &str = "PYTHON_THREADS";
 }
 
 /// Default capacity of `UNWIND_ROWS` in chunks (the agent sets it from its memory budget).
@@ -45,9 +49,13 @@ pub struct SamplerConfig {
     pub filter_pids: u32,
     /// Non-zero: samples of the idle task (pid 0) are kept instead of only counted.
     pub keep_idle: u32,
+    /// Offset of `thread.fsbase` in `task_struct` (from the kernel's BTF), 0 when unknown:
+    /// the FS base is `pthread_self()`, which identifies a thread's Python thread state.
+    pub task_fsbase_offset: u32,
+    pub _pad: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 8);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 16);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -59,4 +67,7 @@ mod pod {
     unsafe impl aya::Pod for unwind::PageEntry {}
     unsafe impl aya::Pod for unwind::MappingKey {}
     unsafe impl aya::Pod for unwind::MappingValue {}
+    unsafe impl aya::Pod for python::PyProcInfo {}
+    unsafe impl aya::Pod for python::PyFrameRecord {}
+    unsafe impl aya::Pod for python::PyThreadEntry {}
 }

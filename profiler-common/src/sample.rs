@@ -1,5 +1,7 @@
 //! One CPU sample as the eBPF program writes it into the `SAMPLES` ring buffer.
 
+use crate::python::{MAX_PYTHON_FRAMES, PyFrameRecord};
+
 /// Deepest kernel stack recorded; the kernel's own `perf_event_max_stack` default is 127.
 pub const MAX_KERNEL_FRAMES: usize = 127;
 /// Deepest user stack recorded (a power of two: the unwinder masks indexes with it).
@@ -27,8 +29,13 @@ pub const SAMPLE_USER_UNKNOWN_MAPPING: u32 = 1 << 5;
 pub const SAMPLE_USER_TABLE_MISSING: u32 = 1 << 6;
 /// `SampleHeader::flags`: at least one user frame was found by frame-pointer fallback.
 pub const SAMPLE_USER_FRAME_POINTERS: u32 = 1 << 7;
+/// `SampleHeader::flags`: the Python stack filled every slot, so outer Python frames were cut.
+pub const SAMPLE_PYTHON_TRUNCATED: u32 = 1 << 8;
+/// `SampleHeader::flags`: the Python walk stopped at unreadable memory (a frame being torn
+/// down, or a layout that does not match).
+pub const SAMPLE_PYTHON_ERROR: u32 = 1 << 9;
 /// All flags this ABI version defines; anything else means the two sides disagree.
-pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 8) - 1;
+pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 10) - 1;
 
 /// Fixed part of a sample. Frames follow in [`RawSample`].
 #[repr(C)]
@@ -47,24 +54,33 @@ pub struct SampleHeader {
     pub kernel_frames: u16,
     /// Number of valid entries in `RawSample::user_ips`.
     pub user_frames: u16,
-    pub _pad: u32,
+    /// Number of valid entries in `RawSample::python`.
+    pub python_frames: u16,
+    pub _pad: u16,
     /// The thread's name (`task->comm`), NUL padded.
     pub comm: [u8; 16],
 }
 
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == 48);
 
-/// A complete sample record. Kernel frames are innermost first, as are user frames.
+/// A complete sample record. Kernel frames are innermost first, as are user and Python frames.
+///
+/// The ring buffer carries only the used part of `python`: a record is
+/// [`RAW_SAMPLE_FIXED_BYTES`] plus 16 bytes per Python frame.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RawSample {
     pub header: SampleHeader,
     pub kernel_ips: [u64; MAX_KERNEL_FRAMES],
     pub user_ips: [u64; MAX_USER_FRAMES],
+    pub python: [PyFrameRecord; MAX_PYTHON_FRAMES],
 }
 
 pub const RAW_SAMPLE_BYTES: usize = core::mem::size_of::<RawSample>();
-const _: () = assert!(RAW_SAMPLE_BYTES == 48 + 8 * (MAX_KERNEL_FRAMES + MAX_USER_FRAMES));
+/// Bytes of a record before its Python frames.
+pub const RAW_SAMPLE_FIXED_BYTES: usize = 48 + 8 * (MAX_KERNEL_FRAMES + MAX_USER_FRAMES);
+const _: () = assert!(RAW_SAMPLE_BYTES == RAW_SAMPLE_FIXED_BYTES + 16 * MAX_PYTHON_FRAMES);
+const _: () = assert!(core::mem::offset_of!(RawSample, python) == RAW_SAMPLE_FIXED_BYTES);
 const _: () = assert!(core::mem::align_of::<RawSample>() == 8);
 
 #[cfg(feature = "user")]

@@ -48,11 +48,22 @@ pub const STAT_UNWIND_PLT_FRAMES: u32 = 20;
 pub const STAT_EVENTS_LOST: u32 = 21;
 /// User stacks whose frame-pointer chain ended without reaching the outermost frame.
 pub const STAT_UNWIND_FP_END: u32 = 22;
+/// Samples of registered Python processes (a Python walk was attempted).
+pub const STAT_PYTHON_WALKS: u32 = 23;
+/// Python frames recorded.
+pub const STAT_PYTHON_FRAMES: u32 = 24;
+/// Python walks that found no thread state for the sampled thread (not a Python thread, or
+/// the interpreter is not initialised).
+pub const STAT_PYTHON_NO_THREAD_STATE: u32 = 25;
+/// Python walks stopped by unreadable memory.
+pub const STAT_PYTHON_READ_ERROR: u32 = 26;
+/// Python walks cut at `MAX_PYTHON_FRAMES`.
+pub const STAT_PYTHON_TRUNCATED: u32 = 27;
 /// Number of slots in `STATS`.
 pub const STAT_COUNT: u32 = 32;
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 23] = [
+pub const STAT_NAMES: [&str; 28] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -76,6 +87,11 @@ pub const STAT_NAMES: [&str; 23] = [
     "unwind_plt_frames",
     "events_lost",
     "unwind_fp_end",
+    "python_walks",
+    "python_frames",
+    "python_no_thread_state",
+    "python_read_error",
+    "python_truncated",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -11,13 +11,14 @@ use aya_ebpf::{
 };
 use profiler_common::{
     EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS,
-    MAX_KERNEL_FRAMES, ProcessEvent, RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
+    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, ProcessEvent, PyFrameRecord, RAW_SAMPLE_FIXED_BYTES,
+    RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
     SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
     STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
     STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
-use crate::user_stack;
+use crate::{python, user_stack};
 
 #[map(name = "SAMPLES")]
 static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLES_RING_BYTES, 0);
@@ -74,6 +75,7 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         header.tid = tid;
         header.cpu = bpf_get_smp_processor_id();
         header._pad = 0;
+        header.python_frames = 0;
         header.comm = bpf_get_current_comm().unwrap_or([0; 16]);
         let mut flags = 0;
 
@@ -117,11 +119,18 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             user_stack::task_user_registers()
         };
         user_stack::collect(tgid, regs, &mut *sample);
+        python::collect(tgid, tid, config.task_fsbase_offset, &mut *sample);
 
+        // Only the used Python slots are sent.
+        let python_frames = ((*sample).header.python_frames as usize).min(MAX_PYTHON_FRAMES);
+        let record = core::slice::from_raw_parts(
+            sample.cast::<u8>(),
+            RAW_SAMPLE_FIXED_BYTES + python_frames * size_of::<PyFrameRecord>(),
+        );
         // No wakeup per sample: the agent drains the buffer on a timer, which costs it a few
         // wakeups a second instead of one per sample.
         if SAMPLES
-            .output::<RawSample>(&*sample, BPF_RB_NO_WAKEUP as u64)
+            .output::<[u8]>(record, BPF_RB_NO_WAKEUP as u64)
             .is_err()
         {
             count(STAT_RINGBUF_FULL);

@@ -16,11 +16,15 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
 
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping},
-    bpf::{BpfError, EventRing, KernelUnwindMaps, LifecycleEvent, Sampler, SamplerSettings},
+    bpf::{
+        BpfError, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent, Sampler,
+        SamplerSettings,
+    },
     config::{AgentConfig, RecordConfig, SamplingConfig},
     export::{self, DirectorySink, ExportError, ProfileSink},
     model::{Pid, ProcessInfo, Profile, Sample},
     process::ProcessRegistry,
+    runtimes::python::PythonTracker,
     sampling::SampleReader,
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
     symbolization::{Symbolizer, SymbolizerOptions},
@@ -66,6 +70,7 @@ struct Pipeline {
     processes: ProcessRegistry,
     unwinder: Unwinder,
     native_tables: NativeTables<KernelUnwindMaps>,
+    python: PythonTracker<KernelPythonMaps>,
     events: EventRing,
     symbolizer: Symbolizer,
     aggregator: Aggregator,
@@ -78,6 +83,7 @@ impl Pipeline {
         sampling: &SamplingConfig,
         start_unix_ns: i64,
         unwind_maps: KernelUnwindMaps,
+        python_maps: KernelPythonMaps,
         events: EventRing,
     ) -> Self {
         let host = hostname();
@@ -85,6 +91,7 @@ impl Pipeline {
             processes: ProcessRegistry::new("/proc".into(), host.clone()),
             unwinder: Unwinder::default(),
             native_tables: NativeTables::new(unwind_maps, sampling.cache_dir.as_deref()),
+            python: PythonTracker::new(python_maps, "/proc".into()),
             events,
             symbolizer: Symbolizer::new(SymbolizerOptions {
                 source_lines: sampling.source_lines,
@@ -104,7 +111,7 @@ impl Pipeline {
     }
 
     fn handle(&mut self, sample: &Sample) {
-        let (stack, process) = self.unwinder.unwind(sample, &mut self.processes);
+        let (mut stack, process) = self.unwinder.unwind(sample, &mut self.processes);
         if let Some(process) = &process {
             // The first sample of a process (or of a new snapshot after exec/dlopen) registers
             // its mappings, so BPF unwinds its next samples from the tables.
@@ -112,7 +119,9 @@ impl Pipeline {
             if sample.user_table_missing {
                 self.native_tables.reload_missing(process);
             }
+            self.python.sync(process);
         }
+        self.python.interleave(sample, &mut stack);
         let frames = self.symbolizer.symbolize_stack(&stack);
         self.aggregator
             .add(process.as_deref(), sample, &frames, stack.truncated);
@@ -126,6 +135,7 @@ impl Pipeline {
             if let Some(process) = self.processes.lookup(Pid(pid)) {
                 self.native_tables
                     .sync_waiting(&process, Duration::from_secs(10));
+                self.python.sync(&process);
             }
         }
     }
@@ -135,10 +145,16 @@ impl Pipeline {
         self.native_tables.poll_builds();
         for event in self.events.drain() {
             match event {
-                LifecycleEvent::Exited(pid) => self.native_tables.unregister(Pid(pid)),
+                LifecycleEvent::Exited(pid) => {
+                    self.native_tables.unregister(Pid(pid));
+                    self.python.forget(Pid(pid));
+                    self.symbolizer.forget_process(Pid(pid));
+                }
                 LifecycleEvent::Execed(pid) => {
                     // A new program: its next sample takes a new snapshot and registration.
                     self.native_tables.unregister(Pid(pid));
+                    self.python.forget(Pid(pid));
+                    self.symbolizer.forget_process(Pid(pid));
                     self.processes.forget(Pid(pid));
                 }
             }
@@ -164,6 +180,7 @@ impl Pipeline {
             agent_rss_bytes: rss,
             agent_peak_rss_bytes: peak,
             native_tables: self.native_tables.stats(),
+            python: self.python.stats(),
             ..SelfMetrics::default()
         };
         if let Some(sampler) = sampler {
@@ -288,6 +305,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         &config.sampling,
         start_unix_ns,
         parts.unwind_maps,
+        parts.python_maps,
         parts.events,
     );
     pipeline.register_known(&config.sampling.pids);
@@ -420,6 +438,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         &config.sampling,
         unix_now_ns(),
         parts.unwind_maps,
+        parts.python_maps,
         parts.events,
     );
     pipeline.register_known(&config.sampling.pids);

@@ -42,6 +42,22 @@ pub struct Sample {
     pub user_unknown_mapping: bool,
     /// BPF met a registered mapping whose unwind table is not loaded.
     pub user_table_missing: bool,
+    /// Python frames of the sampled thread, innermost first (empty for non-Python threads).
+    pub python_frames: Vec<PythonFrameRef>,
+    /// The Python stack was deeper than BPF records.
+    pub python_truncated: bool,
+}
+
+/// A Python frame as the BPF walk recorded it: enough to find and fingerprint the code object.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PythonFrameRef {
+    pub code_addr: u64,
+    /// `f_lasti` (≤3.10) or the instruction pointer's distance from `code_addr` (3.11+).
+    pub instruction: u32,
+    /// `co_firstlineno`: tells a reused code object address apart.
+    pub firstlineno: u32,
+    /// The first frame of its C-level `_PyEval_EvalFrameDefault` call.
+    pub entry: bool,
 }
 
 /// Identity of a file on disk, independent of the path a process used to open it.
@@ -137,6 +153,11 @@ pub enum UnwoundFrame {
     },
     /// A user address in an anonymous or special mapping (`name`), or outside every mapping.
     UserUnmapped { addr: u64, name: Option<Arc<str>> },
+    /// A Python frame, in place of the interpreter's native frame that ran it.
+    Python {
+        frame: PythonFrameRef,
+        runtime: Arc<crate::runtimes::python::PythonRuntime>,
+    },
 }
 
 /// A sample's stack after unwinding, innermost frame first.
@@ -152,6 +173,8 @@ pub struct UnwoundStack {
 pub enum FrameKind {
     Kernel,
     Native,
+    /// A Python function: `lines[0]` holds its qualified name, file and line.
+    Python,
     /// A synthetic frame (the process name at the root, `[truncated]` markers).
     Synthetic,
 }

@@ -3,7 +3,9 @@
 //! /metrics endpoint only has to render [`SelfMetrics::values`].
 use std::time::Duration;
 
-use crate::{bpf::BpfStats, unwinding::native::NativeTableStats};
+use crate::{
+    bpf::BpfStats, runtimes::python::PythonStats, unwinding::native::NativeTableStats,
+};
 
 /// One metric value with its Prometheus-style name and help text.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,6 +43,7 @@ pub struct SelfMetrics {
     pub profiles_written: u64,
     pub export_errors: u64,
     pub native_tables: NativeTableStats,
+    pub python: PythonStats,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
@@ -87,6 +90,30 @@ impl SelfMetrics {
             "bpf_program_runs_total",
             "Kernel-accounted runs of the sampler (kernel.bpf_stats_enabled)",
             self.bpf_run_count as f64,
+            "counter",
+        );
+        push(
+            "python_processes",
+            "Python processes whose Python frames are recorded",
+            self.python.active as f64,
+            "gauge",
+        );
+        push(
+            "python_processes_pending",
+            "Python processes waiting for their interpreter to initialise",
+            self.python.pending as f64,
+            "gauge",
+        );
+        push(
+            "python_processes_disabled_total",
+            "Python processes left to native stacks (unsupported build or failed layout self-check)",
+            self.python.disabled as f64,
+            "counter",
+        );
+        push(
+            "python_frames_total",
+            "Python frames put into stacks",
+            self.python.frames as f64,
             "counter",
         );
         push(
@@ -232,6 +259,7 @@ impl SelfMetrics {
             unwind_complete = self.bpf.get(profiler_common::STAT_UNWIND_COMPLETE),
             unwind_tables = self.native_tables.tables_loaded,
             unwind_rows = self.native_tables.rows_in_use,
+            python_processes = self.python.active,
             agent_cpu_us = self.agent_cpu.as_micros() as u64,
             bpf_run_time_ns = self.bpf_run_time_ns,
             bpf_run_count = self.bpf_run_count,

@@ -320,6 +320,8 @@ mod tests {
             user_stack_error: false,
             user_unknown_mapping: false,
             user_table_missing: false,
+            python_frames: Vec::new(),
+            python_truncated: false,
         }
     }
 

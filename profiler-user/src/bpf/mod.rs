@@ -22,7 +22,7 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, STAT_COUNT,
+    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT,
     STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
@@ -167,6 +167,67 @@ impl EventRing {
     }
 }
 
+/// Registers CPython processes with the BPF Python walk. A trait so the agent's Python
+/// tracking can be tested without a kernel.
+pub trait PythonMaps {
+    fn insert_process(&mut self, pid: u32, info: &PyProcInfo) -> Result<(), BpfError>;
+    fn remove_process(&mut self, pid: u32) -> Result<(), BpfError>;
+}
+
+/// The `PYTHON_PROCESSES` map in the kernel.
+pub struct KernelPythonMaps {
+    processes: HashMap<MapData, u32, PyProcInfo>,
+}
+
+impl PythonMaps for KernelPythonMaps {
+    fn insert_process(&mut self, pid: u32, info: &PyProcInfo) -> Result<(), BpfError> {
+        self.processes
+            .insert(pid, info, 0)
+            .map_err(map_error(names::MAP_PYTHON_PROCESSES))
+    }
+
+    fn remove_process(&mut self, pid: u32) -> Result<(), BpfError> {
+        match self.processes.remove(&pid) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(err) => Err(map_error(names::MAP_PYTHON_PROCESSES)(err)),
+        }
+    }
+}
+
+/// `thread.fsbase` in the kernel's `task_struct`, from its BTF: the BPF Python walk identifies
+/// a pre-3.11 thread state by `pthread_self()`, which is the FS base.
+fn task_fsbase_offset(btf_path: &std::path::Path) -> Result<u32, String> {
+    struct Bytes(Vec<u8>);
+    impl btfparse::Readable for Bytes {
+        fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
+            match start
+                .checked_add(buffer.len())
+                .and_then(|end| self.0.get(start..end))
+            {
+                Some(bytes) => {
+                    buffer.copy_from_slice(bytes);
+                    Ok(())
+                }
+                None => Err(btfparse::Error::new(
+                    btfparse::ErrorKind::InvalidOffset,
+                    "read past the end of the BTF data",
+                )),
+            }
+        }
+    }
+    let bytes = std::fs::read(btf_path).map_err(|e| format!("{}: {e}", btf_path.display()))?;
+    let types = btfparse::TypeInformation::new(&Bytes(bytes)).map_err(|e| format!("{e:?}"))?;
+    let task = types
+        .id_of("task_struct")
+        .ok_or("no task_struct in the kernel's BTF")?;
+    match types.offset_of(task, "thread.fsbase") {
+        Ok((_, btfparse::Offset::ByteOffset(offset))) => Ok(offset),
+        Ok((_, other)) => Err(format!("task_struct.thread.fsbase is a bit field: {other:?}")),
+        Err(e) => Err(format!("task_struct.thread.fsbase: {e:?}")),
+    }
+}
+
 /// A process lifecycle event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LifecycleEvent {
@@ -179,6 +240,13 @@ pub struct SamplerParts {
     pub samples: SampleRing,
     pub events: EventRing,
     pub unwind_maps: KernelUnwindMaps,
+    pub python_maps: KernelPythonMaps,
+}
+
+fn btf_path() -> PathBuf {
+    std::env::var_os("PROFILER_BTF_PATH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_BTF_PATH))
 }
 
 /// A loaded and attached sampler. Dropping it detaches every program.
@@ -242,10 +310,7 @@ impl Sampler {
     /// Fails with a clear error when this process or kernel cannot run the sampler.
     pub fn preflight() -> Result<(), BpfError> {
         check_privileges()?;
-        let btf_path = std::env::var_os("PROFILER_BTF_PATH")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_BTF_PATH));
-        check_kernel_support(&btf_path)
+        check_kernel_support(&btf_path())
     }
 
     /// Checks privileges and kernel support and loads the programs; sampling begins with
@@ -264,6 +329,9 @@ impl Sampler {
 
         let chunk_bytes =
             (ROWS_PER_CHUNK * std::mem::size_of::<profiler_common::unwind::UnwindRow>()) as u64;
+        let btf_path = btf_path();
+        // Parsed while the kernel verifies the programs.
+        let fsbase = std::thread::spawn(move || task_fsbase_offset(&btf_path));
         let row_chunks = (settings.unwind_table_bytes / chunk_bytes)
             .clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
         // The program needs no CO-RE relocations, so skip parsing the kernel's BTF (a third of
@@ -274,9 +342,21 @@ impl Sampler {
             .load(EBPF_OBJECT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
 
+        let task_fsbase_offset = match fsbase.join() {
+            Ok(Ok(offset)) => offset,
+            Ok(Err(reason)) => {
+                tracing::warn!(
+                    "Python before 3.11 will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
+                );
+                0
+            }
+            Err(_) => 0,
+        };
         let config = SamplerConfig {
             filter_pids: u32::from(!settings.pids.is_empty()),
             keep_idle: 0,
+            task_fsbase_offset,
+            _pad: 0,
         };
         let mut config_map: Array<_, SamplerConfig> = take_map(&mut ebpf, names::MAP_CONFIG)?;
         config_map.set(0, config, 0).map_err(|err| BpfError::Map {
@@ -298,6 +378,9 @@ impl Sampler {
             pages: take_map(&mut ebpf, names::MAP_UNWIND_PAGES)?,
             mappings: take_map(&mut ebpf, names::MAP_PROCESS_MAPPINGS)?,
             row_chunks,
+        };
+        let python_maps = KernelPythonMaps {
+            processes: take_map(&mut ebpf, names::MAP_PYTHON_PROCESSES)?,
         };
 
         for (program, tracepoint) in [
@@ -330,6 +413,7 @@ impl Sampler {
                 samples: SampleRing { ring },
                 events: EventRing { ring: events },
                 unwind_maps,
+                python_maps,
             },
         ))
     }

@@ -2,7 +2,7 @@
 //! inferno and speedscope.
 use std::{collections::BTreeMap, io};
 
-use crate::model::Profile;
+use crate::model::{FrameKind, Profile};
 
 /// Writes one line per distinct stack, root first, sorted by stack text. Stacks that differ only
 /// by sample labels are summed; inlined functions each get their own element.
@@ -23,6 +23,14 @@ pub fn write_folded(profile: &Profile, out: &mut impl io::Write) -> io::Result<(
                     stack_text.push(';');
                 }
                 push_sanitized(&mut stack_text, &line.function);
+                // Python frames read `qualname (file:line)`, as py-spy prints them.
+                if frame.kind == FrameKind::Python
+                    && let Some(file) = &line.file
+                {
+                    stack_text.push_str(" (");
+                    push_sanitized(&mut stack_text, file);
+                    stack_text.push_str(&format!(":{})", line.line));
+                }
             }
         }
         if stack_text.is_empty() {

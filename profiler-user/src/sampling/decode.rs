@@ -1,13 +1,16 @@
 //! Bytes from the ring buffer → [`Sample`], validated against the ABI in profiler-common.
 use std::sync::Arc;
 
+use std::mem::offset_of;
+
 use profiler_common::{
-    MAX_KERNEL_FRAMES, MAX_USER_FRAMES, RAW_SAMPLE_BYTES, RawSample, SAMPLE_KERNEL_TRUNCATED,
-    SAMPLE_KNOWN_FLAGS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
-    SAMPLE_USER_UNKNOWN_MAPPING,
+    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, PY_FRAME_ENTRY,
+    PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, RAW_SAMPLE_FIXED_BYTES, RawSample,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_ERROR,
+    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
 };
 
-use crate::model::{Pid, Sample, Tid};
+use crate::model::{Pid, PythonFrameRef, Sample, Tid};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
@@ -16,33 +19,51 @@ pub enum DecodeError {
     #[error("sample has unknown flag bits {0:#x}")]
     UnknownFlags(u32),
     #[error(
-        "sample claims {kernel} kernel and {user} user frames (limits {MAX_KERNEL_FRAMES}/{MAX_USER_FRAMES})"
+        "sample claims {kernel} kernel, {user} user and {python} Python frames (limits {MAX_KERNEL_FRAMES}/{MAX_USER_FRAMES}/{MAX_PYTHON_FRAMES})"
     )]
-    TooManyFrames { kernel: u16, user: u16 },
+    TooManyFrames { kernel: u16, user: u16, python: u16 },
 }
 
 pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
-    if bytes.len() < RAW_SAMPLE_BYTES {
+    if bytes.len() < RAW_SAMPLE_FIXED_BYTES {
         return Err(DecodeError::WrongSize {
             actual: bytes.len(),
-            expected: RAW_SAMPLE_BYTES,
+            expected: RAW_SAMPLE_FIXED_BYTES,
         });
     }
-    // SAFETY: length checked; RawSample is plain old data and read unaligned.
-    let raw: RawSample = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-    let header = raw.header;
+    // SAFETY: length checked; the header is plain old data and read unaligned.
+    let header: SampleHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
     if header.flags & !SAMPLE_KNOWN_FLAGS != 0 {
         return Err(DecodeError::UnknownFlags(
             header.flags & !SAMPLE_KNOWN_FLAGS,
         ));
     }
-    let (kernel, user) = (header.kernel_frames as usize, header.user_frames as usize);
-    if kernel > MAX_KERNEL_FRAMES || user > MAX_USER_FRAMES {
+    let (kernel, user, python) = (
+        header.kernel_frames as usize,
+        header.user_frames as usize,
+        header.python_frames as usize,
+    );
+    if kernel > MAX_KERNEL_FRAMES || user > MAX_USER_FRAMES || python > MAX_PYTHON_FRAMES {
         return Err(DecodeError::TooManyFrames {
             kernel: header.kernel_frames,
             user: header.user_frames,
+            python: header.python_frames,
         });
     }
+    let python_bytes = python * size_of::<PyFrameRecord>();
+    if bytes.len() != RAW_SAMPLE_FIXED_BYTES + python_bytes {
+        return Err(DecodeError::WrongSize {
+            actual: bytes.len(),
+            expected: RAW_SAMPLE_FIXED_BYTES + python_bytes,
+        });
+    }
+    let words = |offset: usize, count: usize| {
+        bytes[offset..offset + count * 8]
+            .chunks_exact(8)
+            .map(|word| u64::from_ne_bytes(word.try_into().expect("8-byte chunk")))
+    };
+    let kernel_offset = offset_of!(RawSample, kernel_ips);
+    let user_offset = offset_of!(RawSample, user_ips);
     let comm_len = header
         .comm
         .iter()
@@ -54,32 +75,40 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         tid: Tid(header.tid),
         cpu: header.cpu,
         comm: Arc::from(String::from_utf8_lossy(&header.comm[..comm_len]).as_ref()),
-        kernel_ips: raw.kernel_ips[..kernel].to_vec(),
-        user_ips: raw.user_ips[..user]
-            .iter()
-            .copied()
-            .take_while(|&ip| ip != 0)
+        kernel_ips: words(kernel_offset, kernel).collect(),
+        user_ips: words(user_offset, user).take_while(|&ip| ip != 0).collect(),
+        python_frames: bytes[RAW_SAMPLE_FIXED_BYTES..]
+            .chunks_exact(size_of::<PyFrameRecord>())
+            .map(|record| {
+                // SAFETY: exactly one record's bytes; plain old data read unaligned.
+                let record: PyFrameRecord = unsafe { std::ptr::read_unaligned(record.as_ptr().cast()) };
+                PythonFrameRef {
+                    code_addr: record.code,
+                    instruction: record.instruction,
+                    firstlineno: record.meta & PY_FRAME_FIRSTLINENO_MASK,
+                    entry: record.meta & PY_FRAME_ENTRY != 0,
+                }
+            })
             .collect(),
         kernel_truncated: header.flags & SAMPLE_KERNEL_TRUNCATED != 0,
         user_truncated: header.flags & SAMPLE_USER_TRUNCATED != 0,
         user_stack_error: header.flags & SAMPLE_USER_STACK_ERROR != 0,
         user_unknown_mapping: header.flags & SAMPLE_USER_UNKNOWN_MAPPING != 0,
         user_table_missing: header.flags & SAMPLE_USER_TABLE_MISSING != 0,
+        python_truncated: header.flags & SAMPLE_PYTHON_TRUNCATED != 0,
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use profiler_common::SampleHeader;
-
     use super::*;
 
+    /// The bytes BPF sends: the fixed part and the used Python slots.
     fn encode(raw: &RawSample) -> Vec<u8> {
+        let python = (raw.header.python_frames as usize).min(MAX_PYTHON_FRAMES);
+        let len = RAW_SAMPLE_FIXED_BYTES + python * size_of::<PyFrameRecord>();
         // SAFETY: RawSample is repr(C) plain old data without padding.
-        unsafe {
-            std::slice::from_raw_parts((raw as *const RawSample).cast::<u8>(), RAW_SAMPLE_BYTES)
-        }
-        .to_vec()
+        unsafe { std::slice::from_raw_parts((raw as *const RawSample).cast::<u8>(), len) }.to_vec()
     }
 
     fn raw_sample() -> RawSample {
@@ -94,11 +123,23 @@ mod tests {
                 flags: SAMPLE_USER_TRUNCATED,
                 kernel_frames: 2,
                 user_frames: 3,
+                python_frames: 2,
                 _pad: 0,
                 comm,
             },
             kernel_ips: [0; MAX_KERNEL_FRAMES],
             user_ips: [0; MAX_USER_FRAMES],
+            python: [PyFrameRecord::default(); MAX_PYTHON_FRAMES],
+        };
+        raw.python[0] = PyFrameRecord {
+            code: 0x7f00_0000_1000,
+            instruction: 24,
+            meta: 17,
+        };
+        raw.python[1] = PyFrameRecord {
+            code: 0x7f00_0000_2000,
+            instruction: 8,
+            meta: 3 | PY_FRAME_ENTRY,
         };
         raw.kernel_ips[..2].copy_from_slice(&[0xffff_ffff_8100_0000, 0xffff_ffff_8100_1000]);
         raw.user_ips[..3].copy_from_slice(&[0x401000, 0x401100, 0x401200]);
@@ -117,6 +158,23 @@ mod tests {
         );
         assert_eq!(sample.user_ips, vec![0x401000, 0x401100, 0x401200]);
         assert!(sample.user_truncated && !sample.kernel_truncated && !sample.user_stack_error);
+        assert_eq!(
+            sample.python_frames,
+            vec![
+                PythonFrameRef {
+                    code_addr: 0x7f00_0000_1000,
+                    instruction: 24,
+                    firstlineno: 17,
+                    entry: false
+                },
+                PythonFrameRef {
+                    code_addr: 0x7f00_0000_2000,
+                    instruction: 8,
+                    firstlineno: 3,
+                    entry: true
+                },
+            ]
+        );
     }
 
     #[test]
@@ -138,6 +196,13 @@ mod tests {
             decode_sample(&encode(&raw)),
             Err(DecodeError::TooManyFrames { .. })
         ));
+        // A record whose length disagrees with its Python frame count.
+        let mut bytes = encode(&raw_sample());
+        bytes.truncate(bytes.len() - 16);
+        assert!(matches!(
+            decode_sample(&bytes),
+            Err(DecodeError::WrongSize { .. })
+        ));
     }
 
     #[test]
@@ -147,9 +212,10 @@ mod tests {
             0,
             1,
             47,
-            RAW_SAMPLE_BYTES - 1,
-            RAW_SAMPLE_BYTES,
-            RAW_SAMPLE_BYTES + 8,
+            RAW_SAMPLE_FIXED_BYTES - 1,
+            RAW_SAMPLE_FIXED_BYTES,
+            RAW_SAMPLE_FIXED_BYTES + 16,
+            RAW_SAMPLE_FIXED_BYTES + 8,
         ] {
             let bytes: Vec<u8> = (0..len)
                 .map(|_| {

@@ -14,6 +14,7 @@ mod demangle;
 mod fixtures;
 mod kernel;
 mod native;
+mod python;
 #[cfg(test)]
 mod tests;
 
@@ -26,9 +27,12 @@ use std::{
 use blazesym::symbolize as bz;
 use tracing::debug;
 
-use crate::model::{
-    FileId, FrameKind, FrameLine, MappedFile, MappingInfo, SymbolizedFrame, UnwoundFrame,
-    UnwoundStack,
+use crate::{
+    model::{
+        FileId, FrameKind, FrameLine, MappedFile, MappingInfo, Pid, SymbolizedFrame, UnwoundFrame,
+        UnwoundStack,
+    },
+    runtimes::python::CodeCache,
 };
 
 /// Errors reading a file's ELF layout (they only make its frames unsymbolized).
@@ -97,6 +101,12 @@ pub struct SymbolizerStats {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum FrameKey {
     User { file: FileId, file_offset: u64 },
+    Python {
+        pid: Pid,
+        code_addr: u64,
+        firstlineno: u32,
+        instruction: u32,
+    },
     Kernel(u64),
 }
 
@@ -130,6 +140,7 @@ pub struct Symbolizer {
     files: HashMap<FileId, native::FileState>,
     kernel: kernel::KernelSymbols,
     strings: StringInterner,
+    python_code: CodeCache,
     stats: SymbolizerStats,
     unknown_name: Arc<str>,
     unknown_kernel_name: Arc<str>,
@@ -147,6 +158,7 @@ impl Symbolizer {
             files: HashMap::new(),
             kernel,
             strings: StringInterner::default(),
+            python_code: CodeCache::new(python::CODE_CACHE_ENTRIES),
             stats: SymbolizerStats::default(),
             unknown_name: Arc::from("[unknown]"),
             unknown_kernel_name: Arc::from("[unknown kernel]"),
@@ -200,6 +212,33 @@ impl Symbolizer {
                 let symbolized = self.symbolize_user(*addr, file, *file_offset, mapping);
                 self.remember(key, symbolized)
             }
+            UnwoundFrame::Python { frame, runtime } => {
+                let key = FrameKey::Python {
+                    pid: runtime.pid,
+                    code_addr: frame.code_addr,
+                    firstlineno: frame.firstlineno,
+                    instruction: frame.instruction,
+                };
+                if let Some(cached) = self.cached(&key) {
+                    return cached;
+                }
+                match python::symbolize_python(
+                    &mut self.python_code,
+                    &mut self.strings,
+                    runtime,
+                    frame,
+                ) {
+                    Some(symbolized) => {
+                        self.stats.frames_symbolized += 1;
+                        self.remember(key, symbolized)
+                    }
+                    // Not cached: the process may have been between two states of the object.
+                    None => {
+                        self.stats.misses += 1;
+                        Arc::new(python::unknown_python_frame(frame))
+                    }
+                }
+            }
             UnwoundFrame::UserUnmapped { addr, name } => {
                 // Not cached: the address is all there is, and the frame is cheap to build.
                 self.stats.misses += 1;
@@ -241,6 +280,11 @@ impl Symbolizer {
     }
 
     /// Drops every cache, including blazesym's parsed files, to bound memory.
+    /// Drops what was read from a process that exited or exec'ed.
+    pub fn forget_process(&mut self, pid: Pid) {
+        self.python_code.forget_process(pid);
+    }
+
     fn reset_caches(&mut self) {
         debug!(
             entries = self.frames.len(),

@@ -97,6 +97,17 @@ const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 /// Finds the interpreter of `process`. Only files whose name mentions python, then the
 /// executable, are opened: other processes cost a string comparison per mapping.
 pub fn detect_python(process: &ProcessInfo) -> Result<PythonProcess, DetectError> {
+    detect_python_with(process, &mut |file| {
+        inspect_interpreter_elf(&file.open_path, &file.path)
+    })
+}
+
+/// [`detect_python`] with the ELF inspection supplied by the caller (the agent caches it by
+/// file identity, so a shared executable is parsed once, not once per process).
+pub fn detect_python_with(
+    process: &ProcessInfo,
+    inspect: &mut dyn FnMut(&Arc<MappedFile>) -> Result<Option<InterpreterElf>, DetectError>,
+) -> Result<PythonProcess, DetectError> {
     let files = || process.mappings.iter().filter_map(|m| m.file.as_ref());
     let mut candidates: Vec<&Arc<MappedFile>> = Vec::new();
     let python_named = files().filter(|file| file_name(&file.path).contains("python"));
@@ -107,7 +118,7 @@ pub fn detect_python(process: &ProcessInfo) -> Result<PythonProcess, DetectError
         }
     }
     for file in candidates {
-        let elf = match inspect_interpreter_elf(&file.open_path, &file.path)? {
+        let elf = match inspect(file)? {
             Some(elf) => elf,
             None => continue,
         };

@@ -1,0 +1,308 @@
+//! The Python walk: for a sample of a registered CPython process, finds the sampled thread's
+//! `PyThreadState` and records its frame chain (code object, instruction, entry flag) innermost
+//! first. Userspace symbolizes the code objects and splices the frames into the native stack.
+//!
+//! Every offset comes from the process's `PyProcInfo`; nothing here depends on a version.
+use core::{ffi::c_void, ptr};
+
+use aya_ebpf::{
+    helpers::{
+        bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
+        generated::{bpf_get_current_task, bpf_loop},
+    },
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray},
+};
+use profiler_common::{
+    MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_PYTHON_THREAD_SCAN, MAX_PYTHON_THREADS,
+    PY_ANCHOR_CFRAME, PY_ENTRY_EVERY_FRAME, PY_ENTRY_FLAG, PY_ENTRY_SHIM, PY_FRAME_ENTRY,
+    PY_FRAME_FIRSTLINENO_MASK, PY_INSTRUCTION_LASTI, PYTHON_FRAME_READ_BYTES, PyProcInfo,
+    PyThreadEntry, RawSample, SAMPLE_PYTHON_ERROR, SAMPLE_PYTHON_TRUNCATED,
+    STAT_PYTHON_FRAMES, STAT_PYTHON_NO_THREAD_STATE, STAT_PYTHON_READ_ERROR,
+    STAT_PYTHON_TRUNCATED, STAT_PYTHON_WALKS,
+};
+
+use crate::sampler::{SCRATCH_SAMPLE, count};
+
+#[map(name = "PYTHON_PROCESSES")]
+static PYTHON_PROCESSES: HashMap<u32, PyProcInfo> =
+    HashMap::with_max_entries(MAX_PYTHON_PROCESSES, 0);
+
+/// tid → thread state, so the thread list is scanned once per thread, not once per sample.
+#[map(name = "PYTHON_THREADS")]
+static PYTHON_THREADS: LruHashMap<u32, PyThreadEntry> =
+    LruHashMap::with_max_entries(MAX_PYTHON_THREADS, 0);
+
+/// State carried between `bpf_loop` iterations (too large for the BPF stack).
+#[repr(C)]
+struct PyWalkState {
+    info: PyProcInfo,
+    /// Thread scan: the current interpreter and thread state.
+    interp: u64,
+    tstate: u64,
+    /// Thread scan: the value the sampled thread's state holds at `match_offset`.
+    match_value: u64,
+    /// Frame walk: the next frame to read.
+    frame: u64,
+    match_offset: u32,
+    frames: u32,
+    flags: u32,
+    /// Frame walk: 1 once the chain ended (or the scan finished).
+    done: u32,
+    buf: [u8; PYTHON_FRAME_READ_BYTES],
+}
+
+#[map(name = "PYTHON_WALK")]
+static PYTHON_WALK: PerCpuArray<PyWalkState> = PerCpuArray::with_max_entries(1, 0);
+
+const FRAME_MASK: u32 = MAX_PYTHON_FRAMES as u32 - 1;
+const _: () = assert!(MAX_PYTHON_FRAMES.is_power_of_two());
+const _: () = assert!(PYTHON_FRAME_READ_BYTES.is_power_of_two());
+/// Iterations of the frame loop: recorded frames plus the shims between them.
+const MAX_FRAME_STEPS: u32 = 2 * MAX_PYTHON_FRAMES as u32;
+
+#[inline(always)]
+fn read_u64(addr: u64) -> Option<u64> {
+    unsafe { bpf_probe_read_user(addr as *const u64).ok() }
+}
+
+/// A field of the frame copy in `buf`; offsets outside the copy read as 0.
+#[inline(always)]
+fn buf_u64(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u64 {
+    let at = offset as usize & (PYTHON_FRAME_READ_BYTES - 1);
+    if at > PYTHON_FRAME_READ_BYTES - 8 {
+        return 0;
+    }
+    unsafe { ptr::read_unaligned(buf.as_ptr().add(at).cast::<u64>()) }
+}
+
+#[inline(always)]
+fn buf_u32(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u32 {
+    let at = offset as usize & (PYTHON_FRAME_READ_BYTES - 1);
+    if at > PYTHON_FRAME_READ_BYTES - 4 {
+        return 0;
+    }
+    unsafe { ptr::read_unaligned(buf.as_ptr().add(at).cast::<u32>()) }
+}
+
+#[inline(always)]
+fn buf_u8(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u8 {
+    buf[offset as usize & (PYTHON_FRAME_READ_BYTES - 1)]
+}
+
+/// Fills `sample.python` for a thread of a registered Python process.
+///
+/// The walk state is only touched through a raw pointer here: the `bpf_loop` callbacks write
+/// it, so no `&mut` to it may live across a `bpf_loop` call (the compiler would assume the
+/// call cannot change it).
+#[inline(always)]
+pub fn collect(pid: u32, tid: u32, fsbase_offset: u32, sample: &mut RawSample) {
+    sample.header.python_frames = 0;
+    let Some(info) = (unsafe { PYTHON_PROCESSES.get(&pid) }).copied() else {
+        return;
+    };
+    count(STAT_PYTHON_WALKS);
+    let Some(state) = PYTHON_WALK.get_ptr_mut(0) else {
+        return;
+    };
+    // 3.11+ records the kernel tid in the thread state; older versions only `pthread_self()`,
+    // which on x86_64 is the thread's FS base.
+    let (match_offset, match_value) = if info.tstate_native_thread_id != 0 {
+        (info.tstate_native_thread_id as u32, tid as u64)
+    } else if fsbase_offset != 0 {
+        let task = unsafe { bpf_get_current_task() };
+        let Ok(fsbase) =
+            (unsafe { bpf_probe_read_kernel((task + fsbase_offset as u64) as *const u64) })
+        else {
+            count(STAT_PYTHON_NO_THREAD_STATE);
+            return;
+        };
+        (info.tstate_thread_id as u32, fsbase)
+    } else {
+        count(STAT_PYTHON_NO_THREAD_STATE);
+        return;
+    };
+    // SAFETY: this CPU's state slot; perf-event programs do not nest on a CPU.
+    unsafe {
+        (*state).info = info;
+        (*state).frames = 0;
+        (*state).flags = 0;
+        (*state).match_offset = match_offset;
+        (*state).match_value = match_value;
+    }
+
+    let Some(tstate) = thread_state(pid, tid, state) else {
+        count(STAT_PYTHON_NO_THREAD_STATE);
+        return;
+    };
+    let first = match read_u64(tstate + info.tstate_frame as u64) {
+        Some(anchor) if info.anchor_kind == PY_ANCHOR_CFRAME && anchor != 0 => {
+            read_u64(anchor + info.cframe_current_frame as u64)
+        }
+        other => other,
+    };
+    let Some(first) = first else {
+        count(STAT_PYTHON_READ_ERROR);
+        sample.header.flags |= SAMPLE_PYTHON_ERROR;
+        return;
+    };
+    unsafe {
+        (*state).frame = first;
+        (*state).done = 0;
+        bpf_loop(MAX_FRAME_STEPS, frame_step as *mut c_void, ptr::null_mut(), 0);
+        if (*state).done == 0 && (*state).frame != 0 {
+            (*state).flags |= SAMPLE_PYTHON_TRUNCATED;
+            count(STAT_PYTHON_TRUNCATED);
+        }
+        // The callback wrote the frames into this CPU's scratch sample, which `sample` is.
+        let frames = ptr::read_volatile(&raw const (*state).frames);
+        let flags = ptr::read_volatile(&raw const (*state).flags);
+        sample.header.python_frames = frames as u16;
+        sample.header.flags |= flags;
+    }
+}
+
+/// The sampled thread's `PyThreadState`: from the cache when it still matches, else by
+/// scanning every interpreter's thread list.
+#[inline(always)]
+fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
+    // SAFETY: this CPU's state slot; see `collect` for why it stays a raw pointer.
+    let (info, match_offset, match_value) =
+        unsafe { ((*state).info, (*state).match_offset, (*state).match_value) };
+    if let Some(entry) = unsafe { PYTHON_THREADS.get(&tid) }
+        && entry.pid == pid
+        && read_u64(entry.thread_state + match_offset as u64) == Some(match_value)
+    {
+        return Some(entry.thread_state);
+    }
+    let interp = read_u64(info.runtime_addr + info.runtime_interpreters_head as u64)?;
+    if interp == 0 {
+        return None;
+    }
+    let first = read_u64(interp + info.interp_threads_head as u64)?;
+    let (done, found) = unsafe {
+        (*state).interp = interp;
+        (*state).tstate = first;
+        (*state).done = 0;
+        bpf_loop(
+            MAX_PYTHON_THREAD_SCAN,
+            scan_step as *mut c_void,
+            ptr::null_mut(),
+            0,
+        );
+        (
+            ptr::read_volatile(&raw const (*state).done),
+            ptr::read_volatile(&raw const (*state).tstate),
+        )
+    };
+    if done == 0 || found == 0 {
+        return None;
+    }
+    let entry = PyThreadEntry {
+        thread_state: found,
+        pid,
+        _pad: 0,
+    };
+    let _ = PYTHON_THREADS.insert(&tid, &entry, 0);
+    Some(found)
+}
+
+/// One thread state of the scan; ends with `done = 1` and `tstate` = the match (or 0).
+#[inline(never)]
+extern "C" fn scan_step(_index: u64, _ctx: *mut c_void) -> i64 {
+    let Some(state) = PYTHON_WALK.get_ptr_mut(0) else {
+        return 1;
+    };
+    let state = unsafe { &mut *state };
+    let info = &state.info;
+    if state.tstate == 0 {
+        // This interpreter's list is exhausted: go on with the next interpreter.
+        let next = read_u64(state.interp + info.interp_next as u64).unwrap_or(0);
+        state.interp = next;
+        if next == 0 {
+            state.done = 1;
+            return 1;
+        }
+        state.tstate = read_u64(next + info.interp_threads_head as u64).unwrap_or(0);
+        return 0;
+    }
+    let tstate = state.tstate;
+    if read_u64(tstate + state.match_offset as u64) == Some(state.match_value) {
+        state.done = 1;
+        return 1;
+    }
+    state.tstate = read_u64(tstate + info.tstate_next as u64).unwrap_or(0);
+    0
+}
+
+/// One frame of the chain: records it unless it is a shim, then moves to the caller.
+#[inline(never)]
+extern "C" fn frame_step(_index: u64, _ctx: *mut c_void) -> i64 {
+    let Some(state) = PYTHON_WALK.get_ptr_mut(0) else {
+        return 1;
+    };
+    let Some(sample) = SCRATCH_SAMPLE.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's slots, not shared with anything running concurrently on it.
+    let (state, sample) = unsafe { (&mut *state, &mut *sample) };
+    let frame = state.frame;
+    if frame == 0 {
+        state.done = 1;
+        return 1;
+    }
+    if unsafe { bpf_probe_read_user_buf(frame as *const u8, &mut state.buf) }.is_err() {
+        state.flags |= SAMPLE_PYTHON_ERROR;
+        state.done = 1;
+        count(STAT_PYTHON_READ_ERROR);
+        return 1;
+    }
+    let info = &state.info;
+    let back = buf_u64(&state.buf, info.frame_back);
+    if back == frame {
+        state.flags |= SAMPLE_PYTHON_ERROR;
+        state.done = 1;
+        count(STAT_PYTHON_READ_ERROR);
+        return 1;
+    }
+    state.frame = back;
+    if info.entry_kind == PY_ENTRY_SHIM && buf_u8(&state.buf, info.entry_offset) == info.shim_owner
+    {
+        // A shim: the frame recorded just before it began this C-level eval call.
+        if state.frames > 0 {
+            let last = ((state.frames - 1) & FRAME_MASK) as usize;
+            sample.python[last].meta |= PY_FRAME_ENTRY;
+        }
+        return 0;
+    }
+    let code = buf_u64(&state.buf, info.frame_code) & !info.code_tag_mask;
+    if code == 0 {
+        return 0;
+    }
+    if state.frames >= MAX_PYTHON_FRAMES as u32 {
+        state.flags |= SAMPLE_PYTHON_TRUNCATED;
+        state.done = 1;
+        count(STAT_PYTHON_TRUNCATED);
+        return 1;
+    }
+    let instruction = if info.instruction_kind == PY_INSTRUCTION_LASTI {
+        buf_u32(&state.buf, info.frame_instruction)
+    } else {
+        buf_u64(&state.buf, info.frame_instruction).wrapping_sub(code) as u32
+    };
+    let entry = match info.entry_kind {
+        PY_ENTRY_EVERY_FRAME => PY_FRAME_ENTRY,
+        PY_ENTRY_FLAG if buf_u8(&state.buf, info.entry_offset) != 0 => PY_FRAME_ENTRY,
+        _ => 0,
+    };
+    let firstlineno = unsafe {
+        bpf_probe_read_user((code + info.code_firstlineno as u64) as *const u32).unwrap_or(0)
+    };
+    let record = &mut sample.python[(state.frames & FRAME_MASK) as usize];
+    record.code = code;
+    record.instruction = instruction;
+    record.meta = (firstlineno & PY_FRAME_FIRSTLINENO_MASK) | entry;
+    state.frames += 1;
+    count(STAT_PYTHON_FRAMES);
+    0
+}

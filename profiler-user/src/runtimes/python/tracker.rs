@@ -1,0 +1,478 @@
+//! The agent side of Python unwinding: recognises CPython processes as their snapshots arrive,
+//! checks the layout against the live process, registers them with the BPF walk, and splices
+//! the Python frames BPF recorded into the native stack in place of the interpreter's frames.
+use std::{
+    collections::{HashMap, HashSet},
+    path::{Path, PathBuf},
+    sync::{Arc, Weak},
+    time::{Duration, Instant},
+};
+
+use profiler_common::{
+    PY_ANCHOR_CFRAME, PY_ANCHOR_DIRECT, PY_ENTRY_EVERY_FRAME, PY_ENTRY_FLAG, PY_ENTRY_SHIM,
+    PY_INSTRUCTION_LASTI, PY_INSTRUCTION_POINTER, PyProcInfo,
+};
+
+use super::{
+    code::{CodeError, read_code_object},
+    detect::{DetectError, InterpreterElf, PythonProcess, detect_python_with, inspect_interpreter_elf},
+    layout::{EntryMarker, FrameAnchor, InstructionUnit, PyLayout},
+    memory::{ProcMemory, ProcessMemoryExt},
+    walk::{WalkError, thread_first_frame, thread_states, walk_frame_chain},
+};
+use crate::{
+    bpf::PythonMaps,
+    model::{FileId, Pid, ProcessInfo, Sample, UnwoundFrame, UnwoundStack},
+};
+
+/// How long to wait before checking again a process whose interpreter is not initialised yet.
+const RETRY_PENDING: Duration = Duration::from_millis(200);
+/// Interpreter ELF files remembered (by file identity) so each is parsed once.
+const MAX_CACHED_ELF_FILES: usize = 4096;
+/// Frames whose code objects the self-check reads.
+const SELF_CHECK_FRAMES: usize = 16;
+
+/// A CPython process the BPF walk is registered for: what symbolization needs to read its
+/// code objects.
+#[derive(Debug)]
+pub struct PythonRuntime {
+    pub pid: Pid,
+    pub process: PythonProcess,
+    pub memory: ProcMemory,
+}
+
+impl PythonRuntime {
+    fn in_eval_loop(&self, addr: u64) -> bool {
+        // Return addresses point after the call; the interrupted PC is exact.
+        self.process
+            .eval_frame_ranges
+            .iter()
+            .any(|range| range.contains(&addr) || range.contains(&addr.wrapping_sub(1)))
+    }
+
+    /// Each eval call runs exactly one Python frame (≤3.10), or a run of frames ending with the
+    /// one marked as its entry (3.11+).
+    fn one_frame_per_eval_call(&self) -> bool {
+        self.process.layout.entry_marker == EntryMarker::None
+    }
+}
+
+/// The flat description of a layout the BPF walk reads.
+pub fn bpf_proc_info(process: &PythonProcess) -> PyProcInfo {
+    let layout: &PyLayout = &process.layout;
+    let narrow = |offset: u32| u16::try_from(offset).unwrap_or(u16::MAX);
+    let (anchor_kind, tstate_frame, cframe_current_frame) = match layout.tstate_frame {
+        FrameAnchor::ThreadFrame { offset } | FrameAnchor::ThreadCurrentFrame { offset } => {
+            (PY_ANCHOR_DIRECT, offset, 0)
+        }
+        FrameAnchor::CFrame {
+            cframe,
+            current_frame,
+        } => (PY_ANCHOR_CFRAME, cframe, current_frame),
+    };
+    let (entry_kind, entry_offset, shim_owner) = match layout.entry_marker {
+        EntryMarker::None => (PY_ENTRY_EVERY_FRAME, 0, 0),
+        EntryMarker::IsEntryFlag { offset } => (PY_ENTRY_FLAG, offset, 0),
+        EntryMarker::ShimOwner { offset, value } => (PY_ENTRY_SHIM, offset, value),
+    };
+    PyProcInfo {
+        runtime_addr: process.runtime_addr,
+        code_tag_mask: layout.stackref_tag_mask,
+        runtime_interpreters_head: narrow(layout.runtime_interpreters_head),
+        interp_next: narrow(layout.interp_next),
+        interp_threads_head: narrow(layout.interp_threads_head),
+        tstate_next: narrow(layout.tstate_next),
+        tstate_thread_id: narrow(layout.tstate_thread_id),
+        tstate_native_thread_id: layout.tstate_native_thread_id.map(narrow).unwrap_or(0),
+        tstate_frame: narrow(tstate_frame),
+        cframe_current_frame: narrow(cframe_current_frame),
+        frame_code: narrow(layout.frame_code),
+        frame_back: narrow(layout.frame_back),
+        frame_instruction: narrow(layout.frame_instruction),
+        entry_offset: narrow(entry_offset),
+        code_firstlineno: narrow(layout.code_firstlineno),
+        anchor_kind,
+        instruction_kind: match layout.instruction_unit {
+            InstructionUnit::LastiBytes | InstructionUnit::LastiCodeUnits => PY_INSTRUCTION_LASTI,
+            InstructionUnit::InstructionPointer => PY_INSTRUCTION_POINTER,
+        },
+        entry_kind,
+        shim_owner,
+        _pad: [0; 2],
+    }
+}
+
+/// The raw instruction field a [`crate::model::PythonFrameRef`] stands for, as the userspace
+/// symbolizer expects it (an absolute pointer for 3.11+, a sign-extended `f_lasti` before).
+pub fn raw_instruction(layout: &PyLayout, code_addr: u64, recorded: u32) -> u64 {
+    match layout.instruction_unit {
+        InstructionUnit::InstructionPointer => code_addr.wrapping_add(u64::from(recorded)),
+        _ => recorded as i32 as i64 as u64,
+    }
+}
+
+/// Why the self-check did not pass.
+#[derive(Debug)]
+enum CheckFailure {
+    /// The interpreter is not running yet (or is finalizing): try again later.
+    NotReady(String),
+    /// The layout does not describe this process.
+    Mismatch(String),
+}
+
+/// Counters of Python tracking, for self-metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PythonStats {
+    /// Processes whose Python frames BPF records now.
+    pub active: u64,
+    /// Python processes waiting for their interpreter to initialise.
+    pub pending: u64,
+    /// Python processes left to native unwinding (unsupported build or failed self-check).
+    pub disabled: u64,
+    /// Python frames spliced into stacks.
+    pub frames: u64,
+    /// Samples with Python frames but no eval-loop frame to put them in place of.
+    pub unanchored_samples: u64,
+}
+
+#[derive(Debug)]
+enum State {
+    NotPython,
+    Pending {
+        runtime: Arc<PythonRuntime>,
+        next_attempt: Instant,
+    },
+    Active(Arc<PythonRuntime>),
+    Disabled,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    /// The snapshot this state was derived from; a new snapshot (exec, dlopen) is looked at
+    /// again. A `Weak` keeps the allocation, so the address cannot be reused meanwhile.
+    snapshot: Weak<ProcessInfo>,
+    state: State,
+}
+
+/// Python processes by pid, and the BPF registration of the active ones.
+pub struct PythonTracker<M: PythonMaps> {
+    maps: M,
+    proc_root: PathBuf,
+    processes: HashMap<Pid, Tracked>,
+    elf_files: HashMap<FileId, Option<Arc<InterpreterElf>>>,
+    /// Detection errors already logged (free-threaded or unknown builds), so each is logged once.
+    reported: HashSet<String>,
+    stats: PythonStats,
+}
+
+impl<M: PythonMaps> PythonTracker<M> {
+    pub fn new(maps: M, proc_root: PathBuf) -> Self {
+        Self {
+            maps,
+            proc_root,
+            processes: HashMap::new(),
+            elf_files: HashMap::new(),
+            reported: HashSet::new(),
+            stats: PythonStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> PythonStats {
+        let mut stats = self.stats;
+        stats.active = 0;
+        stats.pending = 0;
+        for tracked in self.processes.values() {
+            match tracked.state {
+                State::Active(_) => stats.active += 1,
+                State::Pending { .. } => stats.pending += 1,
+                _ => {}
+            }
+        }
+        stats
+    }
+
+    /// Looks at `process` if it is a snapshot not seen yet, and retries pending processes.
+    /// Cheap when nothing changed: a hash lookup and a pointer comparison.
+    pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
+        let pid = process.pid;
+        if let Some(tracked) = self.processes.get(&pid)
+            && std::ptr::eq(tracked.snapshot.as_ptr(), Arc::as_ptr(process))
+        {
+            if let State::Pending {
+                runtime,
+                next_attempt,
+            } = &tracked.state
+                && Instant::now() >= *next_attempt
+            {
+                let runtime = Arc::clone(runtime);
+                let state = self.activate(runtime);
+                if let Some(tracked) = self.processes.get_mut(&pid) {
+                    tracked.state = state;
+                }
+            }
+            return;
+        }
+        if process.is_kernel_thread {
+            return;
+        }
+        let state = match self.detect(process) {
+            Ok(python) => {
+                // A refreshed snapshot of an already registered interpreter keeps its state.
+                match self.processes.get(&pid).map(|t| &t.state) {
+                    Some(State::Active(runtime))
+                        if runtime.process.runtime_addr == python.runtime_addr =>
+                    {
+                        State::Active(Arc::clone(runtime))
+                    }
+                    Some(State::Disabled) => State::Disabled,
+                    _ => match ProcMemory::open_in(&self.proc_root, pid) {
+                        Ok(memory) => self.activate(Arc::new(PythonRuntime {
+                            pid,
+                            process: python,
+                            memory,
+                        })),
+                        Err(error) => {
+                            tracing::debug!(%pid, "cannot read the memory of Python process: {error}");
+                            State::NotPython
+                        }
+                    },
+                }
+            }
+            Err(DetectError::NotPython) => State::NotPython,
+            Err(error) => {
+                self.stats.disabled += 1;
+                // Each unsupported interpreter is reported once, not once per process.
+                let message = error.to_string();
+                if self.reported.len() < MAX_CACHED_ELF_FILES && self.reported.insert(message) {
+                    tracing::warn!(%pid, "Python frames off for this process (native stacks kept): {error}");
+                } else {
+                    tracing::debug!(%pid, "Python frames off for this process: {error}");
+                }
+                State::Disabled
+            }
+        };
+        if matches!(state, State::NotPython | State::Disabled)
+            && matches!(
+                self.processes.get(&pid).map(|t| &t.state),
+                Some(State::Active(_))
+            )
+        {
+            self.unregister(pid);
+        }
+        self.processes.insert(
+            pid,
+            Tracked {
+                snapshot: Arc::downgrade(process),
+                state,
+            },
+        );
+    }
+
+    /// The process exited or exec'ed: its interpreter (if any) is gone.
+    pub fn forget(&mut self, pid: Pid) {
+        if let Some(tracked) = self.processes.remove(&pid)
+            && matches!(tracked.state, State::Active(_))
+        {
+            self.unregister(pid);
+        }
+    }
+
+    /// Replaces each native eval-loop frame of `stack` by the Python frames it was running
+    /// (≤3.10 one, 3.11+ the run up to its entry frame), keeping every native frame between;
+    /// Python frames left over (the native walk stopped early) go to the outer end.
+    pub fn interleave(&mut self, sample: &Sample, stack: &mut UnwoundStack) {
+        if sample.python_frames.is_empty() {
+            return;
+        }
+        let Some(Tracked {
+            state: State::Active(runtime),
+            ..
+        }) = self.processes.get(&sample.pid)
+        else {
+            return;
+        };
+        let python = &sample.python_frames;
+        let mut next = 0;
+        let mut frames = Vec::with_capacity(stack.frames.len() + python.len());
+        let python_frame = |index: usize| UnwoundFrame::Python {
+            frame: python[index],
+            runtime: Arc::clone(runtime),
+        };
+        for frame in stack.frames.drain(..) {
+            let in_eval = match &frame {
+                UnwoundFrame::User { addr, .. } => runtime.in_eval_loop(*addr),
+                _ => false,
+            };
+            if !in_eval || next >= python.len() {
+                frames.push(frame);
+                continue;
+            }
+            if runtime.one_frame_per_eval_call() {
+                frames.push(python_frame(next));
+                next += 1;
+            } else {
+                while next < python.len() {
+                    frames.push(python_frame(next));
+                    next += 1;
+                    if python[next - 1].entry {
+                        break;
+                    }
+                }
+            }
+        }
+        if next == 0 {
+            self.stats.unanchored_samples += 1;
+        }
+        while next < python.len() {
+            frames.push(python_frame(next));
+            next += 1;
+        }
+        self.stats.frames += python.len() as u64;
+        stack.frames = frames;
+    }
+
+    fn unregister(&mut self, pid: Pid) {
+        if let Err(error) = self.maps.remove_process(pid.0) {
+            tracing::debug!(%pid, "{error}");
+        }
+    }
+
+    fn detect(&mut self, process: &ProcessInfo) -> Result<PythonProcess, DetectError> {
+        if self.elf_files.len() > MAX_CACHED_ELF_FILES {
+            self.elf_files.clear();
+        }
+        let elf_files = &mut self.elf_files;
+        let result = detect_python_with(process, &mut |file| {
+            if let Some(cached) = elf_files.get(&file.id) {
+                return Ok(cached.as_deref().cloned());
+            }
+            let inspected = inspect_interpreter_elf(&file.open_path, &file.path)?;
+            elf_files.insert(file.id, inspected.clone().map(Arc::new));
+            Ok(inspected)
+        });
+        result
+    }
+
+    /// Self-checks the layout on the live process and registers it with BPF when it holds.
+    fn activate(&mut self, runtime: Arc<PythonRuntime>) -> State {
+        let pid = runtime.pid;
+        match self_check(&runtime, &self.proc_root) {
+            Ok(()) => {
+                let info = bpf_proc_info(&runtime.process);
+                tracing::debug!(%pid, ?info, "registering Python process with BPF");
+                match self.maps.insert_process(pid.0, &info) {
+                    Ok(()) => {
+                        let (major, minor, micro) = runtime.process.version;
+                        tracing::info!(
+                            %pid,
+                            python = %format!("{major}.{minor}.{micro}"),
+                            interpreter = %runtime.process.interpreter_file.path,
+                            "Python frames on"
+                        );
+                        State::Active(runtime)
+                    }
+                    Err(error) => {
+                        tracing::warn!(%pid, "Python frames off for this process: {error}");
+                        self.stats.disabled += 1;
+                        State::Disabled
+                    }
+                }
+            }
+            Err(CheckFailure::NotReady(reason)) => {
+                tracing::debug!(%pid, "Python interpreter not ready: {reason}");
+                State::Pending {
+                    runtime,
+                    next_attempt: Instant::now() + RETRY_PENDING,
+                }
+            }
+            Err(CheckFailure::Mismatch(reason)) => {
+                self.stats.disabled += 1;
+                tracing::warn!(
+                    %pid,
+                    "Python frames off for this process (native stacks kept): the {}.{} layout does not match: {reason}",
+                    runtime.process.version.0,
+                    runtime.process.version.1
+                );
+                State::Disabled
+            }
+        }
+    }
+}
+
+/// Reads the live process the way BPF will: its thread states must belong to its threads and
+/// its frames must point at code objects.
+fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<(), CheckFailure> {
+    let memory = &runtime.memory;
+    let layout = &runtime.process.layout;
+    let threads = match thread_states(memory, layout, runtime.process.runtime_addr) {
+        Ok(threads) if !threads.is_empty() => threads,
+        Ok(_) => return Err(CheckFailure::NotReady("no thread states".into())),
+        Err(WalkError::NoInterpreter) => {
+            return Err(CheckFailure::NotReady("no interpreter yet".into()));
+        }
+        Err(WalkError::Runtime(error)) => return Err(CheckFailure::NotReady(error.to_string())),
+    };
+    if let Some(offset) = layout.tstate_native_thread_id {
+        let tasks = task_ids(proc_root, runtime.pid);
+        let ids: Vec<u64> = threads
+            .iter()
+            .filter_map(|&t| memory.read_u64(t + u64::from(offset)).ok())
+            .collect();
+        if !tasks.is_empty() && !ids.iter().any(|id| tasks.contains(id)) {
+            return Err(CheckFailure::Mismatch(format!(
+                "no thread state's native_thread_id ({ids:?}) is a thread of the process"
+            )));
+        }
+    } else {
+        let ids: Vec<u64> = threads
+            .iter()
+            .filter_map(|&t| memory.read_u64(t + u64::from(layout.tstate_thread_id)).ok())
+            .collect();
+        if ids.iter().all(|&id| id == 0) {
+            return Err(CheckFailure::Mismatch(
+                "every thread state has a zero thread_id".into(),
+            ));
+        }
+    }
+    let (mut code_objects, mut not_code) = (0, 0);
+    for &thread in &threads {
+        let Ok(first) = thread_first_frame(memory, layout, thread) else {
+            continue;
+        };
+        let (frames, _) = walk_frame_chain(memory, layout, first);
+        for frame in frames.iter().take(SELF_CHECK_FRAMES) {
+            match read_code_object(
+                memory,
+                layout,
+                runtime.process.code_type_addr,
+                frame.code_addr,
+            ) {
+                Ok(_) => code_objects += 1,
+                Err(CodeError::NotCode { .. }) => not_code += 1,
+                // A frame being torn down while we read: no evidence either way.
+                Err(_) => {}
+            }
+        }
+        if code_objects + not_code >= SELF_CHECK_FRAMES {
+            break;
+        }
+    }
+    if not_code > code_objects {
+        return Err(CheckFailure::Mismatch(format!(
+            "{not_code} of {} frames do not point at code objects",
+            not_code + code_objects
+        )));
+    }
+    Ok(())
+}
+
+fn task_ids(proc_root: &Path, pid: Pid) -> HashSet<u64> {
+    let dir = proc_root.join(pid.0.to_string()).join("task");
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
