@@ -236,8 +236,68 @@ fn collect_symbols(elf: &object::File<'_>) -> Symbols {
             note(name, symbol.address(), symbol.size(), symbol.kind());
         }
     }
+    // A stripped file names only the hot part; find the cold parts it jumps to.
+    if symbols.eval_frame.len() == 1 {
+        let hot = symbols.eval_frame[0].clone();
+        for cold in cold_parts(elf, &hot) {
+            if !symbols.eval_frame.contains(&cold) {
+                symbols.eval_frame.push(cold);
+            }
+        }
+    }
     symbols.eval_frame.sort_by_key(|r| r.start);
     symbols
+}
+
+/// The `.cold` parts of the function at `hot`, found without symbols: GCC moves rarely run
+/// blocks (with some builds, most of the eval loop) into a separate function-like range with
+/// its own FDE, reached by jumps from the hot part. A rel32 `jmp`/`jcc` in the hot code whose
+/// target is exactly the start of another FDE marks one. Scanning bytes rather than decoding
+/// instructions can only add ranges that start where the hot code jumps to.
+fn cold_parts(elf: &object::File<'_>, hot: &Range<u64>) -> Vec<Range<u64>> {
+    use object::ObjectSection;
+    let Some(code) = file_bytes_at(elf, hot.start, hot.end - hot.start) else {
+        return Vec::new();
+    };
+    let Some(eh_frame) = elf.section_by_name(".eh_frame") else {
+        return Vec::new();
+    };
+    let Ok(data) = eh_frame.data() else {
+        return Vec::new();
+    };
+    let section = gimli::EhFrame::new(data, gimli::LittleEndian);
+    let mut bases = gimli::BaseAddresses::default().set_eh_frame(eh_frame.address());
+    if let Some(text) = elf.section_by_name(".text") {
+        bases = bases.set_text(text.address());
+    }
+    let mut fde_ends = std::collections::HashMap::new();
+    let mut entries = gimli::UnwindSection::entries(&section, &bases);
+    while let Ok(Some(entry)) = entries.next() {
+        if let gimli::CieOrFde::Fde(partial) = entry
+            && let Ok(fde) = partial.parse(gimli::UnwindSection::cie_from_offset)
+        {
+            fde_ends.insert(fde.initial_address(), fde.end_address());
+        }
+    }
+    let mut parts = Vec::new();
+    for at in 0..code.len() {
+        let (opcode_len, rel) = match code[at..] {
+            [0xe9, a, b, c, d, ..] => (5, i32::from_le_bytes([a, b, c, d])),
+            [0x0f, 0x80..=0x8f, a, b, c, d, ..] => (6, i32::from_le_bytes([a, b, c, d])),
+            _ => continue,
+        };
+        let target = (hot.start + (at + opcode_len) as u64).wrapping_add(rel as i64 as u64);
+        if hot.contains(&target) {
+            continue;
+        }
+        if let Some(&end) = fde_ends.get(&target) {
+            let range = target..end;
+            if !parts.contains(&range) {
+                parts.push(range);
+            }
+        }
+    }
+    parts
 }
 
 /// Bytes at ELF virtual address `addr` from the file's initialised data, if any.
