@@ -2,6 +2,7 @@
 
 mod cmd;
 mod ebpf;
+mod python314;
 mod setup;
 
 use std::ffi::OsString;

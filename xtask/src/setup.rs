@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, Result, bail};
 
 use crate::cmd;
+use crate::python314::{PYTHON314_DIR, install_python314, python314_missing};
 use crate::ebpf::{BPF_LINKER_VERSION, bpf_linker_dir, ebpf_toolchain_missing};
 
 /// Debian packages the build and the tests use, with why.
@@ -32,6 +33,10 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ("gcc", "builds the C test fixtures"),
     ("g++", "builds the C++ test fixtures"),
     ("util-linux", "unshare, used by the integration tests"),
+    (
+        "patchelf",
+        "points Debian sid's Python 3.14 (a test interpreter) at its own glibc",
+    ),
 ];
 /// Debian's libLLVM 22, pulled in by rustc-web; bpf-linker links against it.
 const SYSTEM_LIBLLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM.so.22.1";
@@ -53,6 +58,8 @@ pub enum Prerequisite {
     NpmDeps,
     /// py-spy from PyPI, the oracle the Python-stack tests compare with, under `.tools/`.
     PySpy,
+    /// CPython 3.14 from Debian sid, a test interpreter, under `.tools/python3.14`.
+    Python314,
 }
 
 impl Prerequisite {
@@ -71,6 +78,9 @@ impl Prerequisite {
             ),
             Prerequisite::PySpy => format!(
                 "py-spy {PY_SPY_VERSION} from PyPI into {PY_SPY_DIR}/ (the reference for Python stacks in the tests)"
+            ),
+            Prerequisite::Python314 => format!(
+                "CPython 3.14 from Debian sid's packages into {PYTHON314_DIR}/ (a test interpreter)"
             ),
         }
     }
@@ -109,6 +119,9 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
         .is_file()
     {
         missing.push(Prerequisite::PySpy);
+    }
+    if python314_missing(workspace) {
+        missing.push(Prerequisite::Python314);
     }
     missing
 }
@@ -256,6 +269,7 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
             ]))?,
             Prerequisite::NpmDeps => install_npm_deps(&workspace.join(JS_TESTS_DIR))?,
             Prerequisite::PySpy => install_py_spy(workspace)?,
+            Prerequisite::Python314 => install_python314(workspace)?,
             Prerequisite::Apt { .. } => unreachable!("installed above"),
         }
     }
