@@ -476,3 +476,63 @@ fn python_process_started_after_the_profiler_gets_python_frames_within_two_secon
         "only {with_python} samples with `{hot}` in the first 2 s of the process:\n{log}"
     );
 }
+
+/// A free-threaded interpreter (3.13t, here a stand-in library with the real
+/// `_Py_DebugOffsets` header) is reported as unsupported, and its native stacks are kept.
+#[test]
+fn free_threaded_python_is_reported_and_keeps_native_stacks() {
+    let _guard = exclusive();
+    let library = integration_tests::cached_fixture("libpython3.13t.so.1.0", |out| {
+        let status = Command::new("gcc")
+            .args(["-O2", "-g", "-fPIC", "-shared", "-o"])
+            .arg(out)
+            .arg(fixture_source("python/free_threaded_runtime.c"))
+            .status()
+            .expect("gcc");
+        assert!(status.success(), "building the stand-in libpython3.13t failed");
+    });
+    let library_dir = library.parent().expect("fixture dir").to_path_buf();
+    let program = integration_tests::cached_fixture("free-threaded-main", |out| {
+        let status = Command::new("gcc")
+            .args(["-O2", "-g", "-fno-omit-frame-pointer", "-o"])
+            .arg(out)
+            .arg(fixture_source("python/free_threaded_main.c"))
+            .arg(&library)
+            .arg(format!("-Wl,-rpath,{}", library_dir.display()))
+            .status()
+            .expect("gcc");
+        assert!(status.success(), "building the free-threaded fixture failed");
+    });
+    let running = integration_tests::spawn(&program, &["8"]);
+    std::thread::sleep(Duration::from_millis(200));
+    let scratch = Scratch::new("python-free-threaded");
+    let output = scratch.path("ft.folded");
+    let pid = running.pid().to_string();
+    let run = integration_tests::run_profiler_with_env(
+        &[
+            "record",
+            "--pid",
+            &pid,
+            "--duration",
+            "2",
+            "--format",
+            "folded",
+            "--output",
+            output.to_str().expect("utf-8 path"),
+        ],
+        &[("RUST_LOG", "info"), ("NO_COLOR", "1")],
+    );
+    assert_success(&run);
+    let log = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        log.contains("free-threaded Python 3.13 is not supported"),
+        "no free-threaded report in the log:\n{log}"
+    );
+    let folded = std::fs::read_to_string(&output).expect("folded output");
+    assert!(
+        folded
+            .lines()
+            .any(|line| line.contains("free_threaded_loop;_PyEval_EvalFrameDefault")),
+        "native stacks of the free-threaded process are missing:\n{folded}"
+    );
+}
