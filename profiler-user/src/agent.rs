@@ -91,7 +91,7 @@ impl Pipeline {
             processes: ProcessRegistry::new("/proc".into(), host.clone()),
             unwinder: Unwinder::default(),
             native_tables: NativeTables::new(unwind_maps, sampling.cache_dir.as_deref()),
-            python: PythonTracker::new(python_maps, "/proc".into()),
+            python: PythonTracker::new(python_maps, "/proc".into(), sampling.python_frames),
             events,
             symbolizer: Symbolizer::new(SymbolizerOptions {
                 source_lines: sampling.source_lines,

@@ -65,6 +65,9 @@ pub struct SamplingArgs {
     /// info (more agent memory and CPU per new binary).
     #[arg(long, env = "PROFILER_SOURCE_LINES")]
     pub source_lines: bool,
+    /// Show native frames only for Python processes (no CPython frame walk).
+    #[arg(long, env = "PROFILER_NO_PYTHON")]
+    pub no_python: bool,
 }
 
 #[derive(Debug, Args)]
@@ -135,6 +138,7 @@ impl SamplingArgs {
             unwind_table_bytes: self.unwind_table_memory << 20,
             cache_dir: (!self.no_cache).then_some(self.cache_dir),
             source_lines: self.source_lines,
+            python_frames: !self.no_python,
         }
     }
 }

@@ -16,6 +16,8 @@ pub struct SamplingConfig {
     pub cache_dir: Option<PathBuf>,
     /// Symbolize native frames with DWARF source files, lines and inlined functions.
     pub source_lines: bool,
+    /// Walk CPython frames in BPF and show Python functions, files and lines.
+    pub python_frames: bool,
 }
 
 impl Default for SamplingConfig {
@@ -26,6 +28,7 @@ impl Default for SamplingConfig {
             unwind_table_bytes: DEFAULT_UNWIND_TABLE_MIB << 20,
             cache_dir: Some(PathBuf::from(DEFAULT_CACHE_DIR)),
             source_lines: false,
+            python_frames: true,
         }
     }
 }

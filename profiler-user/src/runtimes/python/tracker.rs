@@ -163,11 +163,14 @@ pub struct PythonTracker<M: PythonMaps> {
     /// Detection errors already logged (free-threaded or unknown builds), so each is logged once.
     reported: HashSet<String>,
     stats: PythonStats,
+    /// False with `--no-python`: nothing is registered, so BPF never walks Python frames.
+    enabled: bool,
 }
 
 impl<M: PythonMaps> PythonTracker<M> {
-    pub fn new(maps: M, proc_root: PathBuf) -> Self {
+    pub fn new(maps: M, proc_root: PathBuf, enabled: bool) -> Self {
         Self {
+            enabled,
             maps,
             proc_root,
             processes: HashMap::new(),
@@ -212,7 +215,7 @@ impl<M: PythonMaps> PythonTracker<M> {
             }
             return;
         }
-        if process.is_kernel_thread {
+        if process.is_kernel_thread || !self.enabled {
             return;
         }
         let state = match self.detect(process) {
@@ -475,4 +478,231 @@ fn task_ids(proc_root: &Path, pid: Pid) -> HashSet<u64> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{
+        bpf::BpfError,
+        model::{MappedFile, PythonFrameRef, Tid},
+        runtimes::python::{
+            detect::VersionSource,
+            layout::{PY310, PY312},
+        },
+    };
+
+    #[derive(Default)]
+    struct RecordingMaps {
+        registered: Vec<u32>,
+        removed: Vec<u32>,
+    }
+
+    impl PythonMaps for RecordingMaps {
+        fn insert_process(&mut self, pid: u32, _info: &PyProcInfo) -> Result<(), BpfError> {
+            self.registered.push(pid);
+            Ok(())
+        }
+        fn remove_process(&mut self, pid: u32) -> Result<(), BpfError> {
+            self.removed.push(pid);
+            Ok(())
+        }
+    }
+
+    const EVAL: std::ops::Range<u64> = 0x10_000..0x11_000;
+    const EVAL_COLD: std::ops::Range<u64> = 0x20_000..0x20_400;
+
+    fn tracker_with(layout: PyLayout) -> (PythonTracker<RecordingMaps>, Pid) {
+        let pid = Pid(std::process::id());
+        let runtime = PythonRuntime {
+            pid,
+            process: PythonProcess {
+                version: (layout.python.0, layout.python.1, 0),
+                version_source: VersionSource::FileName,
+                layout,
+                runtime_addr: 0x1000,
+                code_type_addr: 0x2000,
+                none_addr: None,
+                interpreter_file: Arc::new(MappedFile {
+                    id: FileId { dev: 1, ino: 2 },
+                    path: Arc::from("/usr/lib/libpython3.so"),
+                    open_path: "/nonexistent".into(),
+                    build_id: None,
+                    handle: None,
+                }),
+                load_bias: 0,
+                eval_frame_ranges: vec![EVAL, EVAL_COLD],
+            },
+            memory: ProcMemory::open(pid).expect("own memory"),
+        };
+        let mut tracker = PythonTracker::new(RecordingMaps::default(), "/proc".into(), true);
+        tracker.processes.insert(
+            pid,
+            Tracked {
+                snapshot: Weak::new(),
+                state: State::Active(Arc::new(runtime)),
+            },
+        );
+        (tracker, pid)
+    }
+
+    fn native(addr: u64) -> UnwoundFrame {
+        UnwoundFrame::UserUnmapped { addr, name: None }
+    }
+
+    fn user(addr: u64) -> UnwoundFrame {
+        UnwoundFrame::User {
+            addr,
+            file: Arc::new(MappedFile {
+                id: FileId { dev: 1, ino: 2 },
+                path: Arc::from("/usr/lib/libpython3.so"),
+                open_path: "/nonexistent".into(),
+                build_id: None,
+                handle: None,
+            }),
+            file_offset: addr,
+            mapping_start: 0,
+            mapping_end: 0x100_000,
+            mapping_offset: 0,
+        }
+    }
+
+    fn py(code_addr: u64, entry: bool) -> PythonFrameRef {
+        PythonFrameRef {
+            code_addr,
+            instruction: 0,
+            firstlineno: 1,
+            entry,
+        }
+    }
+
+    fn sample(pid: Pid, python: Vec<PythonFrameRef>) -> Sample {
+        Sample {
+            ktime_ns: 0,
+            pid,
+            tid: Tid(pid.0),
+            cpu: 0,
+            comm: Arc::from("python"),
+            kernel_ips: Vec::new(),
+            user_ips: Vec::new(),
+            kernel_truncated: false,
+            user_truncated: false,
+            user_stack_error: false,
+            user_unknown_mapping: false,
+            user_table_missing: false,
+            python_frames: python,
+            python_truncated: false,
+        }
+    }
+
+    /// "P<code>" for Python frames, "N<addr>" for native ones, innermost first.
+    fn describe(stack: &UnwoundStack) -> Vec<String> {
+        stack
+            .frames
+            .iter()
+            .map(|frame| match frame {
+                UnwoundFrame::Python { frame, .. } => format!("P{:x}", frame.code_addr),
+                UnwoundFrame::User { addr, .. } | UnwoundFrame::UserUnmapped { addr, .. } => {
+                    format!("N{addr:x}")
+                }
+                UnwoundFrame::Kernel(addr) => format!("K{addr:x}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_eval_call_runs_one_frame_up_to_3_10() {
+        let (mut tracker, pid) = tracker_with(PY310);
+        // leaf (C) <- eval <- call helper <- eval (.cold) <- main
+        let mut stack = UnwoundStack {
+            frames: vec![
+                native(0x50_000),
+                user(EVAL.start + 0x10),
+                native(0x51_000),
+                user(EVAL_COLD.start + 0x20),
+                native(0x52_000),
+            ],
+            truncated: false,
+        };
+        let python = vec![py(0xa, true), py(0xb, true)];
+        tracker.interleave(&sample(pid, python), &mut stack);
+        assert_eq!(describe(&stack), ["N50000", "Pa", "N51000", "Pb", "N52000"]);
+    }
+
+    #[test]
+    fn an_eval_call_runs_frames_up_to_its_entry_frame_from_3_11() {
+        let (mut tracker, pid) = tracker_with(PY312);
+        // Two C-level eval calls: the inner one ran a and b (b is its entry frame), the outer
+        // one c and d, with a C callback (sorted's key) between them.
+        let mut stack = UnwoundStack {
+            frames: vec![
+                native(0x50_000),
+                user(EVAL.start + 0x10),
+                native(0x51_000),
+                user(EVAL.start + 0x20),
+                native(0x52_000),
+            ],
+            truncated: false,
+        };
+        let python = vec![py(0xa, false), py(0xb, true), py(0xc, false), py(0xd, true)];
+        tracker.interleave(&sample(pid, python), &mut stack);
+        assert_eq!(
+            describe(&stack),
+            ["N50000", "Pa", "Pb", "N51000", "Pc", "Pd", "N52000"]
+        );
+        assert_eq!(tracker.stats().frames, 4);
+    }
+
+    #[test]
+    fn frames_without_an_eval_frame_go_to_the_outer_end() {
+        let (mut tracker, pid) = tracker_with(PY312);
+        // The native walk stopped before reaching the interpreter.
+        let mut stack = UnwoundStack {
+            frames: vec![native(0x50_000), native(0x51_000)],
+            truncated: true,
+        };
+        tracker.interleave(&sample(pid, vec![py(0xa, true)]), &mut stack);
+        assert_eq!(describe(&stack), ["N50000", "N51000", "Pa"]);
+        assert_eq!(tracker.stats().unanchored_samples, 1);
+    }
+
+    #[test]
+    fn unknown_processes_and_forgotten_ones_keep_native_stacks() {
+        let (mut tracker, pid) = tracker_with(PY312);
+        let frames = vec![native(0x50_000), user(EVAL.start)];
+        let mut stack = UnwoundStack {
+            frames: frames.clone(),
+            truncated: false,
+        };
+        tracker.interleave(&sample(Pid(pid.0 + 1), vec![py(0xa, true)]), &mut stack);
+        assert_eq!(describe(&stack), ["N50000", "N10000"]);
+        tracker.forget(pid);
+        assert_eq!(tracker.maps.removed, [pid.0]);
+        tracker.interleave(&sample(pid, vec![py(0xa, true)]), &mut stack);
+        assert_eq!(describe(&stack), ["N50000", "N10000"]);
+    }
+
+    #[test]
+    fn bpf_info_carries_every_layout_row() {
+        for layout in [PY310, PY312] {
+            let (tracker, pid) = tracker_with(layout);
+            let Some(Tracked {
+                state: State::Active(runtime),
+                ..
+            }) = tracker.processes.get(&pid)
+            else {
+                unreachable!()
+            };
+            let info = bpf_proc_info(&runtime.process);
+            assert_eq!(info.frame_back as u32, layout.frame_back);
+            assert_eq!(info.frame_code as u32, layout.frame_code);
+            assert_eq!(info.code_firstlineno as u32, layout.code_firstlineno);
+            assert_eq!(
+                info.tstate_native_thread_id as u32,
+                layout.tstate_native_thread_id.unwrap_or(0)
+            );
+        }
+    }
 }
