@@ -9,6 +9,8 @@
 mod parse;
 #[path = "bench/procs.rs"]
 mod procs;
+#[path = "bench/python.rs"]
+mod python;
 #[path = "bench/report.rs"]
 mod report;
 #[path = "bench/tables.rs"]
@@ -32,7 +34,7 @@ const USAGE: &str = "\
 usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-seconds N]
              [--output FILE] [--no-build]
 
-  --suite SUITES       comma-separated, any of: overhead, depth, tables, shared,
+  --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
                        unwind (= depth,tables,shared), all (default: all)
   --seconds N          overhead suite: length of each scenario in seconds (default 20)
   --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
@@ -48,7 +50,9 @@ Needs root. Suites:
   tables    unwind-table build time and size for libc, libpython3.11, libstdc++ and the
             largest shared library on the machine
   shared    agent RSS and table sharing with 100 processes mapping 50 libraries, and with
-            100 processes of one binary";
+            100 processes of one binary
+  python    extra BPF cost per sample of 50 Python frames (walk on vs --no-python, uses the
+            depth seconds), and the agent's cost of reading a new code object";
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Suites {
@@ -56,6 +60,7 @@ struct Suites {
     depth: bool,
     tables: bool,
     shared: bool,
+    python: bool,
 }
 
 impl Suites {
@@ -69,6 +74,7 @@ impl Suites {
                         depth: true,
                         tables: true,
                         shared: true,
+                        python: true,
                     }
                 }
                 "overhead" => suites.overhead = true,
@@ -80,8 +86,9 @@ impl Suites {
                 "depth" => suites.depth = true,
                 "tables" => suites.tables = true,
                 "shared" => suites.shared = true,
+                "python" => suites.python = true,
                 other => bail!(
-                    "unknown suite {other:?}: use overhead, depth, tables, shared, unwind or all"
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, unwind or all"
                 ),
             }
         }
@@ -90,7 +97,7 @@ impl Suites {
 
     /// Whether a suite needs the BPF program (root, the release profiler, the sysctl).
     fn needs_bpf(&self) -> bool {
-        self.overhead || self.depth || self.shared
+        self.overhead || self.depth || self.shared || self.python
     }
 }
 
@@ -299,6 +306,32 @@ fn run(args: &[String]) -> Result<()> {
             settle()?;
         }
         markdown.push_str(&report::render_shared(&shared_runs));
+    }
+    if let (true, Some(profiler)) = (suites.python, &profiler) {
+        let interpreter = python::interpreter()?;
+        let mut runs = Vec::new();
+        for (i, walk) in [true, false].into_iter().enumerate() {
+            eprintln!(
+                "bench: [python {}/3] {} Python frames, walk {}, {} workers, {} s",
+                i + 1,
+                python::PYTHON_FRAMES,
+                if walk { "on" } else { "off" },
+                facts.cpus,
+                options.depth_seconds
+            );
+            runs.push(python::run_stack(
+                profiler,
+                &interpreter,
+                facts.cpus,
+                options.depth_seconds,
+                walk,
+                &scratch,
+            )?);
+            settle()?;
+        }
+        eprintln!("bench: [python 3/3] reading new code objects");
+        let code = python::run_code_objects(&interpreter)?;
+        markdown.push_str(&python::render(&runs, Some(&code), options.depth_seconds));
     }
     let mut table_results = None;
     if suites.tables {

@@ -158,7 +158,7 @@ pub fn run_depth(
 /// Waits for the profiler to exit, polling its BPF statistics once a second. `tick` runs on
 /// every poll and says whether the workload is still complete; the polls form the window while
 /// it returns true from the first poll on (it ends at the first false).
-fn record(
+pub(crate) fn record(
     mut profiler: Proc,
     mut tick: impl FnMut(u32) -> Result<bool>,
 ) -> Result<(Finished, Vec<ProgStats>)> {

@@ -550,7 +550,6 @@ fn run_matrix(mode: &'static str, threads: usize, check: Check) {
             )?;
             if mode == "chain" {
                 check_caller_offsets(&process, &stacks, &fixture.caller_offsets)?;
-                report_symbolization_cost(&label, &mem, &process, &stacks);
             }
             if let Some(py_spy) = &py_spy {
                 compare_with_py_spy(py_spy, pid, &stacks)?;
@@ -614,30 +613,6 @@ fn check_caller_offsets(
 }
 
 /// Prints how long reading a new code object takes (no cache), per code object.
-fn report_symbolization_cost(
-    label: &str,
-    mem: &ProcMemory,
-    process: &PythonProcess,
-    stacks: &[PyThreadStack],
-) {
-    let codes: BTreeSet<u64> = stacks
-        .iter()
-        .flat_map(|s| s.frames.iter().map(|f| f.raw.code_addr))
-        .collect();
-    let rounds = 20;
-    let start = Instant::now();
-    for _ in 0..rounds {
-        for &code in &codes {
-            let _ = read_code_object(mem, &process.layout, process.code_type_addr, code);
-        }
-    }
-    let per_code = start.elapsed() / (rounds * codes.len().max(1) as u32);
-    eprintln!(
-        "{label}: reading a code object takes {per_code:?} ({} objects)",
-        codes.len()
-    );
-}
-
 #[test]
 fn python_chain_and_threads() {
     run_matrix("chain", 3, check_chain);

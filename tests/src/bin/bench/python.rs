@@ -1,0 +1,211 @@
+//! The Python scenarios: the extra BPF cost per sample of walking 50 Python frames (the same
+//! workload recorded with and without `--no-python`), and the agent's cost of reading a code
+//! object it has not seen (what symbolizing a new Python function costs).
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::Arc,
+    time::Instant,
+};
+
+use anyhow::{Context, Result, bail};
+use integration_tests::{Scratch, fixture_source, pyenv_python};
+use profiler::{
+    model::Pid,
+    process::{files::FileCache, read_process},
+    runtimes::python::{CodeCache, ProcMemory, detect_python},
+};
+
+use crate::{
+    BpfCost, bpf_cost,
+    parse::{self, AgentCounters, median},
+    procs::Proc,
+    profiler_command, tail,
+    unwind::record,
+};
+
+/// Python frames on the stack of every sample of the stack scenario.
+pub const PYTHON_FRAMES: usize = 50;
+/// Distinct code objects read in the code-object scenario.
+const CODE_OBJECTS: usize = 2000;
+
+/// The interpreter the suite runs (a shared libpython build, like most deployments).
+pub fn interpreter() -> Result<PathBuf> {
+    pyenv_python("3.12.1", "python3.12")
+        .context("the python suite needs pyenv's Python 3.12.1 (preinstalled on the dev machines)")
+}
+
+/// One recording of the stack scenario.
+#[derive(Debug)]
+pub struct StackRun {
+    pub python_walk: bool,
+    pub bpf: BpfCost,
+    pub counters: Option<AgentCounters>,
+}
+
+pub fn run_stack(
+    profiler: &Path,
+    python: &Path,
+    workers: usize,
+    seconds: u64,
+    python_walk: bool,
+    scratch: &Scratch,
+) -> Result<StackRun> {
+    let mut procs = (0..workers)
+        .map(|i| {
+            let mut cmd = Command::new(python);
+            cmd.arg(fixture_source("python/bench_python.py"))
+                .arg("stack")
+                .arg(PYTHON_FRAMES.to_string())
+                .arg((seconds + 30).to_string());
+            Proc::spawn(cmd, &format!("python worker {i}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let pids: Vec<String> = procs.iter().map(|w| w.pid().to_string()).collect();
+    let output = scratch.path(&format!("python-{python_walk}.pb.gz"));
+    let mut cmd = profiler_command(profiler, "profiler=debug");
+    cmd.arg("--duration")
+        .arg(seconds.to_string())
+        .arg("--output")
+        .arg(&output)
+        .arg("--pid")
+        .arg(pids.join(","));
+    if !python_walk {
+        cmd.arg("--no-python");
+    }
+    let recorder = Proc::spawn(cmd, "profiler record")?;
+    let (finished, window) = record(recorder, |_| {
+        let mut all = true;
+        for worker in procs.iter_mut() {
+            all &= !worker.poll()?;
+        }
+        Ok(all)
+    })?;
+    drop(procs);
+    if !finished.usage.success {
+        bail!(
+            "profiler record failed; its log:\n{}",
+            tail(&finished.stderr, 20)
+        );
+    }
+    Ok(StackRun {
+        python_walk,
+        bpf: bpf_cost(&window),
+        counters: parse::parse_agent_counters(&finished.stderr),
+    })
+}
+
+/// What reading code objects costs the agent.
+#[derive(Debug)]
+pub struct CodeObjectCost {
+    pub objects: usize,
+    /// Mean time to read and decode a code object never seen before (through /proc/PID/mem).
+    pub new_object_ns: f64,
+    /// Mean time to answer the same object from the cache.
+    pub cached_ns: f64,
+}
+
+pub fn run_code_objects(python: &Path) -> Result<CodeObjectCost> {
+    let mut child = Command::new(python)
+        .arg(fixture_source("python/bench_python.py"))
+        .arg("code-objects")
+        .arg(CODE_OBJECTS.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("start the code-object workload")?;
+    let result = (|| {
+        let stdout = child.stdout.take().context("stdout")?;
+        let mut addresses = Vec::new();
+        for line in BufReader::new(stdout).lines() {
+            let line = line?;
+            if line == "ready" {
+                break;
+            }
+            addresses.push(line.trim().parse::<u64>().context("a code object address")?);
+        }
+        let pid = Pid(child.id());
+        let mut files = FileCache::new(64);
+        let snapshot = read_process(pid, &PathBuf::from(format!("/proc/{pid}")), "host", &mut files)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let process = detect_python(&snapshot.info).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let memory = ProcMemory::open(pid).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut cache = CodeCache::new(4 * CODE_OBJECTS);
+        let read_all = |cache: &mut CodeCache| -> Result<f64> {
+            let start = Instant::now();
+            for &address in &addresses {
+                let code = cache
+                    .code_object(
+                        &memory,
+                        &process.layout,
+                        process.code_type_addr,
+                        pid,
+                        address,
+                        0,
+                    )
+                    .map_err(|e| anyhow::anyhow!("code object at {address:#x}: {e}"))?;
+                std::hint::black_box(Arc::clone(&code));
+            }
+            Ok(start.elapsed().as_nanos() as f64 / addresses.len().max(1) as f64)
+        };
+        let new_object_ns = read_all(&mut cache)?;
+        let cached_ns = read_all(&mut cache)?;
+        Ok(CodeObjectCost {
+            objects: addresses.len(),
+            new_object_ns,
+            cached_ns,
+        })
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
+/// The suite's section of the report.
+pub fn render(runs: &[StackRun], code: Option<&CodeObjectCost>, seconds: u64) -> String {
+    let mut out = String::from("\n## Python\n\n");
+    out.push_str(&format!(
+        "Workers run pyenv's CPython 3.12 with {PYTHON_FRAMES} Python frames on the stack (a \
+         recursion in `tests/fixtures/python/bench_python.py`), one per CPU; `profiler record \
+         --pid` samples them for {seconds} s with the Python walk on, then with `--no-python`. \
+         BPF cost is the kernel's run-time accounting (kernel.bpf_stats_enabled) per program \
+         run.\n\n"
+    ));
+    out.push_str("| Python walk | BPF ns/sample (window mean) | median of 1-s means | runs | Python frames recorded |\n");
+    out.push_str("|---|---|---|---|---|\n");
+    let mean = |run: &StackRun| run.bpf.window_mean_ns;
+    for run in runs {
+        let frames = run
+            .counters
+            .as_ref()
+            .map(|c| c.bpf("python_frames").to_string())
+            .unwrap_or_else(|| "?".into());
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {frames} |\n",
+            if run.python_walk { "on" } else { "off" },
+            mean(run).map_or("?".into(), |v| format!("{v:.0}")),
+            median(&run.bpf.per_second_ns).map_or("?".into(), |v| format!("{v:.0}")),
+            run.bpf.window_runs,
+        ));
+    }
+    let on = runs.iter().find(|r| r.python_walk).and_then(mean);
+    let off = runs.iter().find(|r| !r.python_walk).and_then(mean);
+    if let (Some(on), Some(off)) = (on, off) {
+        let extra_us = (on - off) / 1000.0;
+        out.push_str(&format!(
+            "\nExtra BPF cost of {PYTHON_FRAMES} Python frames: **{extra_us:.1} µs per sample** \
+             (target ≤ 10 µs): {}.\n",
+            if extra_us <= 10.0 { "met" } else { "MISSED" }
+        ));
+    }
+    if let Some(code) = code {
+        out.push_str(&format!(
+            "\nSymbolizing a new code object (read through /proc/PID/mem, name, file and line \
+             table): **{:.1} µs** each over {} objects; from the cache: {:.2} µs.\n",
+            code.new_object_ns / 1000.0,
+            code.objects,
+            code.cached_ns / 1000.0
+        ));
+    }
+    out
+}
