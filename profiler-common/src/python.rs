@@ -91,14 +91,21 @@ pub struct PyFrameRecord {
 
 const _: () = assert!(core::mem::size_of::<PyFrameRecord>() == 16);
 
+/// How long a thread found to have no thread state is not scanned again (milliseconds): a
+/// process's non-Python threads (a framework's C++ workers) would otherwise cost a thread-list
+/// scan per sample, yet a C thread may attach to the interpreter later.
+pub const PY_NO_THREAD_STATE_RETRY_MS: u32 = 1000;
+
 /// One cached thread state of `PYTHON_THREADS`, keyed by tid.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyThreadEntry {
+    /// 0: the thread had none when last scanned.
     pub thread_state: u64,
     /// The process it belongs to: a reused tid of another process never matches.
     pub pid: u32,
-    pub _pad: u32,
+    /// When the entry was written (`bpf_ktime_get_ns` in milliseconds, wrapping).
+    pub checked_ms: u32,
 }
 
 const _: () = assert!(core::mem::size_of::<PyThreadEntry>() == 16);

@@ -7,7 +7,7 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     helpers::{
-        bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
+        bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
         generated::{bpf_get_current_task, bpf_loop},
     },
     macros::map,
@@ -16,10 +16,10 @@ use aya_ebpf::{
 use profiler_common::{
     MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_PYTHON_THREAD_SCAN, MAX_PYTHON_THREADS,
     PY_ANCHOR_CFRAME, PY_ENTRY_EVERY_FRAME, PY_ENTRY_FLAG, PY_ENTRY_SHIM, PY_FRAME_ENTRY,
-    PY_FRAME_FIRSTLINENO_MASK, PY_INSTRUCTION_LASTI, PYTHON_FRAME_READ_BYTES, PyProcInfo,
-    PyThreadEntry, RawSample, SAMPLE_PYTHON_ERROR, SAMPLE_PYTHON_TRUNCATED,
-    STAT_PYTHON_FRAMES, STAT_PYTHON_NO_THREAD_STATE, STAT_PYTHON_READ_ERROR,
-    STAT_PYTHON_TRUNCATED, STAT_PYTHON_WALKS,
+    PY_FRAME_FIRSTLINENO_MASK, PY_INSTRUCTION_LASTI, PY_NO_THREAD_STATE_RETRY_MS,
+    PYTHON_FRAME_READ_BYTES, PyProcInfo, PyThreadEntry, RawSample, SAMPLE_PYTHON_ERROR,
+    SAMPLE_PYTHON_TRUNCATED, STAT_PYTHON_FRAMES, STAT_PYTHON_NO_THREAD_STATE,
+    STAT_PYTHON_READ_ERROR, STAT_PYTHON_TRUNCATED, STAT_PYTHON_WALKS,
 };
 
 use crate::sampler::{SCRATCH_SAMPLE, count};
@@ -149,7 +149,12 @@ pub fn collect(pid: u32, tid: u32, fsbase_offset: u32, sample: &mut RawSample) {
     unsafe {
         (*state).frame = first;
         (*state).done = 0;
-        bpf_loop(MAX_FRAME_STEPS, frame_step as *mut c_void, ptr::null_mut(), 0);
+        bpf_loop(
+            MAX_FRAME_STEPS,
+            frame_step as *mut c_void,
+            ptr::null_mut(),
+            0,
+        );
         if (*state).done == 0 && (*state).frame != 0 {
             (*state).flags |= SAMPLE_PYTHON_TRUNCATED;
             count(STAT_PYTHON_TRUNCATED);
@@ -169,12 +174,19 @@ fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
     // SAFETY: this CPU's state slot; see `collect` for why it stays a raw pointer.
     let (info, match_offset, match_value) =
         unsafe { ((*state).info, (*state).match_offset, (*state).match_value) };
+    let now_ms = (unsafe { bpf_ktime_get_ns() } / 1_000_000) as u32;
     if let Some(entry) = unsafe { PYTHON_THREADS.get(&tid) }
         && entry.pid == pid
-        && read_u64(entry.thread_state + match_offset as u64) == Some(match_value)
     {
-        return Some(entry.thread_state);
+        if entry.thread_state == 0 {
+            if now_ms.wrapping_sub(entry.checked_ms) < PY_NO_THREAD_STATE_RETRY_MS {
+                return None;
+            }
+        } else if read_u64(entry.thread_state + match_offset as u64) == Some(match_value) {
+            return Some(entry.thread_state);
+        }
     }
+    // An uninitialised interpreter is not cached as "no thread state": it is about to start.
     let interp = read_u64(info.runtime_addr + info.runtime_interpreters_head as u64)?;
     if interp == 0 {
         return None;
@@ -195,16 +207,14 @@ fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
             ptr::read_volatile(&raw const (*state).tstate),
         )
     };
-    if done == 0 || found == 0 {
-        return None;
-    }
+    let found = if done == 0 { 0 } else { found };
     let entry = PyThreadEntry {
         thread_state: found,
         pid,
-        _pad: 0,
+        checked_ms: now_ms,
     };
     let _ = PYTHON_THREADS.insert(&tid, &entry, 0);
-    Some(found)
+    (found != 0).then_some(found)
 }
 
 /// One thread state of the scan; ends with `done = 1` and `tstate` = the match (or 0).

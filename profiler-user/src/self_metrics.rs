@@ -3,9 +3,7 @@
 //! /metrics endpoint only has to render [`SelfMetrics::values`].
 use std::time::Duration;
 
-use crate::{
-    bpf::BpfStats, runtimes::python::PythonStats, unwinding::native::NativeTableStats,
-};
+use crate::{bpf::BpfStats, runtimes::python::PythonStats, unwinding::native::NativeTableStats};
 
 /// One metric value with its Prometheus-style name and help text.
 #[derive(Clone, Debug, PartialEq)]

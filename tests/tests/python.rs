@@ -145,8 +145,10 @@ struct Frame {
     native: bool,
 }
 
-/// Per (pid, tid): each distinct stack (innermost first) with its sample count.
-type ThreadStacks = HashMap<(i64, i64), Vec<(Vec<Frame>, i64)>>;
+/// Each distinct stack of a thread (innermost first) with its sample count.
+type Stacks = Vec<(Vec<Frame>, i64)>;
+/// Per (pid, tid).
+type ThreadStacks = HashMap<(i64, i64), Stacks>;
 
 fn thread_stacks(profile: &proto::Profile) -> ThreadStacks {
     let string = |i: i64| {
@@ -205,7 +207,7 @@ fn python_frames(stack: &[Frame]) -> Vec<PyFrame> {
 
 /// The most frequent full stack among those whose Python frames are the most frequent
 /// Python stack of the thread.
-fn dominant_stack(stacks: &[(Vec<Frame>, i64)]) -> (Vec<PyFrame>, Vec<Frame>, i64) {
+fn dominant_stack(stacks: &Stacks) -> (Vec<PyFrame>, Vec<Frame>, i64) {
     let mut by_python: HashMap<Vec<PyFrame>, i64> = HashMap::new();
     for (frames, count) in stacks {
         *by_python.entry(python_frames(frames)).or_default() += count;
@@ -239,7 +241,9 @@ fn py_spy_dump(py_spy: &Path, pid: u32) -> Result<HashMap<i64, Vec<PyFrame>>, St
     })?;
     let mut result = HashMap::new();
     for thread in threads.as_array().ok_or("py-spy: not an array")? {
-        let tid = thread["os_thread_id"].as_i64().ok_or("py-spy: os_thread_id")?;
+        let tid = thread["os_thread_id"]
+            .as_i64()
+            .ok_or("py-spy: os_thread_id")?;
         let frames = thread["frames"]
             .as_array()
             .ok_or("py-spy: frames")?
@@ -283,7 +287,9 @@ fn check_mode(mode: &str, python: &[PyFrame], full: &[Frame]) -> Result<(), Stri
         if names.starts_with(prefix) {
             Ok(())
         } else {
-            Err(format!("Python frames {names:?} do not start with {prefix:?}"))
+            Err(format!(
+                "Python frames {names:?} do not start with {prefix:?}"
+            ))
         }
     };
     match mode {
@@ -352,7 +358,7 @@ fn check_interpreter(python: &Path, py_spy: Option<&Path>, scratch: &Scratch) ->
     let stacks = thread_stacks(&decode_pprof(&output));
     for fixture in &fixtures {
         let pid = i64::from(fixture.pid());
-        let threads: Vec<(&(i64, i64), &Vec<(Vec<Frame>, i64)>)> =
+        let threads: Vec<(&(i64, i64), &Stacks)> =
             stacks.iter().filter(|((p, _), _)| *p == pid).collect();
         let oracle = match py_spy.map(|path| py_spy_dump(path, fixture.pid())) {
             Some(Ok(oracle)) => Some(oracle),
@@ -429,7 +435,14 @@ fn python_process_started_after_the_profiler_gets_python_frames_within_two_secon
     let scratch = Scratch::new("python-late");
     let output = scratch.path("late.folded");
     let mut profiler = Command::new(profiler_bin())
-        .args(["record", "--duration", "60", "--format", "folded", "--output"])
+        .args([
+            "record",
+            "--duration",
+            "60",
+            "--format",
+            "folded",
+            "--output",
+        ])
         .arg(&output)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
@@ -489,7 +502,10 @@ fn free_threaded_python_is_reported_and_keeps_native_stacks() {
             .arg(fixture_source("python/free_threaded_runtime.c"))
             .status()
             .expect("gcc");
-        assert!(status.success(), "building the stand-in libpython3.13t failed");
+        assert!(
+            status.success(),
+            "building the stand-in libpython3.13t failed"
+        );
     });
     let library_dir = library.parent().expect("fixture dir").to_path_buf();
     let program = integration_tests::cached_fixture("free-threaded-main", |out| {
@@ -501,7 +517,10 @@ fn free_threaded_python_is_reported_and_keeps_native_stacks() {
             .arg(format!("-Wl,-rpath,{}", library_dir.display()))
             .status()
             .expect("gcc");
-        assert!(status.success(), "building the free-threaded fixture failed");
+        assert!(
+            status.success(),
+            "building the free-threaded fixture failed"
+        );
     });
     let running = integration_tests::spawn(&program, &["8"]);
     std::thread::sleep(Duration::from_millis(200));

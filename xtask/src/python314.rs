@@ -38,7 +38,10 @@ pub fn install_python314(workspace: &Path) -> Result<()> {
         std::fs::create_dir_all(apt.join(dir))?;
     }
     let sources = apt.join("sources.list");
-    std::fs::write(&sources, format!("deb [trusted=yes] {SID_MIRROR} sid main\n"))?;
+    std::fs::write(
+        &sources,
+        format!("deb [trusted=yes] {SID_MIRROR} sid main\n"),
+    )?;
     let options = |command: &mut Command| {
         command
             .arg("-o")

@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime};
 use anyhow::{Context, Result, bail};
 
 use crate::cmd;
-use crate::python314::{PYTHON314_DIR, install_python314, python314_missing};
 use crate::ebpf::{BPF_LINKER_VERSION, bpf_linker_dir, ebpf_toolchain_missing};
+use crate::python314::{PYTHON314_DIR, install_python314, python314_missing};
 
 /// Debian packages the build and the tests use, with why.
 const APT_PACKAGES: &[(&str, &str)] = &[

@@ -22,8 +22,8 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT,
-    STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
+    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo,
+    STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -223,7 +223,9 @@ fn task_fsbase_offset(btf_path: &std::path::Path) -> Result<u32, String> {
         .ok_or("no task_struct in the kernel's BTF")?;
     match types.offset_of(task, "thread.fsbase") {
         Ok((_, btfparse::Offset::ByteOffset(offset))) => Ok(offset),
-        Ok((_, other)) => Err(format!("task_struct.thread.fsbase is a bit field: {other:?}")),
+        Ok((_, other)) => Err(format!(
+            "task_struct.thread.fsbase is a bit field: {other:?}"
+        )),
         Err(e) => Err(format!("task_struct.thread.fsbase: {e:?}")),
     }
 }

@@ -81,7 +81,8 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
             .chunks_exact(size_of::<PyFrameRecord>())
             .map(|record| {
                 // SAFETY: exactly one record's bytes; plain old data read unaligned.
-                let record: PyFrameRecord = unsafe { std::ptr::read_unaligned(record.as_ptr().cast()) };
+                let record: PyFrameRecord =
+                    unsafe { std::ptr::read_unaligned(record.as_ptr().cast()) };
                 PythonFrameRef {
                     code_addr: record.code,
                     instruction: record.instruction,

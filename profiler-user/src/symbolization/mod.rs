@@ -100,7 +100,10 @@ pub struct SymbolizerStats {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum FrameKey {
-    User { file: FileId, file_offset: u64 },
+    User {
+        file: FileId,
+        file_offset: u64,
+    },
     Python {
         pid: Pid,
         code_addr: u64,

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use crate::{
     model::{FrameKind, FrameLine, PythonFrameRef, SymbolizedFrame},
-    runtimes::python::{CodeCache, PythonRuntime, code::instruction_byte_offset, tracker::raw_instruction},
+    runtimes::python::{
+        CodeCache, PythonRuntime, code::instruction_byte_offset, tracker::raw_instruction,
+    },
 };
 
 use super::StringInterner;
@@ -34,7 +36,11 @@ pub(crate) fn symbolize_python(
         )
         .ok()?;
     let instruction = raw_instruction(layout, frame.code_addr, frame.instruction);
-    let info = code.frame_info(instruction_byte_offset(layout, frame.code_addr, instruction));
+    let info = code.frame_info(instruction_byte_offset(
+        layout,
+        frame.code_addr,
+        instruction,
+    ));
     Some(SymbolizedFrame {
         kind: FrameKind::Python,
         address: frame.code_addr,

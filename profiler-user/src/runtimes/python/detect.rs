@@ -102,11 +102,15 @@ pub fn detect_python(process: &ProcessInfo) -> Result<PythonProcess, DetectError
     })
 }
 
+/// Reads one mapped file: `Ok(None)` when it is not an interpreter.
+pub type InspectFile<'a> =
+    dyn FnMut(&Arc<MappedFile>) -> Result<Option<InterpreterElf>, DetectError> + 'a;
+
 /// [`detect_python`] with the ELF inspection supplied by the caller (the agent caches it by
 /// file identity, so a shared executable is parsed once, not once per process).
 pub fn detect_python_with(
     process: &ProcessInfo,
-    inspect: &mut dyn FnMut(&Arc<MappedFile>) -> Result<Option<InterpreterElf>, DetectError>,
+    inspect: &mut InspectFile<'_>,
 ) -> Result<PythonProcess, DetectError> {
     let files = || process.mappings.iter().filter_map(|m| m.file.as_ref());
     let mut candidates: Vec<&Arc<MappedFile>> = Vec::new();

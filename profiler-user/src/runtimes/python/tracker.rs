@@ -15,7 +15,9 @@ use profiler_common::{
 
 use super::{
     code::{CodeError, read_code_object},
-    detect::{DetectError, InterpreterElf, PythonProcess, detect_python_with, inspect_interpreter_elf},
+    detect::{
+        DetectError, InterpreterElf, PythonProcess, detect_python_with, inspect_interpreter_elf,
+    },
     layout::{EntryMarker, FrameAnchor, InstructionUnit, PyLayout},
     memory::{ProcMemory, ProcessMemoryExt},
     walk::{WalkError, thread_first_frame, thread_states, walk_frame_chain},
@@ -345,15 +347,14 @@ impl<M: PythonMaps> PythonTracker<M> {
             self.elf_files.clear();
         }
         let elf_files = &mut self.elf_files;
-        let result = detect_python_with(process, &mut |file| {
+        detect_python_with(process, &mut |file| {
             if let Some(cached) = elf_files.get(&file.id) {
                 return Ok(cached.as_deref().cloned());
             }
             let inspected = inspect_interpreter_elf(&file.open_path, &file.path)?;
             elf_files.insert(file.id, inspected.clone().map(Arc::new));
             Ok(inspected)
-        });
-        result
+        })
     }
 
     /// Self-checks the layout on the live process and registers it with BPF when it holds.

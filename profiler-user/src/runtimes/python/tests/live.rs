@@ -14,7 +14,7 @@ use std::{
 };
 
 use super::super::{
-    code::{instruction_byte_offset, read_code_object},
+    code::instruction_byte_offset,
     detect::{PythonProcess, VersionSource, detect_python},
     layout::{EntryMarker, FrameAnchor, layout_for},
     memory::ProcMemory,
