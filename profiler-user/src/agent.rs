@@ -27,6 +27,8 @@ use crate::{
     runtimes::python::PythonTracker,
     sampling::SampleReader,
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
+    server::serve::{ServeError, Serving},
+    store::sink::StoreSink,
     symbolization::{Symbolizer, SymbolizerOptions},
     unwinding::{ProcessSource, Unwinder, native::NativeTables},
 };
@@ -46,6 +48,8 @@ pub enum AgentError {
     NoSuchProcess(u32),
     #[error("cannot write {path}: {message}")]
     OutputNotWritable { path: String, message: String },
+    #[error(transparent)]
+    Serve(#[from] ServeError),
 }
 
 /// What a finished recording produced.
@@ -418,20 +422,45 @@ fn flush_interval(
     exporter: &Exporter,
     sampler: Option<&Sampler>,
     reader: Option<&SampleReader>,
-) {
+) -> SelfMetrics {
     exporter.submit(pipeline.aggregator.flush(unix_now_ns()));
     pipeline.processes.evict_exited();
     let mut metrics = pipeline.metrics(sampler, reader);
     exporter.add_to(&mut metrics);
     metrics.log("interval");
+    metrics
+}
+
+/// Every output of the agent, written in turn by the exporter thread.
+struct Outputs(Vec<Box<dyn ProfileSink + Send>>);
+
+impl ProfileSink for Outputs {
+    fn write(&mut self, profile: &Profile) -> Result<(), ExportError> {
+        let mut result = Ok(());
+        for sink in &mut self.0 {
+            // One failing output must not starve the others.
+            if let Err(err) = sink.write(profile) {
+                result = Err(err);
+            }
+        }
+        result
+    }
 }
 
 /// `profiler agent`: samples until `stop`, writing one profile per service every interval.
 pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), AgentError> {
     Sampler::preflight()?;
     check_pids_exist(&config.sampling.pids)?;
-    check_writable_dir(&config.output_dir)?;
-    let mut exporter = Exporter::spawn(DirectorySink::new(config.output_dir.clone()));
+    let mut outputs: Vec<Box<dyn ProfileSink + Send>> = Vec::new();
+    if let Some(dir) = &config.output_dir {
+        check_writable_dir(dir)?;
+        outputs.push(Box::new(DirectorySink::new(dir.clone())));
+    }
+    let serving = Serving::start(&config.serve)?;
+    if let Some(store) = &serving.store {
+        outputs.push(Box::new(StoreSink::new(store.clone())));
+    }
+    let mut exporter = Exporter::spawn(Outputs(outputs));
     let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
     let mut pipeline = Pipeline::new(
         Grouping::PerService,
@@ -446,7 +475,9 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     tracing::info!(
         interval_s = config.interval.as_secs_f64(),
-        output_dir = %config.output_dir.display(),
+        output_dir = ?config.output_dir,
+        store = ?config.serve.store.as_ref().map(|s| &s.data_dir),
+        url = %format!("http://{}/", serving.local_addr()),
         "agent running"
     );
     let mut next_flush = Instant::now() + config.interval;
@@ -456,7 +487,8 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
             // After a stall (start-up, a slow table build) start the next window from now
             // instead of flushing a burst of empty catch-up windows.
             next_flush = (next_flush + config.interval).max(now + config.interval / 2);
-            flush_interval(pipeline, &exporter, Some(&sampler), Some(&reader));
+            let metrics = flush_interval(pipeline, &exporter, Some(&sampler), Some(&reader));
+            serving.health.publish(metrics);
         }
         stop.load(Ordering::Relaxed)
     });
@@ -478,6 +510,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     reader_stats.add_to(&mut metrics);
     exporter.add_to(&mut metrics);
     metrics.log("agent stopped");
+    serving.shutdown();
     Ok(())
 }
 

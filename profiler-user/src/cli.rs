@@ -6,10 +6,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     config::{
-        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_OUTPUT_DIR, DEFAULT_UNWIND_TABLE_MIB, RecordConfig,
-        SamplingConfig,
+        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_UNWIND_TABLE_MIB, RecordConfig, SamplingConfig,
     },
     export::OutputFormat,
+    server::serve::ServerArgs,
 };
 
 #[derive(Debug, Parser)]
@@ -39,8 +39,11 @@ pub enum LogFormat {
 pub enum Command {
     /// Profile for a fixed time and write one profile file.
     Record(RecordArgs),
-    /// Profile continuously; every interval write one profile per service.
+    /// Profile continuously; every interval store one profile per service and serve the web UI.
     Agent(AgentArgs),
+    /// Only the profile store and HTTP server (web UI, Pyroscope-compatible ingest and query
+    /// API), without sampling.
+    Server(ServerArgs),
 }
 
 #[derive(Debug, Args)]
@@ -97,9 +100,11 @@ pub struct AgentArgs {
     pub interval: Duration,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Directory for the per-service pprof files.
-    #[arg(long, env = "PROFILER_OUTPUT_DIR", default_value = DEFAULT_OUTPUT_DIR)]
-    pub output_dir: PathBuf,
+    /// Also write each interval's per-service profiles as pprof files into this directory.
+    #[arg(long, env = "PROFILER_OUTPUT_DIR")]
+    pub output_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub server: ServerArgs,
 }
 
 fn parse_pid(text: &str) -> Result<u32, String> {
@@ -160,6 +165,7 @@ impl From<AgentArgs> for AgentConfig {
             sampling: args.sampling.into_config(),
             interval: args.interval,
             output_dir: args.output_dir,
+            serve: args.server.into(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Validated settings, independent of the command line that produced them.
 use std::{path::PathBuf, time::Duration};
 
-use crate::export::OutputFormat;
+use crate::{export::OutputFormat, server::serve::ServeConfig};
 
 /// Settings shared by every mode that samples.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,8 +58,8 @@ pub struct RecordConfig {
 pub struct AgentConfig {
     pub sampling: SamplingConfig,
     pub interval: Duration,
-    pub output_dir: PathBuf,
+    /// Optional pprof file output, besides the store.
+    pub output_dir: Option<PathBuf>,
+    /// The embedded store and HTTP server.
+    pub serve: ServeConfig,
 }
-
-/// Where the agent keeps profiles when no other output is configured.
-pub const DEFAULT_OUTPUT_DIR: &str = "/var/lib/profiler/profiles";

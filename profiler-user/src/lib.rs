@@ -14,5 +14,7 @@ pub mod process;
 pub mod runtimes;
 pub mod sampling;
 pub mod self_metrics;
+pub mod server;
+pub mod store;
 pub mod symbolization;
 pub mod unwinding;

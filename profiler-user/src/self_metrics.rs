@@ -40,6 +40,13 @@ pub struct SelfMetrics {
     pub pid_filter_capacity: u32,
     pub profiles_written: u64,
     pub export_errors: u64,
+    /// Embedded store and HTTP server (filled in by the server when it reports).
+    pub store_profiles_ingested: u64,
+    pub store_ingest_errors: u64,
+    pub store_profiles_evicted: u64,
+    pub store_bytes: u64,
+    pub http_requests: u64,
+    pub http_errors: u64,
     pub native_tables: NativeTableStats,
     pub python: PythonStats,
     pub agent_cpu: Duration,
@@ -222,6 +229,46 @@ impl SelfMetrics {
             self.export_errors as f64,
             "counter",
         );
+        for (name, help, value, kind) in [
+            (
+                "store_profiles_ingested_total",
+                "Profiles stored in the embedded store",
+                self.store_profiles_ingested,
+                "counter",
+            ),
+            (
+                "store_ingest_errors_total",
+                "Writes the embedded store failed",
+                self.store_ingest_errors,
+                "counter",
+            ),
+            (
+                "store_profiles_evicted_total",
+                "Profiles deleted by retention or the size cap",
+                self.store_profiles_evicted,
+                "counter",
+            ),
+            (
+                "store_bytes",
+                "Bytes of data in the embedded store",
+                self.store_bytes,
+                "gauge",
+            ),
+            (
+                "http_requests_total",
+                "HTTP requests served",
+                self.http_requests,
+                "counter",
+            ),
+            (
+                "http_errors_total",
+                "HTTP requests answered with an error status",
+                self.http_errors,
+                "counter",
+            ),
+        ] {
+            push(name, help, value as f64, kind);
+        }
         push(
             "agent_cpu_seconds_total",
             "CPU time used by the agent",

@@ -24,6 +24,8 @@ pub enum ExportError {
     Write { path: PathBuf, source: io::Error },
     #[error("cannot create directory {}: {source}", path.display())]
     CreateDirectory { path: PathBuf, source: io::Error },
+    #[error("cannot store the profile: {0}")]
+    Store(String),
 }
 
 /// The file formats the exporter can produce.

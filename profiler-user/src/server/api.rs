@@ -1,0 +1,611 @@
+//! The Pyroscope API messages (packages `types.v1`, `push.v1`, `querier.v1`), written by hand
+//! as prost structs with field numbers from docs/pyroscope.md §1.3.2 and §4.2, and serde for the
+//! Connect JSON codec (protobuf canonical JSON: lowerCamelCase names, snake_case accepted,
+//! 64-bit integers as strings, numbers accepted, bytes as base64, enums by name or number).
+#![allow(clippy::derive_partial_eq_without_eq)]
+
+use serde::{Deserialize, Serialize};
+
+/// Serde helpers for the canonical JSON forms protobuf uses.
+mod json {
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum IntOrString {
+        Int(i64),
+        Float(f64),
+        Text(String),
+    }
+
+    fn to_i64<E: Error>(value: IntOrString) -> Result<i64, E> {
+        match value {
+            IntOrString::Int(v) => Ok(v),
+            IntOrString::Float(v) if v.fract() == 0.0 => Ok(v as i64),
+            IntOrString::Float(v) => Err(E::custom(format!("{v} is not an integer"))),
+            IntOrString::Text(s) => s
+                .parse()
+                .map_err(|_| E::custom(format!("`{s}` is not an integer"))),
+        }
+    }
+
+    pub mod i64_string {
+        use super::*;
+        pub fn serialize<S: Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_str(v)
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+            Option::<IntOrString>::deserialize(d)?.map_or(Ok(0), to_i64)
+        }
+    }
+
+    pub mod opt_i64_string {
+        use super::*;
+        pub fn serialize<S: Serializer>(v: &Option<i64>, s: S) -> Result<S::Ok, S::Error> {
+            match v {
+                Some(v) => s.collect_str(v),
+                None => s.serialize_none(),
+            }
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+            Option::<IntOrString>::deserialize(d)?
+                .map(to_i64)
+                .transpose()
+        }
+    }
+
+    pub mod vec_i64_string {
+        use serde::ser::SerializeSeq;
+
+        use super::*;
+        pub fn serialize<S: Serializer>(v: &[i64], s: S) -> Result<S::Ok, S::Error> {
+            let mut seq = s.serialize_seq(Some(v.len()))?;
+            for item in v {
+                seq.serialize_element(&item.to_string())?;
+            }
+            seq.end()
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i64>, D::Error> {
+            Option::<Vec<IntOrString>>::deserialize(d)?
+                .unwrap_or_default()
+                .into_iter()
+                .map(to_i64)
+                .collect()
+        }
+    }
+
+    pub mod bytes_base64 {
+        use super::*;
+        pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+            let text = Option::<String>::deserialize(d)?.unwrap_or_default();
+            // Canonical JSON allows standard and URL-safe alphabets, with or without padding.
+            let trimmed = text.trim_end_matches('=');
+            base64::engine::general_purpose::STANDARD_NO_PAD
+                .decode(trimmed)
+                .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(trimmed))
+                .map_err(|e| D::Error::custom(format!("invalid base64: {e}")))
+        }
+    }
+
+    /// `null` → default, for every field (proto3 JSON allows null for any field).
+    pub fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: Default + Deserialize<'de>,
+    {
+        Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+    }
+
+    /// An enum given by name (any of `names`, index = value) or number.
+    pub fn enum_value<'de, D: Deserializer<'de>>(
+        d: D,
+        names: &[&str],
+    ) -> Result<Option<i32>, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum NameOrNumber {
+            Number(i32),
+            Name(String),
+        }
+        match Option::<NameOrNumber>::deserialize(d)? {
+            None => Ok(None),
+            Some(NameOrNumber::Number(n)) => Ok(Some(n)),
+            Some(NameOrNumber::Name(name)) => names
+                .iter()
+                .position(|n| *n == name)
+                .map(|i| Some(i as i32))
+                .ok_or_else(|| D::Error::custom(format!("unknown enum value `{name}`"))),
+        }
+    }
+
+    pub mod profile_format {
+        use super::*;
+        pub const NAMES: [&str; 5] = [
+            "PROFILE_FORMAT_UNSPECIFIED",
+            "PROFILE_FORMAT_FLAMEGRAPH",
+            "PROFILE_FORMAT_TREE",
+            "PROFILE_FORMAT_DOT",
+            "PROFILE_FORMAT_PPROF",
+        ];
+        pub fn serialize<S: Serializer>(v: &i32, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_str(
+                NAMES
+                    .get(*v as usize)
+                    .unwrap_or(&"PROFILE_FORMAT_UNSPECIFIED"),
+            )
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<i32, D::Error> {
+            Ok(enum_value(d, &NAMES)?.unwrap_or(0))
+        }
+    }
+
+    pub mod aggregation {
+        use super::*;
+        pub const NAMES: [&str; 2] = [
+            "TIME_SERIES_AGGREGATION_TYPE_SUM",
+            "TIME_SERIES_AGGREGATION_TYPE_AVERAGE",
+        ];
+        pub fn serialize<S: Serializer>(v: &Option<i32>, s: S) -> Result<S::Ok, S::Error> {
+            match v {
+                Some(v) => s.serialize_str(NAMES.get(*v as usize).unwrap_or(&NAMES[0])),
+                None => s.serialize_none(),
+            }
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i32>, D::Error> {
+            enum_value(d, &NAMES)
+        }
+    }
+}
+
+// ---- types.v1 ----
+
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LabelPair {
+    #[prost(string, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub name: String,
+    #[prost(string, tag = "2")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub value: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProfileType {
+    #[prost(string, tag = "1")]
+    #[serde(rename = "ID")]
+    pub id: String,
+    #[prost(string, tag = "2")]
+    pub name: String,
+    #[prost(string, tag = "4")]
+    #[serde(rename = "sampleType", alias = "sample_type")]
+    pub sample_type: String,
+    #[prost(string, tag = "5")]
+    #[serde(rename = "sampleUnit", alias = "sample_unit")]
+    pub sample_unit: String,
+    #[prost(string, tag = "6")]
+    #[serde(rename = "periodType", alias = "period_type")]
+    pub period_type: String,
+    #[prost(string, tag = "7")]
+    #[serde(rename = "periodUnit", alias = "period_unit")]
+    pub period_unit: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Labels {
+    #[prost(message, repeated, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub labels: Vec<LabelPair>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Point {
+    #[prost(double, tag = "1")]
+    pub value: f64,
+    /// Milliseconds since the epoch.
+    #[prost(int64, tag = "2")]
+    #[serde(with = "json::i64_string")]
+    pub timestamp: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Series {
+    #[prost(message, repeated, tag = "1")]
+    pub labels: Vec<LabelPair>,
+    #[prost(message, repeated, tag = "2")]
+    pub points: Vec<Point>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LabelNamesRequest {
+    #[prost(string, repeated, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub matchers: Vec<String>,
+    #[prost(int64, tag = "2")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LabelNamesResponse {
+    #[prost(string, repeated, tag = "1")]
+    pub names: Vec<String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LabelValuesRequest {
+    #[prost(string, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub name: String,
+    #[prost(string, repeated, tag = "2")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub matchers: Vec<String>,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LabelValuesResponse {
+    #[prost(string, repeated, tag = "1")]
+    pub names: Vec<String>,
+}
+
+// ---- push.v1 ----
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PushRequest {
+    #[prost(message, repeated, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub series: Vec<RawProfileSeries>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RawProfileSeries {
+    #[prost(message, repeated, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub labels: Vec<LabelPair>,
+    #[prost(message, repeated, tag = "2")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub samples: Vec<RawSample>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RawSample {
+    #[prost(bytes = "vec", tag = "1")]
+    #[serde(
+        rename = "rawProfile",
+        alias = "raw_profile",
+        with = "json::bytes_base64"
+    )]
+    pub raw_profile: Vec<u8>,
+    #[prost(string, tag = "2")]
+    #[serde(rename = "ID", deserialize_with = "json::null_default")]
+    pub id: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+pub struct PushResponse {}
+
+// ---- querier.v1 ----
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProfileTypesRequest {
+    #[prost(int64, tag = "1")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "2")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProfileTypesResponse {
+    #[prost(message, repeated, tag = "1")]
+    #[serde(rename = "profileTypes")]
+    pub profile_types: Vec<ProfileType>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SeriesRequest {
+    #[prost(string, repeated, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub matchers: Vec<String>,
+    #[prost(string, repeated, tag = "2")]
+    #[serde(
+        rename = "labelNames",
+        alias = "label_names",
+        deserialize_with = "json::null_default"
+    )]
+    pub label_names: Vec<String>,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SeriesResponse {
+    #[prost(message, repeated, tag = "2")]
+    #[serde(rename = "labelsSet")]
+    pub labels_set: Vec<Labels>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelectMergeStacktracesRequest {
+    #[prost(string, tag = "1")]
+    #[serde(
+        rename = "profileTypeID",
+        alias = "profile_typeID",
+        deserialize_with = "json::null_default"
+    )]
+    pub profile_type_id: String,
+    #[prost(string, tag = "2")]
+    #[serde(
+        rename = "labelSelector",
+        alias = "label_selector",
+        deserialize_with = "json::null_default"
+    )]
+    pub label_selector: String,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+    #[prost(int64, optional, tag = "5")]
+    #[serde(
+        rename = "maxNodes",
+        alias = "max_nodes",
+        with = "json::opt_i64_string"
+    )]
+    pub max_nodes: Option<i64>,
+    #[prost(int32, tag = "6")]
+    #[serde(with = "json::profile_format")]
+    pub format: i32,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Level {
+    #[prost(int64, repeated, tag = "1")]
+    #[serde(with = "json::vec_i64_string")]
+    pub values: Vec<i64>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FlameGraph {
+    #[prost(string, repeated, tag = "1")]
+    pub names: Vec<String>,
+    #[prost(message, repeated, tag = "2")]
+    pub levels: Vec<Level>,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub total: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(rename = "maxSelf", alias = "max_self", with = "json::i64_string")]
+    pub max_self: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelectMergeStacktracesResponse {
+    #[prost(message, optional, tag = "1")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flamegraph: Option<FlameGraph>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelectMergeProfileRequest {
+    #[prost(string, tag = "1")]
+    #[serde(
+        rename = "profileTypeID",
+        alias = "profile_typeID",
+        deserialize_with = "json::null_default"
+    )]
+    pub profile_type_id: String,
+    #[prost(string, tag = "2")]
+    #[serde(
+        rename = "labelSelector",
+        alias = "label_selector",
+        deserialize_with = "json::null_default"
+    )]
+    pub label_selector: String,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+    #[prost(int64, optional, tag = "5")]
+    #[serde(
+        rename = "maxNodes",
+        alias = "max_nodes",
+        with = "json::opt_i64_string"
+    )]
+    pub max_nodes: Option<i64>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelectSeriesRequest {
+    #[prost(string, tag = "1")]
+    #[serde(
+        rename = "profileTypeID",
+        alias = "profile_typeID",
+        deserialize_with = "json::null_default"
+    )]
+    pub profile_type_id: String,
+    #[prost(string, tag = "2")]
+    #[serde(
+        rename = "labelSelector",
+        alias = "label_selector",
+        deserialize_with = "json::null_default"
+    )]
+    pub label_selector: String,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+    #[prost(string, repeated, tag = "5")]
+    #[serde(
+        rename = "groupBy",
+        alias = "group_by",
+        deserialize_with = "json::null_default"
+    )]
+    pub group_by: Vec<String>,
+    /// Seconds.
+    #[prost(double, tag = "6")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub step: f64,
+    #[prost(int32, optional, tag = "7")]
+    #[serde(with = "json::aggregation")]
+    pub aggregation: Option<i32>,
+    #[prost(int64, optional, tag = "9")]
+    #[serde(with = "json::opt_i64_string")]
+    pub limit: Option<i64>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelectSeriesResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub series: Vec<Series>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DiffRequest {
+    #[prost(message, optional, tag = "1")]
+    pub left: Option<SelectMergeStacktracesRequest>,
+    #[prost(message, optional, tag = "2")]
+    pub right: Option<SelectMergeStacktracesRequest>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FlameGraphDiff {
+    #[prost(string, repeated, tag = "1")]
+    pub names: Vec<String>,
+    #[prost(message, repeated, tag = "2")]
+    pub levels: Vec<Level>,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub total: i64,
+    #[prost(int64, tag = "4")]
+    #[serde(rename = "maxSelf", alias = "max_self", with = "json::i64_string")]
+    pub max_self: i64,
+    #[prost(int64, tag = "5")]
+    #[serde(rename = "leftTicks", alias = "left_ticks", with = "json::i64_string")]
+    pub left_ticks: i64,
+    #[prost(int64, tag = "6")]
+    #[serde(
+        rename = "rightTicks",
+        alias = "right_ticks",
+        with = "json::i64_string"
+    )]
+    pub right_ticks: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DiffResponse {
+    #[prost(message, optional, tag = "1")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flamegraph: Option<FlameGraphDiff>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+pub struct GetProfileStatsRequest {}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GetProfileStatsResponse {
+    #[prost(bool, tag = "1")]
+    #[serde(rename = "dataIngested", alias = "data_ingested")]
+    pub data_ingested: bool,
+    #[prost(int64, tag = "2")]
+    #[serde(
+        rename = "oldestProfileTime",
+        alias = "oldest_profile_time",
+        with = "json::i64_string"
+    )]
+    pub oldest_profile_time: i64,
+    #[prost(int64, tag = "3")]
+    #[serde(
+        rename = "newestProfileTime",
+        alias = "newest_profile_time",
+        with = "json::i64_string"
+    )]
+    pub newest_profile_time: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_json_both_ways() {
+        let request: SelectMergeStacktracesRequest = serde_json::from_str(
+            r#"{"profile_typeID":"process_cpu:cpu:nanoseconds:cpu:nanoseconds","labelSelector":"{}",
+                "start":"1000","end":2000,"maxNodes":"16","format":"PROFILE_FORMAT_FLAMEGRAPH"}"#,
+        )
+        .unwrap();
+        assert_eq!(request.start, 1000);
+        assert_eq!(request.end, 2000);
+        assert_eq!(request.max_nodes, Some(16));
+        assert_eq!(request.format, 1);
+        let json = serde_json::to_value(&request).unwrap();
+        assert_eq!(
+            json["profileTypeID"],
+            "process_cpu:cpu:nanoseconds:cpu:nanoseconds"
+        );
+        assert_eq!(json["start"], "1000");
+
+        let push: PushRequest = serde_json::from_str(
+            r#"{"series":[{"labels":[{"name":"service_name","value":"a"}],"samples":[{"ID":"x","rawProfile":"AQID"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(push.series[0].samples[0].raw_profile, vec![1, 2, 3]);
+        assert!(
+            serde_json::from_str::<PushRequest>(
+                r#"{"series":[{"samples":[{"rawProfile":"!!"}]}]}"#
+            )
+            .is_err()
+        );
+        let empty: SelectSeriesRequest = serde_json::from_str("{}").unwrap();
+        assert_eq!(empty.aggregation, None);
+    }
+}

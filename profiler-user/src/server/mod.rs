@@ -1,0 +1,295 @@
+//! The HTTP server on one port: Pyroscope-compatible ingest (`/ingest`, Connect Push), the
+//! Connect query API Grafana and the web UI use (`querier.v1.QuerierService`), `/metrics`,
+//! `/api/health`, and the embedded web UI at `/`.
+//!
+//! Runs on its own small tokio runtime thread, so the sampling pipeline never waits for it;
+//! store work runs on tokio's blocking pool.
+pub mod api;
+pub mod connect;
+mod handlers;
+pub mod render;
+pub mod serve;
+
+use std::{
+    net::{SocketAddr, TcpListener},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Instant,
+};
+
+use axum::{
+    Router,
+    extract::{Request, State},
+    http::{HeaderValue, Method, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+
+use crate::{self_metrics::SelfMetrics, store::Store};
+use connect::ApiError;
+
+/// Default address of the HTTP server.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:4040";
+/// Default limit of a request body, also after decompression.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(
+        "refusing to listen on {0} without --auth-token: only loopback addresses are safe without \
+         one (or pass --insecure-listen to accept that anyone who can reach the port can read and \
+         write profiles)"
+    )]
+    Unprotected(SocketAddr),
+    #[error("cannot start the HTTP server: {0}")]
+    Runtime(std::io::Error),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// Bearer token required on every route but /metrics.
+    pub auth_token: Option<String>,
+    /// Allow a non-loopback address without a token.
+    pub insecure_listen: bool,
+    pub max_body_bytes: usize,
+}
+
+impl ServerConfig {
+    pub fn new(listen: SocketAddr) -> Self {
+        ServerConfig {
+            listen,
+            auth_token: None,
+            insecure_listen: false,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+
+    /// Listening beyond loopback needs a token or an explicit opt-out.
+    pub fn check(&self) -> Result<(), ServerError> {
+        if !self.listen.ip().is_loopback() && self.auth_token.is_none() && !self.insecure_listen {
+            return Err(ServerError::Unprotected(self.listen));
+        }
+        Ok(())
+    }
+}
+
+/// What the agent reports about itself, updated every interval, read by /metrics and the UI.
+#[derive(Debug)]
+pub struct HealthBoard {
+    latest: Mutex<SelfMetrics>,
+    started: Instant,
+    pub http_requests: AtomicU64,
+    pub http_errors: AtomicU64,
+}
+
+impl Default for HealthBoard {
+    fn default() -> Self {
+        HealthBoard {
+            latest: Mutex::new(SelfMetrics::default()),
+            started: Instant::now(),
+            http_requests: AtomicU64::new(0),
+            http_errors: AtomicU64::new(0),
+        }
+    }
+}
+
+impl HealthBoard {
+    pub fn publish(&self, metrics: SelfMetrics) {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = metrics;
+    }
+
+    /// The latest agent metrics with the server's and store's counters filled in.
+    pub fn snapshot(&self, store: Option<&Store>) -> SelfMetrics {
+        let mut metrics = self
+            .latest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        metrics.http_requests = self.http_requests.load(Ordering::Relaxed);
+        metrics.http_errors = self.http_errors.load(Ordering::Relaxed);
+        if let Some(store) = store {
+            let counters = store.counters();
+            metrics.store_profiles_ingested = counters.profiles_ingested.load(Ordering::Relaxed);
+            metrics.store_ingest_errors = counters.ingest_errors.load(Ordering::Relaxed);
+            metrics.store_profiles_evicted = counters.profiles_evicted.load(Ordering::Relaxed);
+            metrics.store_bytes = store.used_bytes().unwrap_or(0);
+        }
+        metrics
+    }
+}
+
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Option<Store>,
+    pub health: Arc<HealthBoard>,
+    pub config: Arc<ServerConfig>,
+}
+
+impl AppState {
+    fn store(&self) -> Result<&Store, ApiError> {
+        self.store.as_ref().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the embedded store is off (--store off)",
+            )
+        })
+    }
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/ingest", post(handlers::ingest))
+        .route("/pyroscope/ingest", post(handlers::ingest))
+        .route("/push.v1.PusherService/Push", post(handlers::push))
+        .route(
+            "/querier.v1.QuerierService/{method}",
+            post(handlers::querier),
+        )
+        .route("/metrics", get(handlers::metrics))
+        .route("/api/health", get(handlers::health))
+        .route("/api/pprof", get(handlers::pprof_download))
+        .route("/", get(handlers::ui))
+        .fallback(handlers::ui_or_not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .with_state(state)
+}
+
+async fn method_not_allowed(method: Method) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "unimplemented",
+        format!("method {method} is not allowed here"),
+    )
+}
+
+/// Checks the bearer token and counts requests and errors.
+async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    state.health.http_requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(token) = &state.config.auth_token
+        && request.uri().path() != "/metrics"
+    {
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(presented.as_bytes(), token.as_bytes()) {
+            state.health.http_errors.fetch_add(1, Ordering::Relaxed);
+            let mut response = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "missing or wrong bearer token",
+            )
+            .into_response();
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return response;
+        }
+    }
+    let response = next.run(request).await;
+    if response.status().is_client_error() || response.status().is_server_error() {
+        state.health.http_errors.fetch_add(1, Ordering::Relaxed);
+    }
+    response
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A running server; dropping it (or [`Server::shutdown`]) stops it.
+pub struct Server {
+    addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds (synchronously, so errors surface here) and serves on a background thread.
+    pub fn start(state: AppState) -> Result<Server, ServerError> {
+        let config = state.config.clone();
+        config.check()?;
+        let listener = TcpListener::bind(config.listen).map_err(|source| ServerError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(ServerError::Runtime)?;
+        let addr = listener.local_addr().map_err(ServerError::Runtime)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(8)
+            .thread_name("http")
+            .enable_all()
+            .build()
+            .map_err(ServerError::Runtime)?;
+        let (shutdown, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+        let app = router(state);
+        let thread = std::thread::Builder::new()
+            .name("http-server".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(listener) => listener,
+                        Err(err) => {
+                            tracing::error!("HTTP server: {err}");
+                            return;
+                        }
+                    };
+                    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+                        let _ = shutdown_rx.await;
+                    });
+                    if let Err(err) = serve.await {
+                        tracing::error!("HTTP server: {err}");
+                    }
+                });
+            })
+            .map_err(ServerError::Runtime)?;
+        tracing::info!(%addr, "HTTP server listening: web UI at http://{addr}/");
+        Ok(Server {
+            addr,
+            shutdown: Some(shutdown),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,597 @@
+//! The server over real HTTP on a loopback port, backed by a real store in a temp directory.
+use std::io::Write;
+
+use prost::Message;
+
+use super::{api::*, *};
+use crate::{
+    export::{pprof::build_pprof, proto, test_fixture},
+    store::StoreSettings,
+};
+
+const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
+
+struct TestServer {
+    server: Server,
+    store: Store,
+    _dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    fn start() -> TestServer {
+        Self::with_config(|_| {})
+    }
+
+    fn with_config(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(StoreSettings::new(dir.path())).unwrap();
+        let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap());
+        adjust(&mut config);
+        let server = Server::start(AppState {
+            store: Some(store.clone()),
+            health: Arc::new(HealthBoard::default()),
+            config: Arc::new(config),
+        })
+        .unwrap();
+        TestServer {
+            server,
+            store,
+            _dir: dir,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.server.local_addr())
+    }
+
+    fn post(&self, path: &str, content_type: &str, body: &[u8]) -> (u16, Vec<u8>) {
+        let response = ureq::post(&self.url(path))
+            .set("Content-Type", content_type)
+            .send_bytes(body);
+        read(response)
+    }
+
+    fn get(&self, path: &str) -> (u16, Vec<u8>) {
+        read(ureq::get(&self.url(path)).call())
+    }
+
+    fn query<Req: prost::Message + serde::Serialize, Resp: prost::Message + Default>(
+        &self,
+        method: &str,
+        request: &Req,
+    ) -> Resp {
+        let (status, body) = self.post(
+            &format!("/querier.v1.QuerierService/{method}"),
+            "application/proto",
+            &request.encode_to_vec(),
+        );
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        Resp::decode(body.as_slice()).unwrap()
+    }
+
+    fn query_json(&self, method: &str, request: serde_json::Value) -> serde_json::Value {
+        let (status, body) = self.post(
+            &format!("/querier.v1.QuerierService/{method}"),
+            "application/json",
+            request.to_string().as_bytes(),
+        );
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        serde_json::from_slice(&body).unwrap()
+    }
+
+    fn profile_count(&self) -> u64 {
+        self.store.profile_count().unwrap()
+    }
+}
+
+fn read(response: Result<ureq::Response, ureq::Error>) -> (u16, Vec<u8>) {
+    let response = match response {
+        Ok(response) => response,
+        Err(ureq::Error::Status(_, response)) => response,
+        Err(err) => panic!("{err}"),
+    };
+    let status = response.status();
+    let mut body = Vec::new();
+    std::io::Read::read_to_end(&mut response.into_reader(), &mut body).unwrap();
+    (status, body)
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    encoder.write_all(bytes).unwrap();
+    encoder.finish().unwrap()
+}
+
+/// The shared export fixture with a current timestamp, as pprof bytes.
+fn fixture_pprof() -> Vec<u8> {
+    let mut profile = test_fixture::profile();
+    profile.start_unix_ns = now_ns();
+    build_pprof(&profile).encode_to_vec()
+}
+
+fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64
+}
+
+fn push_request(service: &str, raw_profile: Vec<u8>) -> PushRequest {
+    PushRequest {
+        series: vec![RawProfileSeries {
+            labels: vec![
+                LabelPair {
+                    name: "__name__".into(),
+                    value: "process_cpu".into(),
+                },
+                LabelPair {
+                    name: "service_name".into(),
+                    value: service.into(),
+                },
+                LabelPair {
+                    name: "env".into(),
+                    value: "test".into(),
+                },
+            ],
+            samples: vec![RawSample {
+                raw_profile,
+                id: "id-1".into(),
+            }],
+        }],
+    }
+}
+
+fn merge_request(selector: &str) -> SelectMergeStacktracesRequest {
+    SelectMergeStacktracesRequest {
+        profile_type_id: CPU.into(),
+        label_selector: selector.into(),
+        start: now_ns() / 1_000_000 - 3_600_000,
+        end: now_ns() / 1_000_000 + 60_000,
+        max_nodes: None,
+        format: 1,
+    }
+}
+
+fn assert_json_error(status: u16, body: &[u8], expected_status: u16, needle: &str) {
+    assert_eq!(status, expected_status, "{}", String::from_utf8_lossy(body));
+    let error: serde_json::Value = serde_json::from_slice(body).expect("a JSON error body");
+    let message = error["message"].as_str().unwrap();
+    assert!(error["code"].is_string());
+    assert!(message.contains(needle), "`{needle}` not in `{message}`");
+}
+
+#[test]
+fn push_then_query_in_both_codecs() {
+    let server = TestServer::start();
+    // Protobuf, gzipped as a whole like pyroscope-rs does.
+    let body = gzip(&push_request("api", fixture_pprof()).encode_to_vec());
+    let response = ureq::post(&server.url("/push.v1.PusherService/Push"))
+        .set("Content-Type", "application/proto")
+        .set("Content-Encoding", "gzip")
+        .send_bytes(&body);
+    let (status, body) = read(response);
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(body.is_empty());
+    // JSON with a gzipped raw profile, like the documented example.
+    let json = serde_json::json!({"series": [{"labels": [
+        {"name": "__name__", "value": "process_cpu"}, {"name": "service_name", "value": "web"}],
+        "samples": [{"ID": "x", "rawProfile": base64::Engine::encode(&base64::engine::general_purpose::STANDARD, gzip(&fixture_pprof()))}]}]});
+    let (status, body) = server.post(
+        "/push.v1.PusherService/Push",
+        "application/json",
+        json.to_string().as_bytes(),
+    );
+    assert_eq!((status, body.as_slice()), (200, b"{}".as_slice()));
+
+    let types: ProfileTypesResponse = server.query("ProfileTypes", &ProfileTypesRequest::default());
+    assert!(
+        types
+            .profile_types
+            .iter()
+            .any(|t| t.id == CPU && t.sample_unit == "nanoseconds"),
+        "{types:?}"
+    );
+    let services: LabelValuesResponse = server.query(
+        "LabelValues",
+        &LabelValuesRequest {
+            name: "service_name".into(),
+            ..Default::default()
+        },
+    );
+    assert_eq!(services.names, vec!["api", "web"]);
+    let names: LabelNamesResponse = server.query(
+        "LabelNames",
+        &LabelNamesRequest {
+            matchers: vec![r#"{service_name="api"}"#.into()],
+            ..Default::default()
+        },
+    );
+    for expected in ["env", "service_name", "thread_name", "__profile_type__"] {
+        assert!(
+            names.names.contains(&expected.to_owned()),
+            "{expected} in {:?}",
+            names.names
+        );
+    }
+
+    let merged: SelectMergeStacktracesResponse = server.query(
+        "SelectMergeStacktraces",
+        &merge_request(r#"{service_name="api"}"#),
+    );
+    let graph = merged.flamegraph.unwrap();
+    assert_eq!(graph.total, 11 * test_fixture::PERIOD_NS);
+    assert_eq!(graph.names[0], "total");
+    for function in ["myapp", "main", "outer_fn", "inner_helper", "do_syscall_64"] {
+        assert!(
+            graph.names.contains(&function.to_owned()),
+            "{function} in {:?}",
+            graph.names
+        );
+    }
+    // The same in JSON, with 64-bit numbers as strings.
+    let json = server.query_json(
+        "SelectMergeStacktraces",
+        serde_json::json!({"profileTypeID": CPU, "labelSelector": "{service_name=\"web\"}",
+            "start": (now_ns() / 1_000_000 - 3_600_000).to_string(), "end": (now_ns() / 1_000_000 + 1000).to_string()}),
+    );
+    assert_eq!(
+        json["flamegraph"]["total"],
+        (11 * test_fixture::PERIOD_NS).to_string()
+    );
+    assert_eq!(
+        json["flamegraph"]["levels"][0]["values"][1],
+        (11 * test_fixture::PERIOD_NS).to_string()
+    );
+
+    let series: SelectSeriesResponse = server.query(
+        "SelectSeries",
+        &SelectSeriesRequest {
+            profile_type_id: CPU.into(),
+            label_selector: "{}".into(),
+            start: now_ns() / 1_000_000 - 3_600_000,
+            end: now_ns() / 1_000_000 + 60_000,
+            group_by: vec!["service_name".into()],
+            step: 15.0,
+            ..Default::default()
+        },
+    );
+    assert_eq!(series.series.len(), 2);
+    let api_total: f64 = series.series[0].points.iter().map(|p| p.value).sum();
+    assert_eq!(series.series[0].labels[0].value, "api");
+    assert_eq!(api_total, (11 * test_fixture::PERIOD_NS) as f64);
+
+    let all_series: SeriesResponse = server.query(
+        "Series",
+        &SeriesRequest {
+            matchers: vec![format!("{{__profile_type__=\"{CPU}\"}}")],
+            label_names: vec!["service_name".into(), "__profile_type__".into()],
+            ..Default::default()
+        },
+    );
+    assert_eq!(all_series.labels_set.len(), 2, "{all_series:?}");
+
+    let diff: DiffResponse = server.query(
+        "Diff",
+        &DiffRequest {
+            left: Some(merge_request(r#"{service_name="api"}"#)),
+            right: Some(merge_request(r#"{service_name="nothing"}"#)),
+        },
+    );
+    let diff = diff.flamegraph.unwrap();
+    assert_eq!(
+        (diff.left_ticks, diff.right_ticks),
+        (11 * test_fixture::PERIOD_NS, 0)
+    );
+
+    // SelectMergeProfile answers a pprof with the same stacks.
+    let request = SelectMergeProfileRequest {
+        profile_type_id: CPU.into(),
+        label_selector: r#"{service_name="api"}"#.into(),
+        start: merge_request("").start,
+        end: merge_request("").end,
+        max_nodes: None,
+    };
+    let (status, body) = server.post(
+        "/querier.v1.QuerierService/SelectMergeProfile",
+        "application/proto",
+        &request.encode_to_vec(),
+    );
+    assert_eq!(status, 200);
+    let pprof = proto::Profile::decode(body.as_slice()).unwrap();
+    assert_eq!(
+        pprof.sample.iter().map(|s| s.value[0]).sum::<i64>(),
+        11 * test_fixture::PERIOD_NS
+    );
+    let (status, body) = server.get(&format!(
+        "/api/pprof?query={}%7Bservice_name%3D%22api%22%7D",
+        CPU
+    ));
+    assert_eq!(status, 200);
+    assert_eq!(&body[..2], &[0x1f, 0x8b]);
+}
+
+#[test]
+fn legacy_ingest_accepts_pprof_multipart_and_folded() {
+    let server = TestServer::start();
+    let (status, body) = server.post(
+        "/ingest?name=raw%7Benv%3Ddev%7D&format=pprof&spyName=test",
+        "binary/octet-stream",
+        &gzip(&fixture_pprof()),
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    let boundary = "XYZboundary";
+    let mut multipart = Vec::new();
+    write!(multipart, "--{boundary}\r\nContent-Disposition: form-data; name=\"profile\"; filename=\"profile.pprof\"\r\nContent-Type: application/octet-stream\r\n\r\n").unwrap();
+    multipart.extend(gzip(&fixture_pprof()));
+    write!(multipart, "\r\n--{boundary}--\r\n").unwrap();
+    let (status, body) = server.post(
+        "/ingest?name=multi&from=now-10s&until=now",
+        &format!("multipart/form-data; boundary={boundary}"),
+        &multipart,
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    let (status, _) = server.post(
+        "/ingest?name=folded.cpu&sampleRate=100",
+        "text/plain",
+        b"main;work 3\nmain;idle 1\n",
+    );
+    assert_eq!(status, 200);
+
+    let services: LabelValuesResponse = server.query(
+        "LabelValues",
+        &LabelValuesRequest {
+            name: "service_name".into(),
+            ..Default::default()
+        },
+    );
+    assert_eq!(services.names, vec!["folded", "multi", "raw"]);
+    let spies: LabelValuesResponse = server.query(
+        "LabelValues",
+        &LabelValuesRequest {
+            name: "pyroscope_spy".into(),
+            ..Default::default()
+        },
+    );
+    assert_eq!(spies.names, vec!["test"]);
+    let folded: SelectMergeStacktracesResponse = server.query(
+        "SelectMergeStacktraces",
+        &merge_request(r#"{service_name="folded"}"#),
+    );
+    // 4 samples at 100 Hz.
+    assert_eq!(folded.flamegraph.unwrap().total, 40_000_000);
+}
+
+#[test]
+fn bad_input_gets_a_json_4xx_and_stores_nothing() {
+    let server = TestServer::with_config(|c| c.max_body_bytes = 64 << 10);
+    let push = "/push.v1.PusherService/Push";
+    let cases: Vec<(&str, String, Vec<u8>, u16, &str)> = vec![
+        (
+            push,
+            "application/proto".into(),
+            push_request("x", b"not a pprof".to_vec()).encode_to_vec(),
+            400,
+            "malformed pprof",
+        ),
+        (
+            push,
+            "application/proto".into(),
+            b"\xff\xff\xff".to_vec(),
+            400,
+            "malformed protobuf",
+        ),
+        (
+            push,
+            "application/json".into(),
+            b"{\"series\": 5}".to_vec(),
+            400,
+            "malformed JSON",
+        ),
+        (
+            push,
+            "text/html".into(),
+            b"x".to_vec(),
+            415,
+            "unsupported Content-Type",
+        ),
+        (
+            push,
+            "application/proto".into(),
+            vec![0u8; 65 << 10],
+            413,
+            "larger than",
+        ),
+        (
+            "/ingest?name=a%7Bb%7D&format=pprof",
+            "binary/octet-stream".into(),
+            fixture_pprof(),
+            400,
+            "invalid application name",
+        ),
+        (
+            "/ingest?format=pprof",
+            "binary/octet-stream".into(),
+            fixture_pprof(),
+            400,
+            "missing query parameter `name`",
+        ),
+        (
+            "/ingest?name=a&format=pprof",
+            "binary/octet-stream".into(),
+            gzip(b"garbage"),
+            400,
+            "malformed pprof",
+        ),
+        (
+            "/ingest?name=a&format=jfr",
+            "binary/octet-stream".into(),
+            b"x".to_vec(),
+            415,
+            "not supported",
+        ),
+        (
+            "/ingest?name=a.weird",
+            "text/plain".into(),
+            b"a;b 1\n".to_vec(),
+            400,
+            "unknown profile type",
+        ),
+        (
+            "/ingest?name=a",
+            "text/plain".into(),
+            b"a;b one\n".to_vec(),
+            400,
+            "malformed folded",
+        ),
+        (
+            "/querier.v1.QuerierService/SelectMergeStacktraces",
+            "application/json".into(),
+            serde_json::json!({"profileTypeID": CPU, "labelSelector": "{service_name=}"})
+                .to_string()
+                .into_bytes(),
+            400,
+            "invalid label selector",
+        ),
+        (
+            "/querier.v1.QuerierService/SelectMergeStacktraces",
+            "application/json".into(),
+            serde_json::json!({"profileTypeID": "cpu", "labelSelector": "{}"})
+                .to_string()
+                .into_bytes(),
+            400,
+            "invalid profile type",
+        ),
+        (
+            "/querier.v1.QuerierService/NoSuchMethod",
+            "application/json".into(),
+            b"{}".to_vec(),
+            404,
+            "unknown method",
+        ),
+        (
+            "/no/such/endpoint",
+            "application/json".into(),
+            b"{}".to_vec(),
+            404,
+            "no such endpoint",
+        ),
+    ];
+    for (path, content_type, body, status, needle) in cases {
+        let (got_status, got_body) = server.post(path, &content_type, &body);
+        assert_json_error(got_status, &got_body, status, needle);
+    }
+    // A gzip bomb: 60 KiB on the wire, 8 MiB inflated.
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    encoder.write_all(&vec![0u8; 8 << 20]).unwrap();
+    let bomb = encoder.finish().unwrap();
+    assert!(bomb.len() < 64 << 10);
+    let (status, body) = read(
+        ureq::post(&server.url(push))
+            .set("Content-Type", "application/proto")
+            .set("Content-Encoding", "gzip")
+            .send_bytes(&bomb),
+    );
+    assert_json_error(status, &body, 413, "larger than");
+    // One bad sample in a batch rejects the whole batch.
+    let mut batch = push_request("good", fixture_pprof());
+    batch.series[0].samples.push(RawSample {
+        raw_profile: b"bad".to_vec(),
+        id: String::new(),
+    });
+    let (status, body) = server.post(push, "application/proto", &batch.encode_to_vec());
+    assert_json_error(status, &body, 400, "malformed pprof");
+    // Wrong HTTP method.
+    let (status, body) = server.get(push);
+    assert_json_error(status, &body, 405, "not allowed");
+    assert_eq!(server.profile_count(), 0, "nothing stored");
+}
+
+#[test]
+fn token_guards_everything_but_metrics() {
+    let server = TestServer::with_config(|c| c.auth_token = Some("s3cret".into()));
+    let (status, body) = server.get("/api/health");
+    assert_json_error(status, &body, 401, "bearer token");
+    let (status, _) = server.post("/push.v1.PusherService/Push", "application/proto", &[]);
+    assert_eq!(status, 401);
+    let wrong = ureq::get(&server.url("/api/health"))
+        .set("Authorization", "Bearer nope")
+        .call();
+    assert_eq!(read(wrong).0, 401);
+    let right = ureq::get(&server.url("/api/health"))
+        .set("Authorization", "Bearer s3cret")
+        .call();
+    assert_eq!(read(right).0, 200);
+    let (status, body) = server.get("/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        String::from_utf8(body)
+            .unwrap()
+            .contains("profiler_http_requests_total")
+    );
+}
+
+#[test]
+fn non_loopback_needs_a_token_or_explicit_consent() {
+    let mut config = ServerConfig::new("0.0.0.0:4040".parse().unwrap());
+    let err = config.check().unwrap_err().to_string();
+    assert!(
+        err.contains("--auth-token") && err.contains("--insecure-listen"),
+        "{err}"
+    );
+    config.auth_token = Some("t".into());
+    assert!(config.check().is_ok());
+    config.auth_token = None;
+    config.insecure_listen = true;
+    assert!(config.check().is_ok());
+    assert!(
+        ServerConfig::new("[::1]:4040".parse().unwrap())
+            .check()
+            .is_ok()
+    );
+}
+
+#[test]
+fn metrics_health_and_ui() {
+    let server = TestServer::start();
+    let (status, _) = server.post(
+        "/push.v1.PusherService/Push",
+        "application/proto",
+        &push_request("api", fixture_pprof()).encode_to_vec(),
+    );
+    assert_eq!(status, 200);
+    let (status, body) = server.get("/metrics");
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    assert!(
+        text.contains("# TYPE profiler_store_profiles_ingested_total counter"),
+        "{text}"
+    );
+    let ingested = text
+        .lines()
+        .find(|l| l.starts_with("profiler_store_profiles_ingested_total "))
+        .unwrap();
+    assert_ne!(ingested, "profiler_store_profiles_ingested_total 0");
+
+    let (status, body) = server.get("/api/health");
+    assert_eq!(status, 200);
+    let health: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(health["status"], "ok");
+    assert!(health["store"]["profiles_ingested"].as_u64().unwrap() > 0);
+    assert!(health["samples"]["dropped"].is_u64());
+
+    let (status, body) = server.get("/");
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&body).contains("<html"));
+    // Only embedded files: no way to reach the file system.
+    for path in [
+        "/../Cargo.toml",
+        "/%2e%2e/Cargo.toml",
+        "/etc/passwd",
+        "/ui/index.html/..",
+    ] {
+        let (status, _) = server.get(path);
+        assert_eq!(status, 404, "{path}");
+    }
+}

@@ -1,0 +1,685 @@
+//! Turning what clients send (pprof, folded stacks) into [`NewProfile`]s: decompression with a
+//! size guard, pprof validation as Pyroscope does it (docs/pyroscope.md §1.5.2), one profile per
+//! sample type and per distinct set of pprof sample string labels.
+use std::{collections::HashMap, io::Read};
+
+use prost::Message;
+
+use super::{NewProfile, ProfileType};
+use crate::export::proto;
+
+/// Why a payload was rejected. Display is one line for the client.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IngestError {
+    #[error("the profile is larger than {limit} bytes after decompression")]
+    TooLarge { limit: usize },
+    #[error("the profile is not valid gzip: {0}")]
+    Gzip(String),
+    #[error("malformed pprof: {0}")]
+    MalformedPprof(String),
+    #[error("malformed folded profile at line {line}: {reason}")]
+    MalformedFolded { line: usize, reason: &'static str },
+    #[error("{0}")]
+    InvalidLabels(String),
+    #[error("unknown profile type `{0}` in the application name")]
+    UnknownTextProfileType(String),
+}
+
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// Gunzips `bytes` if they start with the gzip magic, refusing to produce more than `limit`
+/// bytes (a zip bomb stops at the limit instead of filling memory).
+pub fn maybe_gunzip(bytes: &[u8], limit: usize) -> Result<std::borrow::Cow<'_, [u8]>, IngestError> {
+    if !bytes.starts_with(&GZIP_MAGIC) {
+        if bytes.len() > limit {
+            return Err(IngestError::TooLarge { limit });
+        }
+        return Ok(std::borrow::Cow::Borrowed(bytes));
+    }
+    gunzip(bytes, limit).map(std::borrow::Cow::Owned)
+}
+
+/// Gunzips (all members) with an output limit.
+pub fn gunzip(bytes: &[u8], limit: usize) -> Result<Vec<u8>, IngestError> {
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(bytes)
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| IngestError::Gzip(e.to_string()))?;
+    if out.len() > limit {
+        return Err(IngestError::TooLarge { limit });
+    }
+    Ok(out)
+}
+
+/// Gzips bytes in memory (pprof files are stored gzipped).
+pub fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    // Writing into a Vec cannot fail.
+    let _ = encoder.write_all(bytes);
+    encoder.finish().unwrap_or_default()
+}
+
+/// Decodes a pprof payload, gzipped or not.
+pub fn decode_pprof(bytes: &[u8], limit: usize) -> Result<proto::Profile, IngestError> {
+    let raw = maybe_gunzip(bytes, limit)?;
+    proto::Profile::decode(raw.as_ref()).map_err(|e| IngestError::MalformedPprof(e.to_string()))
+}
+
+/// Label names and values as Pyroscope accepts them (§1.5.3).
+pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
+    if labels.len() > 40 {
+        return Err(IngestError::InvalidLabels(format!(
+            "too many labels ({}, at most 40)",
+            labels.len()
+        )));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (name, value) in labels {
+        if name.is_empty() || name.len() > 1024 {
+            return Err(IngestError::InvalidLabels(format!(
+                "invalid label name `{name}`"
+            )));
+        }
+        if name
+            .chars()
+            .any(|c| c.is_control() || c == '"' || c == '{' || c == '}' || c == ',' || c == '=')
+        {
+            return Err(IngestError::InvalidLabels(format!(
+                "label name `{}` contains a reserved character",
+                name.escape_debug()
+            )));
+        }
+        if value.len() > 2048 {
+            return Err(IngestError::InvalidLabels(format!(
+                "the value of label `{name}` is longer than 2048 bytes"
+            )));
+        }
+        if !seen.insert(name.as_str()) {
+            return Err(IngestError::InvalidLabels(format!(
+                "label `{name}` given twice"
+            )));
+        }
+    }
+    if let Some((_, name)) = labels.iter().find(|(k, _)| k == "__name__") {
+        if name.is_empty() || name.contains(':') {
+            return Err(IngestError::InvalidLabels(format!(
+                "invalid profile name `{name}`"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The `__name__` Pyroscope derives for a pprof sent to `/ingest` (§1.2.5).
+pub fn derive_pprof_name(pprof: &proto::Profile) -> String {
+    let string = |i: i64| {
+        pprof
+            .string_table
+            .get(i as usize)
+            .map_or("", String::as_str)
+    };
+    let types: Vec<&str> = pprof.sample_type.iter().map(|t| string(t.r#type)).collect();
+    if types.contains(&"wall") {
+        return "wall".into();
+    }
+    for t in &types {
+        let t = if *t == "samples" { "cpu" } else { t };
+        if t.contains("cpu") {
+            return "process_cpu".into();
+        }
+        if t.contains("alloc_") || t.contains("inuse_") || t == "space" || t == "objects" {
+            return "memory".into();
+        }
+        if t.contains("mutex_") {
+            return "mutex".into();
+        }
+        if t.contains("block_") {
+            return "block".into();
+        }
+        if t.contains("goroutines") {
+            return "goroutines".into();
+        }
+    }
+    types
+        .last()
+        .map_or_else(|| "unknown".into(), |t| t.to_string())
+}
+
+/// Splits a validated pprof into stored profiles: one per sample type and distinct set of sample
+/// string labels. `name` is the profile's `__name__`; `default_time_ns` replaces a missing time.
+pub fn profiles_from_pprof(
+    pprof: &proto::Profile,
+    name: &str,
+    series_labels: &[(String, String)],
+    default_time_ns: i64,
+) -> Result<Vec<NewProfile>, IngestError> {
+    validate_pprof(pprof)?;
+    let string = |i: i64| pprof.string_table[i as usize].as_str();
+    let malformed = |msg: String| IngestError::MalformedPprof(msg);
+
+    // Function names, deduplicated, and each location's frames root first.
+    let mut names: Vec<String> = Vec::new();
+    let mut name_index: HashMap<String, u32> = HashMap::new();
+    let mut intern = |s: &str, names: &mut Vec<String>| -> u32 {
+        if let Some(&i) = name_index.get(s) {
+            return i;
+        }
+        names.push(s.to_owned());
+        name_index.insert(s.to_owned(), names.len() as u32 - 1);
+        names.len() as u32 - 1
+    };
+    let functions: HashMap<u64, &proto::Function> =
+        pprof.function.iter().map(|f| (f.id, f)).collect();
+    let mappings: HashMap<u64, &proto::Mapping> = pprof.mapping.iter().map(|m| (m.id, m)).collect();
+    let mut locations: HashMap<u64, Vec<u32>> = HashMap::with_capacity(pprof.location.len());
+    for location in &pprof.location {
+        let mut frames = Vec::with_capacity(location.line.len().max(1));
+        for line in location.line.iter().rev() {
+            let function = functions.get(&line.function_id).ok_or_else(|| {
+                malformed(format!(
+                    "location {} refers to unknown function {}",
+                    location.id, line.function_id
+                ))
+            })?;
+            let function_name = string(function.name);
+            let function_name = if function_name.is_empty() {
+                string(function.system_name)
+            } else {
+                function_name
+            };
+            frames.push(intern(
+                if function_name.is_empty() {
+                    "[unknown]"
+                } else {
+                    function_name
+                },
+                &mut names,
+            ));
+        }
+        if frames.is_empty() {
+            // Unsymbolized: name it by module and address so distinct addresses stay apart.
+            let module = mappings
+                .get(&location.mapping_id)
+                .map(|m| string(m.filename))
+                .filter(|f| !f.is_empty())
+                .map(|f| f.rsplit('/').next().unwrap_or(f).to_owned());
+            let label = match module {
+                Some(module) => format!("{module}+0x{:x}", location.address),
+                None => format!("0x{:x}", location.address),
+            };
+            frames.push(intern(&label, &mut names));
+        }
+        locations.insert(location.id, frames);
+    }
+
+    let time_ns = if pprof.time_nanos < 365 * 86_400 * 1_000_000_000 {
+        default_time_ns
+    } else {
+        pprof.time_nanos
+    };
+    let period_type = pprof.period_type.as_ref();
+    let mut out = Vec::new();
+    // (sample type index, label set) → position in `out`.
+    let mut groups: HashMap<(usize, Vec<(String, String)>), usize> = HashMap::new();
+    for sample in &pprof.sample {
+        let mut path = Vec::with_capacity(sample.location_id.len() * 2);
+        for id in sample.location_id.iter().rev() {
+            let frames = locations
+                .get(id)
+                .ok_or_else(|| malformed(format!("a sample refers to unknown location {id}")))?;
+            path.extend_from_slice(frames);
+        }
+        let mut labels: Vec<(String, String)> = sample
+            .label
+            .iter()
+            .filter(|l| l.str != 0)
+            .map(|l| (string(l.key).to_owned(), string(l.str).to_owned()))
+            .filter(|(k, _)| !matches!(k.as_str(), "trace_id" | "span_id" | "profile_id"))
+            // Series labels win over sample labels of the same name.
+            .filter(|(k, _)| !series_labels.iter().any(|(s, _)| s == k))
+            .collect();
+        labels.sort();
+        labels.dedup_by(|a, b| a.0 == b.0);
+        for (type_index, value) in sample.value.iter().enumerate() {
+            if *value == 0 {
+                continue;
+            }
+            let position = *groups
+                .entry((type_index, labels.clone()))
+                .or_insert_with(|| {
+                    let sample_type = &pprof.sample_type[type_index];
+                    let mut all_labels = series_labels.to_vec();
+                    all_labels.extend(labels.iter().cloned());
+                    out.push(NewProfile {
+                        profile_type: Some(ProfileType {
+                            name: name.to_owned(),
+                            sample_type: string(sample_type.r#type).to_owned(),
+                            sample_unit: string(sample_type.unit).to_owned(),
+                            period_type: period_type.map_or("", |p| string(p.r#type)).to_owned(),
+                            period_unit: period_type.map_or("", |p| string(p.unit)).to_owned(),
+                        }),
+                        labels: all_labels,
+                        time_ns,
+                        duration_ns: pprof.duration_nanos,
+                        names: Vec::new(),
+                        stacks: Vec::new(),
+                    });
+                    out.len() - 1
+                });
+            out[position].stacks.push((path.clone(), *value));
+        }
+    }
+    for profile in &mut out {
+        profile.names = names.clone();
+        validate_labels(&profile.labels)?;
+    }
+    Ok(out)
+}
+
+/// Structural checks before any use (§1.5.2); afterwards every index used is in range.
+pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
+    let malformed = |msg: String| Err(IngestError::MalformedPprof(msg));
+    let strings = pprof.string_table.len() as i64;
+    if pprof.string_table.first().is_none_or(|s| !s.is_empty()) {
+        return malformed("string_table[0] must be the empty string".into());
+    }
+    if pprof.sample_type.is_empty() {
+        return malformed("no sample_type".into());
+    }
+    let in_range = |i: i64| (0..strings).contains(&i);
+    for t in pprof.sample_type.iter().chain(pprof.period_type.iter()) {
+        if !in_range(t.r#type) || !in_range(t.unit) {
+            return malformed("a sample type refers to a string out of range".into());
+        }
+        for part in [t.r#type, t.unit] {
+            let s = &pprof.string_table[part as usize];
+            if s.contains(':') {
+                return malformed(format!("sample type `{s}` contains ':'"));
+            }
+        }
+    }
+    if pprof.sample.len() > 64_000 {
+        return malformed(format!("{} samples, at most 64000", pprof.sample.len()));
+    }
+    for sample in &pprof.sample {
+        if sample.value.len() != pprof.sample_type.len() {
+            return malformed(format!(
+                "a sample has {} values for {} sample types",
+                sample.value.len(),
+                pprof.sample_type.len()
+            ));
+        }
+        for label in &sample.label {
+            if !in_range(label.key) || !in_range(label.str) || !in_range(label.num_unit) {
+                return malformed("a sample label refers to a string out of range".into());
+            }
+        }
+    }
+    for function in &pprof.function {
+        if function.id == 0 {
+            return malformed("function id 0".into());
+        }
+        if !in_range(function.name)
+            || !in_range(function.system_name)
+            || !in_range(function.filename)
+        {
+            return malformed(format!(
+                "function {} refers to a string out of range",
+                function.id
+            ));
+        }
+    }
+    for location in &pprof.location {
+        if location.id == 0 {
+            return malformed("location id 0".into());
+        }
+    }
+    for mapping in &pprof.mapping {
+        if !in_range(mapping.filename) || !in_range(mapping.build_id) {
+            return malformed(format!(
+                "mapping {} refers to a string out of range",
+                mapping.id
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The profile type of a text upload (`folded`, `lines`) from the application name's suffix
+/// (§1.2.5), and the service name without it. Returns the nanoseconds-per-sample factor too.
+pub fn text_profile_type(
+    app: &str,
+    sample_rate: u32,
+) -> Result<(String, ProfileType, i64), IngestError> {
+    let (service, suffix) = match app.rsplit_once('.') {
+        Some((service, suffix)) => (service, suffix),
+        None => (app, ""),
+    };
+    let typed =
+        |name: &str, sample_type: &str, sample_unit: &str, period_type: &str, period_unit: &str| {
+            ProfileType {
+                name: name.into(),
+                sample_type: sample_type.into(),
+                sample_unit: sample_unit.into(),
+                period_type: period_type.into(),
+                period_unit: period_unit.into(),
+            }
+        };
+    let ns_per_sample = 1_000_000_000 / i64::from(sample_rate.max(1));
+    let (profile_type, factor) = match suffix {
+        "" | "cpu" | "itimer" => (
+            typed("process_cpu", "cpu", "nanoseconds", "cpu", "nanoseconds"),
+            ns_per_sample,
+        ),
+        "wall" => (
+            typed("wall", "wall", "nanoseconds", "wall", "nanoseconds"),
+            ns_per_sample,
+        ),
+        "inuse_objects" | "alloc_objects" => {
+            (typed("memory", suffix, "count", "space", "bytes"), 1)
+        }
+        "inuse_space" | "alloc_space" | "bytes" => {
+            (typed("memory", suffix, "bytes", "space", "bytes"), 1)
+        }
+        "goroutines" => (
+            typed("goroutine", "goroutine", "count", "goroutine", "count"),
+            1,
+        ),
+        "mutex_count" => (
+            typed("mutex", "contentions", "count", "contentions", "count"),
+            1,
+        ),
+        "mutex_duration" => (
+            typed("mutex", "delay", "nanoseconds", "contentions", "count"),
+            1,
+        ),
+        "block_count" => (
+            typed("block", "contentions", "count", "contentions", "count"),
+            1,
+        ),
+        "block_duration" => (
+            typed("block", "delay", "nanoseconds", "contentions", "count"),
+            1,
+        ),
+        other => return Err(IngestError::UnknownTextProfileType(other.to_owned())),
+    };
+    Ok((service.to_owned(), profile_type, factor))
+}
+
+/// Parses folded stacks (`a;b;c 12` per line; `lines` format: `a;b;c` = 1 each), root first.
+pub fn parse_folded(
+    text: &[u8],
+    lines_format: bool,
+    factor: i64,
+) -> Result<(Vec<String>, Vec<(Vec<u32>, i64)>), IngestError> {
+    let text = std::str::from_utf8(text).map_err(|_| IngestError::MalformedFolded {
+        line: 0,
+        reason: "not UTF-8",
+    })?;
+    let mut names = Vec::new();
+    let mut index: HashMap<&str, u32> = HashMap::new();
+    let mut stacks = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.trim_end_matches('\r');
+        if line.trim().is_empty() {
+            continue;
+        }
+        let (stack, count) = if lines_format {
+            (line, 1i64)
+        } else {
+            let (stack, count) = line.rsplit_once(' ').ok_or(IngestError::MalformedFolded {
+                line: number + 1,
+                reason: "expected `frame;frame;... count`",
+            })?;
+            let count: i64 = count
+                .trim()
+                .parse()
+                .map_err(|_| IngestError::MalformedFolded {
+                    line: number + 1,
+                    reason: "the count is not an integer",
+                })?;
+            if count < 0 {
+                return Err(IngestError::MalformedFolded {
+                    line: number + 1,
+                    reason: "negative count",
+                });
+            }
+            (stack, count)
+        };
+        let path = stack
+            .split(';')
+            .filter(|frame| !frame.is_empty())
+            .map(|frame| {
+                *index.entry(frame).or_insert_with(|| {
+                    names.push(frame.to_owned());
+                    names.len() as u32 - 1
+                })
+            })
+            .collect();
+        stacks.push((path, count.saturating_mul(factor)));
+    }
+    Ok((names, stacks))
+}
+
+/// Parses an `/ingest` `from`/`until` value: unix seconds, ms, µs or ns by digit count,
+/// `YYYYMMDD`... is not supported; `now` and `now-<n><s|m|h|d|w>`. Returns ns.
+pub fn parse_time(text: &str, now_ns: i64) -> Option<i64> {
+    let text = text.trim();
+    if text == "now" || text.is_empty() {
+        return Some(now_ns);
+    }
+    if let Some(offset) = text.strip_prefix("now-") {
+        let (number, unit) = offset.split_at(offset.len().checked_sub(1)?);
+        let seconds = match unit {
+            "s" => 1,
+            "m" => 60,
+            "h" => 3600,
+            "d" => 86_400,
+            "w" => 7 * 86_400,
+            _ => return None,
+        };
+        let n: i64 = number.parse().ok()?;
+        return Some(now_ns - n.checked_mul(seconds)?.checked_mul(1_000_000_000)?);
+    }
+    let value: i64 = text.parse().ok()?;
+    let digits = text.trim_start_matches('-').len();
+    Some(match digits {
+        0..=10 => value.checked_mul(1_000_000_000)?,
+        11..=13 => value.checked_mul(1_000_000)?,
+        14..=16 => value.checked_mul(1_000)?,
+        _ => value,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::export::{pprof::build_pprof, test_fixture};
+
+    fn pairs(p: &[(&str, &str)]) -> Vec<(String, String)> {
+        p.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn agent_pprof_splits_into_types_and_sample_label_sets() {
+        let pprof = build_pprof(&test_fixture::profile());
+        let labels = pairs(&[("service_name", "svc")]);
+        let profiles = profiles_from_pprof(&pprof, "process_cpu", &labels, 5).unwrap();
+        let ids: std::collections::BTreeSet<String> = profiles
+            .iter()
+            .map(|p| p.profile_type.as_ref().unwrap().id())
+            .collect();
+        assert!(
+            ids.contains("process_cpu:cpu:nanoseconds:cpu:nanoseconds"),
+            "{ids:?}"
+        );
+        let cpu: Vec<&NewProfile> = profiles
+            .iter()
+            .filter(|p| p.profile_type.as_ref().unwrap().sample_type == "cpu")
+            .collect();
+        // thread_name=worker, thread_name=other, and no label.
+        assert_eq!(cpu.len(), 3, "{cpu:#?}");
+        let total: i64 = cpu.iter().map(|p| p.total()).sum();
+        assert_eq!(total, 11 * test_fixture::PERIOD_NS);
+        let worker = cpu
+            .iter()
+            .find(|p| p.labels.contains(&("thread_name".into(), "worker".into())))
+            .unwrap();
+        // Root first, inlined function below the function it was inlined into.
+        let stacks: Vec<Vec<&str>> = worker
+            .stacks
+            .iter()
+            .map(|(path, _)| {
+                path.iter()
+                    .map(|&i| worker.names[i as usize].as_str())
+                    .collect()
+            })
+            .collect();
+        assert!(
+            stacks.contains(&vec!["myapp", "main", "outer_fn", "inner_helper"]),
+            "{stacks:?}"
+        );
+        assert_eq!(worker.time_ns, test_fixture::START_UNIX_NS);
+    }
+
+    #[test]
+    fn invalid_pprofs_are_rejected_with_reasons() {
+        let good = build_pprof(&test_fixture::profile());
+        let check = |mutate: &dyn Fn(&mut proto::Profile), expect: &str| {
+            let mut p = good.clone();
+            mutate(&mut p);
+            let err = profiles_from_pprof(&p, "process_cpu", &[], 0)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expect), "{expect}: {err}");
+        };
+        check(&|p| p.string_table[0] = "x".into(), "string_table[0]");
+        check(&|p| p.sample_type.clear(), "no sample_type");
+        check(&|p| p.sample[0].value.push(1), "values for");
+        check(&|p| p.function[0].name = 10_000, "out of range");
+        check(&|p| p.location[0].id = 0, "location id 0");
+        check(&|p| p.sample[0].location_id.push(999), "unknown location");
+        check(
+            &|p| p.location[1].line[0].function_id = 999,
+            "unknown function",
+        );
+    }
+
+    #[test]
+    fn gzip_is_sniffed_and_bounded() {
+        use std::io::Write;
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        encoder.write_all(&vec![0u8; 1 << 20]).unwrap();
+        let bomb = encoder.finish().unwrap();
+        assert!(bomb.len() < 10_000);
+        assert_eq!(
+            maybe_gunzip(&bomb, 1000).unwrap_err(),
+            IngestError::TooLarge { limit: 1000 }
+        );
+        assert_eq!(maybe_gunzip(&bomb, 2 << 20).unwrap().len(), 1 << 20);
+        assert_eq!(maybe_gunzip(b"plain", 10).unwrap().as_ref(), b"plain");
+        assert!(matches!(
+            maybe_gunzip(&[0x1f, 0x8b, 1, 2, 3], 10),
+            Err(IngestError::Gzip(_))
+        ));
+    }
+
+    #[test]
+    fn folded_and_names() {
+        let (names, stacks) =
+            parse_folded(b"main;work 3\nmain;idle 1\n\nmain;work 2\n", false, 10).unwrap();
+        assert_eq!(names, vec!["main", "work", "idle"]);
+        assert_eq!(
+            stacks,
+            vec![(vec![0, 1], 30), (vec![0, 2], 10), (vec![0, 1], 20)]
+        );
+        assert!(parse_folded(b"main;work x\n", false, 1).is_err());
+        assert!(parse_folded(b"main;work\n", false, 1).is_err());
+        assert_eq!(
+            parse_folded(b"a;b\n", true, 7).unwrap().1,
+            vec![(vec![0, 1], 7)]
+        );
+        let (service, t, factor) = text_profile_type("my-app.cpu", 100).unwrap();
+        assert_eq!(
+            (service.as_str(), t.id().as_str(), factor),
+            (
+                "my-app",
+                "process_cpu:cpu:nanoseconds:cpu:nanoseconds",
+                10_000_000
+            )
+        );
+        assert!(text_profile_type("my.app", 100).is_err());
+    }
+
+    #[test]
+    fn times_parse_by_digit_count() {
+        let now = 1_700_000_000_000_000_000;
+        assert_eq!(parse_time("1700000000", 0), Some(now));
+        assert_eq!(parse_time("1700000000000", 0), Some(now));
+        assert_eq!(parse_time("1700000000000000", 0), Some(now));
+        assert_eq!(parse_time("1700000000000000000", 0), Some(now));
+        assert_eq!(parse_time("now-1m", now), Some(now - 60_000_000_000));
+        assert_eq!(parse_time("yesterday", now), None);
+    }
+
+    #[test]
+    fn label_validation() {
+        assert!(validate_labels(&pairs(&[("a", "b"), ("a", "c")])).is_err());
+        assert!(validate_labels(&pairs(&[("a{", "b")])).is_err());
+        assert!(validate_labels(&pairs(&[("__name__", "x:y")])).is_err());
+        assert!(validate_labels(&pairs(&[("service_name", "s"), ("env", "p")])).is_ok());
+    }
+
+    proptest! {
+        // Arbitrary bytes, raw or gzipped: an error or profiles, never a panic.
+        #[test]
+        fn pprof_ingest_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512), gzip in any::<bool>()) {
+            let payload = if gzip {
+                use std::io::Write;
+                let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                e.write_all(&bytes).unwrap();
+                e.finish().unwrap()
+            } else { bytes };
+            if let Ok(pprof) = decode_pprof(&payload, 1 << 20) {
+                let _ = profiles_from_pprof(&pprof, "process_cpu", &[], 0);
+                let _ = derive_pprof_name(&pprof);
+            }
+        }
+
+        // Structurally valid protobuf with random indexes and ids.
+        #[test]
+        fn random_pprof_structures_never_panic(
+            strings in 0usize..5, types in 0usize..3,
+            samples in proptest::collection::vec((proptest::collection::vec(0u64..6, 0..4), proptest::collection::vec(-5i64..5, 0..3), -2i64..6), 0..6),
+            locations in proptest::collection::vec((0u64..6, proptest::collection::vec(0u64..4, 0..3)), 0..6),
+            functions in proptest::collection::vec((0u64..4, -1i64..6), 0..4),
+        ) {
+            let pprof = proto::Profile {
+                string_table: (0..strings).map(|i| if i == 0 { String::new() } else { format!("s{i}") }).collect(),
+                sample_type: (0..types).map(|i| proto::ValueType { r#type: i as i64, unit: 1 }).collect(),
+                sample: samples.into_iter().map(|(location_id, value, key)| proto::Sample {
+                    location_id, value, label: vec![proto::Label { key, str: 1, num: 0, num_unit: 0 }],
+                }).collect(),
+                location: locations.into_iter().map(|(id, functions)| proto::Location {
+                    id, line: functions.into_iter().map(|function_id| proto::Line { function_id, line: 0, column: 0 }).collect(), ..Default::default()
+                }).collect(),
+                function: functions.into_iter().map(|(id, name)| proto::Function { id, name, ..Default::default() }).collect(),
+                ..Default::default()
+            };
+            let _ = profiles_from_pprof(&pprof, "process_cpu", &[], 0);
+            let _ = derive_pprof_name(&pprof);
+        }
+
+        #[test]
+        fn folded_never_panics(text in ".{0,200}") {
+            let _ = parse_folded(text.as_bytes(), false, 3);
+            let _ = parse_folded(text.as_bytes(), true, 3);
+        }
+    }
+}

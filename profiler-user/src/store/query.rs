@@ -1,0 +1,275 @@
+//! Reading the store: merged call trees, time series of totals, label names and values.
+use std::{collections::HashMap, sync::Arc};
+
+use super::{SeriesInfo, Store, StoreError, codec, selector::Selector};
+
+/// Which profiles a query reads: one profile type, a label selector, a time range (ns, inclusive).
+#[derive(Clone, Debug)]
+pub struct Selection {
+    pub profile_type: String,
+    pub selector: Selector,
+    pub start_ns: i64,
+    pub end_ns: i64,
+}
+
+/// A merged call tree: node 0 is the root (`total`), parents come before their children.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MergedTree {
+    pub names: Vec<Arc<str>>,
+    pub nodes: Vec<TreeNode>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TreeNode {
+    /// Index into `MergedTree::names`.
+    pub name: u32,
+    pub parent: u32,
+    pub self_value: i64,
+    pub total: i64,
+    pub children: Vec<u32>,
+}
+
+impl MergedTree {
+    fn new() -> MergedTree {
+        MergedTree {
+            names: vec!["total".into()],
+            nodes: vec![TreeNode {
+                name: 0,
+                parent: u32::MAX,
+                self_value: 0,
+                total: 0,
+                children: Vec::new(),
+            }],
+        }
+    }
+
+    pub fn total(&self) -> i64 {
+        self.nodes.first().map_or(0, |n| n.total)
+    }
+
+    pub fn name_of(&self, node: u32) -> &str {
+        &self.names[self.nodes[node as usize].name as usize]
+    }
+
+    /// Function names root first, for the stack ending at `node` (without the root).
+    pub fn path(&self, mut node: u32) -> Vec<&str> {
+        let mut out = Vec::new();
+        while node != 0 {
+            out.push(self.name_of(node));
+            node = self.nodes[node as usize].parent;
+        }
+        out.reverse();
+        out
+    }
+
+    /// Every stack with a self value, as root-first names joined by `;`, for tests and tools.
+    pub fn folded(&self) -> Vec<(String, i64)> {
+        let mut out: Vec<(String, i64)> = (1..self.nodes.len() as u32)
+            .filter(|&n| self.nodes[n as usize].self_value != 0)
+            .map(|n| (self.path(n).join(";"), self.nodes[n as usize].self_value))
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+/// Builds a [`MergedTree`] from several stack spaces, merging nodes with the same name path.
+struct TreeBuilder {
+    tree: MergedTree,
+    name_ids: HashMap<Arc<str>, u32>,
+    children: HashMap<(u32, u32), u32>,
+}
+
+impl TreeBuilder {
+    fn new() -> TreeBuilder {
+        TreeBuilder {
+            tree: MergedTree::new(),
+            name_ids: HashMap::new(),
+            children: HashMap::new(),
+        }
+    }
+
+    fn child(&mut self, parent: u32, name: &Arc<str>) -> u32 {
+        let name_id = match self.name_ids.get(name) {
+            Some(&id) => id,
+            None => {
+                let id = self.tree.names.len() as u32;
+                self.tree.names.push(name.clone());
+                self.name_ids.insert(name.clone(), id);
+                id
+            }
+        };
+        *self.children.entry((parent, name_id)).or_insert_with(|| {
+            let id = self.tree.nodes.len() as u32;
+            self.tree.nodes.push(TreeNode {
+                name: name_id,
+                parent,
+                self_value: 0,
+                total: 0,
+                children: Vec::new(),
+            });
+            self.tree.nodes[parent as usize].children.push(id);
+            id
+        })
+    }
+
+    fn finish(mut self) -> MergedTree {
+        let nodes = &mut self.tree.nodes;
+        for node in nodes.iter_mut() {
+            node.total = node.self_value;
+        }
+        for idx in (1..nodes.len()).rev() {
+            let (parent, total) = (nodes[idx].parent as usize, nodes[idx].total);
+            nodes[parent].total += total;
+        }
+        self.tree
+    }
+}
+
+impl Store {
+    /// The series a selection reads.
+    pub fn select_series(&self, selection: &Selection) -> Vec<SeriesInfo> {
+        self.series(Some((selection.start_ns, selection.end_ns)))
+            .into_iter()
+            .filter(|s| s.profile_type == selection.profile_type)
+            .filter(|s| selection.selector.matches(&s.labels))
+            .collect()
+    }
+
+    /// Sums every selected profile into one call tree.
+    pub fn merge(&self, selection: &Selection) -> Result<MergedTree, StoreError> {
+        let series = self.select_series(selection);
+        let mut by_space: HashMap<i64, Vec<i64>> = HashMap::new();
+        for s in &series {
+            by_space.entry(s.space).or_default().push(s.id);
+        }
+        // Self values per node, one dense vector per stack space.
+        let mut sums: Vec<(i64, Vec<i64>)> = Vec::with_capacity(by_space.len());
+        self.with_reader(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT stacks FROM profiles WHERE series_id = ? AND time_ns >= ? AND time_ns <= ?",
+            )?;
+            for (space, series_ids) in &by_space {
+                let mut values = vec![0i64; 1024];
+                for id in series_ids {
+                    let mut rows =
+                        stmt.query(rusqlite::params![id, selection.start_ns, selection.end_ns])?;
+                    while let Some(row) = rows.next()? {
+                        let blob = row.get_ref(0)?.as_blob().map_err(rusqlite::Error::from)?;
+                        codec::decode(blob, |node, value| {
+                            let node = node as usize;
+                            if node >= values.len() {
+                                values.resize((node + 1).next_power_of_two(), 0);
+                            }
+                            values[node] = values[node].wrapping_add(value);
+                        })?;
+                    }
+                }
+                sums.push((*space, values));
+            }
+            Ok(())
+        })?;
+
+        let catalog = self.read_catalog();
+        let mut builder = TreeBuilder::new();
+        sums.sort_by_key(|(space, _)| *space);
+        for (space_id, mut values) in sums {
+            let Some(space) = catalog.spaces.get(&space_id) else {
+                continue;
+            };
+            values.resize(space.nodes.len().max(values.len()), 0);
+            // Subtree totals (children have larger ids than parents), to skip empty branches.
+            let mut totals = values.clone();
+            for idx in (1..space.nodes.len()).rev() {
+                let parent = space.nodes[idx].0 as usize;
+                totals[parent] = totals[parent].wrapping_add(totals[idx]);
+            }
+            let mut mapped = vec![u32::MAX; space.nodes.len()];
+            mapped[0] = 0;
+            for idx in 1..space.nodes.len() {
+                if totals[idx] == 0 {
+                    continue;
+                }
+                let (parent, name) = space.nodes[idx];
+                let parent_out = mapped[parent as usize];
+                if parent_out == u32::MAX {
+                    continue;
+                }
+                let Some(name) = catalog.names.get(name as usize) else {
+                    continue;
+                };
+                let out = builder.child(parent_out, name);
+                mapped[idx] = out;
+                builder.tree.nodes[out as usize].self_value += values[idx];
+            }
+            builder.tree.nodes[0].self_value += values[0];
+        }
+        Ok(builder.finish())
+    }
+
+    /// (time ns, total) of every selected profile, per series.
+    pub fn totals(
+        &self,
+        selection: &Selection,
+    ) -> Result<Vec<(SeriesInfo, Vec<(i64, i64)>)>, StoreError> {
+        let series = self.select_series(selection);
+        self.with_reader(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT time_ns, total FROM profiles WHERE series_id = ? AND time_ns >= ? AND time_ns <= ? \
+                 ORDER BY time_ns",
+            )?;
+            let mut out = Vec::with_capacity(series.len());
+            for s in series {
+                let points = stmt
+                    .query_map(rusqlite::params![s.id, selection.start_ns, selection.end_ns], |row| {
+                        Ok((row.get(0)?, row.get(1)?))
+                    })?
+                    .collect::<Result<Vec<_>, _>>()?;
+                out.push((s, points));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Distinct label names of the series matching any of `selectors` (all series when empty).
+    pub fn label_names(&self, selectors: &[Selector], range: Option<(i64, i64)>) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .matching(selectors, range)
+            .flat_map(|s| s.labels.into_iter().map(|(k, _)| k))
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    /// Distinct values of label `name` among the series matching any of `selectors`.
+    pub fn label_values(
+        &self,
+        name: &str,
+        selectors: &[Selector],
+        range: Option<(i64, i64)>,
+    ) -> Vec<String> {
+        let mut values: Vec<String> = self
+            .matching(selectors, range)
+            .filter_map(|s| {
+                s.labels
+                    .into_iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v)
+            })
+            .collect();
+        values.sort();
+        values.dedup();
+        values
+    }
+
+    fn matching<'a>(
+        &self,
+        selectors: &'a [Selector],
+        range: Option<(i64, i64)>,
+    ) -> impl Iterator<Item = SeriesInfo> + 'a {
+        self.series(range).into_iter().filter(move |s| {
+            selectors.is_empty() || selectors.iter().any(|sel| sel.matches(&s.labels))
+        })
+    }
+}
