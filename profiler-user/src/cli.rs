@@ -201,6 +201,31 @@ mod tests {
     }
 
     #[test]
+    fn every_flag_is_documented_with_its_environment_variable() {
+        let doc = include_str!("../../docs/configuration.md");
+        let command = Cli::command();
+        let arguments = command
+            .get_arguments()
+            .chain(command.get_subcommands().flat_map(|sub| sub.get_arguments()));
+        for arg in arguments {
+            let Some(long) = arg.get_long().filter(|l| *l != "help" && *l != "version") else {
+                continue;
+            };
+            assert!(
+                doc.contains(&format!("`--{long}")),
+                "--{long} is not in docs/configuration.md"
+            );
+            if let Some(env) = arg.get_env() {
+                let env = env.to_string_lossy();
+                assert!(
+                    doc.contains(&format!("`{env}`")),
+                    "{env} (--{long}) is not in docs/configuration.md"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn parses_record_arguments() {
         let cli = Cli::try_parse_from([
             "profiler",
