@@ -1,0 +1,51 @@
+// Small line charts on canvas (the timeline of the selected profile and the GPU panel).
+
+/**
+ * Draws `lines` (`[{points: [{t, v}], color, dashed}]`) over [from, until] on `canvas`, y from 0
+ * to `max` (default: the largest value). `fill` shades the area under the first line.
+ */
+export function drawLineChart(canvas, lines, { from, until, max, fill = false, height = 60 } = {}) {
+  const width = canvas.parentElement?.clientWidth || canvas.clientWidth || 300;
+  const dpr = window.devicePixelRatio || 1;
+  canvas.width = Math.round(width * dpr);
+  canvas.height = Math.round(height * dpr);
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext('2d');
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  ctx.strokeStyle = '#e3e3e3';
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(0, height - 0.5);
+  ctx.lineTo(width, height - 0.5);
+  ctx.moveTo(0, 0.5);
+  ctx.lineTo(width, 0.5);
+  ctx.stroke();
+  const top =
+    max ?? Math.max(1e-9, ...lines.flatMap((line) => line.points.map((p) => p.v)));
+  const span = Math.max(1, until - from);
+  const px = (t) => ((t - from) / span) * width;
+  const py = (v) => height - 2 - (Math.min(v, top) / top) * (height - 4);
+  lines.forEach((line, index) => {
+    const points = [...line.points].sort((a, b) => a.t - b.t);
+    if (!points.length) return;
+    ctx.strokeStyle = line.color;
+    ctx.lineWidth = 1.5;
+    ctx.setLineDash(line.dashed ? [4, 3] : []);
+    ctx.beginPath();
+    points.forEach((p, i) => (i ? ctx.lineTo(px(p.t), py(p.v)) : ctx.moveTo(px(p.t), py(p.v))));
+    if (points.length === 1) ctx.lineTo(px(points[0].t) + 2, py(points[0].v));
+    ctx.stroke();
+    if (fill && index === 0) {
+      ctx.lineTo(px(points[points.length - 1].t), height);
+      ctx.lineTo(px(points[0].t), height);
+      ctx.closePath();
+      ctx.globalAlpha = 0.15;
+      ctx.fillStyle = line.color;
+      ctx.fill();
+      ctx.globalAlpha = 1;
+    }
+  });
+  ctx.setLineDash([]);
+}
