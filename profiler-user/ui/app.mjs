@@ -233,6 +233,11 @@ function setStatus(text, isError = false) {
   status.classList.toggle('error', isError);
 }
 
+/** Says which query the view shows (lets the browser tests wait for a specific result). */
+function markDone(what) {
+  $('status').dataset.done = what;
+}
+
 function downloadHref(range) {
   const params = new URLSearchParams({
     query: `${state.profileType}${serviceSelector(state.service)}`,
@@ -273,6 +278,7 @@ async function loadFlamegraph(keepZoom = false) {
     const tree = decodeFlamegraph(merge.flamegraph);
     const unit = unitOf(state.profileType);
     view.setTree(tree, unit, keepZoom);
+    markDone(`single:${state.service}`);
     setStatus(
       tree.total > 0
         ? `${formatValue(tree.total, unit)} in total, ${tree.nodes.length} frames`
@@ -502,6 +508,7 @@ async function runCompare() {
     const tree = decodeDiff(response.flamegraph);
     const unit = unitOf(state.profileType);
     view.setTree(tree, unit);
+    markDone(`compare:${state.service}:${base.from}-${base.until}:${comp.from}-${comp.until}`);
     setStatus(
       `Baseline ${formatValue(tree.leftTicks, unit)}, comparison ${formatValue(tree.rightTicks, unit)}. ` +
         'Red: larger share in the comparison; green: smaller.',

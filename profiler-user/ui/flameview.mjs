@@ -161,6 +161,10 @@ export class FlameView {
       li.dataset.depth = String(rect.node.depth);
       li.dataset.total = String(rect.node.total);
       li.dataset.self = String(rect.node.self);
+      // Where it is drawn, in CSS pixels of the canvas.
+      li.dataset.x = rect.x.toFixed(1);
+      li.dataset.width = rect.width.toFixed(1);
+      li.dataset.y = String(rect.row * ROW_HEIGHT);
       if (matched.has(rect.node)) li.dataset.matched = 'true';
       fragment.appendChild(li);
     }
@@ -170,6 +174,9 @@ export class FlameView {
     canvas.dataset.focus = this.focus && this.tree && this.focus !== this.tree.root ? this.focus.name : '';
     canvas.dataset.matches = String(matched.size);
     canvas.dataset.mode = this.tree?.diff ? 'diff' : 'single';
+    canvas.dataset.total = String(this.tree?.total ?? 0);
+    canvas.dataset.leftTicks = String(this.tree?.leftTicks ?? 0);
+    canvas.dataset.rightTicks = String(this.tree?.rightTicks ?? 0);
     this.onChange?.({
       tree: this.tree,
       focus: this.focus,
