@@ -43,6 +43,8 @@ const state = {
   search: '',
   sort: { key: 'self', descending: true },
   profileTypes: [],
+  // Where the timeline has data: the default compare ranges split it.
+  dataSpan: null,
 };
 
 class HttpError extends Error {
@@ -305,8 +307,14 @@ async function loadTimeline(query, range, sequence) {
       until: range.until,
       fill: true,
       height: 48,
+      axis: true,
     });
     canvas.dataset.points = String(points.length);
+    const times = points.filter((p) => p.v > 0).map((p) => p.t);
+    // SelectSeries stamps a point with its bucket's right edge.
+    state.dataSpan = times.length
+      ? { from: Math.max(range.from, Math.min(...times) - step * 1000), until: Math.max(...times) }
+      : null;
   } catch {
     drawLineChart(canvas, [], { from: range.from, until: range.until, height: 48 });
   }
@@ -321,7 +329,7 @@ function onViewChange({ tree, focus, search }) {
     searchStatus.textContent = `invalid expression: ${search.error}`;
   } else {
     const unit = unitOf(state.profileType);
-    searchStatus.textContent = `${search.matched.size} frames match · ${search.percent.toFixed(2)}% (${formatValue(search.value, unit)})${focus && focus !== tree.root ? ' of the zoomed frame' : ''}`;
+    searchStatus.textContent = `${search.matched.size} ${search.matched.size === 1 ? 'frame matches' : 'frames match'} · ${search.percent.toFixed(2)}% (${formatValue(search.value, unit)})${focus && focus !== tree.root ? ' of the zoomed frame' : ''}`;
   }
   searchStatus.dataset.percent = search ? search.percent.toFixed(4) : '0';
   searchStatus.dataset.matches = String(search?.matched.size ?? 0);
@@ -468,8 +476,9 @@ function setSearch(text) {
 
 // ---- compare ----
 
+/** The two halves of the selected range, or of the part of it that has data. */
 function defaultCompareRanges() {
-  const { from, until } = currentRange();
+  const { from, until } = state.dataSpan ?? currentRange();
   const middle = Math.round((from + until) / 2);
   state.compare = { baseFrom: from, baseUntil: middle, compFrom: middle, compUntil: until };
   $('base-from').value = toLocalInput(from);
@@ -509,9 +518,13 @@ async function runCompare() {
     const unit = unitOf(state.profileType);
     view.setTree(tree, unit);
     markDone(`compare:${state.service}:${base.from}-${base.until}:${comp.from}-${comp.until}`);
+    const empty = [tree.leftTicks ? '' : 'the baseline', tree.rightTicks ? '' : 'the comparison'].filter(Boolean);
     setStatus(
       `Baseline ${formatValue(tree.leftTicks, unit)}, comparison ${formatValue(tree.rightTicks, unit)}. ` +
-        'Red: larger share in the comparison; green: smaller.',
+        (empty.length
+          ? `No profiles in ${empty.join(' and ')} range.`
+          : 'Red: larger share in the comparison; green: smaller.'),
+      empty.length > 0,
     );
   } catch (err) {
     if (sequence !== loadSequence) return;

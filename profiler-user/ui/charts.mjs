@@ -4,7 +4,11 @@
  * Draws `lines` (`[{points: [{t, v}], color, dashed}]`) over [from, until] on `canvas`, y from 0
  * to `max` (default: the largest value). `fill` shades the area under the first line.
  */
-export function drawLineChart(canvas, lines, { from, until, max, fill = false, height = 60 } = {}) {
+export function drawLineChart(
+  canvas,
+  lines,
+  { from, until, max, fill = false, height = 60, axis = false } = {},
+) {
   const width = canvas.parentElement?.clientWidth || canvas.clientWidth || 300;
   const dpr = window.devicePixelRatio || 1;
   canvas.width = Math.round(width * dpr);
@@ -26,7 +30,10 @@ export function drawLineChart(canvas, lines, { from, until, max, fill = false, h
     max ?? Math.max(1e-9, ...lines.flatMap((line) => line.points.map((p) => p.v)));
   const span = Math.max(1, until - from);
   const px = (t) => ((t - from) / span) * width;
-  const py = (v) => height - 2 - (Math.min(v, top) / top) * (height - 4);
+  // With an axis, the bottom 14 px hold time labels.
+  const plot = axis ? height - 14 : height;
+  const py = (v) => plot - 2 - (Math.min(v, top) / top) * (plot - 4);
+  if (axis) drawTimeAxis(ctx, from, until, width, height);
   lines.forEach((line, index) => {
     const points = [...line.points].sort((a, b) => a.t - b.t);
     if (!points.length) return;
@@ -48,4 +55,22 @@ export function drawLineChart(canvas, lines, { from, until, max, fill = false, h
     }
   });
   ctx.setLineDash([]);
+}
+
+/** Four time labels along the bottom edge. */
+function drawTimeAxis(ctx, from, until, width, height) {
+  const span = until - from;
+  const withDate = span > 20 * 3600e3;
+  ctx.font = '10px system-ui, sans-serif';
+  ctx.fillStyle = '#6b6b70';
+  ctx.textBaseline = 'bottom';
+  for (let i = 0; i <= 3; i++) {
+    const t = from + (span * i) / 3;
+    const d = new Date(t);
+    const time = d.toLocaleTimeString([], { hour: '2-digit', minute: '2-digit' });
+    const label = withDate ? `${d.toLocaleDateString([], { month: 'short', day: 'numeric' })} ${time}` : time;
+    const textWidth = ctx.measureText(label).width;
+    const x = Math.min(Math.max(0, (width * i) / 3 - textWidth / 2), width - textWidth);
+    ctx.fillText(label, x, height);
+  }
 }

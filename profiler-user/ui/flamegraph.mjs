@@ -300,6 +300,7 @@ function scaled(value, steps) {
 /** A value in the profile type's unit, human-readable (`1.50 s`, `12.3 MiB`, `4.20 k`). */
 export function formatValue(value, unit) {
   const v = Number(value) || 0;
+  if (v === 0) return '0';
   switch (unit) {
     case 'nanoseconds':
       return scaled(v, [
