@@ -362,9 +362,10 @@ const DIFF_COLUMNS = [
   ['name', 'Function'],
   ['leftSelf', 'Baseline self'],
   ['rightSelf', 'Comparison self'],
-  ['selfChange', 'Self share change'],
+  ['selfChange', 'Self change'],
   ['leftTotal', 'Baseline total'],
   ['rightTotal', 'Comparison total'],
+  ['totalChange', 'Total change'],
 ];
 
 function renderTable() {
@@ -377,7 +378,7 @@ function renderTable() {
   body.textContent = '';
   const columns = tree?.diff ? DIFF_COLUMNS : SINGLE_COLUMNS;
   if (!columns.some(([key]) => key === state.sort.key)) {
-    state.sort = { key: tree?.diff ? 'selfChange' : 'self', descending: true };
+    state.sort = { key: tree?.diff ? 'totalChange' : 'self', descending: true };
   }
   const headRow = head.insertRow();
   for (const [key, label] of columns) {
@@ -408,11 +409,9 @@ function renderTable() {
   let rows = topFunctions(tree);
   if (tree.diff) {
     for (const row of rows) {
-      row.selfChange = shareChange(
-        { left: { total: row.leftSelf }, right: { total: row.rightSelf } },
-        tree.leftTicks,
-        tree.rightTicks,
-      );
+      const sides = (left, right) => ({ left: { total: left }, right: { total: right } });
+      row.selfChange = shareChange(sides(row.leftSelf, row.rightSelf), tree.leftTicks, tree.rightTicks);
+      row.totalChange = shareChange(sides(row.leftTotal, row.rightTotal), tree.leftTicks, tree.rightTicks);
     }
   }
   rows = sortRows(rows, state.sort.key, state.sort.descending);
@@ -437,11 +436,15 @@ function renderTable() {
     if (tree.diff) {
       cell(`${fmt(row.leftSelf)} (${formatPercent(row.leftSelf, tree.leftTicks)})`, row.leftSelf);
       cell(`${fmt(row.rightSelf)} (${formatPercent(row.rightSelf, tree.rightTicks)})`, row.rightSelf);
-      const points = 100 * row.selfChange;
-      cell(`${points >= 0 ? '+' : ''}${points.toFixed(2)} pts`, row.selfChange);
-      tr.cells[3].classList.add(points > 0.005 ? 'worse' : points < -0.005 ? 'better' : 'same');
+      const change = (value) => {
+        const points = 100 * value;
+        cell(`${points >= 0 ? '+' : ''}${points.toFixed(2)} pts`, value);
+        tr.lastChild.classList.add(points > 0.005 ? 'worse' : points < -0.005 ? 'better' : 'same');
+      };
+      change(row.selfChange);
       cell(`${fmt(row.leftTotal)} (${formatPercent(row.leftTotal, tree.leftTicks)})`, row.leftTotal);
       cell(`${fmt(row.rightTotal)} (${formatPercent(row.rightTotal, tree.rightTicks)})`, row.rightTotal);
+      change(row.totalChange);
     } else {
       cell(`${fmt(row.self)} (${formatPercent(row.self, tree.total)})`, row.self);
       cell(`${fmt(row.total)} (${formatPercent(row.total, tree.total)})`, row.total);

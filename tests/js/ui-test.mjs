@@ -199,15 +199,20 @@ async function main() {
     log(`tooltip: ${tip}`);
 
     // ---- click to zoom, reset ----
-    const main = drawn.find((f) => f.name === functions.main);
-    await page.mouse.click(canvasBox.x + main.x + main.width / 2, canvasBox.y + main.y + 9);
-    await page.waitForSelector(`#flame canvas[data-focus="${functions.main}"]`);
+    const target = drawn.find((f) => f.name === functions.phaseOne);
+    await page.mouse.click(canvasBox.x + target.x + target.width / 2, canvasBox.y + target.y + 9);
+    await page.waitForSelector(`#flame canvas[data-focus="${functions.phaseOne}"]`);
     drawn = await frames(page);
-    const zoomed = drawn.find((f) => f.name === functions.main);
+    const zoomed = drawn.find((f) => f.name === functions.phaseOne);
+    assert.ok(target.width < canvasBox.width * 0.95, `the frame was not already full width: ${target.width}`);
     assert.ok(zoomed.x === 0 && Math.abs(zoomed.width - canvasBox.width) < 2, `zoomed frame spans the width: ${JSON.stringify(zoomed)}`);
-    assert.deepEqual(drawn.filter((f) => f.depth === main.depth).map((f) => f.name), [functions.main], 'only the zoomed frame at its depth');
-    assert.ok((await page.textContent('#breadcrumb')).includes(functions.main));
-    await page.mouse.move(canvasBox.x + 5, canvasBox.y + zoomed.y + 9 + 18);
+    assert.deepEqual(drawn.filter((f) => f.depth === target.depth).map((f) => f.name), [functions.phaseOne], 'its siblings are hidden');
+    assert.ok(drawn.some((f) => f.name === functions.main && f.depth < target.depth), 'its callers stay above it');
+    assert.ok(drawn.some((f) => f.name === functions.leaf && f.depth > target.depth && f.width > canvasBox.width / 2), 'its callee is scaled up');
+    assert.ok((await page.textContent('#breadcrumb')).includes(functions.phaseOne));
+    await page.mouse.move(canvasBox.x + canvasBox.width / 2, canvasBox.y + zoomed.y + 9 + 18);
+    await page.waitForSelector('#tooltip:not([hidden])');
+    assert.match(await page.textContent('#tooltip'), /Of zoomed frame/);
     await shot(page, 'zoom');
     await page.click('#reset-zoom');
     await page.waitForSelector('#flame canvas[data-focus=""]');
@@ -343,12 +348,16 @@ async function main() {
     const rightTicks = Number(await page.getAttribute('#flame canvas', 'data-right-ticks'));
     assert.ok(leftTicks > 0 && rightTicks > 0, `both sides have data: ${leftTicks} ${rightTicks}`);
     rows = await tableRows(page);
-    // Diff columns: baseline self, comparison self, self change, baseline total, comparison total.
+    // Diff columns: baseline self, comparison self, self change, baseline total, comparison
+    // total, total change.
     const share = (name) => {
       const row = rows.find((r) => r.name === name);
       assert.ok(row, `${name} in the diff table`);
-      return row.values[4] / rightTicks - row.values[3] / leftTicks;
+      const change = row.values[4] / rightTicks - row.values[3] / leftTicks;
+      assert.ok(Math.abs(change - row.values[5]) < 1e-9, `the table's change of ${name}: ${row.values[5]} vs ${change}`);
+      return change;
     };
+    assert.equal(rows[0].name, functions.phaseTwo, 'the largest growth comes first');
     assert.ok(share(functions.phaseTwo) > 0.2, `${functions.phaseTwo} grew: ${share(functions.phaseTwo)}`);
     assert.ok(share(functions.phaseOne) < -0.2, `${functions.phaseOne} shrank: ${share(functions.phaseOne)}`);
     const diffPixels = await canvasPixels(page, '#flame canvas');
