@@ -1,7 +1,7 @@
 // The web UI: pickers, time range, flame graph, top table, compare, pprof download, GPU and
 // health panels. Talks to the agent's Connect query API in JSON (same origin; with
 // --auth-token the page was opened once as /?token=… and a cookie carries the token).
-import { drawLineChart } from './charts.mjs';
+import { drawBarChart, drawLineChart } from './charts.mjs';
 import {
   decodeDiff,
   decodeFlamegraph,
@@ -280,7 +280,7 @@ async function loadFlamegraph(keepZoom = false) {
     const tree = decodeFlamegraph(merge.flamegraph);
     const unit = unitOf(state.profileType);
     view.setTree(tree, unit, keepZoom);
-    markDone(`single:${state.service}`);
+    markDone(`single:${state.service}:${state.preset || `${state.from}-${state.until}`}`);
     setStatus(
       tree.total > 0
         ? `${formatValue(tree.total, unit)} in total, ${tree.nodes.length} frames`
@@ -302,12 +302,11 @@ async function loadTimeline(query, range, sequence) {
     const points = (response.series ?? []).flatMap((s) =>
       (s.points ?? []).map((p) => ({ t: Number(p.timestamp), v: Number(p.value) })),
     );
-    drawLineChart(canvas, [{ points, color: '#d9480f' }], {
+    drawBarChart(canvas, points, {
       from: range.from,
       until: range.until,
-      fill: true,
-      height: 48,
-      axis: true,
+      stepMs: step * 1000,
+      color: '#e8590c',
     });
     canvas.dataset.points = String(points.length);
     const times = points.filter((p) => p.v > 0).map((p) => p.t);
@@ -316,7 +315,7 @@ async function loadTimeline(query, range, sequence) {
       ? { from: Math.max(range.from, Math.min(...times) - step * 1000), until: Math.max(...times) }
       : null;
   } catch {
-    drawLineChart(canvas, [], { from: range.from, until: range.until, height: 48 });
+    drawBarChart(canvas, [], { from: range.from, until: range.until, stepMs: step * 1000 });
   }
 }
 

@@ -74,3 +74,35 @@ function drawTimeAxis(ctx, from, until, width, height) {
     ctx.fillText(label, x, height);
   }
 }
+
+/**
+ * Draws `points` (`[{t, v}]`, `t` the right edge of a `stepMs` bucket) as bars over
+ * [from, until], with a time axis.
+ */
+export function drawBarChart(canvas, points, { from, until, stepMs, color, height = 48 } = {}) {
+  const width = canvas.parentElement?.clientWidth || canvas.clientWidth || 300;
+  const dpr = window.devicePixelRatio || 1;
+  canvas.width = Math.round(width * dpr);
+  canvas.height = Math.round(height * dpr);
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext('2d');
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, width, height);
+  const plot = height - 14;
+  ctx.strokeStyle = '#e3e3e3';
+  ctx.beginPath();
+  ctx.moveTo(0, plot - 0.5);
+  ctx.lineTo(width, plot - 0.5);
+  ctx.stroke();
+  drawTimeAxis(ctx, from, until, width, height);
+  const top = Math.max(1e-9, ...points.map((p) => p.v));
+  const span = Math.max(1, until - from);
+  const barWidth = Math.max(2, (stepMs / span) * width - 1);
+  ctx.fillStyle = color;
+  for (const p of points) {
+    const right = ((p.t - from) / span) * width;
+    const h = Math.max(1, (p.v / top) * (plot - 3));
+    ctx.fillRect(Math.max(0, right - barWidth), plot - 1 - h, barWidth, h);
+  }
+}

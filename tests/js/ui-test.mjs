@@ -174,6 +174,10 @@ async function main() {
     assert.ok(options.includes(service) && options.includes(otherService), `services offered: ${options}`);
     const types = await page.$$eval('#profile-type option', (opts) => opts.map((o) => o.value));
     assert.ok(types.includes('process_cpu:cpu:nanoseconds:cpu:nanoseconds'), `profile types: ${types}`);
+    // The last 5 minutes hold all of this run's data, so the timeline shows it.
+    await page.click('#presets button[data-preset="5m"]');
+    await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, `single:${options[0]}:5m`);
+    assert.match(page.url(), /range=5m/);
     await page.selectOption('#service', otherService);
     await page.waitForSelector(`#flame-frames li[data-name="${functions.other}"]`, { state: 'attached' });
     await page.selectOption('#service', service);
@@ -187,6 +191,9 @@ async function main() {
     const pixels = await canvasPixels(page, '#flame canvas');
     assert.ok(pixels.painted > 0.2 * pixels.pixels && pixels.colours >= 4, `flame graph is painted: ${JSON.stringify(pixels)}`);
     log(`flame graph of ${service}: ${drawn.length} frames, ${JSON.stringify(pixels)}`);
+    await page.waitForFunction(() => Number(document.querySelector('#timeline').dataset.points) > 0);
+    const timeline = await canvasPixels(page, '#timeline');
+    assert.ok(timeline.red > 0, `the timeline has bars: ${JSON.stringify(timeline)}`);
     await shot(page, 'flamegraph');
 
     // ---- hover ----
