@@ -37,6 +37,10 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "patchelf",
         "points Debian sid's Python 3.14 (a test interpreter) at its own glibc",
     ),
+    (
+        "chromium",
+        "headless browser the web UI tests drive with playwright-core",
+    ),
 ];
 /// Debian's libLLVM 22, pulled in by rustc-web; bpf-linker links against it.
 const SYSTEM_LIBLLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM.so.22.1";
@@ -76,7 +80,7 @@ impl Prerequisite {
                 "rustup toolchain `{RUSTUP_TOOLCHAIN_NAME}` -> /usr (lets aya tooling find Debian's compiler)"
             ),
             Prerequisite::NpmDeps => format!(
-                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles, the @pyroscope/nodejs SDK of the server tests)"
+                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles, the @pyroscope/nodejs SDK of the server tests, playwright-core for the web UI tests)"
             ),
             Prerequisite::PySpy => format!(
                 "py-spy {PY_SPY_VERSION} from PyPI into {PY_SPY_DIR}/ (the reference for Python stacks in the tests)"
