@@ -142,7 +142,9 @@ fn kubernetes_manifests_validate_against_the_schemas() {
         .map(|entry| entry.unwrap().path())
         .filter(|path| {
             path.extension().is_some_and(|ext| ext == "yaml")
-                && path.file_name().is_some_and(|name| name != "kustomization.yaml")
+                && path
+                    .file_name()
+                    .is_some_and(|name| name != "kustomization.yaml")
         })
         .collect();
     assert_eq!(
@@ -157,18 +159,27 @@ fn kubernetes_manifests_validate_against_the_schemas() {
 
     // The validator is not a rubber stamp: a wrong type and an unknown field are refused.
     let scratch = Scratch::new("deploy-k8s");
-    let broken = scratch.path("daemonset.yaml");
-    let text = read(&dir.join("daemonset.yaml"))
-        .replace("hostPID: true", "hostPID: \"yes\"")
-        .replace("readOnlyRootFilesystem: true", "readOnlyRootFS: true");
-    std::fs::write(&broken, text).unwrap();
-    let refusal = kubernetes_validate(&[broken])
-        .expect("validators present")
-        .expect_err("a broken DaemonSet must fail validation");
-    assert!(
-        refusal.contains("hostPID") && refusal.contains("readOnlyRootFS"),
-        "{refusal}"
-    );
+    let original = read(&dir.join("daemonset.yaml"));
+    for (from, to, reported) in [
+        (
+            "hostPID: true",
+            "hostPID: \"yes\"",
+            "'yes' is not of type 'boolean'",
+        ),
+        (
+            "readOnlyRootFilesystem: true",
+            "readOnlyRootFS: true",
+            "'readOnlyRootFS' was unexpected",
+        ),
+    ] {
+        let broken = scratch.path("daemonset.yaml");
+        assert!(original.contains(from));
+        std::fs::write(&broken, original.replace(from, to)).unwrap();
+        let refusal = kubernetes_validate(&[broken])
+            .expect("validators present")
+            .expect_err("a broken DaemonSet must fail validation");
+        assert!(refusal.contains(reported), "{refusal}");
+    }
 }
 
 #[test]
@@ -306,14 +317,16 @@ fn compose_file_is_valid_and_its_files_exist() {
     assert_eq!(agent["pid"], "host");
     let added: BTreeSet<&str> = strings(&agent["cap_add"]).into_iter().collect();
     assert_eq!(added, CAPABILITIES.iter().copied().collect());
+    // compose resolves the build context to an absolute path: the repository root.
+    let context = Path::new(agent["build"]["context"].as_str().unwrap());
+    assert_eq!(
+        context.canonicalize().unwrap(),
+        workspace_root().canonicalize().unwrap()
+    );
     assert!(
-        deploy("compose")
-            .join(agent["build"]["context"].as_str().unwrap())
+        context
             .join(agent["build"]["dockerfile"].as_str().unwrap())
             .exists()
-            || Path::new(agent["build"]["context"].as_str().unwrap())
-                .join(agent["build"]["dockerfile"].as_str().unwrap())
-                .exists()
     );
 
     // An unknown key is refused.
@@ -326,7 +339,11 @@ fn compose_file_is_valid_and_its_files_exist() {
     .unwrap();
     let output = compose_config(&broken).unwrap();
     assert!(!output.status.success());
-    assert!(combined(&output).contains("pidmode"), "{}", combined(&output));
+    assert!(
+        combined(&output).contains("pidmode"),
+        "{}",
+        combined(&output)
+    );
 }
 
 fn promtool(args: &[&str], dir: &Path) -> Option<Output> {
@@ -377,11 +394,7 @@ fn alert_rules_pass_promtool_and_their_unit_tests() {
         scratch.path("tests/gpu_test.yml"),
     )
     .unwrap();
-    let output = promtool(
-        &["test", "rules", "tests/gpu_test.yml"],
-        &scratch.path(""),
-    )
-    .unwrap();
+    let output = promtool(&["test", "rules", "tests/gpu_test.yml"], &scratch.path("")).unwrap();
     assert!(!output.status.success(), "{}", combined(&output));
     assert!(combined(&output).contains("GpuTemperatureHigh"));
 }
@@ -621,7 +634,10 @@ fn dockerfile_follows_the_setup_recipe() {
     );
     let setup = read(&workspace_root().join("xtask/src/setup.rs"));
     for package in ["rustc-web", "cargo-web", "libstd-rust-web-dev-bpf"] {
-        assert!(setup.contains(&format!("\"{package}\"")), "setup installs {package}");
+        assert!(
+            setup.contains(&format!("\"{package}\"")),
+            "setup installs {package}"
+        );
         assert!(
             dockerfile.contains(&format!(" {package} ")),
             "Dockerfile installs {package}"

@@ -98,14 +98,13 @@ pub fn kubernetes_names(sources: &KubernetesSources<'_>) -> KubernetesNames {
     let not_the_node = |name: String| (name != sources.host).then_some(name);
     let pod_root = sources.process_dir.join("root");
     let fallback = KubernetesNames {
-        namespace: read_small(&pod_root.join(SERVICE_ACCOUNT_NAMESPACE)).and_then(|v| valid_name(&v)),
-        pod: env("HOSTNAME")
-            .and_then(not_the_node)
-            .or_else(|| {
-                read_small(&pod_root.join("etc/hostname"))
-                    .and_then(|v| valid_name(&v))
-                    .and_then(not_the_node)
-            }),
+        namespace: read_small(&pod_root.join(SERVICE_ACCOUNT_NAMESPACE))
+            .and_then(|v| valid_name(&v)),
+        pod: env("HOSTNAME").and_then(not_the_node).or_else(|| {
+            read_small(&pod_root.join("etc/hostname"))
+                .and_then(|v| valid_name(&v))
+                .and_then(not_the_node)
+        }),
         container: None,
     };
     runtime.or(downward).or(fallback)
@@ -153,7 +152,11 @@ pub fn names_from_oci_config(json: &[u8]) -> Option<KubernetesNames> {
 /// The first line of a small file (names, hostnames).
 fn read_small(path: &Path) -> Option<String> {
     let mut text = String::new();
-    File::open(path).ok()?.take(512).read_to_string(&mut text).ok()?;
+    File::open(path)
+        .ok()?
+        .take(512)
+        .read_to_string(&mut text)
+        .ok()?;
     text.lines().next().map(str::to_owned)
 }
 
@@ -291,7 +294,11 @@ mod tests {
             "Not A Namespace",
         );
         let found = fixture.names(
-            &[("POD_NAME", "UPPER"), ("CONTAINER_NAME", "-dash"), ("HOSTNAME", "")],
+            &[
+                ("POD_NAME", "UPPER"),
+                ("CONTAINER_NAME", "-dash"),
+                ("HOSTNAME", ""),
+            ],
             Some("../../etc"),
         );
         assert_eq!(found, KubernetesNames::default());
@@ -301,7 +308,13 @@ mod tests {
 
     #[test]
     fn malformed_runtime_configs_are_ignored() {
-        for text in ["", "not json", "[]", r#"{"annotations":{}}"#, r#"{"annotations":3}"#] {
+        for text in [
+            "",
+            "not json",
+            "[]",
+            r#"{"annotations":{}}"#,
+            r#"{"annotations":3}"#,
+        ] {
             assert_eq!(names_from_oci_config(text.as_bytes()), None, "{text}");
         }
         let fixture = Fixture::new();

@@ -25,10 +25,7 @@
 //! Kernel threads are always `kernel`.
 use std::collections::BTreeMap;
 
-use super::{
-    cgroup::CgroupInfo,
-    kubernetes::{KUBERNETES_ENV_VARS, KubernetesNames},
-};
+use super::{cgroup::CgroupInfo, kubernetes::KubernetesNames};
 use crate::model::ProcessLabels;
 
 /// `PF_KTHREAD` in the flags field of /proc/PID/stat.
@@ -39,12 +36,12 @@ pub const LABEL_ENV_VARS: &[&str] = &[
     "OTEL_SERVICE_NAME",
     "PYROSCOPE_APPLICATION_NAME",
     "HOSTNAME",
-    // KUBERNETES_ENV_VARS, spelled out because a const slice cannot be concatenated.
+    // KUBERNETES_ENV_VARS, spelled out because const slices cannot be concatenated (a test
+    // checks they are all here).
     "POD_NAMESPACE",
     "POD_NAME",
     "CONTAINER_NAME",
 ];
-const _: () = assert!(KUBERNETES_ENV_VARS.len() == 3);
 
 /// The service name of kernel threads.
 pub const KERNEL_SERVICE_NAME: &str = "kernel";
@@ -565,6 +562,15 @@ mod tests {
             "server",
         );
         check(CgroupInfo::default(), &[("HOSTNAME", "laptop")], "server");
+    }
+
+    #[test]
+    fn the_kubernetes_variables_are_kept() {
+        for name in super::super::kubernetes::KUBERNETES_ENV_VARS {
+            assert!(LABEL_ENV_VARS.contains(name), "{name}");
+        }
+        let kept = parse_environ(b"POD_NAME=web-0\0POD_NAMESPACE=shop\0CONTAINER_NAME=app\0X=1");
+        assert_eq!(kept.len(), 3);
     }
 
     #[test]
