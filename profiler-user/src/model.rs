@@ -112,6 +112,10 @@ pub struct ProcessLabels {
     pub container_id: Option<String>,
     pub pod_uid: Option<String>,
     pub systemd_unit: Option<String>,
+    /// Kubernetes namespace, pod and container names (see `process::kubernetes`).
+    pub namespace: Option<String>,
+    pub pod: Option<String>,
+    pub container: Option<String>,
 }
 
 /// What the agent knows about a process, captured when its first sample arrives.

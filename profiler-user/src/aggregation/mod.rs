@@ -124,6 +124,9 @@ impl Aggregator {
                     ("container_id", &l.container_id),
                     ("pod_uid", &l.pod_uid),
                     ("systemd_unit", &l.systemd_unit),
+                    ("namespace", &l.namespace),
+                    ("pod", &l.pod),
+                    ("container", &l.container),
                 ] {
                     if let Some(value) = value {
                         labels.push((name.into(), value.clone()));
