@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tests::{
+use integration_tests::{
     Scratch, StackSample, cached_fixture, decode_pprof, exclusive, find_chain, fixture_dir,
     fixture_source, profiler_bin, pyenv_python, readable_samples, send_signal, stack_samples,
     top_stacks,
