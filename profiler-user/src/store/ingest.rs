@@ -79,7 +79,8 @@ pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
     for (name, value) in labels {
         if name.is_empty() || name.len() > 1024 {
             return Err(IngestError::InvalidLabels(format!(
-                "invalid label name `{name}`"
+                "invalid label name `{}`",
+                name.escape_debug()
             )));
         }
         if name
@@ -105,7 +106,8 @@ pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
     if let Some((_, name)) = labels.iter().find(|(k, _)| k == "__name__") {
         if name.is_empty() || name.contains(':') {
             return Err(IngestError::InvalidLabels(format!(
-                "invalid profile name `{name}`"
+                "invalid profile name `{}`",
+                name.escape_debug()
             )));
         }
     }
@@ -296,7 +298,7 @@ pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
         for part in [t.r#type, t.unit] {
             let s = &pprof.string_table[part as usize];
             if s.contains(':') {
-                return malformed(format!("sample type `{s}` contains ':'"));
+                return malformed(format!("sample type `{}` contains ':'", s.escape_debug()));
             }
         }
     }

@@ -120,7 +120,8 @@ impl TreeBuilder {
         }
         for idx in (1..nodes.len()).rev() {
             let (parent, total) = (nodes[idx].parent as usize, nodes[idx].total);
-            nodes[parent].total += total;
+            // Saturating: stored values come from clients and may be extreme.
+            nodes[parent].total = nodes[parent].total.saturating_add(total);
         }
         self.tree
     }
@@ -200,9 +201,11 @@ impl Store {
                 };
                 let out = builder.child(parent_out, name);
                 mapped[idx] = out;
-                builder.tree.nodes[out as usize].self_value += values[idx];
+                let node = &mut builder.tree.nodes[out as usize];
+                node.self_value = node.self_value.saturating_add(values[idx]);
             }
-            builder.tree.nodes[0].self_value += values[0];
+            let root = &mut builder.tree.nodes[0];
+            root.self_value = root.self_value.saturating_add(values[0]);
         }
         Ok(builder.finish())
     }
