@@ -588,10 +588,10 @@ fn queries_over_fuzzed_data() {
             if ingest::validate_pprof(&profile).is_ok() {
                 let name = ingest::derive_pprof_name(&profile);
                 let labels = vec![("service_name".to_owned(), "fuzz".to_owned())];
-                if let Ok(profiles) = ingest::profiles_from_pprof(&profile, &name, &labels, 1) {
-                    if store.ingest(&profiles).is_ok() {
-                        stored.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
+                if let Ok(profiles) = ingest::profiles_from_pprof(&profile, &name, &labels, 1)
+                    && store.ingest(&profiles).is_ok()
+                {
+                    stored.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             }
             Ok(())

@@ -503,6 +503,12 @@ fn concurrent_ingest_and_queries() {
 
 const MIB: usize = 1 << 20;
 
+/// What is wrong, path, headers, body, expected status.
+type BadRequest<'a> = (&'a str, &'a str, Vec<(&'a str, &'a str)>, Vec<u8>, u16);
+
+/// HTTP method, path, and the content type and body of a POST.
+type Route<'a> = (&'a str, &'a str, Option<(&'a str, Vec<u8>)>);
+
 fn gzip_of_zeros(len: usize) -> Vec<u8> {
     gzip(&vec![0u8; len])
 }
@@ -545,8 +551,7 @@ fn bad_input_is_rejected_with_a_json_error_and_stores_nothing() {
         body.extend_from_slice(b"\r\n--XyZ--\r\n");
         body
     };
-    // (what, path, headers, body, expected status)
-    let cases: Vec<(&str, &str, Vec<(&str, &str)>, Vec<u8>, u16)> = vec![
+    let cases: Vec<BadRequest> = vec![
         (
             "malformed pprof in Push",
             push,
@@ -836,7 +841,7 @@ fn token_is_checked_on_every_route_but_metrics() {
     );
     let push_body = prost::Message::encode_to_vec(&profile);
     let pprof_download = format!("/api/pprof?query={CPU_TYPE}{{}}");
-    let routes: Vec<(&str, &str, Option<(&str, Vec<u8>)>)> = vec![
+    let routes: Vec<Route> = vec![
         ("GET", "/", None),
         ("GET", "/index.html", None),
         ("GET", "/api/health", None),

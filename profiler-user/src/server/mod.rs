@@ -260,7 +260,7 @@ fn cookie_tokens(headers: &axum::http::HeaderMap) -> impl Iterator<Item = Vec<u8
 }
 
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())

@@ -503,7 +503,7 @@ impl Store {
 
     /// Bytes the data takes (pages in use, without free pages).
     pub fn used_bytes(&self) -> Result<u64, StoreError> {
-        self.with_reader(|conn| used_bytes(conn))
+        self.with_reader(used_bytes)
     }
 
     /// The store file on disk, for tests and the benchmark.

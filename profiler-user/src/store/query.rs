@@ -12,6 +12,9 @@ pub struct Selection {
     pub end_ns: i64,
 }
 
+/// A series and the (time ns, total) of its selected profiles.
+pub type SeriesTotals = (SeriesInfo, Vec<(i64, i64)>);
+
 /// A merged call tree: node 0 is the root (`total`), parents come before their children.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MergedTree {
@@ -211,10 +214,7 @@ impl Store {
     }
 
     /// (time ns, total) of every selected profile, per series.
-    pub fn totals(
-        &self,
-        selection: &Selection,
-    ) -> Result<Vec<(SeriesInfo, Vec<(i64, i64)>)>, StoreError> {
+    pub fn totals(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
         let series = self.select_series(selection);
         self.with_reader(|conn| {
             let mut stmt = conn.prepare_cached(
