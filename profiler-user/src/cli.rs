@@ -224,9 +224,11 @@ mod tests {
     fn every_flag_is_documented_with_its_environment_variable() {
         let doc = include_str!("../../docs/configuration.md");
         let command = Cli::command();
-        let arguments = command
-            .get_arguments()
-            .chain(command.get_subcommands().flat_map(|sub| sub.get_arguments()));
+        let arguments = command.get_arguments().chain(
+            command
+                .get_subcommands()
+                .flat_map(|sub| sub.get_arguments()),
+        );
         for arg in arguments {
             let Some(long) = arg.get_long().filter(|l| *l != "help" && *l != "version") else {
                 continue;

@@ -11,8 +11,8 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use prost::Message;
 pub use profiler::server::api;
+use prost::Message;
 
 use crate::{SIGTERM, profiler_bin, proto, send_signal};
 
@@ -46,9 +46,7 @@ pub fn unix_now_ms() -> i64 {
 /// The address in a `listening on ADDR` log line.
 pub fn parse_listening_line(line: &str) -> Option<SocketAddr> {
     let rest = &line[line.find("listening on ")? + "listening on ".len()..];
-    let addr = rest
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .next()?;
+    let addr = rest.split(|c: char| c == ',' || c.is_whitespace()).next()?;
     addr.parse().ok()
 }
 
@@ -98,7 +96,9 @@ impl LoggedChild {
 
     /// Whether the process has exited (reaped).
     pub fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Waits until the stderr has a line for which `find` returns something, or the process
@@ -347,19 +347,33 @@ impl Client {
             "application/proto",
             &request.encode_to_vec(),
         );
-        assert_eq!(response.status, 200, "{service_method}: {}", response.text());
+        assert_eq!(
+            response.status,
+            200,
+            "{service_method}: {}",
+            response.text()
+        );
         Resp::decode(response.body.as_slice())
             .unwrap_or_else(|err| panic!("{service_method}: undecodable response: {err}"))
     }
 
     /// A Connect unary call with the JSON codec; panics unless 200.
-    pub fn connect_json(&self, service_method: &str, request: serde_json::Value) -> serde_json::Value {
+    pub fn connect_json(
+        &self,
+        service_method: &str,
+        request: serde_json::Value,
+    ) -> serde_json::Value {
         let response = self.post(
             &format!("/{service_method}"),
             "application/json",
             request.to_string().as_bytes(),
         );
-        assert_eq!(response.status, 200, "{service_method}: {}", response.text());
+        assert_eq!(
+            response.status,
+            200,
+            "{service_method}: {}",
+            response.text()
+        );
         serde_json::from_slice(&response.body)
             .unwrap_or_else(|err| panic!("{service_method}: response is not JSON: {err}"))
     }

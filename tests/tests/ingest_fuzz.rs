@@ -5,6 +5,7 @@
 //! with a JSON error, and the server keeps answering.
 use std::sync::OnceLock;
 
+use base64::Engine;
 use integration_tests::{Scratch, proto, server_harness::*};
 use profiler::{
     server::serve::{ServeConfig, Serving},
@@ -17,7 +18,6 @@ use proptest::{
     prelude::*,
     test_runner::{Config, RngSeed, TestRunner},
 };
-use base64::Engine;
 use prost::Message;
 
 const LIMIT: usize = 1 << 20;
@@ -174,10 +174,8 @@ fn arbitrary_profile() -> impl Strategy<Value = proto::Profile> {
     let index = prop_oneof![0i64..12, any::<i64>()];
     let id = prop_oneof![0u64..8, any::<u64>()];
     let value = prop_oneof![-5i64..100, any::<i64>(), Just(i64::MAX), Just(i64::MIN)];
-    let value_type = (index.clone(), index.clone()).prop_map(|(r#type, unit)| proto::ValueType {
-        r#type,
-        unit,
-    });
+    let value_type =
+        (index.clone(), index.clone()).prop_map(|(r#type, unit)| proto::ValueType { r#type, unit });
     let label = (index.clone(), index.clone(), any::<i64>(), index.clone()).prop_map(
         |(key, str, num, num_unit)| proto::Label {
             key,
@@ -223,14 +221,13 @@ fn arbitrary_profile() -> impl Strategy<Value = proto::Profile> {
             start_line: 0,
         },
     );
-    let mapping = (id, index.clone(), index.clone()).prop_map(|(id, filename, build_id)| {
-        proto::Mapping {
+    let mapping =
+        (id, index.clone(), index.clone()).prop_map(|(id, filename, build_id)| proto::Mapping {
             id,
             filename,
             build_id,
             ..Default::default()
-        }
-    });
+        });
     let strings = prop::collection::vec(
         prop_oneof![
             Just(String::new()),
@@ -286,6 +283,70 @@ fn arbitrary_profile() -> impl Strategy<Value = proto::Profile> {
         )
 }
 
+/// Profiles that pass validation but carry odd content: empty, unicode and colliding function
+/// names, extreme and negative values, extra sample types, sample labels, any timestamp.
+fn plausible_profile() -> impl Strategy<Value = proto::Profile> {
+    let name = prop_oneof![
+        "[a-c]{1,2}",
+        Just(String::new()),
+        Just("[unknown]".to_owned()),
+        any::<String>()
+    ];
+    let value = prop_oneof![-5i64..100, any::<i64>(), Just(i64::MAX), Just(i64::MIN)];
+    let stack = (prop::collection::vec(name, 0..6), value.clone());
+    let sample_type = prop_oneof![
+        Just("samples".to_owned()),
+        Just("wall".to_owned()),
+        Just("alloc_space".to_owned()),
+        "[a-z_]{1,8}"
+    ];
+    (
+        prop::collection::vec(stack, 0..10),
+        prop::collection::vec((sample_type, value), 0..2),
+        prop::collection::vec(("[a-z_]{1,4}", "[a-z]{0,3}"), 0..3),
+        prop_oneof![Just(0i64), any::<i64>(), Just(i64::MAX)],
+        any::<i64>(),
+    )
+        .prop_map(|(stacks, extra_types, labels, time, duration)| {
+            let mut profile = pprof_from_stacks(&stacks, time);
+            profile.duration_nanos = duration;
+            for (sample_type, value) in extra_types {
+                profile.string_table.push(sample_type);
+                let index = profile.string_table.len() as i64 - 1;
+                profile.sample_type.push(proto::ValueType {
+                    r#type: index,
+                    unit: index,
+                });
+                for sample in &mut profile.sample {
+                    sample.value.push(value);
+                }
+            }
+            for (i, (key, text)) in labels.into_iter().enumerate() {
+                profile.string_table.push(key);
+                profile.string_table.push(text);
+                let key = profile.string_table.len() as i64 - 2;
+                if let Some(sample) = profile.sample.get_mut(i) {
+                    sample.label.push(proto::Label {
+                        key,
+                        str: key + 1,
+                        ..Default::default()
+                    });
+                }
+            }
+            profile
+        })
+}
+
+#[test]
+fn plausible_pprof() {
+    runner(4000)
+        .run(&plausible_profile(), |profile| {
+            check_decoded_pprof(&profile)?;
+            check_pprof(&gzip(&profile.encode_to_vec()))
+        })
+        .unwrap();
+}
+
 #[test]
 fn structurally_random_pprof() {
     runner(4000)
@@ -296,7 +357,12 @@ fn structurally_random_pprof() {
         .unwrap();
 }
 
-fn check_folded(body: &[u8], app: &str, sample_rate: u32, lines: bool) -> Result<(), TestCaseError> {
+fn check_folded(
+    body: &[u8],
+    app: &str,
+    sample_rate: u32,
+    lines: bool,
+) -> Result<(), TestCaseError> {
     let (service, profile_type, factor) = match ingest::text_profile_type(app, sample_rate) {
         Ok(parsed) => parsed,
         Err(err) => return one_line(err),
@@ -341,7 +407,11 @@ fn selectors_app_names_and_times() {
     let selector_text = prop_oneof![
         r#"[{}a-z_. =!~"',|()*\[\]\\]{0,40}"#,
         any::<String>(),
-        (r#"[a-z_]{1,8}"#, prop_oneof![Just("="), Just("!="), Just("=~"), Just("!~")], r#"[a-z().*|\[\]\\+?]{0,12}"#)
+        (
+            r#"[a-z_]{1,8}"#,
+            prop_oneof![Just("="), Just("!="), Just("=~"), Just("!~")],
+            r#"[a-z().*|\[\]\\+?]{0,12}"#
+        )
             .prop_map(|(name, op, value)| format!(r#"{{{name}{op}"{value}"}}"#)),
     ];
     let labels = vec![
@@ -349,23 +419,26 @@ fn selectors_app_names_and_times() {
         ("env".to_owned(), "prod".to_owned()),
     ];
     runner(5000)
-        .run(&(selector_text, "[a-z{}=,._/ -]{0,30}", any::<String>()), |(selector, app, time)| {
-            match Selector::parse(&selector) {
-                Ok(parsed) => {
-                    parsed.matches(&labels);
+        .run(
+            &(selector_text, "[a-z{}=,._/ -]{0,30}", any::<String>()),
+            |(selector, app, time)| {
+                match Selector::parse(&selector) {
+                    Ok(parsed) => {
+                        parsed.matches(&labels);
+                    }
+                    Err(err) => one_line(err)?,
                 }
-                Err(err) => one_line(err)?,
-            }
-            match parse_app_name(&app) {
-                Ok((name, labels)) => {
-                    let _ = ingest::validate_labels(&labels);
-                    prop_assert!(!name.is_empty());
+                match parse_app_name(&app) {
+                    Ok((name, labels)) => {
+                        let _ = ingest::validate_labels(&labels);
+                        prop_assert!(!name.is_empty());
+                    }
+                    Err(err) => one_line(err)?,
                 }
-                Err(err) => one_line(err)?,
-            }
-            let _ = ingest::parse_time(&time, unix_now_ns());
-            Ok(())
-        })
+                let _ = ingest::parse_time(&time, unix_now_ns());
+                Ok(())
+            },
+        )
         .unwrap();
 }
 
@@ -395,8 +468,10 @@ fn check_http(
     match response.status {
         200..=299 => Ok(()),
         400..=499 => {
-            let error: serde_json::Value = serde_json::from_slice(&response.body)
-                .map_err(|_| TestCaseError::fail(format!("{path}: not JSON: {}", response.text())))?;
+            let error: serde_json::Value =
+                serde_json::from_slice(&response.body).map_err(|_| {
+                    TestCaseError::fail(format!("{path}: not JSON: {}", response.text()))
+                })?;
             prop_assert!(error["code"].is_string(), "{error}");
             one_line(error["message"].as_str().unwrap_or(""))
         }
@@ -468,26 +543,29 @@ fn mutated_bodies_over_http() {
     // A third of the cases on each body kind: multipart, Connect proto, Connect JSON.
     let cases = (0u8..3, mutations(), content_type, target);
     runner(3000)
-        .run(&cases, |(kind, mutations, content_type, target)| match kind {
-            0 => check_http(
-                &client,
-                target,
-                &[("Content-Type", content_type.as_str())],
-                &mutate(multipart.clone(), &mutations),
-            ),
-            1 => check_http(
-                &client,
-                "/push.v1.PusherService/Push",
-                &[("Content-Type", "application/proto")],
-                &mutate(push.clone(), &mutations),
-            ),
-            _ => check_http(
-                &client,
-                "/push.v1.PusherService/Push",
-                &[("Content-Type", "application/json")],
-                &mutate(push_json.clone(), &mutations),
-            ),
-        })
+        .run(
+            &cases,
+            |(kind, mutations, content_type, target)| match kind {
+                0 => check_http(
+                    &client,
+                    target,
+                    &[("Content-Type", content_type.as_str())],
+                    &mutate(multipart.clone(), &mutations),
+                ),
+                1 => check_http(
+                    &client,
+                    "/push.v1.PusherService/Push",
+                    &[("Content-Type", "application/proto")],
+                    &mutate(push.clone(), &mutations),
+                ),
+                _ => check_http(
+                    &client,
+                    "/push.v1.PusherService/Push",
+                    &[("Content-Type", "application/json")],
+                    &mutate(push_json.clone(), &mutations),
+                ),
+            },
+        )
         .unwrap();
     // Still serving, and what was accepted is queryable.
     assert_eq!(client.get("/api/health").status, 200);
@@ -496,4 +574,100 @@ fn mutated_bodies_over_http() {
             .label_values("service_name", None)
             .contains(&"fuzz-multipart".to_owned())
     );
+}
+
+/// Queries over stored fuzzed data (extreme, negative and overflowing values, odd times and
+/// names) and fuzzed query parameters: every Connect query method answers 200 or a JSON 4xx.
+#[test]
+fn queries_over_fuzzed_data() {
+    let (_scratch, serving, client) = serve();
+    let store = serving.store.clone().expect("store on");
+    let stored = std::sync::atomic::AtomicUsize::new(0);
+    runner(1500)
+        .run(&plausible_profile(), |profile| {
+            if ingest::validate_pprof(&profile).is_ok() {
+                let name = ingest::derive_pprof_name(&profile);
+                let labels = vec![("service_name".to_owned(), "fuzz".to_owned())];
+                if let Ok(profiles) = ingest::profiles_from_pprof(&profile, &name, &labels, 1)
+                    && store.ingest(&profiles).is_ok()
+                {
+                    stored.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    let stored = stored.into_inner();
+    assert!(
+        stored > 100,
+        "only {stored} fuzzed profiles were valid enough to store"
+    );
+    let mut types = client.profile_types();
+    types.push(CPU_TYPE.to_owned());
+    let time = prop_oneof![
+        Just(0i64),
+        Just(1i64),
+        any::<i64>(),
+        Just(i64::MAX),
+        Just(i64::MIN)
+    ];
+    let cases = (
+        prop::sample::select(types),
+        prop_oneof![
+            Just("{}".to_owned()),
+            Just(r#"{service_name="fuzz"}"#.to_owned()),
+            r#"\{[a-z_]{1,6}=~"[a-z.*]{0,4}"\}"#
+        ],
+        time.clone(),
+        time,
+        prop_oneof![Just(None), (any::<i64>()).prop_map(Some)],
+        prop_oneof![Just(15.0f64), any::<f64>()],
+        0u8..5,
+    );
+    runner(1500)
+        .run(&cases, |(profile_type, selector, start, end, max_nodes, step, method)| {
+            let merge = serde_json::json!({
+                "profileTypeID": profile_type, "labelSelector": selector,
+                "start": start.to_string(), "end": end.to_string(),
+                "maxNodes": max_nodes.map(|n| n.to_string()),
+            });
+            let (path, body) = match method {
+                0 => ("SelectMergeStacktraces", merge),
+                1 => ("Diff", serde_json::json!({"left": merge, "right": merge})),
+                2 => (
+                    "SelectSeries",
+                    serde_json::json!({
+                        "profileTypeID": profile_type, "labelSelector": selector,
+                        "start": start.to_string(), "end": end.to_string(),
+                        "step": if step.is_finite() { serde_json::json!(step) } else { serde_json::json!(15) },
+                        "groupBy": ["service_name"],
+                    }),
+                ),
+                3 => {
+                    let request = api::SelectMergeProfileRequest {
+                        profile_type_id: profile_type.clone(),
+                        label_selector: selector.clone(),
+                        start,
+                        end,
+                        max_nodes,
+                    };
+                    return check_http(
+                        &client,
+                        "/querier.v1.QuerierService/SelectMergeProfile",
+                        &[("Content-Type", "application/proto")],
+                        &request.encode_to_vec(),
+                    );
+                }
+                _ => ("LabelValues", serde_json::json!({"name": "service_name", "matchers": [selector],
+                                                       "start": start.to_string(), "end": end.to_string()})),
+            };
+            check_http(
+                &client,
+                &format!("/querier.v1.QuerierService/{path}"),
+                &[("Content-Type", "application/json")],
+                body.to_string().as_bytes(),
+            )
+        })
+        .unwrap();
+    assert_eq!(client.get("/api/health").status, 200);
 }

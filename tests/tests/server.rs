@@ -111,8 +111,10 @@ fn assert_queryable(client: &Client, expected: &Expected) {
     assert_eq!(client.merge(&found_in[0], &other).total, 0);
 
     // The same through the JSON codec, as the web UI and Grafana's Drilldown app call it.
-    let json_types =
-        client.connect_json("querier.v1.QuerierService/ProfileTypes", serde_json::json!({}));
+    let json_types = client.connect_json(
+        "querier.v1.QuerierService/ProfileTypes",
+        serde_json::json!({}),
+    );
     let ids: Vec<&str> = json_types["profileTypes"]
         .as_array()
         .expect("profileTypes array")
@@ -218,12 +220,16 @@ fn node_sdk_push_is_queryable() {
     assert_ran(&output, "the @pyroscope/nodejs program");
     let client = server.client();
     // @pyroscope/nodejs sends gzipped pprof to the legacy /ingest with `name=app{tags}`.
-    eventually("the Node.js SDK's profiles", Duration::from_secs(30), || {
-        client
-            .label_values("service_name", None)
-            .contains(&"node-sdk-app".to_string())
-            .then_some(())
-    });
+    eventually(
+        "the Node.js SDK's profiles",
+        Duration::from_secs(30),
+        || {
+            client
+                .label_values("service_name", None)
+                .contains(&"node-sdk-app".to_string())
+                .then_some(())
+        },
+    );
     assert_queryable(
         &client,
         &Expected {
@@ -337,7 +343,9 @@ fn push_until_refused(client: &Client, next: &AtomicU64, writers: usize) -> Vec<
                         Ok(response) if response.status == 200 => {
                             acknowledged.lock().unwrap().push(seq);
                         }
-                        Ok(response) => panic!("push {seq}: {} {}", response.status, response.text()),
+                        Ok(response) => {
+                            panic!("push {seq}: {} {}", response.status, response.text())
+                        }
                         // The server was killed.
                         Err(_) => return,
                     }
@@ -368,7 +376,9 @@ fn acknowledged_ingests_survive_kill_9() {
             // Kill while the writers are mid-stream: after some acknowledgements, at a moment
             // that varies with scheduling.
             let deadline = Instant::now() + Duration::from_secs(60);
-            while client.metric("profiler_store_profiles_ingested_total").unwrap_or(0.0)
+            while client
+                .metric("profiler_store_profiles_ingested_total")
+                .unwrap_or(0.0)
                 < 40.0 + round as f64 * 17.0
             {
                 assert!(Instant::now() < deadline, "the server ingests nothing");
@@ -446,12 +456,8 @@ fn concurrent_ingest_and_queries() {
                     let service = format!("concurrent-{writer}");
                     let mut total = 0;
                     for push in 0..PUSHES {
-                        let profile = synthetic_service_profile(
-                            writer,
-                            push as u64,
-                            300,
-                            unix_now_ns(),
-                        );
+                        let profile =
+                            synthetic_service_profile(writer, push as u64, 300, unix_now_ns());
                         total += profile.sample.iter().map(|s| s.value[0]).sum::<i64>();
                         let response =
                             client.push(&push_request(&[("service_name", &service)], &profile));
@@ -497,6 +503,12 @@ fn concurrent_ingest_and_queries() {
 
 const MIB: usize = 1 << 20;
 
+/// What is wrong, path, headers, body, expected status.
+type BadRequest<'a> = (&'a str, &'a str, Vec<(&'a str, &'a str)>, Vec<u8>, u16);
+
+/// HTTP method, path, and the content type and body of a POST.
+type Route<'a> = (&'a str, &'a str, Option<(&'a str, Vec<u8>)>);
+
 fn gzip_of_zeros(len: usize) -> Vec<u8> {
     gzip(&vec![0u8; len])
 }
@@ -539,8 +551,7 @@ fn bad_input_is_rejected_with_a_json_error_and_stores_nothing() {
         body.extend_from_slice(b"\r\n--XyZ--\r\n");
         body
     };
-    // (what, path, headers, body, expected status)
-    let cases: Vec<(&str, &str, Vec<(&str, &str)>, Vec<u8>, u16)> = vec![
+    let cases: Vec<BadRequest> = vec![
         (
             "malformed pprof in Push",
             push,
@@ -748,7 +759,11 @@ fn bad_input_is_rejected_with_a_json_error_and_stores_nothing() {
     let wrong_method = client.get(push);
     assert_eq!(wrong_method.status, 405);
     wrong_method.json_error();
-    assert_eq!(client.snapshot(), before, "a rejected request changed the store");
+    assert_eq!(
+        client.snapshot(),
+        before,
+        "a rejected request changed the store"
+    );
     // The server is still healthy and accepts good data.
     assert_eq!(client.push(&good).status, 200);
     assert_eq!(
@@ -826,7 +841,7 @@ fn token_is_checked_on_every_route_but_metrics() {
     );
     let push_body = prost::Message::encode_to_vec(&profile);
     let pprof_download = format!("/api/pprof?query={CPU_TYPE}{{}}");
-    let routes: Vec<(&str, &str, Option<(&str, Vec<u8>)>)> = vec![
+    let routes: Vec<Route> = vec![
         ("GET", "/", None),
         ("GET", "/index.html", None),
         ("GET", "/api/health", None),
@@ -856,17 +871,13 @@ fn token_is_checked_on_every_route_but_metrics() {
         ),
         ("GET", "/no/such/page", None),
     ];
-    let call = |client: &Client, method: &str, path: &str, body: &Option<(&str, Vec<u8>)>| {
-        match body {
-            Some((content_type, body)) => client.request(
-                method,
-                path,
-                &[("Content-Type", *content_type)],
-                Some(body),
-            ),
+    let call =
+        |client: &Client, method: &str, path: &str, body: &Option<(&str, Vec<u8>)>| match body {
+            Some((content_type, body)) => {
+                client.request(method, path, &[("Content-Type", *content_type)], Some(body))
+            }
             None => client.request(method, path, &[], None),
-        }
-    };
+        };
     for (method, path, body) in &routes {
         for client in [&anonymous, &wrong] {
             let response = call(client, method, path, body);

@@ -76,7 +76,20 @@ impl From<IngestError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({ "code": self.code, "message": self.message });
+        // One line whatever a message echoes (messages quote client input).
+        let message: String = self
+            .message
+            .chars()
+            .flat_map(|c| {
+                let escaped: Vec<char> = if c.is_control() {
+                    c.escape_default().collect()
+                } else {
+                    vec![c]
+                };
+                escaped
+            })
+            .collect();
+        let body = serde_json::json!({ "code": self.code, "message": message });
         (
             self.status,
             [(

@@ -72,8 +72,9 @@ pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<R
     let time_param = |key: &str| -> Result<i64, ApiError> {
         match params.get(key) {
             None => Ok(now),
-            Some(text) => ingest::parse_time(text, now)
-                .ok_or_else(|| ApiError::invalid(format!("invalid `{key}` time `{text}`"))),
+            Some(text) => ingest::parse_time(text, now).ok_or_else(|| {
+                ApiError::invalid(format!("invalid `{key}` time `{}`", text.escape_debug()))
+            }),
         }
     };
     let (from, until) = (time_param("from")?, time_param("until")?);
@@ -143,7 +144,8 @@ pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<R
         }
         Some(other) => {
             return Err(ApiError::unsupported_media(format!(
-                "format `{other}` is not supported (pprof, folded, lines)"
+                "format `{}` is not supported (pprof, folded, lines)",
+                other.escape_debug()
             )));
         }
     };
@@ -522,7 +524,8 @@ pub async fn querier(
             Ok(connect::encode(codec, &response))
         }
         other => Err(ApiError::not_found(format!(
-            "unknown method querier.v1.QuerierService/{other}"
+            "unknown method querier.v1.QuerierService/{}",
+            other.escape_debug()
         ))),
     }
 }
@@ -571,9 +574,10 @@ fn select_series(
             .collect();
         let buckets = groups.entry(key).or_default();
         for (time_ns, total) in points {
-            let offset = time_ns - selection.start_ns;
-            let index = (offset + step_ns - 1).div_euclid(step_ns);
-            let edge = selection.start_ns + index * step_ns;
+            // In i128: the range and step come from the client and may be extreme.
+            let (start, step) = (i128::from(selection.start_ns), i128::from(step_ns));
+            let index = (i128::from(time_ns) - start + step - 1).div_euclid(step);
+            let edge = (start + index * step).clamp(i64::MIN.into(), i64::MAX.into()) as i64;
             let bucket = buckets.entry(edge).or_default();
             bucket.0 += total as f64;
             bucket.1 += 1;

@@ -198,8 +198,7 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
             .and_then(|v| v.strip_prefix("Bearer "))
             .is_some_and(|presented| constant_time_eq(presented.as_bytes(), token.as_bytes()));
         let cookie = || {
-            cookie_tokens(headers)
-                .any(|presented| constant_time_eq(&presented, token.as_bytes()))
+            cookie_tokens(headers).any(|presented| constant_time_eq(&presented, token.as_bytes()))
         };
         if !bearer && !cookie() {
             return unauthorized(&state);
@@ -261,7 +260,7 @@ fn cookie_tokens(headers: &axum::http::HeaderMap) -> impl Iterator<Item = Vec<u8
 }
 
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())

@@ -14,7 +14,7 @@ pub const DEFAULT_MAX_NODES: usize = 8192;
 /// The smallest total a node needs to be drawn so at most `max_nodes` nodes are; smaller
 /// siblings are folded into one `other` node.
 fn min_total(totals: impl Iterator<Item = i64>, max_nodes: usize) -> i64 {
-    let mut totals: Vec<i64> = totals.map(i64::abs).collect();
+    let mut totals: Vec<i64> = totals.map(i64::saturating_abs).collect();
     if max_nodes == 0 || totals.len() <= max_nodes {
         return 0;
     }
@@ -55,8 +55,13 @@ fn delta_encode(raw: RawLevels, width: usize) -> Vec<Level> {
             let mut values = Vec::with_capacity(level.len() * width);
             let mut previous_end = 0;
             for [x, total, self_value, name] in level {
-                values.extend_from_slice(&[x - previous_end, total, self_value, name]);
-                previous_end = x + total;
+                values.extend_from_slice(&[
+                    x.saturating_sub(previous_end),
+                    total,
+                    self_value,
+                    name,
+                ]);
+                previous_end = x.saturating_add(total);
             }
             Level { values }
         })
@@ -87,16 +92,16 @@ pub fn flamegraph(tree: &MergedTree, max_nodes: usize) -> FlameGraph {
         let Some(node) = node else { continue };
         let mut children: Vec<u32> = tree.nodes[node as usize].children.clone();
         children.sort_by(|a, b| tree.name_of(*a).cmp(tree.name_of(*b)));
-        let mut next_x = x + self_value;
+        let mut next_x = x.saturating_add(self_value);
         let mut placed = Vec::new();
-        let mut other = 0;
+        let mut other = 0i64;
         for child in children {
             let child_node = &tree.nodes[child as usize];
             if child_node.total == 0 {
                 continue;
             }
-            if child_node.total.abs() < threshold {
-                other += child_node.total;
+            if child_node.total.unsigned_abs() < threshold.unsigned_abs() {
+                other = other.saturating_add(child_node.total);
                 continue;
             }
             placed.push((
@@ -106,7 +111,7 @@ pub fn flamegraph(tree: &MergedTree, max_nodes: usize) -> FlameGraph {
                 child_node.total,
                 child_node.self_value,
             ));
-            next_x += child_node.total;
+            next_x = next_x.saturating_add(child_node.total);
         }
         if other != 0 {
             placed.push((None, depth + 1, next_x, other, other));
@@ -160,8 +165,8 @@ fn merge_into(
         } else {
             &mut diff[target].right
         };
-        side.0 += node.total;
-        side.1 += node.self_value;
+        side.0 = side.0.saturating_add(node.total);
+        side.1 = side.1.saturating_add(node.self_value);
     }
 }
 
@@ -204,19 +209,22 @@ pub fn flamegraph_diff(left: &MergedTree, right: &MergedTree, max_nodes: usize) 
         let Some(node) = node else { continue };
         let mut children = nodes[node].children.clone();
         children.sort_by(|a, b| nodes[*a].name.cmp(&nodes[*b].name));
-        let (mut next_l, mut next_r) = (xl + left_values.1, xr + right_values.1);
+        let (mut next_l, mut next_r) = (
+            xl.saturating_add(left_values.1),
+            xr.saturating_add(right_values.1),
+        );
         let mut placed = Vec::new();
-        let (mut other_l, mut other_r) = (0, 0);
+        let (mut other_l, mut other_r) = (0i64, 0i64);
         for child in children {
             let c = &nodes[child];
             if c.left.0.max(c.right.0) < threshold {
-                other_l += c.left.0;
-                other_r += c.right.0;
+                other_l = other_l.saturating_add(c.left.0);
+                other_r = other_r.saturating_add(c.right.0);
                 continue;
             }
             placed.push((Some(child), depth + 1, next_l, next_r, c.left, c.right));
-            next_l += c.left.0;
-            next_r += c.right.0;
+            next_l = next_l.saturating_add(c.left.0);
+            next_r = next_r.saturating_add(c.right.0);
         }
         if other_l != 0 || other_r != 0 {
             placed.push((
@@ -236,9 +244,17 @@ pub fn flamegraph_diff(left: &MergedTree, right: &MergedTree, max_nodes: usize) 
             let mut values = Vec::with_capacity(level.len() * 7);
             let (mut end_l, mut end_r) = (0, 0);
             for [xl, tl, sl, xr, tr, sr, name] in level {
-                values.extend_from_slice(&[xl - end_l, tl, sl, xr - end_r, tr, sr, name]);
-                end_l = xl + tl;
-                end_r = xr + tr;
+                values.extend_from_slice(&[
+                    xl.saturating_sub(end_l),
+                    tl,
+                    sl,
+                    xr.saturating_sub(end_r),
+                    tr,
+                    sr,
+                    name,
+                ]);
+                end_l = xl.saturating_add(tl);
+                end_r = xr.saturating_add(tr);
             }
             Level { values }
         })
@@ -246,7 +262,7 @@ pub fn flamegraph_diff(left: &MergedTree, right: &MergedTree, max_nodes: usize) 
     FlameGraphDiff {
         names: names.names,
         levels,
-        total: nodes[0].left.0 + nodes[0].right.0,
+        total: nodes[0].left.0.saturating_add(nodes[0].right.0),
         max_self,
         left_ticks: nodes[0].left.0,
         right_ticks: nodes[0].right.0,
@@ -332,7 +348,7 @@ pub fn pprof(
         function: functions,
         string_table: strings,
         time_nanos: start_ns,
-        duration_nanos: (end_ns - start_ns).max(0),
+        duration_nanos: end_ns.saturating_sub(start_ns).max(0),
         period_type: Some(period_type),
         period: 1,
         ..Default::default()

@@ -80,7 +80,7 @@ impl From<ServerArgs> for ServeConfig {
                 insecure_listen: args.insecure_listen,
                 max_body_bytes: args.max_body_size.min(usize::MAX as u64) as usize,
             },
-            store: (args.store == Switch::On).then(|| StoreSettings {
+            store: (args.store == Switch::On).then_some(StoreSettings {
                 data_dir: args.data_dir,
                 retention: args.retention,
                 max_bytes: args.max_store_size,

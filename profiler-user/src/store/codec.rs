@@ -36,7 +36,9 @@ pub fn decode(bytes: &[u8], mut add: impl FnMut(u32, i64)) -> Result<(), Corrupt
     let scale = reader.varint()? as i64;
     let mut node = 0u64;
     for _ in 0..count {
-        node += reader.varint()?;
+        node = node
+            .checked_add(reader.varint()?)
+            .ok_or(CorruptProfile("node id out of range"))?;
         let zigzag = reader.varint()?;
         let value = ((zigzag >> 1) as i64) ^ -((zigzag & 1) as i64);
         let node = u32::try_from(node).map_err(|_| CorruptProfile("node id out of range"))?;

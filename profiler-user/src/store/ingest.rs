@@ -79,7 +79,8 @@ pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
     for (name, value) in labels {
         if name.is_empty() || name.len() > 1024 {
             return Err(IngestError::InvalidLabels(format!(
-                "invalid label name `{name}`"
+                "invalid label name `{}`",
+                name.escape_debug()
             )));
         }
         if name
@@ -102,12 +103,13 @@ pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
             )));
         }
     }
-    if let Some((_, name)) = labels.iter().find(|(k, _)| k == "__name__") {
-        if name.is_empty() || name.contains(':') {
-            return Err(IngestError::InvalidLabels(format!(
-                "invalid profile name `{name}`"
-            )));
-        }
+    if let Some((_, name)) = labels.iter().find(|(k, _)| k == "__name__")
+        && (name.is_empty() || name.contains(':'))
+    {
+        return Err(IngestError::InvalidLabels(format!(
+            "invalid profile name `{}`",
+            name.escape_debug()
+        )));
     }
     Ok(())
 }
@@ -296,7 +298,7 @@ pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
         for part in [t.r#type, t.unit] {
             let s = &pprof.string_table[part as usize];
             if s.contains(':') {
-                return malformed(format!("sample type `{s}` contains ':'"));
+                return malformed(format!("sample type `{}` contains ':'", s.escape_debug()));
             }
         }
     }
@@ -408,12 +410,15 @@ pub fn text_profile_type(
     Ok((service.to_owned(), profile_type, factor))
 }
 
+/// Function names, and stacks as (indexes into the names, root first; value).
+pub type NamedStacks = (Vec<String>, Vec<(Vec<u32>, i64)>);
+
 /// Parses folded stacks (`a;b;c 12` per line; `lines` format: `a;b;c` = 1 each), root first.
 pub fn parse_folded(
     text: &[u8],
     lines_format: bool,
     factor: i64,
-) -> Result<(Vec<String>, Vec<(Vec<u32>, i64)>), IngestError> {
+) -> Result<NamedStacks, IngestError> {
     let text = std::str::from_utf8(text).map_err(|_| IngestError::MalformedFolded {
         line: 0,
         reason: "not UTF-8",

@@ -130,7 +130,9 @@ pub struct NewProfile {
 
 impl NewProfile {
     pub fn total(&self) -> i64 {
-        self.stacks.iter().map(|(_, v)| *v).sum()
+        self.stacks
+            .iter()
+            .fold(0i64, |sum, (_, v)| sum.saturating_add(*v))
     }
 }
 
@@ -501,7 +503,7 @@ impl Store {
 
     /// Bytes the data takes (pages in use, without free pages).
     pub fn used_bytes(&self) -> Result<u64, StoreError> {
-        self.with_reader(|conn| used_bytes(conn))
+        self.with_reader(used_bytes)
     }
 
     /// The store file on disk, for tests and the benchmark.
@@ -775,7 +777,9 @@ fn encode_profile(
                 }
             };
         }
-        *values.entry(node).or_default() += value;
+        // Saturating: values come from clients and may be extreme.
+        let sum = values.entry(node).or_default();
+        *sum = sum.saturating_add(*value);
     }
     let mut entries: Vec<(u32, i64)> = values.into_iter().filter(|(_, v)| *v != 0).collect();
     entries.sort_unstable();
@@ -783,7 +787,9 @@ fn encode_profile(
         series,
         time_ns: profile.time_ns,
         duration_ns: profile.duration_ns,
-        total: entries.iter().map(|(_, v)| *v).sum(),
+        total: entries
+            .iter()
+            .fold(0i64, |sum, (_, v)| sum.saturating_add(*v)),
         stacks: codec::encode(&entries),
     }
 }

@@ -12,6 +12,9 @@ pub struct Selection {
     pub end_ns: i64,
 }
 
+/// A series and the (time ns, total) of its selected profiles.
+pub type SeriesTotals = (SeriesInfo, Vec<(i64, i64)>);
+
 /// A merged call tree: node 0 is the root (`total`), parents come before their children.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MergedTree {
@@ -120,7 +123,8 @@ impl TreeBuilder {
         }
         for idx in (1..nodes.len()).rev() {
             let (parent, total) = (nodes[idx].parent as usize, nodes[idx].total);
-            nodes[parent].total += total;
+            // Saturating: stored values come from clients and may be extreme.
+            nodes[parent].total = nodes[parent].total.saturating_add(total);
         }
         self.tree
     }
@@ -200,18 +204,17 @@ impl Store {
                 };
                 let out = builder.child(parent_out, name);
                 mapped[idx] = out;
-                builder.tree.nodes[out as usize].self_value += values[idx];
+                let node = &mut builder.tree.nodes[out as usize];
+                node.self_value = node.self_value.saturating_add(values[idx]);
             }
-            builder.tree.nodes[0].self_value += values[0];
+            let root = &mut builder.tree.nodes[0];
+            root.self_value = root.self_value.saturating_add(values[0]);
         }
         Ok(builder.finish())
     }
 
     /// (time ns, total) of every selected profile, per series.
-    pub fn totals(
-        &self,
-        selection: &Selection,
-    ) -> Result<Vec<(SeriesInfo, Vec<(i64, i64)>)>, StoreError> {
+    pub fn totals(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
         let series = self.select_series(selection);
         self.with_reader(|conn| {
             let mut stmt = conn.prepare_cached(

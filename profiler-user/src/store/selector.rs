@@ -4,11 +4,16 @@ use regex::Regex;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SelectorError {
-    #[error("invalid label selector `{selector}`: {reason}")]
+    // Input is echoed escaped, so a message stays one line whatever the client sent.
+    #[error("invalid label selector `{}`: {reason}", .selector.escape_debug())]
     Syntax { selector: String, reason: String },
-    #[error("invalid regular expression `{pattern}` in label selector: {reason}")]
+    #[error(
+        "invalid regular expression `{}` in label selector: {}",
+        .pattern.escape_debug(),
+        .reason.escape_debug()
+    )]
     Regex { pattern: String, reason: String },
-    #[error("invalid application name `{name}`: {reason}")]
+    #[error("invalid application name `{}`: {reason}", .name.escape_debug())]
     AppName { name: String, reason: &'static str },
 }
 

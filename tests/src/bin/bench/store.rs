@@ -171,7 +171,9 @@ fn merge_latencies(client: &Client, codec_json: bool, runs: usize) -> (Vec<f64>,
 }
 
 pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<StoreRun> {
-    eprintln!("bench: [store] generating {VARIANTS} profiles of {STACKS} stacks for each of {SERVICES} services");
+    eprintln!(
+        "bench: [store] generating {VARIANTS} profiles of {STACKS} stacks for each of {SERVICES} services"
+    );
     let services: Vec<Vec<Vec<u8>>> = (0..SERVICES)
         .map(|service| {
             let pool = service_stack_pool(service, STACKS * 2);
@@ -283,7 +285,10 @@ pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<Store
     let server_peak_rss_bytes = peak_rss_bytes(pid);
     let (status, stderr) = server.process.stop();
     if !status.success() {
-        bail!("profiler server failed ({status}):\n{}", crate::tail(&stderr, 20));
+        bail!(
+            "profiler server failed ({status}):\n{}",
+            crate::tail(&stderr, 20)
+        );
     }
     Ok(StoreRun {
         intervals,
