@@ -51,7 +51,10 @@ fn flamegraph_data_unit_tests_pass() {
         String::from_utf8_lossy(&output.stderr)
     );
     // Guard against a run that found no tests.
-    assert!(stdout.contains("# pass") && !stdout.contains("# pass 0"), "{stdout}");
+    assert!(
+        stdout.contains("# pass") && !stdout.contains("# pass 0"),
+        "{stdout}"
+    );
 }
 
 /// The agent, stopped with SIGTERM when dropped; its log is kept for failure messages.
@@ -65,7 +68,14 @@ impl Agent {
     fn start(data_dir: &Path, pids: &[u32]) -> (Agent, String) {
         let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
         let mut child = Command::new(profiler_bin())
-            .args(["agent", "--listen", "127.0.0.1:0", "--interval", "2", "--data-dir"])
+            .args([
+                "agent",
+                "--listen",
+                "127.0.0.1:0",
+                "--interval",
+                "2",
+                "--data-dir",
+            ])
             .arg(data_dir)
             .args(["--pid", &pids.join(",")])
             .env("RUST_LOG", "info")
@@ -138,7 +148,11 @@ fn web_ui_in_headless_chromium() {
     }
     let _guard = exclusive();
     let fixture = fp_fixture("ui_workload.c");
-    let workload = spawn_with_env(&fixture, &["600"], &[("OTEL_SERVICE_NAME", WORKLOAD_SERVICE)]);
+    let workload = spawn_with_env(
+        &fixture,
+        &["600"],
+        &[("OTEL_SERVICE_NAME", WORKLOAD_SERVICE)],
+    );
     let other = spawn_with_env(
         &fixture,
         &["other", "600"],
