@@ -14,6 +14,8 @@ use integration_tests::*;
 const CHROMIUM: &str = "/usr/bin/chromium";
 const WORKLOAD_SERVICE: &str = "ui-test-workload";
 const OTHER_SERVICE: &str = "ui-test-other";
+/// The agent runs with a token, so the test also covers the browser's login through `/?token=`.
+const TOKEN: &str = "ui-test-token";
 
 fn js_dir() -> PathBuf {
     workspace_root().join("tests").join("js")
@@ -78,6 +80,7 @@ impl Agent {
             ])
             .arg(data_dir)
             .args(["--pid", &pids.join(",")])
+            .args(["--auth-token", TOKEN])
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -164,6 +167,7 @@ fn web_ui_in_headless_chromium() {
     let screenshots = workspace_root().join("target").join("ui-screenshots");
     let config = serde_json::json!({
         "url": url,
+        "token": TOKEN,
         "workloadPid": workload.pid(),
         "service": WORKLOAD_SERVICE,
         "otherService": OTHER_SERVICE,
