@@ -1,8 +1,10 @@
 // End-to-end test of the web UI in headless Chromium (Debian's /usr/bin/chromium driven by
 // playwright-core), against a running `profiler agent` that profiles tests/fixtures/ui_workload.c.
 // Started by tests/tests/ui.rs with one JSON argument:
-//   {url, workloadPid, service, otherService, functions: {main, phaseOne, phaseTwo, leaf, other},
-//    screenshots}
+//   {url, token, workloadPid, service, otherService,
+//    functions: {main, phaseOne, phaseTwo, leaf, other}, screenshots}
+// The agent runs with --auth-token: scripts send it as a bearer token, the browser logs in once
+// through /?token=… and then carries it in the cookie the server sets.
 // Prints what it checked; exits 1 with the reason on the first failed check.
 import assert from 'node:assert/strict';
 import { mkdirSync } from 'node:fs';
@@ -15,7 +17,8 @@ import { Profile } from 'pprof-format';
 import { decodeFlamegraph, serviceSelector, topFunctions } from '../../profiler-user/ui/flamegraph.mjs';
 
 const config = JSON.parse(process.argv[2] ?? '{}');
-const { url, workloadPid, service, otherService, functions, screenshots } = config;
+const { url, token, workloadPid, service, otherService, functions, screenshots } = config;
+const auth = { Authorization: `Bearer ${token}` };
 const SAMPLES_TYPE = 'process_cpu:samples:count:cpu:nanoseconds';
 // Enough samples (at 100 Hz) that each phase spans several 2-second intervals.
 const PHASE_SAMPLES = 300;
@@ -28,7 +31,7 @@ const log = (message) => process.stdout.write(`ui-test: ${message}\n`);
 async function rpc(method, body) {
   const response = await fetch(`${url}/querier.v1.QuerierService/${method}`, {
     method: 'POST',
-    headers: { 'Content-Type': 'application/json' },
+    headers: { 'Content-Type': 'application/json', ...auth },
     body: JSON.stringify(body),
   });
   if (!response.ok) throw new Error(`${method}: ${response.status} ${await response.text()}`);
@@ -164,11 +167,19 @@ async function main() {
     page.setDefaultTimeout(UI_TIMEOUT_MS);
     page.on('pageerror', (err) => problems.push(`page error: ${err.message}`));
     page.on('console', (msg) => {
-      if (msg.type() === 'error' && !msg.text().includes('404')) problems.push(`console: ${msg.text()}`);
+      // Refused requests (the 401s before login, a missing /api/gpu) are checked where they happen.
+      if (msg.type() === 'error' && !msg.text().startsWith('Failed to load resource')) {
+        problems.push(`console: ${msg.text()}`);
+      }
     });
 
-    // ---- load, pick the service ----
-    await page.goto(`${url}/`);
+    // ---- log in with the token, load, pick the service ----
+    const refused = await page.goto(`${url}/`);
+    assert.equal(refused.status(), 401, 'without the token the page is refused');
+    assert.equal((await page.goto(`${url}/?token=wrong`)).status(), 401, 'a wrong token is refused');
+    const login = await page.goto(`${url}/?token=${encodeURIComponent(token)}`);
+    assert.equal(login.status(), 200);
+    assert.ok(!page.url().includes('token'), `the token left the address bar: ${page.url()}`);
     await page.waitForFunction(() => Number(document.querySelector('#service').dataset.count) >= 2);
     const options = await page.$$eval('#service option', (opts) => opts.map((o) => o.value));
     assert.ok(options.includes(service) && options.includes(otherService), `services offered: ${options}`);
@@ -268,7 +279,13 @@ async function main() {
     // ---- pprof download ----
     const href = await page.getAttribute('#download', 'href');
     assert.ok(href.startsWith('/api/pprof?'), href);
-    const download = Buffer.from(await (await fetch(`${url}${href}`)).arrayBuffer());
+    // Fetched by the page itself, so with the cookie as a click on the link would be.
+    const download = Buffer.from(
+      await page.evaluate(async (link) => {
+        const response = await fetch(link, { credentials: 'same-origin' });
+        return [...new Uint8Array(await response.arrayBuffer())];
+      }, href),
+    );
     assert.ok(download[0] === 0x1f && download[1] === 0x8b, 'the download is gzipped');
     const profile = Profile.decode(gunzipSync(download));
     const strings = profile.stringTable.strings;
@@ -284,7 +301,9 @@ async function main() {
     log(`health: ${await page.getAttribute('#health-panel', 'data-samples')} samples`);
 
     // ---- GPU panel: what this agent serves, then stand-ins for absent GPU hardware ----
-    const gpuResponse = await fetch(`${url}/api/gpu?from=${Date.now() - 3600e3}&until=${Date.now()}`);
+    const gpuResponse = await fetch(`${url}/api/gpu?from=${Date.now() - 3600e3}&until=${Date.now()}`, {
+      headers: auth,
+    });
     const gpuHidden = () => page.$eval('#gpu-panel', (el) => el.hidden);
     if (gpuResponse.status === 404) {
       assert.ok(await gpuHidden(), 'no /api/gpu: the panel is hidden');

@@ -14,6 +14,8 @@ use integration_tests::*;
 const CHROMIUM: &str = "/usr/bin/chromium";
 const WORKLOAD_SERVICE: &str = "ui-test-workload";
 const OTHER_SERVICE: &str = "ui-test-other";
+/// The agent runs with a token, so the test also covers the browser's login through `/?token=`.
+const TOKEN: &str = "ui-test-token";
 
 fn js_dir() -> PathBuf {
     workspace_root().join("tests").join("js")
@@ -51,7 +53,10 @@ fn flamegraph_data_unit_tests_pass() {
         String::from_utf8_lossy(&output.stderr)
     );
     // Guard against a run that found no tests.
-    assert!(stdout.contains("# pass") && !stdout.contains("# pass 0"), "{stdout}");
+    assert!(
+        stdout.contains("# pass") && !stdout.contains("# pass 0"),
+        "{stdout}"
+    );
 }
 
 /// The agent, stopped with SIGTERM when dropped; its log is kept for failure messages.
@@ -65,9 +70,17 @@ impl Agent {
     fn start(data_dir: &Path, pids: &[u32]) -> (Agent, String) {
         let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
         let mut child = Command::new(profiler_bin())
-            .args(["agent", "--listen", "127.0.0.1:0", "--interval", "2", "--data-dir"])
+            .args([
+                "agent",
+                "--listen",
+                "127.0.0.1:0",
+                "--interval",
+                "2",
+                "--data-dir",
+            ])
             .arg(data_dir)
             .args(["--pid", &pids.join(",")])
+            .args(["--auth-token", TOKEN])
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -138,7 +151,11 @@ fn web_ui_in_headless_chromium() {
     }
     let _guard = exclusive();
     let fixture = fp_fixture("ui_workload.c");
-    let workload = spawn_with_env(&fixture, &["600"], &[("OTEL_SERVICE_NAME", WORKLOAD_SERVICE)]);
+    let workload = spawn_with_env(
+        &fixture,
+        &["600"],
+        &[("OTEL_SERVICE_NAME", WORKLOAD_SERVICE)],
+    );
     let other = spawn_with_env(
         &fixture,
         &["other", "600"],
@@ -150,6 +167,7 @@ fn web_ui_in_headless_chromium() {
     let screenshots = workspace_root().join("target").join("ui-screenshots");
     let config = serde_json::json!({
         "url": url,
+        "token": TOKEN,
         "workloadPid": workload.pid(),
         "service": WORKLOAD_SERVICE,
         "otherService": OTHER_SERVICE,
