@@ -8,8 +8,8 @@ use crate::{
     config::{
         AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_UNWIND_TABLE_MIB, RecordConfig, SamplingConfig,
     },
-    export::OutputFormat,
-    server::serve::ServerArgs,
+    export::{OutputFormat, push::PushArgs},
+    server::serve::{ServerArgs, Switch},
 };
 
 #[derive(Debug, Parser)]
@@ -105,6 +105,8 @@ pub struct AgentArgs {
     pub output_dir: Option<PathBuf>,
     #[command(flatten)]
     pub server: ServerArgs,
+    #[command(flatten)]
+    pub push: PushArgs,
 }
 
 fn parse_pid(text: &str) -> Result<u32, String> {
@@ -161,11 +163,19 @@ impl From<RecordArgs> for RecordConfig {
 
 impl From<AgentArgs> for AgentConfig {
     fn from(args: AgentArgs) -> Self {
+        let push = args.push.into_config();
+        // Pushing to Pyroscope replaces the embedded store unless --store on asks for both.
+        let store_default = if push.is_some() {
+            Switch::Off
+        } else {
+            Switch::On
+        };
         AgentConfig {
             sampling: args.sampling.into_config(),
             interval: args.interval,
             output_dir: args.output_dir,
-            serve: args.server.into(),
+            serve: args.server.into_config(store_default),
+            push,
         }
     }
 }

@@ -505,12 +505,18 @@ impl Agent {
     /// Starts `profiler agent ARGS` and waits until its sampler is attached (it logs
     /// `sampler attached`).
     pub fn start(args: &[&str]) -> Agent {
+        Agent::start_with_env(args, &[])
+    }
+
+    /// Like [`Agent::start`], with extra environment variables (they may override `RUST_LOG`).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Agent {
         use std::io::BufRead;
         let mut child = Command::new(profiler_bin())
             .arg("agent")
             .args(args)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -549,6 +555,14 @@ impl Agent {
                 panic!("profiler agent did not attach ({status}):\n{stderr}");
             }
         }
+    }
+
+    /// What the agent has logged so far.
+    pub fn log(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// How many intervals the agent has flushed so far (its `interval` log lines).
