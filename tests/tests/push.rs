@@ -286,7 +286,8 @@ fn every_interval_arrives_once_with_labels_across_a_receiver_outage() {
     assert_eq!(labels.len(), 1, "{labels:?}");
     let value = |name: &str| labels[0].iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
     assert_eq!(value("cluster").as_deref(), Some("ci"));
-    assert_eq!(value("executable").as_deref(), Some("fp_chain"));
+    let executable = fp_fixture("fp_chain.c").display().to_string();
+    assert_eq!(value("executable"), Some(executable));
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
     assert_eq!(value("host").as_deref(), Some(host.trim()));
 
