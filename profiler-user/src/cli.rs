@@ -40,7 +40,7 @@ pub enum Command {
     /// Profile for a fixed time and write one profile file.
     Record(RecordArgs),
     /// Profile continuously; every interval store one profile per service and serve the web UI.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Only the profile store and HTTP server (web UI, Pyroscope-compatible ingest and query
     /// API), without sampling.
     Server(ServerArgs),

@@ -88,7 +88,11 @@ impl Receiver {
     }
 
     /// SelectSeries over Connect/protobuf.
-    fn select_series(&self, token: Option<&str>, request: &SelectSeriesRequest) -> SelectSeriesResponse {
+    fn select_series(
+        &self,
+        token: Option<&str>,
+        request: &SelectSeriesRequest,
+    ) -> SelectSeriesResponse {
         let mut call = ureq::post(format!(
             "{}/querier.v1.QuerierService/SelectSeries",
             self.url()
@@ -97,14 +101,22 @@ impl Receiver {
         if let Some(token) = token {
             call = call.header("Authorization", format!("Bearer {token}"));
         }
-        let mut response = call.send(&request.encode_to_vec()[..]).expect("SelectSeries");
+        let mut response = call
+            .send(&request.encode_to_vec()[..])
+            .expect("SelectSeries");
         let body = response.body_mut().read_to_vec().unwrap();
         SelectSeriesResponse::decode(&body[..]).unwrap()
     }
 
     /// Per stored profile of `service` (one point per profile with a 1 ms step): its time in ms
     /// and how many profiles share that millisecond (sum / average of the totals).
-    fn profiles_of(&self, token: Option<&str>, service: &str, from_ms: i64, to_ms: i64) -> BTreeMap<i64, f64> {
+    fn profiles_of(
+        &self,
+        token: Option<&str>,
+        service: &str,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> BTreeMap<i64, f64> {
         let mut request = SelectSeriesRequest {
             profile_type_id: CPU.into(),
             label_selector: format!("{{service_name=\"{service}\"}}"),
@@ -169,7 +181,9 @@ fn unix_ms() -> i64 {
 /// debug log (`profile queued for push service=... time_ns=...`).
 fn queued_profiles(log: &str, service: &str) -> Vec<i64> {
     log.lines()
-        .filter(|l| l.contains("profile queued for push") && l.contains(&format!("service=\"{service}\"")))
+        .filter(|l| {
+            l.contains("profile queued for push") && l.contains(&format!("service=\"{service}\""))
+        })
         .map(|l| {
             let field = l.split("time_ns=").nth(1).expect("time_ns field");
             field
@@ -217,14 +231,25 @@ fn start_agent(args: &[String]) -> Agent {
 }
 
 /// Waits until `service` has at least `n` profiles in the receiver.
-fn wait_for_profiles(receiver: &Receiver, token: Option<&str>, service: &str, n: usize, since_ms: i64) {
+fn wait_for_profiles(
+    receiver: &Receiver,
+    token: Option<&str>,
+    service: &str,
+    n: usize,
+    since_ms: i64,
+) {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let count = receiver.profiles_of(token, service, since_ms, unix_ms() + 60_000).len();
+        let count = receiver
+            .profiles_of(token, service, since_ms, unix_ms() + 60_000)
+            .len();
         if count >= n {
             return;
         }
-        assert!(Instant::now() < deadline, "only {count} of {n} profiles of {service} arrived");
+        assert!(
+            Instant::now() < deadline,
+            "only {count} of {n} profiles of {service} arrived"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -256,7 +281,10 @@ fn assert_exactly_once(receiver: &Receiver, service: &str, queued_ns: &[i64]) {
         stored_ms.len()
     );
     let duplicated: Vec<_> = stored.iter().filter(|(_, n)| **n != 1.0).collect();
-    assert!(duplicated.is_empty(), "stored more than once: {duplicated:?}");
+    assert!(
+        duplicated.is_empty(),
+        "stored more than once: {duplicated:?}"
+    );
 }
 
 fn intervals(log: &str) -> usize {
@@ -276,7 +304,12 @@ fn every_interval_arrives_once_with_labels_across_a_receiver_outage() {
     let mut agent = start_agent(&agent_args(
         &receiver.url(),
         fixture.pid(),
-        &["--pyroscope-label", "cluster=ci", "--pyroscope-label", "host=not-this"],
+        &[
+            "--pyroscope-label",
+            "cluster=ci",
+            "--pyroscope-label",
+            "host=not-this",
+        ],
     ));
     wait_for_profiles(&receiver, None, service, 2, started_ms);
 
@@ -284,7 +317,12 @@ fn every_interval_arrives_once_with_labels_across_a_receiver_outage() {
     // label of the same name), the extra ones.
     let labels = receiver.labels_of(service, &["service_name", "cluster", "host", "executable"]);
     assert_eq!(labels.len(), 1, "{labels:?}");
-    let value = |name: &str| labels[0].iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+    let value = |name: &str| {
+        labels[0]
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
     assert_eq!(value("cluster").as_deref(), Some("ci"));
     let executable = fp_fixture("fp_chain.c").display().to_string();
     assert_eq!(value("executable"), Some(executable));
@@ -295,7 +333,10 @@ fn every_interval_arrives_once_with_labels_across_a_receiver_outage() {
     let intervals_before = agent.intervals_flushed();
     std::thread::sleep(outage());
     let during = agent.intervals_flushed() - intervals_before;
-    assert!(during >= 2, "the agent kept sampling during the outage ({during} intervals)");
+    assert!(
+        during >= 2,
+        "the agent kept sampling during the outage ({during} intervals)"
+    );
     receiver.restart();
     let resumed = agent.intervals_flushed();
     agent.wait_for_intervals(resumed + 3, Duration::from_secs(60));
@@ -339,7 +380,13 @@ fn spooled_profiles_survive_an_agent_restart_during_an_outage() {
     assert!(first_log.contains("stay in the spool"), "{first_log}");
     let spooled = std::fs::read_dir(&spool)
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "push"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "push")
+        })
         .count();
     assert!(spooled >= 3, "{spooled} profiles in the spool");
 
@@ -351,7 +398,10 @@ fn spooled_profiles_survive_an_agent_restart_during_an_outage() {
     second.wait_for_intervals(resumed + 3, Duration::from_secs(60));
     let (status, second_log) = second.stop();
     assert!(status.success(), "{second_log}");
-    assert!(second_log.contains("sending profiles spooled by an earlier run"), "{second_log}");
+    assert!(
+        second_log.contains("sending profiles spooled by an earlier run"),
+        "{second_log}"
+    );
 
     let mut queued = queued_profiles(&first_log, service);
     queued.extend(queued_profiles(&second_log, service));
@@ -362,13 +412,19 @@ fn spooled_profiles_survive_an_agent_restart_during_an_outage() {
         .map(|e| e.unwrap().file_name())
         .filter(|n| !n.to_string_lossy().starts_with('.'))
         .collect();
-    assert!(left.is_empty(), "the spool is empty once everything arrived: {left:?}");
+    assert!(
+        left.is_empty(),
+        "the spool is empty once everything arrived: {left:?}"
+    );
     drop(fixture);
 }
 
+/// The request line and headers of each request a proxy forwarded.
+type Heads = Arc<Mutex<Vec<String>>>;
+
 /// Forwards HTTP/1.1 requests to `upstream`, recording their headers (one request per
 /// connection is enough for this test: the response closes the connection).
-fn recording_proxy(upstream: String) -> (String, Arc<Mutex<Vec<String>>>) {
+fn recording_proxy(upstream: String) -> (String, Heads) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let heads = Arc::new(Mutex::new(Vec::new()));
@@ -411,11 +467,16 @@ fn recording_proxy(upstream: String) -> (String, Arc<Mutex<Vec<String>>>) {
                 .into();
             let mut call = agent.post(format!("{upstream}{path}"));
             for (name, value) in &headers {
-                if !matches!(name.to_ascii_lowercase().as_str(), "host" | "content-length" | "connection") {
+                if !matches!(
+                    name.to_ascii_lowercase().as_str(),
+                    "host" | "content-length" | "connection"
+                ) {
                     call = call.header(name.as_str(), value.as_str());
                 }
             }
-            let Ok(mut response) = call.send(&body[..]) else { continue };
+            let Ok(mut response) = call.send(&body[..]) else {
+                continue;
+            };
             let status = response.status().as_u16();
             let answer = response.body_mut().read_to_vec().unwrap_or_default();
             let _ = write!(
@@ -436,13 +497,22 @@ fn bearer_token_and_tenant_reach_the_receiver_and_rejections_are_counted() {
     let fixture = busy_fixture(service);
     let scratch = Scratch::new("push-auth");
     let token = "s3cret-token";
-    let receiver = Receiver::start(free_port(), &scratch.path("receiver"), &["--auth-token", token]);
+    let receiver = Receiver::start(
+        free_port(),
+        &scratch.path("receiver"),
+        &["--auth-token", token],
+    );
     let (proxy_url, heads) = recording_proxy(receiver.url());
     let started_ms = unix_ms();
     let mut agent = start_agent(&agent_args(
         &proxy_url,
         fixture.pid(),
-        &["--pyroscope-token", token, "--pyroscope-tenant-id", "team-a"],
+        &[
+            "--pyroscope-token",
+            token,
+            "--pyroscope-tenant-id",
+            "team-a",
+        ],
     ));
     wait_for_profiles(&receiver, Some(token), service, 2, started_ms);
     let (status, log) = agent.stop();
@@ -453,7 +523,10 @@ fn bearer_token_and_tenant_reach_the_receiver_and_rejections_are_counted() {
         .iter()
         .find(|h| h.starts_with("POST /push.v1.PusherService/Push "))
         .expect("a push went through the proxy");
-    assert!(push.contains(&format!("authorization: Bearer {token}\n")), "{push}");
+    assert!(
+        push.contains(&format!("authorization: Bearer {token}\n")),
+        "{push}"
+    );
     assert!(push.contains("x-scope-orgid: team-a\n"), "{push}");
     assert!(push.contains("content-type: application/proto\n"), "{push}");
 
@@ -473,7 +546,9 @@ fn bearer_token_and_tenant_reach_the_receiver_and_rejections_are_counted() {
         .expect("the agent logs its address");
     let deadline = Instant::now() + Duration::from_secs(60);
     let metrics = loop {
-        let mut response = ureq::get(format!("http://{listening}/metrics")).call().unwrap();
+        let mut response = ureq::get(format!("http://{listening}/metrics"))
+            .call()
+            .unwrap();
         let text = response.body_mut().read_to_string().unwrap();
         let failed = text
             .lines()
@@ -486,9 +561,18 @@ fn bearer_token_and_tenant_reach_the_receiver_and_rejections_are_counted() {
         assert!(Instant::now() < deadline, "no rejection counted:\n{text}");
         std::thread::sleep(Duration::from_millis(200));
     };
-    assert!(metrics.contains("profiler_push_sent_total 0\n"), "{metrics}");
-    assert!(metrics.contains("profiler_push_retries_total 0\n"), "{metrics}");
+    assert!(
+        metrics.contains("profiler_push_sent_total 0\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("profiler_push_retries_total 0\n"),
+        "{metrics}"
+    );
     let (_, log) = agent.stop();
-    assert!(log.contains("Pyroscope rejected a profile (HTTP 401)"), "{log}");
+    assert!(
+        log.contains("Pyroscope rejected a profile (HTTP 401)"),
+        "{log}"
+    );
     drop(fixture);
 }

@@ -88,7 +88,7 @@ impl ServerArgs {
                 insecure_listen: self.insecure_listen,
                 max_body_bytes: self.max_body_size.min(usize::MAX as u64) as usize,
             },
-            store: (self.store.unwrap_or(store_default) == Switch::On).then(|| StoreSettings {
+            store: (self.store.unwrap_or(store_default) == Switch::On).then_some(StoreSettings {
                 data_dir: self.data_dir,
                 retention: self.retention,
                 max_bytes: self.max_store_size,

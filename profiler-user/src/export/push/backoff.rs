@@ -77,7 +77,10 @@ mod tests {
             ceilings.push(b.ceiling().as_millis());
             b.next_wait(None);
         }
-        assert_eq!(ceilings, [500, 1000, 2000, 4000, 8000, 10_000, 10_000, 10_000]);
+        assert_eq!(
+            ceilings,
+            [500, 1000, 2000, 4000, 8000, 10_000, 10_000, 10_000]
+        );
         // Far beyond 2^31 failures the ceiling stays at the maximum instead of overflowing.
         b.failures = u32::MAX - 1;
         assert_eq!(b.ceiling(), Duration::from_secs(10));
@@ -98,8 +101,14 @@ mod tests {
             waits.push(b.next_wait(None));
         }
         assert!(waits.iter().all(|w| *w <= Duration::from_secs(4)));
-        let below_1s = waits.iter().filter(|w| **w < Duration::from_secs(1)).count();
-        let above_3s = waits.iter().filter(|w| **w > Duration::from_secs(3)).count();
+        let below_1s = waits
+            .iter()
+            .filter(|w| **w < Duration::from_secs(1))
+            .count();
+        let above_3s = waits
+            .iter()
+            .filter(|w| **w > Duration::from_secs(3))
+            .count();
         // Full jitter: the whole range is used, not just the top.
         assert!(below_1s > 20 && above_3s > 20, "{below_1s} {above_3s}");
     }

@@ -22,7 +22,10 @@ pub enum Outcome {
         retry_after: Option<Duration>,
     },
     /// The receiver refused the request itself (other 4xx); retrying cannot help.
-    Rejected { status: u16, message: String },
+    Rejected {
+        status: u16,
+        message: String,
+    },
 }
 
 /// Whether a non-success HTTP status is worth retrying.
@@ -69,8 +72,8 @@ impl Client {
         match &config.auth {
             PushAuth::None => {}
             PushAuth::Basic { user, password } => {
-                let credentials = base64::engine::general_purpose::STANDARD
-                    .encode(format!("{user}:{password}"));
+                let credentials =
+                    base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
                 headers.push(("Authorization", format!("Basic {credentials}")));
             }
             PushAuth::Bearer(token) => headers.push(("Authorization", format!("Bearer {token}"))),
@@ -96,7 +99,10 @@ impl Client {
             .post(&self.endpoint)
             .header("Content-Type", "application/proto")
             .header("Connect-Protocol-Version", "1")
-            .header("Connect-Timeout-Ms", REQUEST_TIMEOUT.as_millis().to_string());
+            .header(
+                "Connect-Timeout-Ms",
+                REQUEST_TIMEOUT.as_millis().to_string(),
+            );
         for (name, value) in &self.headers {
             request = request.header(*name, value);
         }
@@ -178,7 +184,11 @@ mod tests {
             validate_url("https://profiles-prod.grafana.net/prefix").unwrap(),
             "https://profiles-prod.grafana.net/prefix"
         );
-        assert!(validate_url("127.0.0.1:4040").unwrap_err().contains("http://"));
+        assert!(
+            validate_url("127.0.0.1:4040")
+                .unwrap_err()
+                .contains("http://")
+        );
         assert!(validate_url("ftp://host").unwrap_err().contains("http://"));
         assert!(validate_url("http://").is_err());
         assert!(validate_url("http://h/?a=1").unwrap_err().contains("query"));

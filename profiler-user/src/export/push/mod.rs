@@ -67,7 +67,10 @@ pub enum PushAuth {
     #[default]
     None,
     /// Grafana Cloud: the stack's user id and an access-policy token.
-    Basic { user: String, password: String },
+    Basic {
+        user: String,
+        password: String,
+    },
     Bearer(String),
 }
 
@@ -128,10 +131,20 @@ pub struct PushArgs {
     #[arg(long, env = "PROFILER_PYROSCOPE_USER", requires = "pyroscope_password")]
     pub pyroscope_user: Option<String>,
     /// Password for HTTP basic auth (Grafana Cloud: an access-policy token).
-    #[arg(long, env = "PROFILER_PYROSCOPE_PASSWORD", hide_env_values = true, requires = "pyroscope_user")]
+    #[arg(
+        long,
+        env = "PROFILER_PYROSCOPE_PASSWORD",
+        hide_env_values = true,
+        requires = "pyroscope_user"
+    )]
     pub pyroscope_password: Option<String>,
     /// Bearer token sent as `Authorization: Bearer ...`.
-    #[arg(long, env = "PROFILER_PYROSCOPE_TOKEN", hide_env_values = true, conflicts_with = "pyroscope_user")]
+    #[arg(
+        long,
+        env = "PROFILER_PYROSCOPE_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "pyroscope_user"
+    )]
     pub pyroscope_token: Option<String>,
     /// Tenant sent as the X-Scope-OrgID header (multi-tenant Pyroscope).
     #[arg(long, env = "PROFILER_PYROSCOPE_TENANT_ID")]
@@ -163,7 +176,11 @@ impl PushArgs {
                 .ok()
                 .filter(|u| !u.trim().is_empty())
         })?;
-        let auth = match (self.pyroscope_user, self.pyroscope_password, self.pyroscope_token) {
+        let auth = match (
+            self.pyroscope_user,
+            self.pyroscope_password,
+            self.pyroscope_token,
+        ) {
             (_, _, Some(token)) if !token.is_empty() => PushAuth::Bearer(token),
             (Some(user), Some(password), _) => PushAuth::Basic { user, password },
             _ => PushAuth::None,
@@ -249,8 +266,7 @@ pub fn push_request(profile: &Profile, extra_labels: &[(String, String)]) -> Pus
         value: profile_type_name(&pprof),
     }];
     let mut add = |name: &str, value: &str| {
-        if !name.starts_with("__") && !value.is_empty() && !labels.iter().any(|l| l.name == name)
-        {
+        if !name.starts_with("__") && !value.is_empty() && !labels.iter().any(|l| l.name == name) {
             labels.push(LabelPair {
                 name: name.into(),
                 value: value.into(),
@@ -330,7 +346,10 @@ impl RateLimitedWarning {
         }
         let message = message();
         if self.suppressed > 0 {
-            tracing::warn!("{message} ({} similar warnings suppressed)", self.suppressed);
+            tracing::warn!(
+                "{message} ({} similar warnings suppressed)",
+                self.suppressed
+            );
         } else {
             tracing::warn!("{message}");
         }
@@ -469,7 +488,8 @@ fn run(shared: &Shared, client: &Client, mut backoff: Backoff) {
             let mut queue = shared.queue();
             loop {
                 if shared.stopping.load(Ordering::Relaxed) {
-                    let deadline = *stop_deadline.get_or_insert_with(|| Instant::now() + SHUTDOWN_GRACE);
+                    let deadline =
+                        *stop_deadline.get_or_insert_with(|| Instant::now() + SHUTDOWN_GRACE);
                     if queue.is_empty() || Instant::now() >= deadline {
                         drop(queue);
                         report_leftovers(shared);
@@ -477,13 +497,14 @@ fn run(shared: &Shared, client: &Client, mut backoff: Backoff) {
                     }
                 }
                 if !queue.is_empty() {
-                    let max = if send_singly > 0 { 1 } else { MAX_BATCH_PROFILES };
+                    let max = if send_singly > 0 {
+                        1
+                    } else {
+                        MAX_BATCH_PROFILES
+                    };
                     break queue.next_batch(max, MAX_BATCH_BYTES);
                 }
-                queue = shared
-                    .wake
-                    .wait(queue)
-                    .unwrap_or_else(|p| p.into_inner());
+                queue = shared.wake.wait(queue).unwrap_or_else(|p| p.into_inner());
             }
         };
         if batch.is_empty() {
@@ -515,9 +536,7 @@ fn run(shared: &Shared, client: &Client, mut backoff: Backoff) {
                 counters.failed.fetch_add(1, Ordering::Relaxed);
                 send_singly = send_singly.saturating_sub(1);
                 rejected_warning.warn(|| {
-                    format!(
-                        "Pyroscope rejected a profile (HTTP {status}), dropped it: {message}"
-                    )
+                    format!("Pyroscope rejected a profile (HTTP {status}), dropped it: {message}")
                 });
             }
             Outcome::Retry {
@@ -538,7 +557,11 @@ fn run(shared: &Shared, client: &Client, mut backoff: Backoff) {
                         "cannot push to Pyroscope, retrying with backoff: {reason}"
                     );
                 } else {
-                    tracing::debug!(retries = backoff.failures(), wait_ms = wait.as_millis() as u64, "push failed again: {reason}");
+                    tracing::debug!(
+                        retries = backoff.failures(),
+                        wait_ms = wait.as_millis() as u64,
+                        "push failed again: {reason}"
+                    );
                 }
                 let queue = shared.queue();
                 let _ = shared

@@ -247,7 +247,10 @@ mod tests {
         assert_eq!(queue.push(body(1, 100)), 0);
         assert_eq!(queue.push(body(2, 100)), 0);
         assert_eq!(queue.push(body(3, 100)), 1);
-        assert_eq!((queue.len(), queue.memory_bytes(), queue.dropped()), (2, 200, 1));
+        assert_eq!(
+            (queue.len(), queue.memory_bytes(), queue.dropped()),
+            (2, 200, 1)
+        );
         assert_eq!(tags(&queue.next_batch(10, u64::MAX)), [2, 3]);
         // A request larger than the whole bound cannot be kept at all.
         queue.release();
@@ -281,7 +284,11 @@ mod tests {
         queue.release();
         assert_eq!(tags(&queue.next_batch(10, 25)), [1, 2]);
         queue.complete();
-        assert_eq!(tags(&queue.next_batch(10, 5)), [3], "at least one, even if larger");
+        assert_eq!(
+            tags(&queue.next_batch(10, 5)),
+            [3],
+            "at least one, even if larger"
+        );
         queue.complete();
         assert_eq!(tags(&queue.next_batch(10, u64::MAX)), [4, 5]);
         queue.complete();
@@ -330,7 +337,13 @@ mod tests {
         assert_eq!(queue.spool_bytes(), 0);
         let files = std::fs::read_dir(dir.path())
             .unwrap()
-            .filter(|e| !e.as_ref().unwrap().file_name().to_string_lossy().starts_with('.'))
+            .filter(|e| {
+                !e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with('.')
+            })
             .count();
         assert_eq!(files, 0, "sent and dropped requests leave no files");
     }
@@ -361,7 +374,10 @@ mod tests {
         assert_eq!(queue.len(), 4);
         assert_eq!(tags(&queue.next_batch(10, u64::MAX)), [2, 4]);
         assert_eq!(queue.dropped(), 2);
-        assert!(!files[0].exists() && !files[2].exists(), "corrupted files are deleted");
+        assert!(
+            !files[0].exists() && !files[2].exists(),
+            "corrupted files are deleted"
+        );
         queue.complete();
         assert!(queue.is_empty());
         assert_eq!(queue.spool_bytes(), 0);

@@ -98,7 +98,9 @@ impl Spool {
                     id,
                     file_bytes: meta.len(),
                 }),
-                _ => tracing::warn!(file = %entry.path().display(), "skipping an unreadable spool entry"),
+                _ => {
+                    tracing::warn!(file = %entry.path().display(), "skipping an unreadable spool entry")
+                }
             }
         }
         entries.sort_by_key(|e| e.id);
@@ -230,7 +232,10 @@ mod tests {
         let cases: [(&[u8], SpoolReadError); 6] = [
             (&[], SpoolReadError::BadHeader),
             (b"PRSPOOL1", SpoolReadError::BadHeader),
-            (b"garbage that is long enough to hold a header", SpoolReadError::BadHeader),
+            (
+                b"garbage that is long enough to hold a header",
+                SpoolReadError::BadHeader,
+            ),
             (&good[..good.len() - 3], SpoolReadError::BadLength),
             (&long, SpoolReadError::BadLength),
             (&flipped, SpoolReadError::BadChecksum),

@@ -63,12 +63,19 @@ fn requests_carry_the_profile_type_name_and_labels() {
     let names: Vec<&str> = series.labels.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["__name__", "cluster", "host", "service_name"]);
     assert_eq!(label(&series.labels, "__name__"), Some("process_cpu"));
-    assert_eq!(label(&series.labels, "host"), Some("h1"), "the profile's own labels win");
+    assert_eq!(
+        label(&series.labels, "host"),
+        Some("h1"),
+        "the profile's own labels win"
+    );
     assert_eq!(label(&series.labels, "cluster"), Some("prod"));
     let sample = &series.samples[0];
     assert_eq!(sample.id.len(), 36);
     assert_eq!(&sample.id[14..15], "4", "a version 4 UUID");
-    assert!(sample.raw_profile.starts_with(&[0x1f, 0x8b]), "gzipped pprof");
+    assert!(
+        sample.raw_profile.starts_with(&[0x1f, 0x8b]),
+        "gzipped pprof"
+    );
     let pprof = ingest::decode_pprof(&sample.raw_profile, 1 << 20).unwrap();
     assert_eq!(pprof, build_pprof(&profile));
     // Concatenated requests decode as one request with every series (how batches are built).
@@ -85,9 +92,15 @@ fn profile_type_names_follow_pyroscope() {
     strings.push("cuda_kernel_time".into());
     strings.push("alloc_space".into());
     let (cuda, alloc) = (strings.len() as i64 - 2, strings.len() as i64 - 1);
-    pprof.sample_type = vec![proto::ValueType { r#type: cuda, unit: 0 }];
+    pprof.sample_type = vec![proto::ValueType {
+        r#type: cuda,
+        unit: 0,
+    }];
     assert_eq!(profile_type_name(&pprof), "gpu");
-    pprof.sample_type = vec![proto::ValueType { r#type: alloc, unit: 0 }];
+    pprof.sample_type = vec![proto::ValueType {
+        r#type: alloc,
+        unit: 0,
+    }];
     assert_eq!(profile_type_name(&pprof), "memory");
 }
 
@@ -99,7 +112,11 @@ fn labels_and_flags_are_validated() {
     );
     assert_eq!(parse_label("a.b=c=d").unwrap().1, "c=d");
     assert!(parse_label("team").unwrap_err().contains("NAME=VALUE"));
-    assert!(parse_label("1x=y").unwrap_err().contains("not starting with a digit"));
+    assert!(
+        parse_label("1x=y")
+            .unwrap_err()
+            .contains("not starting with a digit")
+    );
     assert!(parse_label("a-b=y").is_err());
     assert!(parse_label("__name__=y").unwrap_err().contains("reserved"));
     assert!(parse_label("team=").unwrap_err().contains("1 to 2048"));
@@ -107,8 +124,11 @@ fn labels_and_flags_are_validated() {
     let agent = |args: &[&str]| -> Result<AgentConfig, String> {
         let mut argv = vec!["profiler", "agent"];
         argv.extend_from_slice(args);
-        match Cli::try_parse_from(argv).map_err(|e| e.to_string())?.command {
-            Command::Agent(args) => Ok(args.into()),
+        match Cli::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .command
+        {
+            Command::Agent(args) => Ok((*args).into()),
             _ => unreachable!(),
         }
     };
@@ -116,7 +136,10 @@ fn labels_and_flags_are_validated() {
     unsafe { std::env::remove_var("PYROSCOPE_URL") };
     let without = agent(&[]).unwrap();
     assert!(without.push.is_none());
-    assert!(without.serve.store.is_some(), "the store is the default without a URL");
+    assert!(
+        without.serve.store.is_some(),
+        "the store is the default without a URL"
+    );
 
     let with = agent(&[
         "--pyroscope-url",
@@ -137,11 +160,17 @@ fn labels_and_flags_are_validated() {
         "/tmp/spool",
     ])
     .unwrap();
-    assert!(with.serve.store.is_none(), "a URL turns the store off by default");
+    assert!(
+        with.serve.store.is_none(),
+        "a URL turns the store off by default"
+    );
     let push = with.push.unwrap();
     assert_eq!(push.url, "http://pyro:4040");
     assert_eq!(push.auth, PushAuth::Bearer("secret".into()));
-    assert!(!format!("{push:?}").contains("secret"), "secrets stay out of logs");
+    assert!(
+        !format!("{push:?}").contains("secret"),
+        "secrets stay out of logs"
+    );
     assert_eq!(push.tenant_id.as_deref(), Some("team-a"));
     assert_eq!(push.extra_labels.len(), 2);
     assert_eq!(push.queue_bytes, 1 << 20);
@@ -167,7 +196,11 @@ fn labels_and_flags_are_validated() {
         }
     );
 
-    assert!(agent(&["--pyroscope-url", "pyro:4040"]).unwrap_err().contains("http://"));
+    assert!(
+        agent(&["--pyroscope-url", "pyro:4040"])
+            .unwrap_err()
+            .contains("http://")
+    );
     assert!(agent(&["--pyroscope-url", "http://p", "--pyroscope-user", "u"]).is_err());
     assert!(
         agent(&["--pyroscope-url", "http://p", "--pyroscope-label", "x"])
@@ -215,7 +248,8 @@ fn pushes_reach_our_own_receiver_with_labels() {
     assert_eq!(services.into_iter().collect::<Vec<_>>(), ["api", "worker"]);
     assert!(series.iter().all(|s| {
         s.labels.contains(&("cluster".into(), "c1".into()))
-            && s.labels.contains(&("__name__".into(), "process_cpu".into()))
+            && s.labels
+                .contains(&("__name__".into(), "process_cpu".into()))
     }));
 
     // A wrong token is a 401: dropped and counted, not retried.
@@ -229,11 +263,14 @@ fn pushes_reach_our_own_receiver_with_labels() {
     assert_eq!(store.profile_count().unwrap(), 3 * per_profile);
 }
 
+/// (request head, body) of each request received.
+type Recorded = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
 /// Answers each request with the next status of a script (then 200), recording the bodies and
 /// headers it got.
 struct ScriptedReceiver {
     url: String,
-    requests: Arc<Mutex<Vec<(String, Vec<u8>)>>>,
+    requests: Recorded,
 }
 
 impl ScriptedReceiver {
@@ -314,7 +351,10 @@ fn retries_429_5xx_and_drops_other_4xx() {
     let requests = receiver.requests.lock().unwrap();
     let (head, body) = &requests[0];
     let head = head.to_ascii_lowercase();
-    assert!(head.starts_with("post /push.v1.pusherservice/push "), "{head}");
+    assert!(
+        head.starts_with("post /push.v1.pusherservice/push "),
+        "{head}"
+    );
     assert!(head.contains("content-type: application/proto"));
     assert!(head.contains("connect-protocol-version: 1"));
     assert!(head.contains("x-scope-orgid: tenant-7"));
@@ -350,7 +390,12 @@ fn a_rejected_batch_is_retried_profile_by_profile() {
     let m = metrics(&pusher);
     assert_eq!((m.push_sent, m.push_failed), (2, 1));
     let requests = receiver.requests.lock().unwrap();
-    let series = |i: usize| PushRequest::decode(&requests[i].1[..]).unwrap().series.len();
+    let series = |i: usize| {
+        PushRequest::decode(&requests[i].1[..])
+            .unwrap()
+            .series
+            .len()
+    };
     assert_eq!((series(0), series(1), series(2), series(3)), (3, 1, 1, 1));
     pusher.finish();
 }
@@ -361,7 +406,9 @@ fn without_a_spool_the_memory_bound_drops_the_oldest() {
     let port = listener.local_addr().unwrap().port();
     drop(listener);
     let mut config = PushConfig::new(format!("http://127.0.0.1:{port}"));
-    let one = push_request(&test_fixture::profile(), &[]).encode_to_vec().len() as u64;
+    let one = push_request(&test_fixture::profile(), &[])
+        .encode_to_vec()
+        .len() as u64;
     config.queue_bytes = one * 2 + one / 2;
     config.max_backoff = Duration::from_secs(30);
     let (pusher, mut sink) = Pusher::start(&config).unwrap();
