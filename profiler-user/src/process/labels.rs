@@ -5,8 +5,9 @@
 //! 1. **Explicit configuration in the process's own environment**: `OTEL_SERVICE_NAME`, else
 //!    `PYROSCOPE_APPLICATION_NAME` with a Pyroscope-style `{tag=value,...}` suffix removed.
 //! 2. **Where it runs**:
-//!    - in a Kubernetes pod (a pod uid in its cgroup): the pod name, which kubelet puts in the
-//!      `HOSTNAME` environment variable, else `pod-<first 8 characters of the uid>`;
+//!    - in a Kubernetes pod (a pod uid in its cgroup): `<namespace>/<container>` when both are
+//!      known (stable across restarts and replicas, as Grafana Alloy names them), else the pod
+//!      name, else `pod-<first 8 characters of the uid>` (sources: [`super::kubernetes`]);
 //!    - in a container: the `HOSTNAME` environment variable, else the 12-character container id
 //!      prefix (as `docker ps` shows it);
 //!    - in a systemd service: the unit name without `.service` (`nginx.service` → `nginx`),
@@ -24,7 +25,7 @@
 //! Kernel threads are always `kernel`.
 use std::collections::BTreeMap;
 
-use super::cgroup::CgroupInfo;
+use super::{cgroup::CgroupInfo, kubernetes::KubernetesNames};
 use crate::model::ProcessLabels;
 
 /// `PF_KTHREAD` in the flags field of /proc/PID/stat.
@@ -35,6 +36,11 @@ pub const LABEL_ENV_VARS: &[&str] = &[
     "OTEL_SERVICE_NAME",
     "PYROSCOPE_APPLICATION_NAME",
     "HOSTNAME",
+    // KUBERNETES_ENV_VARS, spelled out because const slices cannot be concatenated (a test
+    // checks they are all here).
+    "POD_NAMESPACE",
+    "POD_NAME",
+    "CONTAINER_NAME",
 ];
 
 /// The service name of kernel threads.
@@ -52,6 +58,8 @@ pub struct LabelInputs<'a> {
     /// The process name.
     pub comm: &'a str,
     pub cgroup: &'a CgroupInfo,
+    /// Namespace, pod and container names (empty outside pods).
+    pub kubernetes: &'a KubernetesNames,
     /// The agent's host name.
     pub host: &'a str,
     pub is_kernel_thread: bool,
@@ -96,9 +104,7 @@ pub fn derive_labels(inputs: &LabelInputs<'_>) -> ProcessLabels {
         return ProcessLabels {
             service_name: KERNEL_SERVICE_NAME.to_owned(),
             executable: String::new(),
-            container_id: None,
-            pod_uid: None,
-            systemd_unit: None,
+            ..ProcessLabels::default()
         };
     }
     ProcessLabels {
@@ -107,6 +113,9 @@ pub fn derive_labels(inputs: &LabelInputs<'_>) -> ProcessLabels {
         container_id: inputs.cgroup.container_id.clone(),
         pod_uid: inputs.cgroup.pod_uid.clone(),
         systemd_unit: inputs.cgroup.systemd_unit.clone(),
+        namespace: inputs.kubernetes.namespace.clone(),
+        pod: inputs.kubernetes.pod.clone(),
+        container: inputs.kubernetes.container.clone(),
     }
 }
 
@@ -147,7 +156,11 @@ fn placement_name(inputs: &LabelInputs<'_>) -> Option<String> {
         .filter(|h| *h != inputs.host);
     let cgroup = inputs.cgroup;
     if let Some(uid) = &cgroup.pod_uid {
-        return Some(match own_hostname {
+        let kubernetes = inputs.kubernetes;
+        if let (Some(namespace), Some(container)) = (&kubernetes.namespace, &kubernetes.container) {
+            return Some(format!("{namespace}/{container}"));
+        }
+        return Some(match kubernetes.pod.as_deref().or(own_hostname) {
             Some(pod_name) => pod_name.to_owned(),
             None => format!("pod-{}", prefix(uid, 8)),
         });
@@ -443,6 +456,7 @@ mod tests {
             exe: Some(exe),
             comm: "comm",
             cgroup: &cgroup,
+            kubernetes: &KubernetesNames::default(),
             host: "node-1",
             is_kernel_thread: false,
         })
@@ -472,6 +486,7 @@ mod tests {
                 exe: Some("/usr/bin/python3.11"),
                 comm: "python3",
                 cgroup: &cgroup,
+                kubernetes: &KubernetesNames::default(),
                 host: "node-1",
                 is_kernel_thread: false,
             })
@@ -497,6 +512,7 @@ mod tests {
                 exe: Some("/app/server"),
                 comm: "server",
                 cgroup: &cgroup,
+                kubernetes: &KubernetesNames::default(),
                 host: "node-1",
                 is_kernel_thread: false,
             });
@@ -546,6 +562,62 @@ mod tests {
             "server",
         );
         check(CgroupInfo::default(), &[("HOSTNAME", "laptop")], "server");
+    }
+
+    #[test]
+    fn the_kubernetes_variables_are_kept() {
+        for name in super::super::kubernetes::KUBERNETES_ENV_VARS {
+            assert!(LABEL_ENV_VARS.contains(name), "{name}");
+        }
+        let kept = parse_environ(b"POD_NAME=web-0\0POD_NAMESPACE=shop\0CONTAINER_NAME=app\0X=1");
+        assert_eq!(kept.len(), 3);
+    }
+
+    #[test]
+    fn kubernetes_names_become_labels_and_the_service_name() {
+        let cmdline = args("/app/server");
+        let environment = env(&[("HOSTNAME", "trainer-7f9c-abcde")]);
+        let pod = CgroupInfo {
+            container_id: Some(ID.to_owned()),
+            pod_uid: Some(UID.to_owned()),
+            ..CgroupInfo::default()
+        };
+        let some = |v: &str| Some(v.to_owned());
+        let full = KubernetesNames {
+            namespace: some("ml"),
+            pod: some("trainer-7f9c-abcde"),
+            container: some("trainer"),
+        };
+        let labels_with = |kubernetes: &KubernetesNames| {
+            derive_labels(&LabelInputs {
+                cmdline: &cmdline,
+                env: &environment,
+                exe: Some("/app/server"),
+                comm: "server",
+                cgroup: &pod,
+                kubernetes,
+                host: "node-1",
+                is_kernel_thread: false,
+            })
+        };
+        let labels = labels_with(&full);
+        // Stable across replicas and restarts, unlike the pod name.
+        assert_eq!(labels.service_name, "ml/trainer");
+        assert_eq!(labels.namespace.as_deref(), Some("ml"));
+        assert_eq!(labels.pod.as_deref(), Some("trainer-7f9c-abcde"));
+        assert_eq!(labels.container.as_deref(), Some("trainer"));
+        assert_eq!(labels.pod_uid.as_deref(), Some(UID));
+        // Without the container name: the pod name.
+        let no_container = KubernetesNames {
+            container: None,
+            pod: some("trainer-0"),
+            ..full.clone()
+        };
+        assert_eq!(labels_with(&no_container).service_name, "trainer-0");
+        assert_eq!(
+            labels_with(&KubernetesNames::default()).service_name,
+            "trainer-7f9c-abcde"
+        );
     }
 
     #[test]
@@ -599,6 +671,7 @@ mod tests {
             exe: None,
             comm: "python3.12",
             cgroup: &cgroup,
+            kubernetes: &KubernetesNames::default(),
             host: "h",
             is_kernel_thread: false,
         };
@@ -672,6 +745,7 @@ mod tests {
             exe: None,
             comm: "worker",
             cgroup: &cgroup,
+            kubernetes: &KubernetesNames::default(),
             host: "h",
             is_kernel_thread: false,
         };

@@ -8,6 +8,7 @@
 //! snapshot has been unused for a whole interval.
 pub mod cgroup;
 pub mod files;
+pub mod kubernetes;
 pub mod labels;
 mod lru;
 pub mod maps;
@@ -25,6 +26,7 @@ use tracing::debug;
 use self::{
     cgroup::parse_cgroup,
     files::FileCache,
+    kubernetes::{KubernetesNames, KubernetesSources, kubernetes_names},
     labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
     lru::Lru,
     maps::executable_mappings,
@@ -349,12 +351,23 @@ pub fn read_process(
             .unwrap_or_default();
         (env, cgroup, mappings)
     };
+    let kubernetes = match (&cgroup.pod_uid, process_dir.parent()) {
+        (Some(_), Some(proc_root)) => kubernetes_names(&KubernetesSources {
+            process_dir,
+            host_root: &proc_root.join("1").join("root"),
+            container_id: cgroup.container_id.as_deref(),
+            env: &env,
+            host,
+        }),
+        _ => KubernetesNames::default(),
+    };
     let labels = derive_labels(&LabelInputs {
         cmdline: &cmdline,
         env: &env,
         exe: exe.as_deref(),
         comm: &comm,
         cgroup: &cgroup,
+        kubernetes: &kubernetes,
         host,
         is_kernel_thread,
     });

@@ -31,7 +31,7 @@ use self::{
     queue::PushQueue,
     spool::{Spool, SpoolError},
 };
-use super::{ExportError, ProfileSink, pprof::build_pprof, proto};
+use super::{ExportError, ProfileSink, pprof::build_pprof};
 use crate::{
     model::Profile,
     self_metrics::SelfMetrics,
@@ -235,35 +235,14 @@ fn parse_label(text: &str) -> Result<(String, String), String> {
     Ok((name.to_owned(), value.to_owned()))
 }
 
-/// Pyroscope's profile type name (`__name__`) for a pprof of ours (docs/pyroscope.md §2.5):
-/// `process_cpu` for CPU time, `gpu` for CUDA/GPU sample types, else Pyroscope's own rule.
-pub fn profile_type_name(pprof: &proto::Profile) -> String {
-    let type_of = |t: &proto::ValueType| {
-        pprof
-            .string_table
-            .get(t.r#type as usize)
-            .map_or("", String::as_str)
-    };
-    let types: Vec<&str> = pprof.sample_type.iter().map(type_of).collect();
-    if types.contains(&"cpu") {
-        return "process_cpu".into();
-    }
-    if types
-        .iter()
-        .any(|t| t.starts_with("cuda_") || t.starts_with("gpu_"))
-    {
-        return "gpu".into();
-    }
-    crate::store::ingest::derive_pprof_name(pprof)
-}
-
 /// One profile as a `PushRequest`: series labels `__name__`, the profile's labels (with
 /// `service_name`), then the extra labels the profile does not already have.
 pub fn push_request(profile: &Profile, extra_labels: &[(String, String)]) -> PushRequest {
     let pprof = build_pprof(profile);
+    // Pyroscope's profile type name, as the embedded store names it (docs/pyroscope.md §2.5).
     let mut labels = vec![LabelPair {
         name: "__name__".into(),
-        value: profile_type_name(&pprof),
+        value: profile.kind.name().into(),
     }];
     let mut add = |name: &str, value: &str| {
         if !name.starts_with("__") && !value.is_empty() && !labels.iter().any(|l| l.name == name) {

@@ -85,23 +85,20 @@ fn requests_carry_the_profile_type_name_and_labels() {
 }
 
 #[test]
-fn profile_type_names_follow_pyroscope() {
-    let mut pprof = build_pprof(&test_fixture::profile());
-    assert_eq!(profile_type_name(&pprof), "process_cpu");
-    let strings = &mut pprof.string_table;
-    strings.push("cuda_kernel_time".into());
-    strings.push("alloc_space".into());
-    let (cuda, alloc) = (strings.len() as i64 - 2, strings.len() as i64 - 1);
-    pprof.sample_type = vec![proto::ValueType {
-        r#type: cuda,
-        unit: 0,
-    }];
-    assert_eq!(profile_type_name(&pprof), "gpu");
-    pprof.sample_type = vec![proto::ValueType {
-        r#type: alloc,
-        unit: 0,
-    }];
-    assert_eq!(profile_type_name(&pprof), "memory");
+fn every_profile_kind_is_named_as_pyroscope_expects() {
+    let mut profile = test_fixture::profile();
+    let name = |profile: &Profile| {
+        let request = push_request(profile, &[]);
+        label(&request.series[0].labels, "__name__").map(str::to_owned)
+    };
+    profile.kind = crate::model::ProfileKind::Cpu;
+    assert_eq!(name(&profile).as_deref(), Some("process_cpu"));
+    for kind in crate::model::ProfileKind::CUDA {
+        profile.kind = kind;
+        let pushed = name(&profile).unwrap();
+        assert_eq!(pushed, kind.name());
+        assert!(!pushed.contains(':') && !pushed.contains('-') && !pushed.is_empty());
+    }
 }
 
 #[test]
