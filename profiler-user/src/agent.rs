@@ -21,7 +21,10 @@ use crate::{
         Sampler, SamplerSettings,
     },
     config::{AgentConfig, RecordConfig, SamplingConfig},
-    export::{self, DirectorySink, ExportError, ProfileSink},
+    export::{
+        self, DirectorySink, ExportError, ProfileSink,
+        push::{PushError, Pusher},
+    },
     gpu::{
         discovery::{Discovery, function_name},
         events::{
@@ -61,6 +64,8 @@ pub enum AgentError {
     OutputNotWritable { path: String, message: String },
     #[error(transparent)]
     Serve(#[from] ServeError),
+    #[error(transparent)]
+    Push(#[from] PushError),
 }
 
 /// What a finished recording produced.
@@ -589,10 +594,12 @@ struct Exporter {
     queue: Option<crossbeam_channel::Sender<Vec<Profile>>>,
     thread: Option<std::thread::JoinHandle<()>>,
     counters: Arc<ExportCounters>,
+    /// Sends what the push sink queued, on its own thread.
+    pusher: Option<Pusher>,
 }
 
 impl Exporter {
-    fn spawn(mut sink: impl ProfileSink + Send + 'static) -> Exporter {
+    fn spawn(mut sink: impl ProfileSink + Send + 'static, pusher: Option<Pusher>) -> Exporter {
         let (queue, batches) = crossbeam_channel::bounded::<Vec<Profile>>(EXPORT_QUEUE);
         let counters = Arc::new(ExportCounters::default());
         let thread = {
@@ -616,6 +623,7 @@ impl Exporter {
             queue: Some(queue),
             thread: Some(thread),
             counters,
+            pusher,
         }
     }
 
@@ -632,17 +640,24 @@ impl Exporter {
         }
     }
 
-    /// Waits until everything submitted has been written.
+    /// Waits until everything submitted has been written (and pushed, or spooled, as far as
+    /// the receiver allows).
     fn finish(&mut self) {
         self.queue = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+        if let Some(pusher) = self.pusher.take() {
+            pusher.finish();
         }
     }
 
     fn add_to(&self, metrics: &mut SelfMetrics) {
         metrics.profiles_written = self.counters.written.load(Ordering::Relaxed);
         metrics.export_errors = self.counters.errors.load(Ordering::Relaxed);
+        if let Some(pusher) = &self.pusher {
+            pusher.add_to(metrics);
+        }
     }
 }
 
@@ -690,7 +705,15 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     if let Some(store) = &serving.store {
         outputs.push(Box::new(StoreSink::new(store.clone())));
     }
-    let mut exporter = Exporter::spawn(Outputs(outputs));
+    let pusher = match &config.push {
+        Some(push) => {
+            let (pusher, sink) = Pusher::start(push)?;
+            outputs.push(Box::new(sink));
+            Some(pusher)
+        }
+        None => None,
+    };
+    let mut exporter = Exporter::spawn(Outputs(outputs), pusher);
     let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
     let mut pipeline = Pipeline::new(
         Grouping::PerService,
@@ -709,6 +732,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         interval_s = config.interval.as_secs_f64(),
         output_dir = ?config.output_dir,
         store = ?config.serve.store.as_ref().map(|s| &s.data_dir),
+        pyroscope = ?config.push.as_ref().map(|p| &p.url),
         url = %format!("http://{}/", serving.local_addr()),
         "agent running"
     );

@@ -9,8 +9,8 @@ use crate::{
         AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_CUDA_STACKS_PER_SECOND, DEFAULT_UNWIND_TABLE_MIB,
         GpuConfig, RecordConfig, SamplingConfig,
     },
-    export::OutputFormat,
-    server::serve::ServerArgs,
+    export::{OutputFormat, push::PushArgs},
+    server::serve::{ServerArgs, Switch},
 };
 
 #[derive(Debug, Parser)]
@@ -41,7 +41,7 @@ pub enum Command {
     /// Profile for a fixed time and write one profile file.
     Record(RecordArgs),
     /// Profile continuously; every interval store one profile per service and serve the web UI.
-    Agent(AgentArgs),
+    Agent(Box<AgentArgs>),
     /// Only the profile store and HTTP server (web UI, Pyroscope-compatible ingest and query
     /// API), without sampling.
     Server(ServerArgs),
@@ -119,6 +119,8 @@ pub struct AgentArgs {
     pub output_dir: Option<PathBuf>,
     #[command(flatten)]
     pub server: ServerArgs,
+    #[command(flatten)]
+    pub push: PushArgs,
 }
 
 fn parse_pid(text: &str) -> Result<u32, String> {
@@ -181,11 +183,19 @@ impl From<RecordArgs> for RecordConfig {
 
 impl From<AgentArgs> for AgentConfig {
     fn from(args: AgentArgs) -> Self {
+        let push = args.push.into_config();
+        // Pushing to Pyroscope replaces the embedded store unless --store on asks for both.
+        let store_default = if push.is_some() {
+            Switch::Off
+        } else {
+            Switch::On
+        };
         AgentConfig {
             sampling: args.sampling.into_config(),
             interval: args.interval,
             output_dir: args.output_dir,
-            serve: args.server.into(),
+            serve: args.server.into_config(store_default),
+            push,
         }
     }
 }

@@ -1,7 +1,10 @@
 //! Validated settings, independent of the command line that produced them.
 use std::{path::PathBuf, time::Duration};
 
-use crate::{export::OutputFormat, server::serve::ServeConfig};
+use crate::{
+    export::{OutputFormat, push::PushConfig},
+    server::serve::ServeConfig,
+};
 
 /// Settings shared by every mode that samples.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,4 +95,6 @@ pub struct AgentConfig {
     pub output_dir: Option<PathBuf>,
     /// The embedded store and HTTP server.
     pub serve: ServeConfig,
+    /// Push to Pyroscope (`--pyroscope-url`).
+    pub push: Option<PushConfig>,
 }

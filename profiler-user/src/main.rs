@@ -17,7 +17,7 @@ fn main() {
     }
     let result = match cli.command {
         Command::Record(args) => profiler::agent::record(&args.into(), &stop).map(|_| ()),
-        Command::Agent(args) => profiler::agent::run_agent(&args.into(), stop),
+        Command::Agent(args) => profiler::agent::run_agent(&(*args).into(), stop),
         Command::Server(args) => {
             profiler::server::serve::run_server(&args.into(), &stop).map_err(Into::into)
         }

@@ -47,6 +47,15 @@ pub struct SelfMetrics {
     pub store_bytes: u64,
     pub http_requests: u64,
     pub http_errors: u64,
+    /// Push to Pyroscope: profiles accepted, rejected (4xx, dropped), failed attempts retried,
+    /// profiles dropped by the queue bounds or unreadable in the spool, bytes queued in memory
+    /// and on disk.
+    pub push_sent: u64,
+    pub push_failed: u64,
+    pub push_retries: u64,
+    pub push_dropped: u64,
+    pub push_queue_bytes: u64,
+    pub spool_bytes: u64,
     pub native_tables: NativeTableStats,
     pub python: PythonStats,
     pub agent_cpu: Duration,
@@ -265,6 +274,42 @@ impl SelfMetrics {
                 "HTTP requests answered with an error status",
                 self.http_errors,
                 "counter",
+            ),
+            (
+                "push_sent_total",
+                "Profiles accepted by Pyroscope",
+                self.push_sent,
+                "counter",
+            ),
+            (
+                "push_failed_total",
+                "Profiles Pyroscope rejected (4xx other than 408/429), dropped",
+                self.push_failed,
+                "counter",
+            ),
+            (
+                "push_retries_total",
+                "Push attempts that failed and were retried (network errors, 408, 429, 5xx)",
+                self.push_retries,
+                "counter",
+            ),
+            (
+                "push_dropped_total",
+                "Profiles dropped by the push queue bounds or unreadable in the spool",
+                self.push_dropped,
+                "counter",
+            ),
+            (
+                "push_queue_bytes",
+                "Bytes of profiles waiting in the in-memory push queue",
+                self.push_queue_bytes,
+                "gauge",
+            ),
+            (
+                "spool_bytes",
+                "Bytes of profiles waiting in the disk spool",
+                self.spool_bytes,
+                "gauge",
             ),
         ] {
             push(name, help, value as f64, kind);

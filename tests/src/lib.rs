@@ -508,6 +508,11 @@ impl Agent {
     /// `sampler attached`). Unless `args` say otherwise the agent's HTTP server listens on a
     /// free loopback port and its store is off ([`agent_isolation_args`]).
     pub fn start(args: &[&str]) -> Agent {
+        Agent::start_with_env(args, &[])
+    }
+
+    /// Like [`Agent::start`], with extra environment variables (they may override `RUST_LOG`).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Agent {
         use std::io::BufRead;
         let mut command = Command::new(profiler_bin());
         command
@@ -515,6 +520,7 @@ impl Agent {
             .args(agent_isolation_args(args))
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         for var in server_harness::SERVER_ENV {

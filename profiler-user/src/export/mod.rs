@@ -1,10 +1,12 @@
-//! The export stage: turns aggregated [`Profile`]s into files (gzipped pprof or folded stacks).
+//! The export stage: turns aggregated [`Profile`]s into files (gzipped pprof or folded stacks),
+//! and pushes them to Grafana Pyroscope ([`push`]).
 //!
 //! Files are always written atomically (temp file in the same directory, fsync, rename), so a
 //! reader never sees a partial profile.
 pub mod folded;
 pub mod pprof;
 pub mod proto;
+pub mod push;
 
 use std::{
     fmt,

@@ -31,9 +31,10 @@ pub struct ServerArgs {
     /// Beyond loopback it requires --auth-token or --insecure-listen.
     #[arg(long, env = "PROFILER_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
-    /// Keep profiles in the embedded store (queried by the web UI and the API).
-    #[arg(long, env = "PROFILER_STORE", value_enum, default_value_t = Switch::On)]
-    pub store: Switch,
+    /// Keep profiles in the embedded store (queried by the web UI and the API). Default: on, but
+    /// off for `profiler agent` with --pyroscope-url (pass --store on to keep both).
+    #[arg(long, env = "PROFILER_STORE", value_enum)]
+    pub store: Option<Switch>,
     /// Directory of the embedded store.
     #[arg(long, env = "PROFILER_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
@@ -73,24 +74,31 @@ impl Default for ServeConfig {
 
 impl From<ServerArgs> for ServeConfig {
     fn from(args: ServerArgs) -> Self {
+        args.into_config(Switch::On)
+    }
+}
+
+impl ServerArgs {
+    /// The settings, with `store_default` when --store was not given.
+    pub fn into_config(self, store_default: Switch) -> ServeConfig {
         ServeConfig {
             server: ServerConfig {
-                listen: args.listen,
-                auth_token: args.auth_token.filter(|t| !t.is_empty()),
-                insecure_listen: args.insecure_listen,
-                max_body_bytes: args.max_body_size.min(usize::MAX as u64) as usize,
+                listen: self.listen,
+                auth_token: self.auth_token.filter(|t| !t.is_empty()),
+                insecure_listen: self.insecure_listen,
+                max_body_bytes: self.max_body_size.min(usize::MAX as u64) as usize,
             },
-            store: (args.store == Switch::On).then_some(StoreSettings {
-                data_dir: args.data_dir,
-                retention: args.retention,
-                max_bytes: args.max_store_size,
+            store: (self.store.unwrap_or(store_default) == Switch::On).then_some(StoreSettings {
+                data_dir: self.data_dir,
+                retention: self.retention,
+                max_bytes: self.max_store_size,
             }),
         }
     }
 }
 
 /// `7d`, `12h`, `90m`, `30s` or plain seconds.
-fn parse_age(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_age(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let (number, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
         Some(pos) => text.split_at(pos),
@@ -117,7 +125,7 @@ fn parse_age(text: &str) -> Result<Duration, String> {
 }
 
 /// `10GiB`, `500MiB`, `64KiB`, `1GB`, or plain bytes.
-fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
     let (number, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
         Some(pos) => text.split_at(pos),

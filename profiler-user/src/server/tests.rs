@@ -45,14 +45,14 @@ impl TestServer {
     }
 
     fn post(&self, path: &str, content_type: &str, body: &[u8]) -> (u16, Vec<u8>) {
-        let response = ureq::post(&self.url(path))
+        let response = ureq2::post(&self.url(path))
             .set("Content-Type", content_type)
             .send_bytes(body);
         read(response)
     }
 
     fn get(&self, path: &str) -> (u16, Vec<u8>) {
-        read(ureq::get(&self.url(path)).call())
+        read(ureq2::get(&self.url(path)).call())
     }
 
     fn query<Req: prost::Message + serde::Serialize, Resp: prost::Message + Default>(
@@ -84,10 +84,10 @@ impl TestServer {
     }
 }
 
-fn read(response: Result<ureq::Response, ureq::Error>) -> (u16, Vec<u8>) {
+fn read(response: Result<ureq2::Response, ureq2::Error>) -> (u16, Vec<u8>) {
     let response = match response {
         Ok(response) => response,
-        Err(ureq::Error::Status(_, response)) => response,
+        Err(ureq2::Error::Status(_, response)) => response,
         Err(err) => panic!("{err}"),
     };
     let status = response.status();
@@ -165,7 +165,7 @@ fn push_then_query_in_both_codecs() {
     let server = TestServer::start();
     // Protobuf, gzipped as a whole like pyroscope-rs does.
     let body = gzip(&push_request("api", fixture_pprof()).encode_to_vec());
-    let response = ureq::post(&server.url("/push.v1.PusherService/Push"))
+    let response = ureq2::post(&server.url("/push.v1.PusherService/Push"))
         .set("Content-Type", "application/proto")
         .set("Content-Encoding", "gzip")
         .send_bytes(&body);
@@ -488,7 +488,7 @@ fn bad_input_gets_a_json_4xx_and_stores_nothing() {
     let bomb = encoder.finish().unwrap();
     assert!(bomb.len() < 64 << 10);
     let (status, body) = read(
-        ureq::post(&server.url(push))
+        ureq2::post(&server.url(push))
             .set("Content-Type", "application/proto")
             .set("Content-Encoding", "gzip")
             .send_bytes(&bomb),
@@ -515,11 +515,11 @@ fn token_guards_everything_but_metrics() {
     assert_json_error(status, &body, 401, "bearer token");
     let (status, _) = server.post("/push.v1.PusherService/Push", "application/proto", &[]);
     assert_eq!(status, 401);
-    let wrong = ureq::get(&server.url("/api/health"))
+    let wrong = ureq2::get(&server.url("/api/health"))
         .set("Authorization", "Bearer nope")
         .call();
     assert_eq!(read(wrong).0, 401);
-    let right = ureq::get(&server.url("/api/health"))
+    let right = ureq2::get(&server.url("/api/health"))
         .set("Authorization", "Bearer s3cret")
         .call();
     assert_eq!(read(right).0, 200);
