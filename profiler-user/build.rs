@@ -8,6 +8,8 @@ fn main() {
         "profiler-ebpf/src",
         "profiler-ebpf/Cargo.toml",
         "profiler-common/src",
+        // Embedded by include_dir!, which cargo does not track by itself.
+        "profiler-user/ui",
     ] {
         println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
     }

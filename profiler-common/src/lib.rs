@@ -6,11 +6,13 @@
 //! on one side cannot silently desynchronise the other.
 #![no_std]
 
+pub mod gpu;
 pub mod python;
 pub mod sample;
 pub mod stats;
 pub mod unwind;
 
+pub use gpu::*;
 pub use python::*;
 pub use sample::*;
 pub use stats::*;
@@ -32,6 +34,10 @@ pub mod names {
     pub const MAP_PROCESS_MAPPINGS: &str = "PROCESS_MAPPINGS";
     pub const MAP_PYTHON_PROCESSES: &str = "PYTHON_PROCESSES";
     pub const MAP_PYTHON_THREADS: &str = "PYTHON_THREADS";
+    pub const PROGRAM_CUDA_ENTRY: &str = "cuda_entry";
+    pub const PROGRAM_CUDA_RETURN: &str = "cuda_return";
+    pub const MAP_CUDA_EVENTS: &str = "CUDA_EVENTS";
+    pub const MAP_CUDA_CONFIG: &str = "CUDA_CONFIG";
 }
 
 /// Default capacity of `UNWIND_ROWS` in chunks (the agent sets it from its memory budget).

@@ -34,8 +34,11 @@ pub const SAMPLE_PYTHON_TRUNCATED: u32 = 1 << 8;
 /// `SampleHeader::flags`: the Python walk stopped at unreadable memory (a frame being torn
 /// down, or a layout that does not match).
 pub const SAMPLE_PYTHON_ERROR: u32 = 1 << 9;
+/// `SampleHeader::flags`: the thread was inside a CUDA synchronization call (a CPU sample of
+/// it is time spent waiting for the GPU, often spinning).
+pub const SAMPLE_IN_CUDA_SYNC: u32 = 1 << 10;
 /// All flags this ABI version defines; anything else means the two sides disagree.
-pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 10) - 1;
+pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 11) - 1;
 
 /// Fixed part of a sample. Frames follow in [`RawSample`].
 #[repr(C)]

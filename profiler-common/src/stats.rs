@@ -59,11 +59,25 @@ pub const STAT_PYTHON_NO_THREAD_STATE: u32 = 25;
 pub const STAT_PYTHON_READ_ERROR: u32 = 26;
 /// Python walks cut at `MAX_PYTHON_FRAMES`.
 pub const STAT_PYTHON_TRUNCATED: u32 = 27;
+/// CUDA calls seen by the probes and reported (after removing the runtime's own driver calls).
+pub const STAT_CUDA_EVENTS: u32 = 28;
+/// Driver calls made by the runtime on the application's behalf, not counted twice.
+pub const STAT_CUDA_NESTED: u32 = 29;
+/// CUDA events sent with a stack.
+pub const STAT_CUDA_STACKS: u32 = 30;
+/// CUDA events sent without a stack because the thread's budget was used up.
+pub const STAT_CUDA_STACKS_RATE_LIMITED: u32 = 31;
+/// CUDA events lost because the `CUDA_EVENTS` ring buffer was full.
+pub const STAT_CUDA_EVENTS_LOST: u32 = 32;
+/// Kernel handles named (`__cudaGetKernel`, `cuModuleGetFunction`, `cuLibraryGetKernel`).
+pub const STAT_CUDA_NAMES: u32 = 33;
+/// Returns with no matching entry state (thread state evicted or the probe attached mid-call).
+pub const STAT_CUDA_UNMATCHED_RETURNS: u32 = 34;
 /// Number of slots in `STATS`.
-pub const STAT_COUNT: u32 = 32;
+pub const STAT_COUNT: u32 = 40;
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 28] = [
+pub const STAT_NAMES: [&str; 35] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -92,6 +106,13 @@ pub const STAT_NAMES: [&str; 28] = [
     "python_no_thread_state",
     "python_read_error",
     "python_truncated",
+    "cuda_events",
+    "cuda_nested",
+    "cuda_stacks",
+    "cuda_stacks_rate_limited",
+    "cuda_events_lost",
+    "cuda_names",
+    "cuda_unmatched_returns",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -9,6 +9,8 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
+mod cuda;
+#[cfg(target_arch = "bpf")]
 mod python;
 #[cfg(target_arch = "bpf")]
 mod sampler;

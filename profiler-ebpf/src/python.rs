@@ -22,7 +22,7 @@ use profiler_common::{
     STAT_PYTHON_READ_ERROR, STAT_PYTHON_TRUNCATED, STAT_PYTHON_WALKS,
 };
 
-use crate::sampler::{SCRATCH_SAMPLE, count};
+use crate::sampler::{SCRATCH_SLOTS, count, scratch_sample};
 
 #[map(name = "PYTHON_PROCESSES")]
 static PYTHON_PROCESSES: HashMap<u32, PyProcInfo> =
@@ -53,7 +53,7 @@ struct PyWalkState {
 }
 
 #[map(name = "PYTHON_WALK")]
-static PYTHON_WALK: PerCpuArray<PyWalkState> = PerCpuArray::with_max_entries(1, 0);
+static PYTHON_WALK: PerCpuArray<PyWalkState> = PerCpuArray::with_max_entries(SCRATCH_SLOTS, 0);
 
 const FRAME_MASK: u32 = MAX_PYTHON_FRAMES as u32 - 1;
 const _: () = assert!(MAX_PYTHON_FRAMES.is_power_of_two());
@@ -92,17 +92,18 @@ fn buf_u8(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u8 {
 
 /// Fills `sample.python` for a thread of a registered Python process.
 ///
-/// The walk state is only touched through a raw pointer here: the `bpf_loop` callbacks write
-/// it, so no `&mut` to it may live across a `bpf_loop` call (the compiler would assume the
-/// call cannot change it).
+/// `slot` picks this CPU's scratch state (see `user_stack::collect`); `sample` is that slot's
+/// sample. The walk state and the sample are only touched through raw pointers here: the
+/// `bpf_loop` callbacks write them, so no `&mut` to them may live across a `bpf_loop` call
+/// (the compiler would assume the call cannot change them).
 #[inline(always)]
-pub fn collect(pid: u32, tid: u32, fsbase_offset: u32, sample: &mut RawSample) {
-    sample.header.python_frames = 0;
+pub fn collect(slot: u32, pid: u32, tid: u32, fsbase_offset: u32, sample: *mut RawSample) {
+    unsafe { (*sample).header.python_frames = 0 };
     let Some(info) = (unsafe { PYTHON_PROCESSES.get(&pid) }).copied() else {
         return;
     };
     count(STAT_PYTHON_WALKS);
-    let Some(state) = PYTHON_WALK.get_ptr_mut(0) else {
+    let Some(state) = PYTHON_WALK.get_ptr_mut(slot) else {
         return;
     };
     // 3.11+ records the kernel tid in the thread state; older versions only `pthread_self()`,
@@ -131,7 +132,7 @@ pub fn collect(pid: u32, tid: u32, fsbase_offset: u32, sample: &mut RawSample) {
         (*state).match_value = match_value;
     }
 
-    let Some(tstate) = thread_state(pid, tid, state) else {
+    let Some(tstate) = thread_state(slot, pid, tid, state) else {
         count(STAT_PYTHON_NO_THREAD_STATE);
         return;
     };
@@ -143,34 +144,37 @@ pub fn collect(pid: u32, tid: u32, fsbase_offset: u32, sample: &mut RawSample) {
     };
     let Some(first) = first else {
         count(STAT_PYTHON_READ_ERROR);
-        sample.header.flags |= SAMPLE_PYTHON_ERROR;
+        unsafe { (*sample).header.flags |= SAMPLE_PYTHON_ERROR };
         return;
     };
+    let mut loop_slot = slot;
     unsafe {
         (*state).frame = first;
         (*state).done = 0;
         bpf_loop(
             MAX_FRAME_STEPS,
             frame_step as *mut c_void,
-            ptr::null_mut(),
+            (&raw mut loop_slot).cast(),
             0,
         );
-        if (*state).done == 0 && (*state).frame != 0 {
+        if ptr::read_volatile(&raw const (*state).done) == 0
+            && ptr::read_volatile(&raw const (*state).frame) != 0
+        {
             (*state).flags |= SAMPLE_PYTHON_TRUNCATED;
             count(STAT_PYTHON_TRUNCATED);
         }
         // The callback wrote the frames into this CPU's scratch sample, which `sample` is.
         let frames = ptr::read_volatile(&raw const (*state).frames);
         let flags = ptr::read_volatile(&raw const (*state).flags);
-        sample.header.python_frames = frames as u16;
-        sample.header.flags |= flags;
+        (*sample).header.python_frames = frames as u16;
+        (*sample).header.flags |= flags;
     }
 }
 
 /// The sampled thread's `PyThreadState`: from the cache when it still matches, else by
 /// scanning every interpreter's thread list.
 #[inline(always)]
-fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
+fn thread_state(slot: u32, pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
     // SAFETY: this CPU's state slot; see `collect` for why it stays a raw pointer.
     let (info, match_offset, match_value) =
         unsafe { ((*state).info, (*state).match_offset, (*state).match_value) };
@@ -192,6 +196,7 @@ fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
         return None;
     }
     let first = read_u64(interp + info.interp_threads_head as u64)?;
+    let mut loop_slot = slot;
     let (done, found) = unsafe {
         (*state).interp = interp;
         (*state).tstate = first;
@@ -199,7 +204,7 @@ fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
         bpf_loop(
             MAX_PYTHON_THREAD_SCAN,
             scan_step as *mut c_void,
-            ptr::null_mut(),
+            (&raw mut loop_slot).cast(),
             0,
         );
         (
@@ -219,8 +224,10 @@ fn thread_state(pid: u32, tid: u32, state: *mut PyWalkState) -> Option<u64> {
 
 /// One thread state of the scan; ends with `done = 1` and `tstate` = the match (or 0).
 #[inline(never)]
-extern "C" fn scan_step(_index: u64, _ctx: *mut c_void) -> i64 {
-    let Some(state) = PYTHON_WALK.get_ptr_mut(0) else {
+extern "C" fn scan_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: the caller passes a pointer to the slot number on its stack.
+    let slot = unsafe { *(ctx as *const u32) };
+    let Some(state) = PYTHON_WALK.get_ptr_mut(slot) else {
         return 1;
     };
     let state = unsafe { &mut *state };
@@ -247,11 +254,13 @@ extern "C" fn scan_step(_index: u64, _ctx: *mut c_void) -> i64 {
 
 /// One frame of the chain: records it unless it is a shim, then moves to the caller.
 #[inline(never)]
-extern "C" fn frame_step(_index: u64, _ctx: *mut c_void) -> i64 {
-    let Some(state) = PYTHON_WALK.get_ptr_mut(0) else {
+extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `collect` passes a pointer to the slot number on its stack.
+    let slot = unsafe { *(ctx as *const u32) };
+    let Some(state) = PYTHON_WALK.get_ptr_mut(slot) else {
         return 1;
     };
-    let Some(sample) = SCRATCH_SAMPLE.get_ptr_mut(0) else {
+    let Some(sample) = scratch_sample(slot) else {
         return 1;
     };
     // SAFETY: this CPU's slots, not shared with anything running concurrently on it.

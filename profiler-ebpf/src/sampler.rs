@@ -12,13 +12,13 @@ use aya_ebpf::{
 use profiler_common::{
     EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS,
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, ProcessEvent, PyFrameRecord, RAW_SAMPLE_FIXED_BYTES,
-    RawSample, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED,
-    SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
-    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
-    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
+    RawSample, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
+    STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
+    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord,
 };
 
-use crate::{python, user_stack};
+use crate::{cuda, python, user_stack};
 
 #[map(name = "SAMPLES")]
 static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLES_RING_BYTES, 0);
@@ -30,15 +30,30 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_RING_BYTES, 0);
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
 
 #[map(name = "PID_FILTER")]
-static PID_FILTER: HashMap<u32, u8> = HashMap::with_max_entries(MAX_FILTERED_PIDS, 0);
+pub(crate) static PID_FILTER: HashMap<u32, u8> = HashMap::with_max_entries(MAX_FILTERED_PIDS, 0);
 
 #[map(name = "CONFIG")]
-static CONFIG: Array<SamplerConfig> = Array::with_max_entries(1, 0);
+pub(crate) static CONFIG: Array<SamplerConfig> = Array::with_max_entries(1, 0);
 
-/// The sample under construction: too large for the 512-byte BPF stack, and the unwinder's
+/// Scratch slots per CPU: the CPU sampler's and the CUDA probes'. A cpu-clock sample can
+/// interrupt a uprobe program on the same CPU, so the two never share scratch memory.
+pub(crate) const SCRATCH_SLOTS: u32 = 2;
+pub(crate) const SLOT_SAMPLER: u32 = 0;
+pub(crate) const SLOT_CUDA: u32 = 1;
+
+/// The record under construction: too large for the 512-byte BPF stack, and the unwinder's
 /// bpf_loop callback fills it too.
 #[map(name = "SCRATCH_SAMPLE")]
-pub(crate) static SCRATCH_SAMPLE: PerCpuArray<RawSample> = PerCpuArray::with_max_entries(1, 0);
+pub(crate) static SCRATCH_SAMPLE: PerCpuArray<ScratchRecord> =
+    PerCpuArray::with_max_entries(SCRATCH_SLOTS, 0);
+
+/// The sample part of this CPU's scratch record for `slot`.
+#[inline(always)]
+pub(crate) fn scratch_sample(slot: u32) -> Option<*mut RawSample> {
+    let record = SCRATCH_SAMPLE.get_ptr_mut(slot)?;
+    // SAFETY: a field of a valid map value.
+    Some(unsafe { &raw mut (*record).sample })
+}
 
 #[inline(always)]
 pub(crate) fn count(stat: u32) {
@@ -64,7 +79,7 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         count(STAT_FILTERED);
         return 0;
     }
-    let Some(sample) = SCRATCH_SAMPLE.get_ptr_mut(0) else {
+    let Some(sample) = scratch_sample(SLOT_SAMPLER) else {
         return 0;
     };
     // SAFETY: `sample` is this CPU's scratch slot; perf-event programs do not nest on a CPU.
@@ -84,6 +99,9 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         let in_user_mode = (*data).regs.cs & 3 == 3;
         if in_user_mode {
             flags |= SAMPLE_IN_USER_MODE;
+        }
+        if cuda::in_sync(tid) {
+            flags |= SAMPLE_IN_CUDA_SYNC;
         }
 
         let kernel_bytes = bpf_get_stack(
@@ -118,8 +136,8 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         } else {
             user_stack::task_user_registers()
         };
-        user_stack::collect(tgid, regs, &mut *sample);
-        python::collect(tgid, tid, config.task_fsbase_offset, &mut *sample);
+        user_stack::collect(SLOT_SAMPLER, tgid, regs, true, sample);
+        python::collect(SLOT_SAMPLER, tgid, tid, config.task_fsbase_offset, sample);
 
         // Only the used Python slots are sent.
         let python_frames = ((*sample).header.python_frames as usize).min(MAX_PYTHON_FRAMES);

@@ -34,7 +34,7 @@ use profiler_common::{
 
 pub use profiler_common::unwind::Registers;
 
-use crate::sampler::{SCRATCH_SAMPLE, count};
+use crate::sampler::{SCRATCH_SLOTS, count, scratch_sample};
 
 #[map(name = "UNWIND_ROWS")]
 static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(DEFAULT_ROW_CHUNKS, 0);
@@ -66,7 +66,7 @@ pub struct UnwindState {
 }
 
 #[map(name = "UNWIND_STATE")]
-static UNWIND_STATE: PerCpuArray<UnwindState> = PerCpuArray::with_max_entries(1, 0);
+static UNWIND_STATE: PerCpuArray<UnwindState> = PerCpuArray::with_max_entries(SCRATCH_SLOTS, 0);
 
 const FRAME_MASK: u32 = MAX_USER_FRAMES as u32 - 1;
 const _: () = assert!(MAX_USER_FRAMES.is_power_of_two());
@@ -105,38 +105,51 @@ pub fn task_user_registers() -> Option<Registers> {
 }
 
 /// Fills `sample.user_ips` and the user part of `sample.header.flags`.
+///
+/// `slot` picks this CPU's scratch state (the sampler's or the CUDA probes', so a sample taken
+/// while a probe runs cannot overwrite the probe's walk); `sample` must be that slot's sample.
+/// `exact_pc` says `regs.rip` is the current instruction rather than a return address.
 #[inline(always)]
-pub fn collect(pid: u32, regs: Option<Registers>, sample: &mut RawSample) {
-    sample.header.user_frames = 0;
+pub fn collect(
+    slot: u32,
+    pid: u32,
+    regs: Option<Registers>,
+    exact_pc: bool,
+    sample: *mut RawSample,
+) {
+    // SAFETY: the caller's scratch sample for `slot`; only raw accesses, since the bpf_loop
+    // callback writes it too.
+    unsafe { (*sample).header.user_frames = 0 };
     let Some(regs) = regs else {
         count(STAT_UNWIND_NO_USER_CONTEXT);
         return;
     };
-    let Some(state) = UNWIND_STATE.get_ptr_mut(0) else {
+    let Some(state) = UNWIND_STATE.get_ptr_mut(slot) else {
         return;
     };
+    let mut loop_slot = slot;
     // SAFETY: this CPU's state slot.
     unsafe {
         (*state).regs = regs;
         (*state).pid = pid;
         (*state).frames = 0;
         (*state).flags = 0;
-        (*state).exact_pc = 1;
+        (*state).exact_pc = u32::from(exact_pc);
         (*state).done = 0;
         (*state).mapping = MappingValue::default();
         (*state).page_key = PageKey::default();
         bpf_loop(
             MAX_USER_FRAMES as u32,
             unwind_step as *mut c_void,
-            ptr::null_mut(),
+            (&raw mut loop_slot).cast(),
             0,
         );
-        if (*state).done == 0 {
+        if ptr::read_volatile(&raw const (*state).done) == 0 {
             (*state).flags |= SAMPLE_USER_TRUNCATED;
             count(STAT_UNWIND_DEPTH_LIMIT);
         }
-        sample.header.user_frames = (*state).frames as u16;
-        sample.header.flags |= (*state).flags;
+        (*sample).header.user_frames = ptr::read_volatile(&raw const (*state).frames) as u16;
+        (*sample).header.flags |= ptr::read_volatile(&raw const (*state).flags);
     }
 }
 
@@ -156,11 +169,13 @@ fn read_user(addr: u64) -> Option<u64> {
 
 /// One frame: records `regs.rip`, then computes the caller's registers.
 #[inline(never)]
-extern "C" fn unwind_step(_index: u64, _ctx: *mut c_void) -> i64 {
-    let Some(state) = UNWIND_STATE.get_ptr_mut(0) else {
+extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `collect` passes a pointer to the slot number on its stack.
+    let slot = unsafe { *(ctx as *const u32) };
+    let Some(state) = UNWIND_STATE.get_ptr_mut(slot) else {
         return 1;
     };
-    let Some(sample) = SCRATCH_SAMPLE.get_ptr_mut(0) else {
+    let Some(sample) = scratch_sample(slot) else {
         return 1;
     };
     // SAFETY: this CPU's slots, not shared with anything running concurrently on it.

@@ -15,14 +15,20 @@ use std::{
 use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
 
 use crate::{
-    aggregation::{Aggregator, AggregatorSettings, Grouping},
+    aggregation::{Aggregator, AggregatorSettings, Grouping, synthetic_frame},
     bpf::{
-        BpfError, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent, Sampler,
-        SamplerSettings,
+        BpfError, CudaEventRing, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent,
+        Sampler, SamplerSettings,
     },
     config::{AgentConfig, RecordConfig, SamplingConfig},
     export::{self, DirectorySink, ExportError, ProfileSink},
-    model::{Pid, ProcessInfo, Profile, Sample},
+    gpu::{
+        discovery::{Discovery, function_name},
+        events::{
+            CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, profile_kind,
+        },
+    },
+    model::{Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid},
     process::ProcessRegistry,
     runtimes::python::PythonTracker,
     sampling::SampleReader,
@@ -30,8 +36,13 @@ use crate::{
     server::serve::{ServeError, Serving},
     store::sink::StoreSink,
     symbolization::{Symbolizer, SymbolizerOptions},
-    unwinding::{ProcessSource, Unwinder, native::NativeTables},
+    unwinding::{ProcessSource, Unwinder, native::NativeTables, resolve_address},
 };
+
+/// The frame added to CPU samples taken inside a CUDA synchronization call.
+pub const CUDA_SYNC_FRAME: &str = "[cuda sync]";
+/// The frame standing for the stack of a CUDA call whose stack was not taken (rate limit).
+pub const STACK_NOT_SAMPLED_FRAME: &str = "[stack not sampled]";
 
 /// Samples buffered between the reader and the pipeline (about 10 s of 64 busy CPUs at 100 Hz).
 const SAMPLE_QUEUE: usize = 65_536;
@@ -79,6 +90,19 @@ struct Pipeline {
     symbolizer: Symbolizer,
     aggregator: Aggregator,
     samples_processed: u64,
+    cuda: Option<CudaAttribution>,
+    /// Synthetic frames by name, shared so the aggregators dedupe them (they key by pointer).
+    synthetic: std::collections::HashMap<String, Arc<SymbolizedFrame>>,
+}
+
+/// The CUDA side of the pipeline: library discovery, the probes' records, one aggregator per
+/// CUDA profile kind.
+struct CudaAttribution {
+    ring: CudaEventRing,
+    discovery: Discovery,
+    names: KernelNames,
+    aggregators: Vec<(ProfileKind, Aggregator)>,
+    decode_errors: u64,
 }
 
 impl Pipeline {
@@ -89,8 +113,31 @@ impl Pipeline {
         unwind_maps: KernelUnwindMaps,
         python_maps: KernelPythonMaps,
         events: EventRing,
+        cuda_events: Option<CudaEventRing>,
     ) -> Self {
         let host = hostname();
+        let aggregator_settings = |kind| AggregatorSettings {
+            grouping,
+            period_ns: sampling.period_ns(),
+            host: host.clone(),
+            max_thread_names: 64,
+            kind,
+        };
+        let cuda = cuda_events.map(|ring| CudaAttribution {
+            ring,
+            discovery: Discovery::new("/proc".into()),
+            names: KernelNames::default(),
+            aggregators: ProfileKind::CUDA
+                .iter()
+                .map(|&kind| {
+                    (
+                        kind,
+                        Aggregator::new(aggregator_settings(kind), start_unix_ns),
+                    )
+                })
+                .collect(),
+            decode_errors: 0,
+        });
         Pipeline {
             processes: ProcessRegistry::new("/proc".into(), host.clone()),
             unwinder: Unwinder::default(),
@@ -101,20 +148,41 @@ impl Pipeline {
                 source_lines: sampling.source_lines,
                 ..SymbolizerOptions::default()
             }),
-            aggregator: Aggregator::new(
-                AggregatorSettings {
-                    grouping,
-                    period_ns: sampling.period_ns(),
-                    host,
-                    max_thread_names: 64,
-                },
-                start_unix_ns,
-            ),
+            aggregator: Aggregator::new(aggregator_settings(ProfileKind::Cpu), start_unix_ns),
             samples_processed: 0,
+            cuda,
+            synthetic: std::collections::HashMap::new(),
         }
     }
 
+    fn synthetic(&mut self, name: &str) -> Arc<SymbolizedFrame> {
+        if let Some(frame) = self.synthetic.get(name) {
+            return frame.clone();
+        }
+        if self.synthetic.len() > 100_000 {
+            self.synthetic.clear();
+        }
+        let frame = synthetic_frame(name);
+        self.synthetic.insert(name.to_string(), frame.clone());
+        frame
+    }
+
     fn handle(&mut self, sample: &Sample) {
+        let (frames, process, truncated) = self.symbolized_stack(sample);
+        let mut frames = frames;
+        if sample.in_cuda_sync {
+            frames.insert(0, self.synthetic(CUDA_SYNC_FRAME));
+        }
+        self.aggregator
+            .add(process.as_deref(), sample, &frames, truncated);
+        self.samples_processed += 1;
+    }
+
+    /// Unwinds, interleaves Python frames and symbolizes one sample's stack.
+    fn symbolized_stack(
+        &mut self,
+        sample: &Sample,
+    ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool) {
         let (mut stack, process) = self.unwinder.unwind(sample, &mut self.processes);
         if let Some(process) = &process {
             // The first sample of a process (or of a new snapshot after exec/dlopen) registers
@@ -127,9 +195,132 @@ impl Pipeline {
         }
         self.python.interleave(sample, &mut stack);
         let frames = self.symbolizer.symbolize_stack(&stack);
-        self.aggregator
-            .add(process.as_deref(), sample, &frames, stack.truncated);
-        self.samples_processed += 1;
+        (frames, process, stack.truncated)
+    }
+
+    /// Finds new CUDA libraries (attaching their probes) and turns the probes' records into
+    /// CUDA profile events.
+    fn poll_cuda(&mut self, sampler: Option<&mut Sampler>) {
+        let Some(cuda) = &mut self.cuda else { return };
+        let new_users = match sampler {
+            Some(sampler) => cuda.discovery.maybe_scan(sampler),
+            None => Vec::new(),
+        };
+        let mut records = Vec::new();
+        let mut errors = 0;
+        cuda.ring.drain(|bytes| match decode_cuda_record(bytes) {
+            Ok(record) => records.push(record),
+            Err(_) => errors += 1,
+        });
+        cuda.decode_errors += errors;
+        // A process that uses CUDA gets its unwind tables now, so even the stacks of its
+        // first calls are unwound from tables rather than frame pointers.
+        for pid in new_users {
+            if let Some(process) = self.processes.lookup(pid) {
+                self.native_tables.sync(&process);
+                self.python.sync(&process);
+            }
+        }
+        for record in records {
+            self.handle_cuda(record);
+        }
+    }
+
+    fn handle_cuda(&mut self, record: CudaRecord) {
+        let (header, stack) = match record {
+            CudaRecord::Name { header, name } => {
+                if let Some(cuda) = &mut self.cuda {
+                    cuda.names.learn(&header, &name);
+                }
+                return;
+            }
+            CudaRecord::Call { header, stack } => (header, stack),
+        };
+        let Some(kind) = profile_kind(header.call) else {
+            return;
+        };
+        let pid = Pid(header.pid);
+        let (mut frames, process, truncated, sample) = match stack {
+            Some(sample) => {
+                let (frames, process, truncated) = self.symbolized_stack(&sample);
+                (frames, process, truncated, sample)
+            }
+            None => {
+                let process = self.processes.lookup(pid);
+                let sample = Sample {
+                    ktime_ns: header.ktime_ns,
+                    pid,
+                    tid: Tid(header.tid),
+                    cpu: 0,
+                    comm: process
+                        .as_ref()
+                        .map_or_else(|| Arc::from("unknown"), |p| p.comm.clone()),
+                    kernel_ips: Vec::new(),
+                    user_ips: Vec::new(),
+                    kernel_truncated: false,
+                    user_truncated: false,
+                    user_stack_error: false,
+                    user_unknown_mapping: false,
+                    user_table_missing: false,
+                    python_frames: Vec::new(),
+                    python_truncated: false,
+                    in_cuda_sync: false,
+                };
+                (
+                    vec![self.synthetic(STACK_NOT_SAMPLED_FRAME)],
+                    process,
+                    false,
+                    sample,
+                )
+            }
+        };
+        let mut leaf = Vec::with_capacity(2);
+        match kind {
+            ProfileKind::CudaLaunch => leaf.push(self.kernel_frame(&header, process.as_deref())),
+            ProfileKind::CudaMemcpy => leaf.push(self.synthetic(direction_frame(header.aux))),
+            _ => {}
+        }
+        leaf.push(self.synthetic(function_name(header.call)));
+        leaf.append(&mut frames);
+        let Some(cuda) = &mut self.cuda else { return };
+        if let Some((_, aggregator)) = cuda.aggregators.iter_mut().find(|(k, _)| *k == kind) {
+            aggregator.add_value(process.as_deref(), &sample, &leaf, truncated, header.value);
+        }
+    }
+
+    /// The launched kernel as a frame: the host stub symbolized, a name learned from the
+    /// driver, else `kernel@0x…`.
+    fn kernel_frame(
+        &mut self,
+        header: &profiler_common::CudaEventHeader,
+        process: Option<&ProcessInfo>,
+    ) -> Arc<SymbolizedFrame> {
+        let kernel = match &self.cuda {
+            Some(cuda) => cuda.names.kernel(header),
+            None => KernelRef::Unknown(header.handle),
+        };
+        match kernel {
+            KernelRef::Stub(stub) => match process {
+                Some(process) if process.mapping_for(stub).is_some() => {
+                    self.symbolizer.symbolize(&resolve_address(process, stub))
+                }
+                _ => self.synthetic(&format!("kernel@{stub:#x}")),
+            },
+            KernelRef::Named(name) => self.synthetic(&name),
+            KernelRef::Unknown(handle) => self.synthetic(&format!("kernel@{handle:#x}")),
+            KernelRef::Graph(exec) => self.synthetic(&format!("graph@{exec:#x}")),
+        }
+    }
+
+    /// Ends the window of every profile kind.
+    fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
+        let mut profiles = self.aggregator.flush(end_unix_ns);
+        if let Some(cuda) = &mut self.cuda {
+            for (_, aggregator) in &mut cuda.aggregators {
+                profiles.extend(aggregator.flush(end_unix_ns));
+            }
+        }
+        profiles
     }
 
     /// Registers the given processes before sampling starts, so even their first samples are
@@ -150,6 +341,9 @@ impl Pipeline {
         for event in self.events.drain() {
             match event {
                 LifecycleEvent::Exited(pid) => {
+                    if let Some(cuda) = &mut self.cuda {
+                        cuda.names.forget_process(Pid(pid));
+                    }
                     self.native_tables.unregister(Pid(pid));
                     self.python.forget(Pid(pid));
                     self.symbolizer.forget_process(Pid(pid));
@@ -204,6 +398,8 @@ fn sampler_settings(sampling: &SamplingConfig) -> SamplerSettings {
         frequency_hz: sampling.frequency_hz,
         pids: sampling.pids.clone(),
         unwind_table_bytes: sampling.unwind_table_bytes,
+        cuda: sampling.gpu.enabled,
+        cuda_stacks_per_second: sampling.gpu.cuda_stacks_per_second,
     }
 }
 
@@ -230,6 +426,25 @@ fn check_pids_exist(pids: &[u32]) -> Result<(), AgentError> {
         Some(&pid) => Err(AgentError::NoSuchProcess(pid)),
         None => Ok(()),
     }
+}
+
+/// Where `profiler record` writes a non-CPU profile: beside the CPU one, as
+/// `<stem>.<kind>.<extension>` (`profile.pb.gz` → `profile.cuda_launch.pb.gz`).
+pub fn sibling_path(
+    output: &Path,
+    kind: ProfileKind,
+    format: export::OutputFormat,
+) -> std::path::PathBuf {
+    let extension = format.file_extension();
+    let name = output
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = name
+        .strip_suffix(&format!(".{extension}"))
+        .unwrap_or(&name)
+        .to_string();
+    output.with_file_name(format!("{stem}.{}.{extension}", kind.name()))
 }
 
 /// Fails early, before sampling, when `path` cannot be created.
@@ -311,12 +526,15 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         parts.unwind_maps,
         parts.python_maps,
         parts.events,
+        parts.cuda_events,
     );
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
+    pipeline.poll_cuda(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     let started = Instant::now();
-    pump(&mut pipeline, &rx, |_| {
+    pump(&mut pipeline, &rx, |pipeline| {
+        pipeline.poll_cuda(Some(&mut sampler));
         started.elapsed() >= config.duration || stop.load(Ordering::Relaxed)
     });
 
@@ -330,7 +548,11 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     for sample in rx.try_iter() {
         pipeline.handle(&sample);
     }
-    let mut profiles = pipeline.aggregator.flush(start_unix_ns + duration_ns);
+    pipeline.poll_cuda(None);
+    let all_profiles = pipeline.flush(start_unix_ns + duration_ns);
+    let (mut profiles, cuda_profiles): (Vec<Profile>, Vec<Profile>) = all_profiles
+        .into_iter()
+        .partition(|p| p.kind == ProfileKind::Cpu);
     let mut profile = profiles.pop().unwrap_or_else(|| Profile {
         series_labels: vec![("host".into(), hostname())],
         start_unix_ns,
@@ -342,12 +564,20 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
 
     let bytes = export::render(&profile, config.format);
     export::write_atomically(&config.output, &bytes)?;
+    let mut written = 1;
+    for mut cuda_profile in cuda_profiles {
+        cuda_profile.duration_ns = duration_ns;
+        let path = sibling_path(&config.output, cuda_profile.kind, config.format);
+        export::write_atomically(&path, &export::render(&cuda_profile, config.format))?;
+        tracing::info!(path = %path.display(), total = cuda_profile.total_samples(), "CUDA profile written");
+        written += 1;
+    }
 
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
     reader_stats.add_to(&mut metrics);
-    metrics.profiles_written = 1;
+    metrics.profiles_written = written;
     metrics.log("recording finished");
     tracing::info!(path = %config.output.display(), samples = profile.total_samples(), "profile written");
     Ok(RecordSummary { profile, metrics })
@@ -423,7 +653,7 @@ fn flush_interval(
     sampler: Option<&Sampler>,
     reader: Option<&SampleReader>,
 ) -> SelfMetrics {
-    exporter.submit(pipeline.aggregator.flush(unix_now_ns()));
+    exporter.submit(pipeline.flush(unix_now_ns()));
     pipeline.processes.evict_exited();
     let mut metrics = pipeline.metrics(sampler, reader);
     exporter.add_to(&mut metrics);
@@ -469,9 +699,11 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         parts.unwind_maps,
         parts.python_maps,
         parts.events,
+        parts.cuda_events,
     );
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
+    pipeline.poll_cuda(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
     tracing::info!(
         interval_s = config.interval.as_secs_f64(),
@@ -482,6 +714,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     );
     let mut next_flush = Instant::now() + config.interval;
     pump(&mut pipeline, &rx, |pipeline| {
+        pipeline.poll_cuda(Some(&mut sampler));
         let now = Instant::now();
         if now >= next_flush {
             // After a stall (start-up, a slow table build) start the next window from now
@@ -502,7 +735,8 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     for sample in rx.try_iter() {
         pipeline.handle(&sample);
     }
-    exporter.submit(pipeline.aggregator.flush(unix_now_ns()));
+    pipeline.poll_cuda(None);
+    exporter.submit(pipeline.flush(unix_now_ns()));
     exporter.finish();
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;

@@ -6,7 +6,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     config::{
-        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_UNWIND_TABLE_MIB, RecordConfig, SamplingConfig,
+        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_CUDA_STACKS_PER_SECOND, DEFAULT_UNWIND_TABLE_MIB,
+        GpuConfig, RecordConfig, SamplingConfig,
     },
     export::OutputFormat,
     server::serve::ServerArgs,
@@ -71,6 +72,19 @@ pub struct SamplingArgs {
     /// Show native frames only for Python processes (no CPython frame walk).
     #[arg(long, env = "PROFILER_NO_PYTHON")]
     pub no_python: bool,
+    /// Neither probe CUDA libraries nor poll NVML.
+    #[arg(long, env = "PROFILER_NO_GPU")]
+    pub no_gpu: bool,
+    /// Stacks taken per thread and second for CUDA calls (launches, copies, allocations,
+    /// synchronizations); calls beyond it are counted without a stack. 0 takes none.
+    #[arg(long, env = "PROFILER_CUDA_STACKS_PER_SECOND", default_value_t = DEFAULT_CUDA_STACKS_PER_SECOND)]
+    pub cuda_stacks_per_second: u32,
+    /// NVML library to open instead of libnvidia-ml.so.1 from the loader's search path.
+    #[arg(long, env = "PROFILER_NVML_LIBRARY")]
+    pub nvml_library: Option<PathBuf>,
+    /// Seconds between NVML polls (fractions allowed).
+    #[arg(long, env = "PROFILER_NVML_INTERVAL", default_value = "1", value_parser = parse_seconds)]
+    pub nvml_interval: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -144,6 +158,12 @@ impl SamplingArgs {
             cache_dir: (!self.no_cache).then_some(self.cache_dir),
             source_lines: self.source_lines,
             python_frames: !self.no_python,
+            gpu: GpuConfig {
+                enabled: !self.no_gpu,
+                cuda_stacks_per_second: self.cuda_stacks_per_second,
+                nvml_library: self.nvml_library,
+                nvml_interval: self.nvml_interval,
+            },
         }
     }
 }
@@ -196,6 +216,31 @@ mod tests {
                         sub.get_name()
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn every_flag_is_documented_with_its_environment_variable() {
+        let doc = include_str!("../../docs/configuration.md");
+        let command = Cli::command();
+        let arguments = command
+            .get_arguments()
+            .chain(command.get_subcommands().flat_map(|sub| sub.get_arguments()));
+        for arg in arguments {
+            let Some(long) = arg.get_long().filter(|l| *l != "help" && *l != "version") else {
+                continue;
+            };
+            assert!(
+                doc.contains(&format!("`--{long}")),
+                "--{long} is not in docs/configuration.md"
+            );
+            if let Some(env) = arg.get_env() {
+                let env = env.to_string_lossy();
+                assert!(
+                    doc.contains(&format!("`{env}`")),
+                    "{env} (--{long}) is not in docs/configuration.md"
+                );
             }
         }
     }

@@ -18,7 +18,36 @@ pub struct SamplingConfig {
     pub source_lines: bool,
     /// Walk CPython frames in BPF and show Python functions, files and lines.
     pub python_frames: bool,
+    /// CUDA attribution and NVML counters.
+    pub gpu: GpuConfig,
 }
+
+/// CUDA uprobes and NVML polling.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuConfig {
+    /// Probe CUDA libraries and poll NVML (`--no-gpu` turns both off).
+    pub enabled: bool,
+    /// Stacks taken per thread and second for CUDA calls; calls beyond it are still counted.
+    pub cuda_stacks_per_second: u32,
+    /// NVML library to open instead of `libnvidia-ml.so.1` from the loader's search path.
+    pub nvml_library: Option<PathBuf>,
+    /// How often NVML is polled.
+    pub nvml_interval: Duration,
+}
+
+impl Default for GpuConfig {
+    fn default() -> Self {
+        GpuConfig {
+            enabled: true,
+            cuda_stacks_per_second: DEFAULT_CUDA_STACKS_PER_SECOND,
+            nvml_library: None,
+            nvml_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Default stack budget per thread for CUDA calls.
+pub const DEFAULT_CUDA_STACKS_PER_SECOND: u32 = 200;
 
 impl Default for SamplingConfig {
     fn default() -> Self {
@@ -29,6 +58,7 @@ impl Default for SamplingConfig {
             cache_dir: Some(PathBuf::from(DEFAULT_CACHE_DIR)),
             source_lines: false,
             python_frames: true,
+            gpu: GpuConfig::default(),
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod bpf;
 pub mod cli;
 pub mod config;
 pub mod export;
+pub mod gpu;
 pub mod model;
 pub mod process;
 pub mod runtimes;

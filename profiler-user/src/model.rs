@@ -46,6 +46,8 @@ pub struct Sample {
     pub python_frames: Vec<PythonFrameRef>,
     /// The Python stack was deeper than BPF records.
     pub python_truncated: bool,
+    /// The thread was inside a CUDA synchronization call (waiting for the GPU).
+    pub in_cuda_sync: bool,
 }
 
 /// A Python frame as the BPF walk recorded it: enough to find and fingerprint the code object.
@@ -236,9 +238,58 @@ pub struct ProfileSample {
     pub labels: Vec<(Arc<str>, LabelValue)>,
 }
 
-/// An aggregated CPU profile of one series over one time window, ready to export.
+/// What a profile's values measure. Each kind is its own series in the store (`__name__`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProfileKind {
+    /// CPU samples (`process_cpu`).
+    #[default]
+    Cpu,
+    /// CUDA kernel and graph launches (count).
+    CudaLaunch,
+    /// Time blocked in CUDA synchronization calls (nanoseconds).
+    CudaSync,
+    /// Bytes copied between host and device.
+    CudaMemcpy,
+    /// Bytes of device memory allocated.
+    CudaAlloc,
+}
+
+impl ProfileKind {
+    pub const CUDA: [ProfileKind; 4] = [
+        ProfileKind::CudaLaunch,
+        ProfileKind::CudaSync,
+        ProfileKind::CudaMemcpy,
+        ProfileKind::CudaAlloc,
+    ];
+
+    /// The profile's `__name__` (Pyroscope's name for the series), also the file-name tag.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProfileKind::Cpu => "process_cpu",
+            ProfileKind::CudaLaunch => "cuda_launch",
+            ProfileKind::CudaSync => "cuda_sync",
+            ProfileKind::CudaMemcpy => "cuda_memcpy",
+            ProfileKind::CudaAlloc => "cuda_alloc",
+        }
+    }
+
+    /// pprof sample type and unit of the (single) value of a non-CPU profile.
+    pub fn sample_type(self) -> (&'static str, &'static str) {
+        match self {
+            ProfileKind::Cpu => ("cpu", "nanoseconds"),
+            ProfileKind::CudaLaunch => ("launches", "count"),
+            ProfileKind::CudaSync => ("blocked", "nanoseconds"),
+            ProfileKind::CudaMemcpy => ("copied", "bytes"),
+            ProfileKind::CudaAlloc => ("allocated", "bytes"),
+        }
+    }
+}
+
+/// An aggregated profile of one series over one time window, ready to export.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Profile {
+    /// What the values measure; `count` of a sample is in this kind's unit.
+    pub kind: ProfileKind,
     /// Series labels (`service_name`, `host`, ...), sorted by name.
     pub series_labels: Vec<(String, String)>,
     /// Window start, nanoseconds since the Unix epoch.

@@ -12,6 +12,8 @@ use std::{
 
 pub use profiler::export::proto;
 
+pub mod server_harness;
+
 /// The repository root.
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -503,18 +505,22 @@ pub struct Agent {
 
 impl Agent {
     /// Starts `profiler agent ARGS` and waits until its sampler is attached (it logs
-    /// `sampler attached`).
+    /// `sampler attached`). Unless `args` say otherwise the agent's HTTP server listens on a
+    /// free loopback port and its store is off ([`agent_isolation_args`]).
     pub fn start(args: &[&str]) -> Agent {
         use std::io::BufRead;
-        let mut child = Command::new(profiler_bin())
+        let mut command = Command::new(profiler_bin());
+        command
             .arg("agent")
-            .args(args)
+            .args(agent_isolation_args(args))
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start profiler agent");
+            .stderr(Stdio::piped());
+        for var in server_harness::SERVER_ENV {
+            command.env_remove(var);
+        }
+        let mut child = command.spawn().expect("start profiler agent");
         let stderr = Arc::new(Mutex::new(String::new()));
         let (attached_tx, attached_rx) = mpsc::channel();
         let pipe = child.stderr.take().expect("stderr is piped");
@@ -549,6 +555,23 @@ impl Agent {
                 panic!("profiler agent did not attach ({status}):\n{stderr}");
             }
         }
+    }
+
+    /// The address the agent's HTTP server listens on (from its `listening on ADDR` line, logged
+    /// before the sampler attaches).
+    pub fn http_addr(&self) -> std::net::SocketAddr {
+        let text = self.stderr.lock().unwrap_or_else(|p| p.into_inner());
+        text.lines()
+            .find_map(server_harness::parse_listening_line)
+            .unwrap_or_else(|| panic!("the agent logged no `listening on ADDR`:\n{text}"))
+    }
+
+    /// The agent's stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// How many intervals the agent has flushed so far (its `interval` log lines).
@@ -600,6 +623,24 @@ impl Drop for Agent {
             let _ = child.wait();
         }
     }
+}
+
+/// `args` for `profiler agent`, plus `--listen 127.0.0.1:0` unless they give `--listen`, and
+/// `--store off` unless they give `--store` or `--data-dir`: the agent's defaults
+/// (127.0.0.1:4040, /var/lib/profiler) would collide between tests and with a user's agent.
+pub fn agent_isolation_args(args: &[&str]) -> Vec<String> {
+    let gives = |flag: &str| {
+        args.iter()
+            .any(|a| *a == flag || a.starts_with(&format!("{flag}=")))
+    };
+    let mut out: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    if !gives("--listen") {
+        out.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    }
+    if !gives("--store") && !gives("--data-dir") {
+        out.extend(["--store".into(), "off".into()]);
+    }
+    out
 }
 
 /// The agent's profiles of one service in `dir` (`<service>-<unix seconds>[-N].pb.gz`), decoded,

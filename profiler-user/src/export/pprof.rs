@@ -9,7 +9,7 @@ use flate2::{Compression, write::GzEncoder};
 use prost::Message;
 
 use super::proto;
-use crate::model::{FrameLine, LabelValue, MappingInfo, Profile, SymbolizedFrame};
+use crate::model::{FrameLine, LabelValue, MappingInfo, Profile, ProfileKind, SymbolizedFrame};
 
 /// Builds the pprof message. Never panics: stack indexes out of range are skipped.
 pub fn build_pprof(profile: &Profile) -> proto::Profile {
@@ -84,6 +84,14 @@ impl PprofBuilder {
             unit: self.strings.intern("nanoseconds"),
         };
         let default_sample_type = cpu_nanoseconds.r#type;
+        let is_cpu = profile.kind == ProfileKind::Cpu;
+        let measured = {
+            let (kind, unit) = profile.kind.sample_type();
+            proto::ValueType {
+                r#type: self.strings.intern(kind),
+                unit: self.strings.intern(unit),
+            }
+        };
 
         let location = profile
             .frames
@@ -109,7 +117,11 @@ impl PprofBuilder {
                 let count = i64::try_from(sample.count).unwrap_or(i64::MAX);
                 proto::Sample {
                     location_id,
-                    value: vec![count, count.saturating_mul(profile.period_ns)],
+                    value: if is_cpu {
+                        vec![count, count.saturating_mul(profile.period_ns)]
+                    } else {
+                        vec![count]
+                    },
                     label: sample
                         .labels
                         .iter()
@@ -133,8 +145,19 @@ impl PprofBuilder {
             .map(|(key, value)| self.strings.intern(&format!("{key}={value}")))
             .collect();
 
+        let (sample_type, period_type, period, default_sample_type) = if is_cpu {
+            (
+                vec![samples_count, cpu_nanoseconds.clone()],
+                cpu_nanoseconds,
+                profile.period_ns,
+                default_sample_type,
+            )
+        } else {
+            let default = measured.r#type;
+            (vec![measured.clone()], measured, 1, default)
+        };
         proto::Profile {
-            sample_type: vec![samples_count, cpu_nanoseconds.clone()],
+            sample_type,
             sample,
             mapping: std::mem::take(&mut self.mappings),
             location,
@@ -144,8 +167,8 @@ impl PprofBuilder {
             keep_frames: 0,
             time_nanos: profile.start_unix_ns,
             duration_nanos: profile.duration_ns,
-            period_type: Some(cpu_nanoseconds),
-            period: profile.period_ns,
+            period_type: Some(period_type),
+            period,
             comment,
             default_sample_type,
             doc_url: 0,

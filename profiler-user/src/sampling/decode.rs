@@ -6,8 +6,9 @@ use std::mem::offset_of;
 use profiler_common::{
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, PY_FRAME_ENTRY,
     PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, RAW_SAMPLE_FIXED_BYTES, RawSample,
-    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_ERROR,
-    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
+    SAMPLE_IN_CUDA_SYNC, SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED,
+    SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
+    SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
 };
 
 use crate::model::{Pid, PythonFrameRef, Sample, Tid};
@@ -97,6 +98,7 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         user_unknown_mapping: header.flags & SAMPLE_USER_UNKNOWN_MAPPING != 0,
         user_table_missing: header.flags & SAMPLE_USER_TABLE_MISSING != 0,
         python_truncated: header.flags & SAMPLE_PYTHON_TRUNCATED != 0,
+        in_cuda_sync: header.flags & SAMPLE_IN_CUDA_SYNC != 0,
     })
 }
 

@@ -28,9 +28,6 @@ use crate::{
 /// The web UI, embedded at build time (profiler-user/ui).
 static UI: Dir<'_> = include_dir!("$CARGO_MANIFEST_DIR/ui");
 
-/// Maximum decompressed size of one profile.
-const MAX_PROFILE_BYTES: usize = 16 << 20;
-
 fn unix_now_ns() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -104,7 +101,8 @@ pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<R
                     HashMap::new(),
                 )
             };
-            let pprof = ingest::decode_pprof(&pprof_bytes, MAX_PROFILE_BYTES)?;
+            // The body limit holds after decompression too (a small gzip can inflate a lot).
+            let pprof = ingest::decode_pprof(&pprof_bytes, limit)?;
             ingest::validate_pprof(&pprof)?;
             let profile_name = derive_name(&pprof, &display_names);
             if !labels.iter().any(|(k, _)| k == "service_name") {
@@ -251,7 +249,7 @@ pub async fn push(
                 .filter(|(k, _)| k != "__name__" && k != "__delta__")
                 .collect();
             for sample in &series.samples {
-                let pprof = ingest::decode_pprof(&sample.raw_profile, MAX_PROFILE_BYTES)?;
+                let pprof = ingest::decode_pprof(&sample.raw_profile, limit)?;
                 ingest::validate_pprof(&pprof)?;
                 let name = explicit_name
                     .clone()

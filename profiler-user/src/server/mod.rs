@@ -173,30 +173,36 @@ async fn method_not_allowed(method: Method) -> ApiError {
     )
 }
 
-/// Checks the bearer token and counts requests and errors.
+/// Cookie that carries the token for a browser after it opened `/?token=TOKEN` once.
+pub const TOKEN_COOKIE: &str = "profiler_token";
+
+/// Checks the bearer token (header or cookie) and counts requests and errors. `/?token=TOKEN`
+/// with the right token sets the cookie and redirects to `/`, so a browser can open the UI.
 async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     state.health.http_requests.fetch_add(1, Ordering::Relaxed);
     if let Some(token) = &state.config.auth_token
         && request.uri().path() != "/metrics"
     {
-        let presented = request
-            .headers()
+        if request.uri().path() == "/"
+            && let Some(offered) = query_token(request.uri())
+        {
+            if constant_time_eq(offered.as_bytes(), token.as_bytes()) {
+                return login_redirect(token);
+            }
+            return unauthorized(&state);
+        }
+        let headers = request.headers();
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !constant_time_eq(presented.as_bytes(), token.as_bytes()) {
-            state.health.http_errors.fetch_add(1, Ordering::Relaxed);
-            let mut response = ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthenticated",
-                "missing or wrong bearer token",
-            )
-            .into_response();
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return response;
+            .is_some_and(|presented| constant_time_eq(presented.as_bytes(), token.as_bytes()));
+        let cookie = || {
+            cookie_tokens(headers)
+                .any(|presented| constant_time_eq(&presented, token.as_bytes()))
+        };
+        if !bearer && !cookie() {
+            return unauthorized(&state);
         }
     }
     let response = next.run(request).await;
@@ -204,6 +210,64 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         state.health.http_errors.fetch_add(1, Ordering::Relaxed);
     }
     response
+}
+
+fn unauthorized(state: &AppState) -> Response {
+    state.health.http_errors.fetch_add(1, Ordering::Relaxed);
+    let mut response = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthenticated",
+        "missing or wrong bearer token",
+    )
+    .into_response();
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// The `token` query parameter, percent-decoded.
+fn query_token(uri: &axum::http::Uri) -> Option<String> {
+    let query: axum::extract::Query<std::collections::HashMap<String, String>> =
+        axum::extract::Query::try_from_uri(uri).ok()?;
+    query.0.get("token").cloned()
+}
+
+/// 303 to `/` with the token in an HttpOnly, SameSite=Strict cookie, so the token leaves the
+/// address bar and scripts cannot read it. Hex keeps any token a valid cookie value.
+fn login_redirect(token: &str) -> Response {
+    let hex: String = token.bytes().map(|b| format!("{b:02x}")).collect();
+    let cookie = format!("{TOKEN_COOKIE}={hex}; Path=/; HttpOnly; SameSite=Strict");
+    let mut response = StatusCode::SEE_OTHER.into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::LOCATION, HeaderValue::from_static("/"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        headers.insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+/// The decoded values of every token cookie in the request.
+fn cookie_tokens(headers: &axum::http::HeaderMap) -> impl Iterator<Item = Vec<u8>> + '_ {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .filter(|(name, _)| *name == TOKEN_COOKIE)
+        .filter_map(|(_, value)| decode_hex(value))
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -259,7 +323,8 @@ impl Server {
                 });
             })
             .map_err(ServerError::Runtime)?;
-        tracing::info!(%addr, "HTTP server listening: web UI at http://{addr}/");
+        // Tests and scripts started with port 0 read the bound address from this line.
+        tracing::info!("HTTP server listening on {addr}, web UI at http://{addr}/");
         Ok(Server {
             addr,
             shutdown: Some(shutdown),

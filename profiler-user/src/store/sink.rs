@@ -25,7 +25,7 @@ impl ProfileSink for StoreSink {
         let pprof = build_pprof(profile);
         let profiles = ingest::profiles_from_pprof(
             &pprof,
-            CPU_PROFILE_NAME,
+            profile.kind.name(),
             &profile.series_labels,
             profile.start_unix_ns,
         )

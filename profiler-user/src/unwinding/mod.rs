@@ -93,6 +93,11 @@ impl Unwinder {
     }
 }
 
+/// An exact address (not a return address) of `process`, such as a CUDA kernel's host stub.
+pub fn resolve_address(process: &ProcessInfo, addr: u64) -> UnwoundFrame {
+    resolve(Some(process), addr, addr)
+}
+
 fn resolve(process: Option<&ProcessInfo>, addr: u64, lookup: u64) -> UnwoundFrame {
     let Some(mapping) = process.and_then(|p| p.mapping_for(lookup)) else {
         return UnwoundFrame::UserUnmapped { addr, name: None };
@@ -189,6 +194,7 @@ mod tests {
             user_table_missing: false,
             python_frames: Vec::new(),
             python_truncated: false,
+            in_cuda_sync: false,
         }
     }
 

@@ -2,7 +2,9 @@
 //! (a busy workload on every CPU alone, under `profiler record` and under `perf record -F 100
 //! -a -g`: BPF cost per sample, collector CPU and peak RSS, slowdown), and the unwinder's
 //! `depth` (BPF cost and stack completeness at 10-128 frames without frame pointers), `tables`
-//! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes).
+//! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes),
+//! and `store` (the embedded store behind the HTTP server: ingest throughput, 24-hour merge
+//! latency, bytes per service per day).
 //! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
 #[path = "bench/parse.rs"]
@@ -13,6 +15,8 @@ mod procs;
 mod python;
 #[path = "bench/report.rs"]
 mod report;
+#[path = "bench/store.rs"]
+mod store;
 #[path = "bench/tables.rs"]
 mod tables;
 #[path = "bench/unwind.rs"]
@@ -32,13 +36,14 @@ use procs::{Finished, Proc, Usage};
 
 const USAGE: &str = "\
 usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-seconds N]
-             [--output FILE] [--no-build]
+             [--store-intervals N] [--output FILE] [--no-build]
 
   --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
-                       unwind (= depth,tables,shared), all (default: all)
+                       store, unwind (= depth,tables,shared), all (default: all)
   --seconds N          overhead suite: length of each scenario in seconds (default 20)
   --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
   --shared-seconds N   shared suite: recording per variant in seconds (default 10)
+  --store-intervals N  store suite: 15 s intervals of 50 services to ingest (default 12)
   --output FILE        also write the markdown report to FILE
   --no-build           do not run `cargo build --release -p profiler-user` first
 
@@ -52,7 +57,10 @@ Needs root. Suites:
   shared    agent RSS and table sharing with 100 processes mapping 50 libraries, and with
             100 processes of one binary
   python    extra BPF cost per sample of 50 Python frames (walk on vs --no-python, uses the
-            depth seconds), and the agent's cost of reading a new code object";
+            depth seconds), and the agent's cost of reading a new code object
+  store     the embedded store behind `profiler server` (no root needed): a day of one
+            service's 2,000-stack profiles (bytes per service per day), its 24-hour merge
+            (latency), 50 services' intervals through Connect Push (profiles per second)";
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Suites {
@@ -61,6 +69,7 @@ struct Suites {
     tables: bool,
     shared: bool,
     python: bool,
+    store: bool,
 }
 
 impl Suites {
@@ -75,6 +84,7 @@ impl Suites {
                         tables: true,
                         shared: true,
                         python: true,
+                        store: true,
                     }
                 }
                 "overhead" => suites.overhead = true,
@@ -87,8 +97,9 @@ impl Suites {
                 "tables" => suites.tables = true,
                 "shared" => suites.shared = true,
                 "python" => suites.python = true,
+                "store" => suites.store = true,
                 other => bail!(
-                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, unwind or all"
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, unwind or all"
                 ),
             }
         }
@@ -106,6 +117,7 @@ struct Options {
     seconds: u64,
     depth_seconds: u64,
     shared_seconds: u64,
+    store_intervals: u64,
     output: Option<PathBuf>,
     build: bool,
 }
@@ -124,6 +136,7 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
         seconds: 20,
         depth_seconds: 8,
         shared_seconds: 10,
+        store_intervals: 12,
         output: None,
         build: true,
     };
@@ -144,6 +157,7 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
             "--seconds" => options.seconds = parse_seconds(flag, &value()?, 3)?,
             "--depth-seconds" => options.depth_seconds = parse_seconds(flag, &value()?, 3)?,
             "--shared-seconds" => options.shared_seconds = parse_seconds(flag, &value()?, 2)?,
+            "--store-intervals" => options.store_intervals = parse_seconds(flag, &value()?, 1)?,
             "--suite" => options.suites = Suites::parse(&value()?)?,
             "--output" => options.output = Some(PathBuf::from(value()?)),
             "--no-build" => options.build = false,
@@ -232,7 +246,7 @@ fn run(args: &[String]) -> Result<()> {
         .collect::<Vec<_>>()
         .join(" ");
 
-    let profiler = if suites.needs_bpf() {
+    let profiler = if suites.needs_bpf() || suites.store {
         Some(profiler_binary(options.build)?)
     } else {
         None
@@ -332,6 +346,10 @@ fn run(args: &[String]) -> Result<()> {
         eprintln!("bench: [python 3/3] reading new code objects");
         let code = python::run_code_objects(&interpreter)?;
         markdown.push_str(&python::render(&runs, Some(&code), options.depth_seconds));
+    }
+    if let (true, Some(profiler)) = (suites.store, &profiler) {
+        let run = store::run(profiler, &scratch, options.store_intervals as usize)?;
+        markdown.push_str(&store::render(&run));
     }
     let mut table_results = None;
     if suites.tables {

@@ -595,6 +595,7 @@ mod tests {
             user_table_missing: false,
             python_frames: python,
             python_truncated: false,
+            in_cuda_sync: false,
         }
     }
 

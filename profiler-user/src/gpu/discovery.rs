@@ -1,0 +1,416 @@
+//! Finds CUDA runtime and driver libraries in running processes by the symbols they export
+//! (PyTorch ships renamed copies such as `libcudart-<hash>.so.12`, so names prove nothing),
+//! and attaches the CUDA probes once per file: a uprobe lives on the file (inode + offset), so
+//! one attachment serves every process that maps it, now or later.
+//!
+//! The scan reads `/proc/*/maps` every few seconds, so libraries loaded with `dlopen` after the
+//! process started are found at the next scan. Files are opened through `/proc/PID/root`, which
+//! reaches into containers' mount namespaces.
+use std::{
+    collections::{HashMap, HashSet},
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use object::{Object, ObjectSection, ObjectSymbol};
+use profiler_common::{
+    CALL_DRV_ALLOC, CALL_DRV_FREE, CALL_DRV_GET_FUNCTION, CALL_DRV_GRAPH_LAUNCH, CALL_DRV_LAUNCH,
+    CALL_DRV_LAUNCH_EX, CALL_DRV_MEMCPY, CALL_DRV_MEMCPY_DTOD, CALL_DRV_MEMCPY_DTOH,
+    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_FIRST_DRIVER, CALL_RT_FREE, CALL_RT_GET_KERNEL,
+    CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC, CALL_RT_LAUNCH_HANDLE,
+    CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC,
+};
+
+use crate::{
+    model::{FileId, Pid},
+    process::maps::{Backing, parse_maps_line},
+};
+
+/// Every probed function: its exported name and its `CALL_*` id.
+pub const PROBED_FUNCTIONS: &[(&str, u32)] = &[
+    ("cudaLaunchKernel", CALL_RT_LAUNCH),
+    ("cudaLaunchKernel_ptsz", CALL_RT_LAUNCH),
+    ("cudaLaunchCooperativeKernel", CALL_RT_LAUNCH),
+    ("cudaLaunchCooperativeKernel_ptsz", CALL_RT_LAUNCH),
+    ("cudaLaunchKernelExC", CALL_RT_LAUNCH_EXC),
+    ("cudaLaunchKernelExC_ptsz", CALL_RT_LAUNCH_EXC),
+    ("__cudaLaunchKernel", CALL_RT_LAUNCH_HANDLE),
+    ("__cudaLaunchKernel_ptsz", CALL_RT_LAUNCH_HANDLE),
+    ("__cudaGetKernel", CALL_RT_GET_KERNEL),
+    ("cudaGraphLaunch", CALL_RT_GRAPH_LAUNCH),
+    ("cudaGraphLaunch_ptsz", CALL_RT_GRAPH_LAUNCH),
+    ("cudaMemcpy", CALL_RT_MEMCPY),
+    ("cudaMemcpy_ptds", CALL_RT_MEMCPY),
+    ("cudaMemcpyAsync", CALL_RT_MEMCPY),
+    ("cudaMemcpyAsync_ptsz", CALL_RT_MEMCPY),
+    ("cudaMalloc", CALL_RT_MALLOC),
+    ("cudaMallocAsync", CALL_RT_MALLOC),
+    ("cudaMallocAsync_ptsz", CALL_RT_MALLOC),
+    ("cudaFree", CALL_RT_FREE),
+    ("cudaFreeAsync", CALL_RT_FREE),
+    ("cudaFreeAsync_ptsz", CALL_RT_FREE),
+    ("cudaDeviceSynchronize", CALL_RT_SYNC),
+    ("cudaStreamSynchronize", CALL_RT_SYNC),
+    ("cudaStreamSynchronize_ptsz", CALL_RT_SYNC),
+    ("cudaEventSynchronize", CALL_RT_SYNC),
+    ("cuLaunchKernel", CALL_DRV_LAUNCH),
+    ("cuLaunchKernel_ptsz", CALL_DRV_LAUNCH),
+    ("cuLaunchCooperativeKernel", CALL_DRV_LAUNCH),
+    ("cuLaunchCooperativeKernel_ptsz", CALL_DRV_LAUNCH),
+    ("cuLaunchKernelEx", CALL_DRV_LAUNCH_EX),
+    ("cuLaunchKernelEx_ptsz", CALL_DRV_LAUNCH_EX),
+    ("cuGraphLaunch", CALL_DRV_GRAPH_LAUNCH),
+    ("cuGraphLaunch_ptsz", CALL_DRV_GRAPH_LAUNCH),
+    ("cuMemcpyHtoD_v2", CALL_DRV_MEMCPY_HTOD),
+    ("cuMemcpyHtoD_v2_ptds", CALL_DRV_MEMCPY_HTOD),
+    ("cuMemcpyHtoDAsync_v2", CALL_DRV_MEMCPY_HTOD),
+    ("cuMemcpyHtoDAsync_v2_ptsz", CALL_DRV_MEMCPY_HTOD),
+    ("cuMemcpyDtoH_v2", CALL_DRV_MEMCPY_DTOH),
+    ("cuMemcpyDtoH_v2_ptds", CALL_DRV_MEMCPY_DTOH),
+    ("cuMemcpyDtoHAsync_v2", CALL_DRV_MEMCPY_DTOH),
+    ("cuMemcpyDtoHAsync_v2_ptsz", CALL_DRV_MEMCPY_DTOH),
+    ("cuMemcpyDtoD_v2", CALL_DRV_MEMCPY_DTOD),
+    ("cuMemcpyDtoD_v2_ptds", CALL_DRV_MEMCPY_DTOD),
+    ("cuMemcpyDtoDAsync_v2", CALL_DRV_MEMCPY_DTOD),
+    ("cuMemcpyDtoDAsync_v2_ptsz", CALL_DRV_MEMCPY_DTOD),
+    ("cuMemcpy", CALL_DRV_MEMCPY),
+    ("cuMemcpy_ptds", CALL_DRV_MEMCPY),
+    ("cuMemcpyAsync", CALL_DRV_MEMCPY),
+    ("cuMemcpyAsync_ptsz", CALL_DRV_MEMCPY),
+    ("cuMemAlloc_v2", CALL_DRV_ALLOC),
+    ("cuMemAllocAsync", CALL_DRV_ALLOC),
+    ("cuMemAllocAsync_ptsz", CALL_DRV_ALLOC),
+    ("cuMemFree_v2", CALL_DRV_FREE),
+    ("cuMemFreeAsync", CALL_DRV_FREE),
+    ("cuMemFreeAsync_ptsz", CALL_DRV_FREE),
+    ("cuCtxSynchronize", CALL_DRV_SYNC),
+    ("cuStreamSynchronize", CALL_DRV_SYNC),
+    ("cuStreamSynchronize_ptsz", CALL_DRV_SYNC),
+    ("cuEventSynchronize", CALL_DRV_SYNC),
+    ("cuModuleGetFunction", CALL_DRV_GET_FUNCTION),
+    ("cuLibraryGetKernel", CALL_DRV_GET_FUNCTION),
+];
+
+/// The exports that make a file a CUDA runtime or driver library worth probing.
+const MARKER_SYMBOLS: &[&str] = &["cudaLaunchKernel", "__cudaLaunchKernel", "cuLaunchKernel"];
+
+/// How often `/proc` is scanned for new CUDA libraries.
+pub const SCAN_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Whether a call needs its return probed: runtime calls (to mark "inside the runtime"),
+/// synchronizations (time blocked) and the calls whose out-parameter names a handle.
+pub fn needs_return_probe(call: u32) -> bool {
+    call < CALL_FIRST_DRIVER || call == CALL_DRV_SYNC || call == CALL_DRV_GET_FUNCTION
+}
+
+/// One place to probe in a file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbePoint {
+    pub symbol: &'static str,
+    pub call: u32,
+    pub file_offset: u64,
+}
+
+impl ProbePoint {
+    /// The attach cookie: the call id, and the function's index in [`PROBED_FUNCTIONS`].
+    pub fn cookie(&self) -> u32 {
+        let index = PROBED_FUNCTIONS
+            .iter()
+            .position(|(name, _)| *name == self.symbol)
+            .unwrap_or(0);
+        self.call | ((index as u32) << 8)
+    }
+}
+
+/// The probed function a cookie names.
+pub fn function_name(cookie: u32) -> &'static str {
+    PROBED_FUNCTIONS
+        .get((cookie >> 8) as usize)
+        .filter(|(_, call)| *call == cookie & 0xff)
+        .map_or("cuda", |(name, _)| name)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not an ELF file we can read: {message}")]
+    Elf { path: String, message: String },
+}
+
+/// The probe points `path` exports, or an empty list when it is no CUDA library. Only defined
+/// `STT_FUNC` dynamic symbols count (an IFUNC symbol would put the probe on its resolver), and
+/// two names at one address are probed once.
+pub fn probe_points(path: &Path) -> Result<Vec<ProbePoint>, DiscoveryError> {
+    let display = path.display().to_string();
+    let file = std::fs::File::open(path).map_err(|source| DiscoveryError::Read {
+        path: display.clone(),
+        source,
+    })?;
+    // SAFETY: read-only mapping; a file truncated meanwhile can fault, as with any mmap reader;
+    // shared libraries are replaced by rename, not rewritten in place.
+    let data = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| DiscoveryError::Read {
+        path: display.clone(),
+        source,
+    })?;
+    let elf = object::File::parse(&*data).map_err(|err| DiscoveryError::Elf {
+        path: display.clone(),
+        message: err.to_string(),
+    })?;
+    let wanted: HashMap<&str, (&'static str, u32)> = PROBED_FUNCTIONS
+        .iter()
+        .map(|&(name, call)| (name, (name, call)))
+        .collect();
+    let mut found: Vec<ProbePoint> = Vec::new();
+    let mut has_marker = false;
+    for symbol in elf.dynamic_symbols() {
+        if !symbol.is_definition() {
+            continue;
+        }
+        let Ok(name) = symbol.name() else { continue };
+        let Some(&(static_name, call)) = wanted.get(name) else {
+            continue;
+        };
+        let object::SymbolFlags::Elf { st_info, .. } = symbol.flags() else {
+            continue;
+        };
+        if st_info & 0xf != object::elf::STT_FUNC {
+            continue;
+        }
+        let Some(section) = symbol
+            .section_index()
+            .and_then(|i| elf.section_by_index(i).ok())
+        else {
+            continue;
+        };
+        let Some((section_offset, _)) = section.file_range() else {
+            continue;
+        };
+        let Some(relative) = symbol.address().checked_sub(section.address()) else {
+            continue;
+        };
+        has_marker |= MARKER_SYMBOLS.contains(&name);
+        found.push(ProbePoint {
+            symbol: static_name,
+            call,
+            file_offset: section_offset + relative,
+        });
+    }
+    if !has_marker {
+        return Ok(Vec::new());
+    }
+    // Keep the table's order (the preferred name first) and one probe per address.
+    found.sort_by_key(|p| {
+        PROBED_FUNCTIONS
+            .iter()
+            .position(|(name, _)| *name == p.symbol)
+    });
+    let mut offsets = HashSet::new();
+    found.retain(|p| offsets.insert(p.file_offset));
+    Ok(found)
+}
+
+/// Attaches probes; the BPF side in production, a recorder in tests.
+pub trait ProbeAttacher {
+    fn attach(
+        &mut self,
+        target: &Path,
+        point: &ProbePoint,
+        at_return: bool,
+    ) -> Result<(), crate::bpf::BpfError>;
+}
+
+impl ProbeAttacher for crate::bpf::Sampler {
+    fn attach(
+        &mut self,
+        target: &Path,
+        point: &ProbePoint,
+        at_return: bool,
+    ) -> Result<(), crate::bpf::BpfError> {
+        self.attach_cuda(target, point.file_offset, point.cookie(), at_return)
+    }
+}
+
+/// A CUDA library found in a process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundLibrary {
+    pub pid: Pid,
+    /// The path as the process sees it.
+    pub path: String,
+    pub probes: usize,
+}
+
+/// Counters for self-metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiscoveryStats {
+    pub libraries_attached: u64,
+    pub probes_attached: u64,
+    pub attach_errors: u64,
+    pub processes_using_cuda: u64,
+}
+
+/// Scans processes and attaches each CUDA library once.
+pub struct Discovery {
+    proc_root: PathBuf,
+    /// (path as mapped, inode) → whether it is a CUDA library, so each file is parsed once.
+    checked: HashMap<(String, u64), Option<FileId>>,
+    attached: HashSet<FileId>,
+    /// Processes seen mapping a CUDA library at the last scan.
+    users: HashSet<Pid>,
+    next_scan: Instant,
+    pub stats: DiscoveryStats,
+}
+
+impl Discovery {
+    pub fn new(proc_root: PathBuf) -> Self {
+        Discovery {
+            proc_root,
+            checked: HashMap::new(),
+            attached: HashSet::new(),
+            users: HashSet::new(),
+            next_scan: Instant::now(),
+            stats: DiscoveryStats::default(),
+        }
+    }
+
+    /// Processes that mapped a CUDA library at the last scan.
+    pub fn users(&self) -> &HashSet<Pid> {
+        &self.users
+    }
+
+    /// Scans when the interval has passed; returns the processes newly seen using CUDA.
+    pub fn maybe_scan(&mut self, attacher: &mut impl ProbeAttacher) -> Vec<Pid> {
+        if Instant::now() < self.next_scan {
+            return Vec::new();
+        }
+        self.next_scan = Instant::now() + SCAN_INTERVAL;
+        self.scan(attacher)
+    }
+
+    /// Reads every process's maps; attaches new CUDA libraries. Processes that vanish
+    /// meanwhile are skipped: nothing about one process can fail the scan of another.
+    pub fn scan(&mut self, attacher: &mut impl ProbeAttacher) -> Vec<Pid> {
+        let Ok(entries) = std::fs::read_dir(&self.proc_root) else {
+            return Vec::new();
+        };
+        let own_pid = std::process::id();
+        let mut users = HashSet::new();
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|name| name.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid == own_pid {
+                continue;
+            }
+            if self.scan_process(Pid(pid), attacher) {
+                users.insert(Pid(pid));
+            }
+        }
+        let new: Vec<Pid> = users.difference(&self.users).copied().collect();
+        self.stats.processes_using_cuda = users.len() as u64;
+        self.users = users;
+        new
+    }
+
+    /// Whether the process maps a CUDA library.
+    fn scan_process(&mut self, pid: Pid, attacher: &mut impl ProbeAttacher) -> bool {
+        let process_dir = self.proc_root.join(pid.0.to_string());
+        let Ok(maps) = std::fs::read_to_string(process_dir.join("maps")) else {
+            return false;
+        };
+        let mut uses_cuda = false;
+        for line in maps.lines() {
+            let Some(entry) = parse_maps_line(line) else {
+                continue;
+            };
+            if !entry.is_executable() || entry.inode == 0 {
+                continue;
+            }
+            let Backing::File {
+                path,
+                deleted: false,
+            } = entry.backing()
+            else {
+                continue;
+            };
+            let key = (path.to_string(), entry.inode);
+            let file_id = match self.checked.get(&key) {
+                Some(known) => *known,
+                None => {
+                    let found = self.inspect(&process_dir, path, entry.inode, attacher);
+                    if self.checked.len() > 100_000 {
+                        self.checked.clear();
+                    }
+                    self.checked.insert(key, found);
+                    found
+                }
+            };
+            uses_cuda |= file_id.is_some();
+        }
+        uses_cuda
+    }
+
+    /// Parses a newly seen file; attaches it when it is a CUDA library not attached yet.
+    fn inspect(
+        &mut self,
+        process_dir: &Path,
+        path: &str,
+        inode: u64,
+        attacher: &mut impl ProbeAttacher,
+    ) -> Option<FileId> {
+        // Through the process's root, so a container's file is the one we read and probe.
+        let target = process_dir.join("root").join(path.trim_start_matches('/'));
+        let metadata = std::fs::metadata(&target).ok()?;
+        if metadata.ino() != inode {
+            return None;
+        }
+        let id = FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        };
+        if self.attached.contains(&id) {
+            return Some(id);
+        }
+        let points = match probe_points(&target) {
+            Ok(points) => points,
+            Err(err) => {
+                tracing::debug!("{err}");
+                return None;
+            }
+        };
+        if points.is_empty() {
+            return None;
+        }
+        let mut attached = 0;
+        for point in &points {
+            let mut ok = attacher.attach(&target, point, false);
+            if ok.is_ok() && needs_return_probe(point.call) {
+                ok = attacher.attach(&target, point, true);
+            }
+            match ok {
+                Ok(()) => attached += 1,
+                Err(err) => {
+                    self.stats.attach_errors += 1;
+                    tracing::warn!(symbol = point.symbol, "{err}");
+                }
+            }
+        }
+        self.attached.insert(id);
+        self.stats.libraries_attached += 1;
+        self.stats.probes_attached += attached;
+        tracing::info!(
+            path,
+            probes = attached,
+            "CUDA library found; probes attached"
+        );
+        Some(id)
+    }
+}

@@ -1,0 +1,4 @@
+//! GPU attribution: CUDA libraries found by their exports and probed (`discovery`), the
+//! probes' records turned into profile events (`events`), and NVIDIA's counters (`nvml`).
+pub mod discovery;
+pub mod events;

@@ -1,0 +1,390 @@
+// End-to-end test of the web UI in headless Chromium (Debian's /usr/bin/chromium driven by
+// playwright-core), against a running `profiler agent` that profiles tests/fixtures/ui_workload.c.
+// Started by tests/tests/ui.rs with one JSON argument:
+//   {url, workloadPid, service, otherService, functions: {main, phaseOne, phaseTwo, leaf, other},
+//    screenshots}
+// Prints what it checked; exits 1 with the reason on the first failed check.
+import assert from 'node:assert/strict';
+import { mkdirSync } from 'node:fs';
+import { join } from 'node:path';
+import { gunzipSync } from 'node:zlib';
+
+import { chromium } from 'playwright-core';
+import { Profile } from 'pprof-format';
+
+import { decodeFlamegraph, serviceSelector, topFunctions } from '../../profiler-user/ui/flamegraph.mjs';
+
+const config = JSON.parse(process.argv[2] ?? '{}');
+const { url, workloadPid, service, otherService, functions, screenshots } = config;
+const SAMPLES_TYPE = 'process_cpu:samples:count:cpu:nanoseconds';
+// Enough samples (at 100 Hz) that each phase spans several 2-second intervals.
+const PHASE_SAMPLES = 300;
+// Start-up of a debug agent on a busy 2-core machine varies a lot; these only bound a hang.
+const WAIT_MS = 120_000;
+const UI_TIMEOUT_MS = 30_000;
+
+const log = (message) => process.stdout.write(`ui-test: ${message}\n`);
+
+async function rpc(method, body) {
+  const response = await fetch(`${url}/querier.v1.QuerierService/${method}`, {
+    method: 'POST',
+    headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify(body),
+  });
+  if (!response.ok) throw new Error(`${method}: ${response.status} ${await response.text()}`);
+  return response.json();
+}
+
+/** Samples of `fn` (total, all stacks) in the service between two times (ms). */
+async function samplesOf(fn, from, until) {
+  const merge = await rpc('SelectMergeStacktraces', {
+    profileTypeID: SAMPLES_TYPE,
+    labelSelector: serviceSelector(service),
+    start: String(from),
+    end: String(until),
+  });
+  const row = topFunctions(decodeFlamegraph(merge.flamegraph)).find((r) => r.name === fn);
+  return row?.total ?? 0;
+}
+
+async function waitFor(what, check) {
+  const deadline = Date.now() + WAIT_MS;
+  let last;
+  while (Date.now() < deadline) {
+    try {
+      last = await check();
+      if (last) return last;
+    } catch (err) {
+      last = err.message;
+    }
+    await new Promise((resolve) => setTimeout(resolve, 500));
+  }
+  throw new Error(`gave up waiting for ${what} (last: ${last})`);
+}
+
+/** A `datetime-local` value (local time, whole seconds) for `ms`. */
+function localInput(ms) {
+  const d = new Date(ms);
+  const pad = (n) => String(n).padStart(2, '0');
+  return (
+    `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}` +
+    `T${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`
+  );
+}
+
+/** Painted pixels of a canvas: how many, how many distinct colours, how many red/green. */
+function canvasPixels(page, selector) {
+  return page.evaluate((sel) => {
+    const canvas = document.querySelector(sel);
+    const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+    let painted = 0;
+    let red = 0;
+    let green = 0;
+    const colours = new Set();
+    for (let i = 0; i < data.length; i += 4) {
+      if (data[i + 3] === 0) continue;
+      painted++;
+      colours.add((data[i] << 16) | (data[i + 1] << 8) | data[i + 2]);
+      if (data[i] > data[i + 1] + 60 && data[i] > data[i + 2] + 60) red++;
+      if (data[i + 1] > data[i] + 40 && data[i + 1] > data[i + 2] + 20) green++;
+    }
+    return { painted, pixels: data.length / 4, colours: colours.size, red, green };
+  }, selector);
+}
+
+/** The drawn frames (hidden list the view keeps in sync with the canvas). */
+function frames(page) {
+  return page.$$eval('#flame-frames li', (items) =>
+    items.map((li) => ({
+      name: li.dataset.name,
+      depth: Number(li.dataset.depth),
+      total: Number(li.dataset.total),
+      x: Number(li.dataset.x),
+      y: Number(li.dataset.y),
+      width: Number(li.dataset.width),
+      matched: li.dataset.matched === 'true',
+    })),
+  );
+}
+
+/** Visible rows of the top table: name and each numeric cell's value. */
+function tableRows(page) {
+  return page.$$eval('#top-table tbody tr:not([hidden])', (rows) =>
+    rows.map((tr) => ({
+      name: tr.dataset.name,
+      values: [...tr.cells].slice(1).map((td) => Number(td.dataset.value)),
+    })),
+  );
+}
+
+async function shot(page, name) {
+  const path = join(screenshots, `${name}.png`);
+  await page.screenshot({ path, fullPage: false });
+  log(`screenshot ${path}`);
+}
+
+async function prepareData() {
+  const firstSeen = await waitFor(`${functions.phaseOne} samples in ${service}`, async () => {
+    const now = Date.now();
+    const services = (await rpc('LabelValues', { name: 'service_name', start: String(now - 3600e3), end: String(now) })).names ?? [];
+    if (!services.includes(service)) return false;
+    return (await samplesOf(functions.phaseOne, now - 3600e3, now)) >= PHASE_SAMPLES;
+  });
+  log(`phase one stored (${firstSeen})`);
+  const switchedAt = Date.now();
+  process.kill(workloadPid, 'SIGUSR1');
+  // Profiles are stamped with the start of their interval; a margin keeps the boundary
+  // interval (which holds both phases) out of the comparison range.
+  const comparisonFrom = Math.ceil((switchedAt + 1000) / 1000) * 1000;
+  await waitFor(`${functions.phaseTwo} samples after the switch`, async () =>
+    (await samplesOf(functions.phaseTwo, comparisonFrom, Date.now())) >= PHASE_SAMPLES,
+  );
+  log('phase two stored');
+  return { baseFrom: switchedAt - 3600e3, baseUntil: Math.floor(switchedAt / 1000) * 1000, comparisonFrom };
+}
+
+async function main() {
+  mkdirSync(screenshots, { recursive: true });
+  const ranges = await prepareData();
+  const browser = await chromium.launch({
+    executablePath: '/usr/bin/chromium',
+    args: [
+      '--no-sandbox',
+      '--disable-gpu',
+      '--disable-quic',
+      '--no-first-run',
+      '--disable-background-networking',
+      '--disable-component-update',
+      '--disable-sync',
+    ],
+  });
+  const problems = [];
+  try {
+    const page = await browser.newPage({ viewport: { width: 1440, height: 900 } });
+    page.setDefaultTimeout(UI_TIMEOUT_MS);
+    page.on('pageerror', (err) => problems.push(`page error: ${err.message}`));
+    page.on('console', (msg) => {
+      if (msg.type() === 'error' && !msg.text().includes('404')) problems.push(`console: ${msg.text()}`);
+    });
+
+    // ---- load, pick the service ----
+    await page.goto(`${url}/`);
+    await page.waitForFunction(() => Number(document.querySelector('#service').dataset.count) >= 2);
+    const options = await page.$$eval('#service option', (opts) => opts.map((o) => o.value));
+    assert.ok(options.includes(service) && options.includes(otherService), `services offered: ${options}`);
+    const types = await page.$$eval('#profile-type option', (opts) => opts.map((o) => o.value));
+    assert.ok(types.includes('process_cpu:cpu:nanoseconds:cpu:nanoseconds'), `profile types: ${types}`);
+    // The last 5 minutes hold all of this run's data, so the timeline shows it.
+    await page.click('#presets button[data-preset="5m"]');
+    await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, `single:${options[0]}:5m`);
+    assert.match(page.url(), /range=5m/);
+    await page.selectOption('#service', otherService);
+    await page.waitForSelector(`#flame-frames li[data-name="${functions.other}"]`, { state: 'attached' });
+    await page.selectOption('#service', service);
+    await page.waitForSelector(`#flame-frames li[data-name="${functions.main}"]`, { state: 'attached' });
+    let drawn = await frames(page);
+    assert.ok(!drawn.some((f) => f.name === functions.other), 'the other service\'s frames are gone');
+    for (const fn of [functions.phaseOne, functions.phaseTwo, functions.leaf]) {
+      assert.ok(drawn.some((f) => f.name === fn), `${fn} is drawn: ${drawn.map((f) => f.name)}`);
+    }
+    assert.match(page.url(), new RegExp(`service=${service}`));
+    const pixels = await canvasPixels(page, '#flame canvas');
+    assert.ok(pixels.painted > 0.2 * pixels.pixels && pixels.colours >= 4, `flame graph is painted: ${JSON.stringify(pixels)}`);
+    log(`flame graph of ${service}: ${drawn.length} frames, ${JSON.stringify(pixels)}`);
+    await page.waitForFunction(() => Number(document.querySelector('#timeline').dataset.points) > 0);
+    const timeline = await canvasPixels(page, '#timeline');
+    assert.ok(timeline.red > 0, `the timeline has bars: ${JSON.stringify(timeline)}`);
+    await shot(page, 'flamegraph');
+
+    // ---- hover ----
+    const leaf = drawn.find((f) => f.name === functions.leaf);
+    const canvasBox = await (await page.$('#flame canvas')).boundingBox();
+    await page.mouse.move(canvasBox.x + leaf.x + leaf.width / 2, canvasBox.y + leaf.y + 9);
+    await page.waitForSelector('#tooltip:not([hidden])');
+    const tip = await page.textContent('#tooltip');
+    assert.ok(tip.includes(functions.leaf) && /Total.*%/.test(tip) && /Self/.test(tip), `tooltip: ${tip}`);
+    log(`tooltip: ${tip}`);
+
+    // ---- click to zoom, reset ----
+    const target = drawn.find((f) => f.name === functions.phaseOne);
+    await page.mouse.click(canvasBox.x + target.x + target.width / 2, canvasBox.y + target.y + 9);
+    await page.waitForSelector(`#flame canvas[data-focus="${functions.phaseOne}"]`);
+    drawn = await frames(page);
+    const zoomed = drawn.find((f) => f.name === functions.phaseOne);
+    assert.ok(target.width < canvasBox.width * 0.95, `the frame was not already full width: ${target.width}`);
+    assert.ok(zoomed.x === 0 && Math.abs(zoomed.width - canvasBox.width) < 2, `zoomed frame spans the width: ${JSON.stringify(zoomed)}`);
+    assert.deepEqual(drawn.filter((f) => f.depth === target.depth).map((f) => f.name), [functions.phaseOne], 'its siblings are hidden');
+    assert.ok(drawn.some((f) => f.name === functions.main && f.depth < target.depth), 'its callers stay above it');
+    assert.ok(drawn.some((f) => f.name === functions.leaf && f.depth > target.depth && f.width > canvasBox.width / 2), 'its callee is scaled up');
+    assert.ok((await page.textContent('#breadcrumb')).includes(functions.phaseOne));
+    await page.mouse.move(canvasBox.x + canvasBox.width / 2, canvasBox.y + zoomed.y + 9 + 18);
+    await page.waitForSelector('#tooltip:not([hidden])');
+    assert.match(await page.textContent('#tooltip'), /Of zoomed frame/);
+    await shot(page, 'zoom');
+    await page.click('#reset-zoom');
+    await page.waitForSelector('#flame canvas[data-focus=""]');
+    log('zoom and reset work');
+
+    // ---- search ----
+    await page.fill('#search', 'ui_fixture_parse');
+    await page.waitForFunction(() => Number(document.querySelector('#search-status').dataset.matches) > 0);
+    const percent = Number(await page.getAttribute('#search-status', 'data-percent'));
+    drawn = await frames(page);
+    const matched = drawn.filter((f) => f.matched);
+    assert.ok(matched.length > 0 && matched.every((f) => f.name.includes('ui_fixture_parse')), 'only matching frames are marked');
+    const rootTotal = drawn.find((f) => f.depth === 0).total;
+    const expected = (100 * matched.reduce((sum, f) => sum + f.total, 0)) / rootTotal;
+    assert.ok(percent > 0 && percent < 100 && Math.abs(percent - expected) < 0.5, `search covers ${percent}% (frames say ${expected}%)`);
+    assert.match(await page.textContent('#search-status'), /%/);
+    const searchPixels = await page.evaluate(() => {
+      const c = document.querySelector('#flame canvas');
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      let purple = 0;
+      for (let i = 0; i < d.length; i += 4) if (d[i + 2] > d[i + 1] + 60 && d[i] > d[i + 1] + 30) purple++;
+      return purple;
+    });
+    assert.ok(searchPixels > 0, 'matches are highlighted on the canvas');
+    let rows = await tableRows(page);
+    assert.ok(rows.length > 0 && rows.every((r) => r.name.includes('ui_fixture_parse')), `table follows the search: ${rows.map((r) => r.name)}`);
+    log(`search matches ${matched.length} frames, ${percent.toFixed(2)}%`);
+    await shot(page, 'search');
+    await page.fill('#search', '');
+    await page.waitForFunction(() => document.querySelector('#search-status').dataset.matches === '0');
+
+    // ---- top table ----
+    rows = await tableRows(page);
+    assert.equal(rows[0].name, functions.leaf, `the hot leaf tops the self column: ${rows.slice(0, 5).map((r) => r.name)}`);
+    const descending = (values) => values.every((v, i) => i === 0 || values[i - 1] >= v);
+    assert.ok(descending(rows.map((r) => r.values[0])), 'sorted by self, descending');
+    await page.click('#top-table th button[data-sort="total"]');
+    rows = await tableRows(page);
+    assert.ok(descending(rows.map((r) => r.values[1])), 'sorted by total, descending');
+    await page.click('#top-table th button[data-sort="total"]');
+    rows = await tableRows(page);
+    assert.ok(descending(rows.map((r) => -r.values[1])), 'sorted by total, ascending');
+    await page.click('#top-table th button[data-sort="self"]');
+    log(`top table: ${rows.length} functions, sorting works`);
+
+    // ---- pprof download ----
+    const href = await page.getAttribute('#download', 'href');
+    assert.ok(href.startsWith('/api/pprof?'), href);
+    const download = Buffer.from(await (await fetch(`${url}${href}`)).arrayBuffer());
+    assert.ok(download[0] === 0x1f && download[1] === 0x8b, 'the download is gzipped');
+    const profile = Profile.decode(gunzipSync(download));
+    const strings = profile.stringTable.strings;
+    assert.ok(strings.includes(functions.main), 'the pprof holds the fixture function');
+    log(`pprof download: ${download.length} bytes, ${profile.sample.length} samples`);
+
+    // ---- health ----
+    await page.waitForFunction(() => Number(document.querySelector('#health-panel').dataset.samples) > 0);
+    const health = await page.textContent('#health-panel');
+    assert.match(health, /Samples processed/);
+    assert.match(health, /Samples dropped/);
+    assert.match(health, /Errors/);
+    log(`health: ${await page.getAttribute('#health-panel', 'data-samples')} samples`);
+
+    // ---- GPU panel: what this agent serves, then stand-ins for absent GPU hardware ----
+    const gpuResponse = await fetch(`${url}/api/gpu?from=${Date.now() - 3600e3}&until=${Date.now()}`);
+    const gpuHidden = () => page.$eval('#gpu-panel', (el) => el.hidden);
+    if (gpuResponse.status === 404) {
+      assert.ok(await gpuHidden(), 'no /api/gpu: the panel is hidden');
+      log('GPU: /api/gpu not served, panel hidden');
+    } else {
+      const body = await gpuResponse.json();
+      await page.waitForFunction((available) => document.querySelector('#gpu-panel').hidden !== available, body.available);
+      if (!body.available) {
+        assert.ok((await page.textContent('#gpu-note')).includes(body.reason ?? ''), 'the reason is shown');
+      }
+      log(`GPU: available=${body.available} reason=${body.reason}`);
+    }
+    const now = Date.now();
+    const points = (offset) =>
+      Array.from({ length: 60 }, (_, i) => ({
+        t: now - 3600e3 + i * 60e3,
+        util: Math.round(50 + 45 * Math.sin(i / 6 + offset)),
+        mem_util: Math.round(30 + 20 * Math.cos(i / 9 + offset)),
+        mem_used_bytes: 20 * 2 ** 30,
+        mem_total_bytes: 80 * 2 ** 30,
+      }));
+    await page.route('**/api/gpu?*', (route) =>
+      route.fulfill({
+        contentType: 'application/json',
+        body: JSON.stringify({
+          available: true,
+          reason: null,
+          gpus: [0, 1].map((index) => ({ index, uuid: `GPU-standin-${index}`, name: 'Stand-in H100', points: points(index) })),
+        }),
+      }),
+    );
+    await page.click('#refresh');
+    await page.waitForFunction(() => document.querySelectorAll('#gpu-list .gpu').length === 2);
+    assert.ok(!(await gpuHidden()));
+    const gpuPixels = await canvasPixels(page, '#gpu-list .gpu canvas');
+    assert.ok(gpuPixels.green > 0, `utilization line drawn: ${JSON.stringify(gpuPixels)}`);
+    assert.match(await page.textContent('#gpu-list'), /util avg \d+%, peak \d+% · memory 20\.0 GiB \/ 80\.0 GiB/);
+    await shot(page, 'gpu-standin');
+    await page.unroute('**/api/gpu?*');
+    await page.route('**/api/gpu?*', (route) =>
+      route.fulfill({ contentType: 'application/json', body: JSON.stringify({ available: false, reason: 'NVML not found', gpus: [] }) }),
+    );
+    await page.click('#refresh');
+    await page.waitForFunction(() => document.querySelector('#gpu-panel').hidden);
+    await page.waitForFunction(() => document.querySelector('#gpu-note').textContent.includes('NVML not found'));
+    await page.unroute('**/api/gpu?*');
+    await page.route('**/api/gpu?*', (route) => route.fulfill({ status: 404, contentType: 'application/json', body: '{}' }));
+    await page.click('#refresh');
+    await page.waitForFunction(() => document.querySelector('#gpu-panel').hidden && document.querySelector('#gpu-note').hidden);
+    await page.unroute('**/api/gpu?*');
+    log('GPU panel: shown with data, hidden with a reason, hidden on 404');
+
+    // ---- compare ----
+    await page.click('[role=tab][data-mode=compare]');
+    await page.waitForSelector('#compare-controls:not([hidden])');
+    await page.fill('#base-from', localInput(ranges.baseFrom));
+    await page.fill('#base-until', localInput(ranges.baseUntil));
+    await page.fill('#comp-from', localInput(ranges.comparisonFrom));
+    const comparisonUntil = Date.now() + 60e3;
+    await page.fill('#comp-until', localInput(comparisonUntil));
+    await page.click('#run-compare');
+    const second = (ms) => Math.floor(ms / 1000) * 1000;
+    const expectedRun = `compare:${service}:${second(ranges.baseFrom)}-${second(ranges.baseUntil)}:${second(ranges.comparisonFrom)}-${second(comparisonUntil)}`;
+    await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, expectedRun);
+    assert.equal(await page.getAttribute('#flame canvas', 'data-mode'), 'diff');
+    await page.waitForSelector(`#top-table tbody tr[data-name="${functions.phaseTwo}"]`);
+    const leftTicks = Number(await page.getAttribute('#flame canvas', 'data-left-ticks'));
+    const rightTicks = Number(await page.getAttribute('#flame canvas', 'data-right-ticks'));
+    assert.ok(leftTicks > 0 && rightTicks > 0, `both sides have data: ${leftTicks} ${rightTicks}`);
+    rows = await tableRows(page);
+    // Diff columns: baseline self, comparison self, self change, baseline total, comparison
+    // total, total change.
+    const share = (name) => {
+      const row = rows.find((r) => r.name === name);
+      assert.ok(row, `${name} in the diff table`);
+      const change = row.values[4] / rightTicks - row.values[3] / leftTicks;
+      assert.ok(Math.abs(change - row.values[5]) < 1e-9, `the table's change of ${name}: ${row.values[5]} vs ${change}`);
+      return change;
+    };
+    assert.equal(rows[0].name, functions.phaseTwo, 'the largest growth comes first');
+    assert.ok(share(functions.phaseTwo) > 0.2, `${functions.phaseTwo} grew: ${share(functions.phaseTwo)}`);
+    assert.ok(share(functions.phaseOne) < -0.2, `${functions.phaseOne} shrank: ${share(functions.phaseOne)}`);
+    const diffPixels = await canvasPixels(page, '#flame canvas');
+    assert.ok(diffPixels.red > 0 && diffPixels.green > 0, `diff colours: ${JSON.stringify(diffPixels)}`);
+    const grown = (await frames(page)).find((f) => f.name === functions.phaseTwo);
+    const diffBox = await (await page.$('#flame canvas')).boundingBox();
+    await page.mouse.move(diffBox.x + grown.x + grown.width / 2, diffBox.y + grown.y + 9);
+    await page.waitForSelector('#tooltip:not([hidden])');
+    assert.match(await page.textContent('#tooltip'), /Baseline.*Comparison/s);
+    log(`compare: ${functions.phaseTwo} +${(100 * share(functions.phaseTwo)).toFixed(1)} pts, ${functions.phaseOne} ${(100 * share(functions.phaseOne)).toFixed(1)} pts`);
+    await shot(page, 'compare');
+
+    assert.deepEqual(problems, [], 'no errors in the page');
+  } finally {
+    await browser.close();
+  }
+  log('all checks passed');
+}
+
+main().catch((err) => {
+  process.stderr.write(`ui-test failed: ${err.stack ?? err}\n`);
+  process.exit(1);
+});

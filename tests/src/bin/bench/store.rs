@@ -1,0 +1,393 @@
+//! The `store` suite: the embedded store behind the real HTTP server (`profiler server`, release
+//! build). A day of one service's 15 s profiles through `/ingest` (store bytes per service per
+//! day), the 24-hour merge of that service through the Connect query API (latency), then 50
+//! services' intervals through Connect Push from several clients (ingest throughput).
+//! Profiles are realistic in size: 2,000 distinct stacks 8-40 frames deep out of a service's
+//! 4,000, skewed counts, gzipped pprof as agents send it.
+use std::{
+    fmt::Write as _,
+    path::Path,
+    sync::atomic::{AtomicUsize, Ordering},
+    time::Instant,
+};
+
+use anyhow::{Context, Result, bail};
+use integration_tests::{Scratch, server_harness::*};
+use prost::Message;
+
+use crate::procs::check_interrupted;
+
+pub const SERVICES: usize = 50;
+pub const STACKS: usize = 2000;
+const INTERVAL_S: i64 = 15;
+const DAY_S: i64 = 86_400;
+/// Distinct interval profiles per service, reused round-robin (generation is client-side cost).
+const VARIANTS: usize = 8;
+/// Concurrent HTTP clients (50 agents would be 50 connections; a few saturate 2 CPUs).
+const CLIENTS: usize = 4;
+const QUERY_RUNS: usize = 10;
+
+const TARGET_PROFILES_PER_S: f64 = 200.0;
+const TARGET_MERGE_MS: f64 = 500.0;
+
+#[derive(Debug)]
+pub struct Ingest {
+    pub profiles: usize,
+    pub seconds: f64,
+    /// The server's user + system CPU time while ingesting.
+    pub server_cpu_s: f64,
+}
+
+impl Ingest {
+    pub fn per_second(&self) -> f64 {
+        self.profiles as f64 / self.seconds
+    }
+}
+
+#[derive(Debug)]
+pub struct StoreRun {
+    pub intervals: usize,
+    pub mean_gzip_bytes: f64,
+    pub mean_raw_bytes: f64,
+    pub day: Ingest,
+    /// Pages in use after one service's day (`profiler_store_bytes`).
+    pub day_used_bytes: f64,
+    /// The database and its WAL on disk after that day.
+    pub day_file_bytes: u64,
+    pub merge_ms: Vec<f64>,
+    pub merge_json_ms: Vec<f64>,
+    pub merge_total: i64,
+    pub merge_names: usize,
+    pub throughput: Ingest,
+    pub merge_after_ms: Vec<f64>,
+    pub server_peak_rss_bytes: u64,
+}
+
+/// (utime + stime) of a process in seconds, from /proc/PID/stat.
+fn process_cpu_seconds(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("cannot read /proc/{pid}/stat"))?;
+    // Fields after the parenthesized command name; utime and stime are fields 14 and 15.
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .context("malformed /proc/PID/stat")?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok(ticks / per_second)
+}
+
+fn peak_rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status.lines().find_map(|line| {
+                let kib = line.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?;
+                kib.trim().parse::<u64>().ok()
+            })
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Runs `jobs` on `CLIENTS` threads; each job is an index; any non-2xx fails the run.
+fn run_parallel(
+    client: &Client,
+    jobs: usize,
+    request: impl Fn(&Client, usize) -> HttpResponse + Sync,
+) -> Result<f64> {
+    let next = AtomicUsize::new(0);
+    let started = Instant::now();
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                let client = client.clone();
+                let next = &next;
+                let request = &request;
+                scope.spawn(move || {
+                    loop {
+                        let job = next.fetch_add(1, Ordering::Relaxed);
+                        if job >= jobs {
+                            return None;
+                        }
+                        let response = request(&client, job);
+                        if response.status != 200 {
+                            next.store(jobs, Ordering::Relaxed);
+                            return Some(format!("{} {}", response.status, response.text()));
+                        }
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .filter_map(|w| w.join().expect("client thread"))
+            .collect()
+    });
+    if let Some(failure) = failures.first() {
+        bail!("an ingest request failed: {failure}");
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+fn merge_latencies(client: &Client, codec_json: bool, runs: usize) -> (Vec<f64>, i64, usize) {
+    let end = unix_now_ms();
+    let start = end - DAY_S * 1000;
+    let selector = r#"{service_name="svc-0"}"#;
+    let mut times = Vec::with_capacity(runs);
+    let (mut total, mut names) = (0, 0);
+    for _ in 0..runs {
+        let began = Instant::now();
+        if codec_json {
+            let response = client.connect_json(
+                "querier.v1.QuerierService/SelectMergeStacktraces",
+                serde_json::json!({"profileTypeID": CPU_TYPE, "labelSelector": selector,
+                                   "start": start.to_string(), "end": end.to_string()}),
+            );
+            names = response["flamegraph"]["names"]
+                .as_array()
+                .map_or(0, Vec::len);
+        } else {
+            // The default node limit, as Grafana and the UI ask.
+            let response: api::SelectMergeStacktracesResponse = client.connect(
+                "querier.v1.QuerierService/SelectMergeStacktraces",
+                &api::SelectMergeStacktracesRequest {
+                    profile_type_id: CPU_TYPE.into(),
+                    label_selector: selector.into(),
+                    start,
+                    end,
+                    max_nodes: None,
+                    format: 1,
+                },
+            );
+            let graph = response.flamegraph.unwrap_or_default();
+            total = graph.total;
+            names = graph.names.len();
+        }
+        times.push(began.elapsed().as_secs_f64() * 1000.0);
+    }
+    (times, total, names)
+}
+
+pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<StoreRun> {
+    eprintln!("bench: [store] generating {VARIANTS} profiles of {STACKS} stacks for each of {SERVICES} services");
+    let services: Vec<Vec<Vec<u8>>> = (0..SERVICES)
+        .map(|service| {
+            let pool = service_stack_pool(service, STACKS * 2);
+            (0..VARIANTS)
+                .map(|seed| {
+                    // time 0: the server stamps it (Push) or takes `from` (/ingest).
+                    synthetic_profile_from_pool(&pool, seed as u64, STACKS, 0).encode_to_vec()
+                })
+                .collect()
+        })
+        .collect();
+    let mean_raw_bytes = services[0].iter().map(Vec::len).sum::<usize>() as f64 / VARIANTS as f64;
+    let gzipped: Vec<Vec<Vec<u8>>> = services
+        .iter()
+        .map(|variants| variants.iter().map(|raw| gzip(raw)).collect())
+        .collect();
+    let mean_gzip_bytes = gzipped[0].iter().map(Vec::len).sum::<usize>() as f64 / VARIANTS as f64;
+    check_interrupted()?;
+
+    let data_dir = scratch.path("store-bench");
+    let mut server = ServerProcess::start_with(profiler, &data_dir, &[]);
+    let pid = server.process.pid();
+    let client = server.client();
+
+    // One service's day, oldest first, through /ingest with explicit times.
+    let day_profiles = (DAY_S / INTERVAL_S) as usize;
+    eprintln!("bench: [store] one day of svc-0: {day_profiles} profiles through /ingest");
+    let day_start = unix_now_ns() / 1_000_000_000 - DAY_S;
+    let cpu_before = process_cpu_seconds(pid)?;
+    let seconds = run_parallel(&client, day_profiles, |client, i| {
+        let from = day_start + i as i64 * INTERVAL_S;
+        client.post(
+            &format!(
+                "/ingest?name=svc-0&format=pprof&from={from}&until={}",
+                from + INTERVAL_S
+            ),
+            "application/octet-stream",
+            &gzipped[0][i % VARIANTS],
+        )
+    })?;
+    let day = Ingest {
+        profiles: day_profiles,
+        seconds,
+        server_cpu_s: process_cpu_seconds(pid)? - cpu_before,
+    };
+    let day_used_bytes = client
+        .metric("profiler_store_bytes")
+        .context("no profiler_store_bytes in /metrics")?;
+    let day_file_bytes = ["profiles.db", "profiles.db-wal"]
+        .iter()
+        .filter_map(|name| std::fs::metadata(data_dir.join(name)).ok())
+        .map(|m| m.len())
+        .sum();
+    check_interrupted()?;
+
+    eprintln!("bench: [store] 24-hour merge of svc-0, {QUERY_RUNS} times per codec");
+    let (merge_ms, merge_total, merge_names) = merge_latencies(&client, false, QUERY_RUNS);
+    if merge_total <= 0 {
+        bail!("the 24-hour merge of svc-0 is empty");
+    }
+    let (merge_json_ms, _, _) = merge_latencies(&client, true, QUERY_RUNS);
+    check_interrupted()?;
+
+    // 50 services' intervals, interval by interval as agents send them, through Push.
+    let jobs = SERVICES * intervals;
+    eprintln!(
+        "bench: [store] ingest throughput: {SERVICES} services x {intervals} intervals = {jobs} profiles through Connect Push, {CLIENTS} clients"
+    );
+    let requests: Vec<Vec<u8>> = (0..SERVICES)
+        .flat_map(|service| {
+            gzipped[service].iter().map(move |profile| {
+                api::PushRequest {
+                    series: vec![api::RawProfileSeries {
+                        labels: vec![
+                            api::LabelPair {
+                                name: "__name__".into(),
+                                value: "process_cpu".into(),
+                            },
+                            api::LabelPair {
+                                name: "service_name".into(),
+                                value: format!("svc-{service}"),
+                            },
+                        ],
+                        samples: vec![api::RawSample {
+                            raw_profile: profile.clone(),
+                            id: String::new(),
+                        }],
+                    }],
+                }
+                .encode_to_vec()
+            })
+        })
+        .collect();
+    let cpu_before = process_cpu_seconds(pid)?;
+    let seconds = run_parallel(&client, jobs, |client, job| {
+        let (interval, service) = (job / SERVICES, job % SERVICES);
+        client.post(
+            "/push.v1.PusherService/Push",
+            "application/proto",
+            &requests[service * VARIANTS + interval % VARIANTS],
+        )
+    })?;
+    let throughput = Ingest {
+        profiles: jobs,
+        seconds,
+        server_cpu_s: process_cpu_seconds(pid)? - cpu_before,
+    };
+    let (merge_after_ms, _, _) = merge_latencies(&client, false, QUERY_RUNS);
+    let server_peak_rss_bytes = peak_rss_bytes(pid);
+    let (status, stderr) = server.process.stop();
+    if !status.success() {
+        bail!("profiler server failed ({status}):\n{}", crate::tail(&stderr, 20));
+    }
+    Ok(StoreRun {
+        intervals,
+        mean_gzip_bytes,
+        mean_raw_bytes,
+        day,
+        day_used_bytes,
+        day_file_bytes,
+        merge_ms,
+        merge_json_ms,
+        merge_total,
+        merge_names,
+        throughput,
+        merge_after_ms,
+        server_peak_rss_bytes,
+    })
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn max(values: &[f64]) -> f64 {
+    values.iter().copied().fold(f64::NAN, f64::max)
+}
+
+fn mark(ok: bool) -> &'static str {
+    if ok { "met" } else { "**missed**" }
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+pub fn render(r: &StoreRun) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "\n### Store and server\n");
+    let _ = writeln!(
+        out,
+        "- profiles: {STACKS} distinct stacks (8-40 frames) of a service's {}, {:.0} KiB pprof, {:.0} KiB gzipped; one `profiler server` (release), {CLIENTS} concurrent HTTP clients on loopback",
+        STACKS * 2,
+        r.mean_raw_bytes / 1024.0,
+        r.mean_gzip_bytes / 1024.0
+    );
+    let _ = writeln!(out);
+    let _ = writeln!(out, "| measure | result | target |");
+    let _ = writeln!(out, "|---|---|---|");
+    let t = &r.throughput;
+    let _ = writeln!(
+        out,
+        "| ingest throughput, Connect Push, {SERVICES} services × {} intervals ({} profiles) | {:.0} profiles/s ({:.1} s; server CPU {:.1} ms per profile) | ≥ {TARGET_PROFILES_PER_S:.0} profiles/s: {} |",
+        r.intervals,
+        t.profiles,
+        t.per_second(),
+        t.seconds,
+        t.server_cpu_s * 1000.0 / t.profiles as f64,
+        mark(t.per_second() >= TARGET_PROFILES_PER_S)
+    );
+    let d = &r.day;
+    let _ = writeln!(
+        out,
+        "| ingest, `/ingest` with times, one service's day ({} profiles) | {:.0} profiles/s ({:.1} s; server CPU {:.1} ms per profile) | |",
+        d.profiles,
+        d.per_second(),
+        d.seconds,
+        d.server_cpu_s * 1000.0 / d.profiles as f64
+    );
+    let merged = max(&r.merge_ms).max(max(&r.merge_after_ms));
+    let _ = writeln!(
+        out,
+        "| 24-hour merge of one service ({} profiles), SelectMergeStacktraces protobuf | median {:.0} ms, max {:.0} ms; after the 50-service ingest median {:.0} ms, max {:.0} ms | ≤ {TARGET_MERGE_MS:.0} ms: {} |",
+        d.profiles,
+        median(&r.merge_ms),
+        max(&r.merge_ms),
+        median(&r.merge_after_ms),
+        max(&r.merge_after_ms),
+        mark(merged <= TARGET_MERGE_MS)
+    );
+    let _ = writeln!(
+        out,
+        "| the same merge, JSON (the web UI) | median {:.0} ms, max {:.0} ms | |",
+        median(&r.merge_json_ms),
+        max(&r.merge_json_ms)
+    );
+    let _ = writeln!(
+        out,
+        "| store size per service per day (15 s intervals) | {:.1} MiB of pages in use; {:.1} MiB database + WAL files | |",
+        r.day_used_bytes / MIB,
+        r.day_file_bytes as f64 / MIB
+    );
+    let _ = writeln!(
+        out,
+        "| server peak RSS | {:.0} MiB | |",
+        r.server_peak_rss_bytes as f64 / MIB
+    );
+    let _ = writeln!(
+        out,
+        "\n- the merged flame graph has {} names (default node limit) and a total of {:.1} CPU-hours.",
+        r.merge_names,
+        r.merge_total as f64 / 3.6e12
+    );
+    let _ = writeln!(
+        out,
+        "- latency is the client's round trip (request, merge, flame graph, encoding); each figure is over {QUERY_RUNS} runs, the first one included (a cold page cache would add the file reads)."
+    );
+    out
+}

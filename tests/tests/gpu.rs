@@ -1,0 +1,436 @@
+//! CUDA attribution against stand-in CUDA libraries (tests/fixtures/gpu): real symbol names,
+//! signatures and the runtime → driver call path through cuGetProcAddress pointers, no GPU.
+//! Needs root (loads the BPF program). `profiler record` runs against a fixture process that
+//! waits on stdin until the probes are attached.
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex, mpsc},
+    time::{Duration, Instant},
+};
+
+use integration_tests::{
+    Scratch, StackSample, cached_fixture, decode_pprof, exclusive, find_chain, fixture_dir,
+    fixture_source, profiler_bin, pyenv_python, readable_samples, send_signal, stack_samples,
+    top_stacks,
+};
+
+/// Stand-in functions start with `push %rbp`, an instruction the kernel's uprobe code
+/// emulates; anything else is single-stepped out of line at every hit.
+const STANDIN_FLAGS: &[&str] = &[
+    "-O2",
+    "-g",
+    "-fPIC",
+    "-shared",
+    "-fno-omit-frame-pointer",
+    "-fcf-protection=none",
+];
+/// The scripted synchronization wait of the stand-in driver, in milliseconds.
+const SYNC_MS: u64 = 40;
+const ROUNDS: u64 = 10;
+
+fn run(mut cmd: Command) {
+    let output = cmd.output().expect("run build command");
+    assert!(
+        output.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `target/fixtures/gpu/` with the stand-in libcuda.so.1, libcudart.so.12 and the C program.
+fn standins() -> PathBuf {
+    let dir = fixture_dir().join("gpu");
+    cached_fixture("gpu/cuda_app", |app| {
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let version_script = dir.join("cudart.map");
+        std::fs::write(&version_script, "libcudart.so.12 { global: *; };\n").expect("write");
+        let driver_script = dir.join("cuda.map");
+        std::fs::write(&driver_script, "libcuda.so.1 { global: *; };\n").expect("write");
+        for (source, name, script) in [
+            ("gpu/fake_cuda.c", "libcuda.so.1", &driver_script),
+            ("gpu/fake_cudart.c", "libcudart.so.12", &version_script),
+        ] {
+            let mut cmd = Command::new("gcc");
+            cmd.args(STANDIN_FLAGS)
+                .arg(format!("-Wl,-soname,{name}"))
+                .arg(format!("-Wl,--version-script={}", script.display()))
+                .arg("-o")
+                .arg(dir.join(name))
+                .arg(fixture_source(source))
+                .arg("-ldl");
+            run(cmd);
+        }
+        let mut cmd = Command::new("gcc");
+        cmd.args([
+            "-O2",
+            "-g",
+            "-fno-omit-frame-pointer",
+            "-fno-optimize-sibling-calls",
+            "-fno-ipa-icf",
+            "-fcf-protection=none",
+            "-o",
+        ])
+        .arg(app)
+        .arg(fixture_source("gpu/cuda_app.c"))
+        .arg(format!("-L{}", dir.display()))
+        .args([
+            "-l:libcudart.so.12",
+            "-l:libcuda.so.1",
+            "-Wl,-rpath,$ORIGIN",
+        ]);
+        run(cmd);
+    });
+    dir
+}
+
+/// A `profiler record` in the background whose log is collected.
+struct Recording {
+    child: Child,
+    log: Arc<Mutex<String>>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Recording {
+    fn start(args: &[&str]) -> Recording {
+        let mut child = Command::new(profiler_bin())
+            .arg("record")
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start profiler record");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, lines) = mpsc::channel();
+        let pipe = child.stderr.take().expect("piped");
+        let collected = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                collected.lock().unwrap().push_str(&format!("{line}\n"));
+                let _ = tx.send(line);
+            }
+        });
+        Recording { child, log, lines }
+    }
+
+    /// Waits for a log line containing every one of `needles`.
+    fn wait_for(&mut self, needles: &[&str], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self
+                .lines
+                .recv_timeout(left.min(Duration::from_millis(200)))
+            {
+                Ok(line) if needles.iter().all(|n| line.contains(n)) => return,
+                _ if Instant::now() > deadline => {
+                    let _ = self.child.kill();
+                    panic!(
+                        "no log line with {needles:?} in {timeout:?}:\n{}",
+                        self.log.lock().unwrap()
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn stop(mut self) -> String {
+        send_signal(self.child.id(), 2);
+        let status = self.child.wait().expect("wait");
+        std::thread::sleep(Duration::from_millis(100));
+        let log = self.log.lock().unwrap().clone();
+        assert!(
+            status.success(),
+            "profiler record failed ({status}):\n{log}"
+        );
+        log
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+fn spawn_waiting(program: &Path, args: &[&str], env: &[(&str, &str)]) -> Child {
+    Command::new(program)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|err| panic!("start {}: {err}", program.display()))
+}
+
+fn say(child: &mut Child, line: &str) {
+    let stdin = child.stdin.as_mut().expect("piped stdin");
+    stdin.write_all(line.as_bytes()).expect("write stdin");
+    stdin.flush().expect("flush");
+}
+
+fn wait_done(child: &mut Child) {
+    let mut out = String::new();
+    let stdout = child.stdout.as_mut().expect("piped stdout");
+    BufReader::new(stdout).read_line(&mut out).expect("read");
+    assert_eq!(out.trim(), "done", "the fixture did not finish");
+    child.wait().expect("wait fixture");
+}
+
+fn profile_of(output: &Path, kind: &str) -> Vec<StackSample> {
+    let path = output.with_file_name(format!("profile.{kind}.pb.gz"));
+    assert!(path.exists(), "{} was not written", path.display());
+    stack_samples(&decode_pprof(&path))
+}
+
+/// Sum of counts of the samples whose leaf-side frames include `frame`.
+fn count_with(samples: &[StackSample], frame: &str) -> i64 {
+    samples
+        .iter()
+        .filter(|s| s.frames.iter().any(|f| f == frame))
+        .map(|s| s.count)
+        .sum()
+}
+
+#[test]
+fn c_program_launches_copies_allocations_and_waits_are_attributed() {
+    let _guard = exclusive();
+    let dir = standins();
+    let app = dir.join("cuda_app");
+    let scratch = Scratch::new("gpu-c");
+    let output = scratch.path("profile.pb.gz");
+    let sync_ms = SYNC_MS.to_string();
+    let rounds = ROUNDS.to_string();
+    let mut fixture = spawn_waiting(&app, &[&rounds], &[("CUDA_STANDIN_SYNC_MS", &sync_ms)]);
+    let pid = fixture.id().to_string();
+    let mut recording = Recording::start(&[
+        "--duration",
+        "120",
+        "--pid",
+        &pid,
+        "--no-cache",
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    recording.wait_for(
+        &["probes attached", "libcudart.so.12"],
+        Duration::from_secs(60),
+    );
+    recording.wait_for(
+        &["probes attached", "libcuda.so.1"],
+        Duration::from_secs(60),
+    );
+    say(&mut fixture, "go\n");
+    wait_done(&mut fixture);
+    // The pipeline drains the probes' ring every 100 ms.
+    std::thread::sleep(Duration::from_millis(500));
+    let log = recording.stop();
+
+    let launches = profile_of(&output, "cuda_launch");
+    let summary = top_stacks(&launches, 20);
+    // Exact counts, each launch once although every runtime launch also calls the driver.
+    for (kernel, per_round) in [
+        ("matmul_kernel", 3),
+        ("relu_kernel", 2),
+        ("softmax_kernel", 1),
+        ("triton_fused_add", 4),
+    ] {
+        assert_eq!(
+            count_with(&launches, kernel),
+            per_round * ROUNDS as i64,
+            "launches of {kernel}:\n{summary}\n{log}"
+        );
+    }
+    assert_eq!(
+        launches.iter().map(|s| s.count).sum::<i64>(),
+        10 * ROUNDS as i64,
+        "no other launches (no double counting):\n{summary}"
+    );
+    // Complete stacks: from main down to the launching function, then API and kernel.
+    let matmul = launches
+        .iter()
+        .find(|s| s.frames.last().map(String::as_str) == Some("matmul_kernel"))
+        .unwrap_or_else(|| panic!("no matmul stack:\n{summary}"));
+    assert!(
+        find_chain(
+            &matmul.frames,
+            &[
+                "main",
+                "train_step",
+                "launch_matmul",
+                "cudaLaunchKernel",
+                "matmul_kernel"
+            ]
+        )
+        .is_some(),
+        "{:?}",
+        matmul.frames
+    );
+
+    let copies = profile_of(&output, "cuda_memcpy");
+    assert_eq!(
+        count_with(&copies, "[host to device]"),
+        (1 << 20) * ROUNDS as i64
+    );
+    assert_eq!(
+        count_with(&copies, "[device to host]"),
+        4096 * ROUNDS as i64
+    );
+    assert!(
+        copies
+            .iter()
+            .all(|s| s.frames.iter().any(|f| f == "copy_weights")),
+        "{}",
+        top_stacks(&copies, 5)
+    );
+
+    let allocations = profile_of(&output, "cuda_alloc");
+    assert_eq!(
+        allocations.iter().map(|s| s.count).sum::<i64>(),
+        (2 << 20) * ROUNDS as i64
+    );
+
+    let waits = profile_of(&output, "cuda_sync");
+    let blocked_ns: i64 = waits.iter().map(|s| s.count).sum();
+    let scripted_ns = (SYNC_MS * 1_000_000 * ROUNDS) as i64;
+    assert!(
+        (blocked_ns - scripted_ns).abs() * 10 <= scripted_ns,
+        "blocked {blocked_ns} ns, scripted {scripted_ns} ns"
+    );
+    assert!(
+        waits.iter().all(|s| find_chain(
+            &s.frames,
+            &["train_step", "wait_for_gpu", "cudaDeviceSynchronize"]
+        )
+        .is_some()),
+        "{}",
+        top_stacks(&waits, 5)
+    );
+    let _ = readable_samples;
+}
+
+/// Python through ctypes: a renamed copy of the runtime (`libcudart-abc123.so.12`, found by its
+/// symbols), loaded with dlopen after the profiler started; Python functions in the stacks.
+#[test]
+fn python_ctypes_launches_from_a_renamed_runtime_loaded_late() {
+    let _guard = exclusive();
+    let Some(python) = pyenv_python("3.11", "python3.11") else {
+        eprintln!("skipped: no pyenv Python 3.11");
+        return;
+    };
+    let dir = standins();
+    let scratch = Scratch::new("gpu-py");
+    let renamed = scratch.path("libcudart-abc123.so.12");
+    std::fs::copy(dir.join("libcudart.so.12"), &renamed).expect("copy runtime");
+    let output = scratch.path("profile.pb.gz");
+    let script = fixture_source("gpu/cuda_app.py");
+    let library_path = dir.display().to_string();
+    let mut fixture = spawn_waiting(
+        &python,
+        &[script.to_str().unwrap(), renamed.to_str().unwrap(), "5"],
+        &[
+            ("LD_LIBRARY_PATH", &library_path),
+            ("CUDA_STANDIN_SYNC_MS", "20"),
+        ],
+    );
+    let pid = fixture.id().to_string();
+    let mut recording = Recording::start(&[
+        "--duration",
+        "120",
+        "--pid",
+        &pid,
+        "--no-cache",
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    recording.wait_for(&["sampler attached"], Duration::from_secs(60));
+    // Only now does the script load the libraries.
+    say(&mut fixture, "load\n");
+    recording.wait_for(
+        &["probes attached", "libcudart-abc123.so.12"],
+        Duration::from_secs(60),
+    );
+    recording.wait_for(
+        &["probes attached", "libcuda.so.1"],
+        Duration::from_secs(60),
+    );
+    say(&mut fixture, "go\n");
+    wait_done(&mut fixture);
+    std::thread::sleep(Duration::from_millis(500));
+    let log = recording.stop();
+
+    let launches = profile_of(&output, "cuda_launch");
+    let summary = top_stacks(&launches, 10);
+    assert_eq!(
+        count_with(&launches, "py_fused_softmax"),
+        5 * 3,
+        "{summary}\n{log}"
+    );
+    let stack = launches
+        .iter()
+        .find(|s| s.frames.last().map(String::as_str) == Some("py_fused_softmax"))
+        .expect("a launch stack");
+    assert!(
+        find_chain(&stack.frames, &["train_step", "launch_fused"]).is_some()
+            && stack.frames.iter().any(|f| f == "<module>"),
+        "Python frames missing: {:?}",
+        stack.frames
+    );
+    let waits = profile_of(&output, "cuda_sync");
+    assert!(
+        waits
+            .iter()
+            .any(|s| s.frames.iter().any(|f| f == "wait_for_gpu")),
+        "{}",
+        top_stacks(&waits, 5)
+    );
+}
+
+/// A library exporting no CUDA symbol under a CUDA name is not probed, and a process without
+/// CUDA leaves no CUDA profile behind.
+#[test]
+fn files_without_cuda_symbols_are_not_probed() {
+    let _guard = exclusive();
+    let dir = standins();
+    let scratch = Scratch::new("gpu-none");
+    // A copy of libcuda named like the runtime still exports only driver symbols: it must be
+    // probed as a driver; a plain library named libcudart must not be probed at all.
+    let fake = scratch.path("libcudart.so.12");
+    std::fs::copy(fixture_dir().join("gpu").join("libcuda.so.1"), &fake).ok();
+    let _ = dir;
+    let output = scratch.path("profile.pb.gz");
+    let sleeper = Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("start sleep");
+    let pid = sleeper.id().to_string();
+    let recording = Recording::start(&[
+        "--duration",
+        "3",
+        "--pid",
+        &pid,
+        "--no-cache",
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    let mut recording = recording;
+    let status = recording.child.wait().expect("wait");
+    assert!(status.success(), "{}", recording.log.lock().unwrap());
+    for kind in ["cuda_launch", "cuda_sync", "cuda_memcpy", "cuda_alloc"] {
+        assert!(
+            !output
+                .with_file_name(format!("profile.{kind}.pb.gz"))
+                .exists(),
+            "{kind} written for a process without CUDA"
+        );
+    }
+    let mut sleeper = sleeper;
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+}

@@ -1,0 +1,954 @@
+//! The embedded store and HTTP server as users meet them: the real `profiler server` (and
+//! `profiler agent`) binary on a loopback port, real Pyroscope SDKs pushing into it, and queries
+//! through the Connect API in both codecs.
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    process::Command,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use integration_tests::{server_harness::*, *};
+
+/// How long the SDK programs burn CPU; each flushes at least once a second and again at exit.
+const SDK_SECONDS: &str = "3";
+
+/// The pyroscope-io install of `cargo xtask setup` and the interpreter it was installed for.
+fn pyroscope_io() -> (PathBuf, PathBuf) {
+    let dir = workspace_root().join(".tools").join("pyroscope-io");
+    let interpreter = std::fs::read_to_string(dir.join("python-interpreter"))
+        .map(|path| PathBuf::from(path.trim()))
+        .unwrap_or_else(|err| {
+            panic!(
+                "pyroscope-io is not installed in {} ({err}): run `cargo xtask setup`",
+                dir.display()
+            )
+        });
+    (dir, interpreter)
+}
+
+fn assert_ran(output: &std::process::Output, what: &str) {
+    assert!(
+        output.status.success(),
+        "{what} failed with {}:\n{}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Polls until `check` returns Some, for data a client flushes asynchronously.
+fn eventually<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// What a test expects to find after a client pushed: its service, one tag and the function
+/// it burned CPU in, for every profile type whose name starts with `type_prefix`.
+struct Expected<'a> {
+    service: &'a str,
+    tag: (&'a str, &'a str),
+    function: &'a str,
+    type_prefix: &'a str,
+}
+
+/// Queries the pushed data with ProfileTypes, LabelValues and SelectMergeStacktraces, in the
+/// protobuf and the JSON codec.
+fn assert_queryable(client: &Client, expected: &Expected) {
+    let types: Vec<String> = client
+        .profile_types()
+        .into_iter()
+        .filter(|t| t.starts_with(expected.type_prefix))
+        .collect();
+    assert!(
+        !types.is_empty(),
+        "no `{}` profile type in {:?}",
+        expected.type_prefix,
+        client.profile_types()
+    );
+    let services = client.label_values("service_name", None);
+    assert!(
+        services.iter().any(|s| s == expected.service),
+        "{services:?}"
+    );
+    let (tag, value) = expected.tag;
+    let service_selector = format!(r#"{{service_name="{}"}}"#, expected.service);
+    let values = client.label_values(tag, Some(&service_selector));
+    assert_eq!(values, [value], "values of {tag}");
+    let selector = format!(
+        r#"{{service_name="{}", {tag}="{value}"}}"#,
+        expected.service
+    );
+    let mut found_in = Vec::new();
+    for profile_type in &types {
+        let graph = client.merge(profile_type, &selector);
+        if flamegraph_total_of(&graph, expected.function) > 0 {
+            found_in.push(profile_type.clone());
+        }
+    }
+    assert!(
+        !found_in.is_empty(),
+        "`{}` is in no flame graph of {selector}; names of {}: {:?}",
+        expected.function,
+        types[0],
+        flamegraph_names(&client.merge(&types[0], &selector))
+    );
+    // A selector for another value of the tag matches nothing.
+    let other = format!(
+        r#"{{service_name="{}", {tag}!="{value}"}}"#,
+        expected.service
+    );
+    assert_eq!(client.merge(&found_in[0], &other).total, 0);
+
+    // The same through the JSON codec, as the web UI and Grafana's Drilldown app call it.
+    let json_types =
+        client.connect_json("querier.v1.QuerierService/ProfileTypes", serde_json::json!({}));
+    let ids: Vec<&str> = json_types["profileTypes"]
+        .as_array()
+        .expect("profileTypes array")
+        .iter()
+        .filter_map(|t| t["ID"].as_str())
+        .collect();
+    assert!(ids.contains(&found_in[0].as_str()), "{json_types}");
+    let json_values = client.connect_json(
+        "querier.v1.QuerierService/LabelValues",
+        serde_json::json!({"name": "service_name", "start": "1",
+                           "end": (unix_now_ms() + 60_000).to_string()}),
+    );
+    assert!(
+        json_values["names"]
+            .as_array()
+            .expect("names array")
+            .iter()
+            .any(|v| v == expected.service),
+        "{json_values}"
+    );
+    let json_graph = client.connect_json(
+        "querier.v1.QuerierService/SelectMergeStacktraces",
+        serde_json::json!({
+            "profileTypeID": found_in[0],
+            "labelSelector": selector,
+            "start": "1",
+            "end": (unix_now_ms() + 60_000).to_string(),
+        }),
+    );
+    let names = json_graph["flamegraph"]["names"]
+        .as_array()
+        .expect("flamegraph names");
+    assert!(
+        names
+            .iter()
+            .any(|n| n.as_str().is_some_and(|n| n.contains(expected.function))),
+        "{json_graph}"
+    );
+    // 64-bit integers are strings in protobuf's canonical JSON.
+    let total: i64 = json_graph["flamegraph"]["total"]
+        .as_str()
+        .expect("total as a string")
+        .parse()
+        .unwrap();
+    assert_eq!(total, client.merge(&found_in[0], &selector).total);
+}
+
+#[test]
+fn python_sdk_push_is_queryable() {
+    let (sdk_dir, python) = pyroscope_io();
+    let scratch = Scratch::new("python-sdk");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let output = Command::new(&python)
+        .arg(fixture_source("pyroscope_sdk_app.py"))
+        .args([
+            &format!("http://{}", server.addr),
+            "python-sdk-app",
+            SDK_SECONDS,
+        ])
+        .env("PYTHONPATH", &sdk_dir)
+        .output()
+        .expect("run the Python SDK program");
+    assert_ran(&output, "the pyroscope-io program");
+    let client = server.client();
+    // pyroscope-io pushes with Connect (push.v1), its request gzipped as a whole.
+    eventually("the Python SDK's profiles", Duration::from_secs(30), || {
+        client
+            .label_values("service_name", None)
+            .contains(&"python-sdk-app".to_string())
+            .then_some(())
+    });
+    assert_queryable(
+        &client,
+        &Expected {
+            service: "python-sdk-app",
+            tag: ("region", "test-east"),
+            function: "burn_cpu_in_python_fixture",
+            type_prefix: "process_cpu:",
+        },
+    );
+}
+
+#[test]
+fn node_sdk_push_is_queryable() {
+    let js = workspace_root().join("tests").join("js");
+    assert!(
+        js.join("node_modules/@pyroscope/nodejs").is_dir(),
+        "@pyroscope/nodejs is not installed in {}: run `cargo xtask setup`",
+        js.display()
+    );
+    let scratch = Scratch::new("node-sdk");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let output = Command::new("node")
+        .arg("pyroscope_sdk_app.mjs")
+        .args([
+            &format!("http://{}", server.addr),
+            "node-sdk-app",
+            SDK_SECONDS,
+        ])
+        .current_dir(&js)
+        .output()
+        .expect("run the Node.js SDK program");
+    assert_ran(&output, "the @pyroscope/nodejs program");
+    let client = server.client();
+    // @pyroscope/nodejs sends gzipped pprof to the legacy /ingest with `name=app{tags}`.
+    eventually("the Node.js SDK's profiles", Duration::from_secs(30), || {
+        client
+            .label_values("service_name", None)
+            .contains(&"node-sdk-app".to_string())
+            .then_some(())
+    });
+    assert_queryable(
+        &client,
+        &Expected {
+            service: "node-sdk-app",
+            tag: ("region", "test-west"),
+            function: "burnCpuInNodeFixture",
+            type_prefix: "wall:",
+        },
+    );
+    // The SDK's own dotted tags arrive as labels too.
+    assert_eq!(
+        client.label_values(
+            "process.runtime.name",
+            Some(r#"{service_name="node-sdk-app"}"#)
+        ),
+        ["nodejs"]
+    );
+}
+
+/// `profiler agent` with its store on: a fixture's function is queryable over HTTP afterwards.
+#[test]
+fn agent_profiles_are_queryable_over_http() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let running = spawn_with_env(
+        &fixture,
+        &["60"],
+        &[("OTEL_SERVICE_NAME", "agent-store-check")],
+    );
+    let scratch = Scratch::new("agent-store");
+    let data_dir = scratch.path("data");
+    let pid = running.pid().to_string();
+    let mut agent = Agent::start(&[
+        "--interval",
+        "1",
+        "--pid",
+        &pid,
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+    ]);
+    let client = Client::new(agent.http_addr());
+    let selector = r#"{service_name="agent-store-check"}"#;
+    let graph = eventually(
+        "the agent's profile of level4",
+        Duration::from_secs(60),
+        || {
+            let graph = client.merge(CPU_TYPE, selector);
+            (flamegraph_total_of(&graph, "level4") > 0).then_some(graph)
+        },
+    );
+    let names = flamegraph_names(&graph);
+    for function in ["main", "level1", "level2", "level3", "level4"] {
+        assert!(names.iter().any(|n| n == function), "{function}: {names:?}");
+    }
+    // Most of the fixture's CPU time is in level4.
+    assert!(
+        flamegraph_total_of(&graph, "level4") * 2 > graph.total,
+        "{names:?}"
+    );
+    assert!(
+        client
+            .label_values("service_name", None)
+            .contains(&"agent-store-check".to_string())
+    );
+    let health: serde_json::Value =
+        serde_json::from_slice(&client.get("/api/health").body).expect("health JSON");
+    assert_eq!(health["store"]["enabled"], true, "{health}");
+    let (status, stderr) = agent.stop();
+    assert!(status.success(), "{stderr}");
+    // Still there for a server started on the same directory after the agent stopped.
+    let server = ServerProcess::start(&data_dir, &[]);
+    assert!(flamegraph_total_of(&server.client().merge(CPU_TYPE, selector), "level4") > 0);
+}
+
+/// A small profile whose only stack is `main;handle_request;<function>` with `value` ns.
+fn marker_profile(function: &str, value: i64) -> proto::Profile {
+    pprof_from_stacks(
+        &[(
+            vec!["main".into(), "handle_request".into(), function.into()],
+            value,
+        )],
+        unix_now_ns(),
+    )
+}
+
+/// The value of the profile numbered `seq` in the durability test: distinct per profile.
+fn durable_value(seq: u64) -> i64 {
+    (seq as i64 + 1) * 10_000_000
+}
+
+/// Pushes numbered profiles from several threads until the server stops answering; returns the
+/// numbers that got a 2xx.
+fn push_until_refused(client: &Client, next: &AtomicU64, writers: usize) -> Vec<u64> {
+    let acknowledged = Arc::new(Mutex::new(Vec::new()));
+    std::thread::scope(|scope| {
+        for _ in 0..writers {
+            let acknowledged = Arc::clone(&acknowledged);
+            scope.spawn(move || {
+                loop {
+                    let seq = next.fetch_add(1, Ordering::SeqCst);
+                    let request = push_request(
+                        &[("service_name", "durable"), ("seq", &seq.to_string())],
+                        &marker_profile(&format!("request_{}", seq % 7), durable_value(seq)),
+                    );
+                    match client.try_request(
+                        "POST",
+                        "/push.v1.PusherService/Push",
+                        &[("Content-Type", "application/proto")],
+                        Some(&prost::Message::encode_to_vec(&request)),
+                    ) {
+                        Ok(response) if response.status == 200 => {
+                            acknowledged.lock().unwrap().push(seq);
+                        }
+                        Ok(response) => panic!("push {seq}: {} {}", response.status, response.text()),
+                        // The server was killed.
+                        Err(_) => return,
+                    }
+                }
+            });
+        }
+    });
+    Arc::try_unwrap(acknowledged).unwrap().into_inner().unwrap()
+}
+
+#[test]
+fn acknowledged_ingests_survive_kill_9() {
+    let scratch = Scratch::new("kill9");
+    let data_dir = scratch.path("data");
+    let next = AtomicU64::new(0);
+    let mut acknowledged: BTreeSet<u64> = BTreeSet::new();
+    for round in 0..3 {
+        let mut server = ServerProcess::start(&data_dir, &[]);
+        let client = server.client();
+        // Everything acknowledged in earlier rounds is back after the restart.
+        if !acknowledged.is_empty() {
+            assert_all_present(&client, &acknowledged, round);
+        }
+        let killed = AtomicBool::new(false);
+        let before = acknowledged.len();
+        let round_acks = std::thread::scope(|scope| {
+            let pushing = scope.spawn(|| push_until_refused(&client, &next, 4));
+            // Kill while the writers are mid-stream: after some acknowledgements, at a moment
+            // that varies with scheduling.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while client.metric("profiler_store_profiles_ingested_total").unwrap_or(0.0)
+                < 40.0 + round as f64 * 17.0
+            {
+                assert!(Instant::now() < deadline, "the server ingests nothing");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            server.process.kill9();
+            killed.store(true, Ordering::SeqCst);
+            pushing.join().unwrap()
+        });
+        assert!(killed.load(Ordering::SeqCst));
+        acknowledged.extend(round_acks);
+        assert!(
+            acknowledged.len() > before,
+            "round {round}: no acknowledged push"
+        );
+    }
+    let mut server = ServerProcess::start(&data_dir, &[]);
+    assert_all_present(&server.client(), &acknowledged, 3);
+    let (status, stderr) = server.process.stop();
+    assert!(status.success(), "{stderr}");
+    // The file itself is intact, not only readable enough for the queries above.
+    let db = rusqlite::Connection::open(data_dir.join("profiles.db")).unwrap();
+    let integrity: String = db
+        .query_row("PRAGMA integrity_check", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(integrity, "ok");
+    let stored: i64 = db
+        .query_row("SELECT COUNT(*) FROM profiles", [], |row| row.get(0))
+        .unwrap();
+    assert!(stored as usize >= acknowledged.len());
+}
+
+/// Every acknowledged push is queryable: its `seq` label value exists and the merged total
+/// covers all acknowledged values (unacknowledged pushes may or may not have landed).
+fn assert_all_present(client: &Client, acknowledged: &BTreeSet<u64>, round: usize) {
+    let stored: BTreeSet<u64> = client
+        .label_values("seq", Some(r#"{service_name="durable"}"#))
+        .iter()
+        .map(|v| v.parse().expect("numeric seq"))
+        .collect();
+    let missing: Vec<&u64> = acknowledged.difference(&stored).collect();
+    assert!(
+        missing.is_empty(),
+        "after restart {round}: acknowledged but lost: {missing:?}"
+    );
+    let total = client.merge(CPU_TYPE, r#"{service_name="durable"}"#).total;
+    let stored_sum: i64 = stored.iter().map(|&s| durable_value(s)).sum();
+    assert_eq!(total, stored_sum, "each stored push counted exactly once");
+    // One stored push, checked on its own.
+    let last = acknowledged.iter().next_back().unwrap();
+    let graph = client.merge(
+        CPU_TYPE,
+        &format!(r#"{{service_name="durable", seq="{last}"}}"#),
+    );
+    assert_eq!(graph.total, durable_value(*last));
+    assert_eq!(
+        flamegraph_total_of(&graph, &format!("request_{}", last % 7)),
+        durable_value(*last)
+    );
+}
+
+#[test]
+fn concurrent_ingest_and_queries() {
+    const WRITERS: usize = 4;
+    const PUSHES: usize = 25;
+    let scratch = Scratch::new("concurrent");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let client = server.client();
+    let writers_done = AtomicBool::new(false);
+    let expected_totals: Vec<i64> = std::thread::scope(|scope| {
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|writer| {
+                let client = client.clone();
+                scope.spawn(move || {
+                    let service = format!("concurrent-{writer}");
+                    let mut total = 0;
+                    for push in 0..PUSHES {
+                        let profile = synthetic_service_profile(
+                            writer,
+                            push as u64,
+                            300,
+                            unix_now_ns(),
+                        );
+                        total += profile.sample.iter().map(|s| s.value[0]).sum::<i64>();
+                        let response =
+                            client.push(&push_request(&[("service_name", &service)], &profile));
+                        assert_eq!(response.status, 200, "{}", response.text());
+                    }
+                    total
+                })
+            })
+            .collect();
+        let readers: Vec<_> = (0..3)
+            .map(|reader| {
+                let client = client.clone();
+                let writers_done = &writers_done;
+                scope.spawn(move || {
+                    let selector = format!(r#"{{service_name="concurrent-{reader}"}}"#);
+                    let mut last_total = 0;
+                    let mut queries = 0;
+                    while !writers_done.load(Ordering::SeqCst) {
+                        // A reader sees whole pushes only, and never fewer than before.
+                        let total = client.merge(CPU_TYPE, &selector).total;
+                        assert!(total >= last_total, "{total} after {last_total}");
+                        last_total = total;
+                        let _ = client.label_values("service_name", None);
+                        let _ = client.profile_types();
+                        queries += 1;
+                    }
+                    queries
+                })
+            })
+            .collect();
+        let totals = writers.into_iter().map(|w| w.join().unwrap()).collect();
+        writers_done.store(true, Ordering::SeqCst);
+        for reader in readers {
+            assert!(reader.join().unwrap() > 0);
+        }
+        totals
+    });
+    for (writer, expected) in expected_totals.iter().enumerate() {
+        let selector = format!(r#"{{service_name="concurrent-{writer}"}}"#);
+        assert_eq!(client.merge(CPU_TYPE, &selector).total, *expected);
+    }
+}
+
+const MIB: usize = 1 << 20;
+
+fn gzip_of_zeros(len: usize) -> Vec<u8> {
+    gzip(&vec![0u8; len])
+}
+
+/// Every kind of bad request gets a 4xx with a one-line JSON error, and changes nothing a query
+/// can see. Uses the default limits (16 MiB bodies, also after decompression).
+#[test]
+fn bad_input_is_rejected_with_a_json_error_and_stores_nothing() {
+    let scratch = Scratch::new("bad-input");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let client = server.client();
+    let good = push_request(
+        &[("service_name", "good")],
+        &marker_profile("good_work", 10_000_000),
+    );
+    assert_eq!(client.push(&good).status, 200);
+    let before = client.snapshot();
+    assert_eq!(before.totals.get(CPU_TYPE), Some(&10_000_000));
+
+    let push = "/push.v1.PusherService/Push";
+    let merge = "/querier.v1.QuerierService/SelectMergeStacktraces";
+    let valid_pprof = prost::Message::encode_to_vec(&marker_profile("bad_work", 1));
+    let bad_raw_profile = |raw_profile: Vec<u8>| {
+        let mut request = good.clone();
+        request.series[0].samples[0].raw_profile = raw_profile;
+        prost::Message::encode_to_vec(&request)
+    };
+    let merge_json = |selector: &str| {
+        serde_json::json!({"profileTypeID": CPU_TYPE, "labelSelector": selector, "start": "1"})
+            .to_string()
+            .into_bytes()
+    };
+    let multipart = |field: &str, content: &[u8]| {
+        let mut body = format!(
+            "--XyZ\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"p\"\r\n\
+             Content-Type: application/octet-stream\r\n\r\n"
+        )
+        .into_bytes();
+        body.extend_from_slice(content);
+        body.extend_from_slice(b"\r\n--XyZ--\r\n");
+        body
+    };
+    // (what, path, headers, body, expected status)
+    let cases: Vec<(&str, &str, Vec<(&str, &str)>, Vec<u8>, u16)> = vec![
+        (
+            "malformed pprof in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_raw_profile(b"\x0a\xff\xff not a profile".to_vec()),
+            400,
+        ),
+        (
+            "pprof without string table",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_raw_profile(valid_pprof[..valid_pprof.len() / 2].to_vec()),
+            400,
+        ),
+        (
+            "malformed Push message",
+            push,
+            vec![("Content-Type", "application/proto")],
+            b"\xff\xff\xff\xff".to_vec(),
+            400,
+        ),
+        (
+            "malformed Push JSON",
+            push,
+            vec![("Content-Type", "application/json")],
+            b"{\"series\": [{\"samples\": 3}]}".to_vec(),
+            400,
+        ),
+        (
+            "wrong content type for Push",
+            push,
+            vec![("Content-Type", "text/plain")],
+            prost::Message::encode_to_vec(&good),
+            415,
+        ),
+        (
+            "no content type for a query",
+            merge,
+            vec![],
+            merge_json("{}"),
+            415,
+        ),
+        (
+            "unsupported content encoding",
+            push,
+            vec![
+                ("Content-Type", "application/proto"),
+                ("Content-Encoding", "br"),
+            ],
+            prost::Message::encode_to_vec(&good),
+            415,
+        ),
+        (
+            "malformed pprof on /ingest",
+            "/ingest?name=bad&format=pprof",
+            vec![("Content-Type", "application/octet-stream")],
+            gzip(b"this is not a profile"),
+            400,
+        ),
+        (
+            "multipart without a profile field",
+            "/ingest?name=bad",
+            vec![("Content-Type", "multipart/form-data; boundary=XyZ")],
+            multipart("other", &valid_pprof),
+            400,
+        ),
+        (
+            "multipart without a boundary",
+            "/ingest?name=bad",
+            vec![("Content-Type", "multipart/form-data")],
+            multipart("profile", &valid_pprof),
+            400,
+        ),
+        (
+            "multipart profile that is not pprof",
+            "/ingest?name=bad",
+            vec![("Content-Type", "multipart/form-data; boundary=XyZ")],
+            multipart("profile", b"\x08\x96\x01garbage"),
+            400,
+        ),
+        (
+            "multipart with format=folded",
+            "/ingest?name=bad&format=folded",
+            vec![("Content-Type", "multipart/form-data; boundary=XyZ")],
+            multipart("profile", &valid_pprof),
+            415,
+        ),
+        (
+            "unsupported /ingest format",
+            "/ingest?name=bad&format=jfr",
+            vec![("Content-Type", "application/octet-stream")],
+            valid_pprof.clone(),
+            415,
+        ),
+        (
+            "malformed folded text",
+            "/ingest?name=bad",
+            vec![("Content-Type", "text/plain")],
+            b"main;work 12\nmain;other many\n".to_vec(),
+            400,
+        ),
+        (
+            "bad application name",
+            "/ingest?name=bad%7Benv%3Dx&format=pprof",
+            vec![("Content-Type", "application/octet-stream")],
+            valid_pprof.clone(),
+            400,
+        ),
+        (
+            "body over 16 MiB",
+            push,
+            vec![("Content-Type", "application/proto")],
+            vec![0u8; 16 * MIB + 1],
+            413,
+        ),
+        (
+            "gzipped body over 16 MiB after decompression",
+            push,
+            vec![
+                ("Content-Type", "application/proto"),
+                ("Content-Encoding", "gzip"),
+            ],
+            gzip_of_zeros(16 * MIB + 1),
+            413,
+        ),
+        (
+            "gzipped raw_profile over 16 MiB after decompression",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_raw_profile(gzip_of_zeros(17 * MIB)),
+            413,
+        ),
+        (
+            "gzipped pprof on /ingest over 16 MiB after decompression",
+            "/ingest?name=bad&format=pprof",
+            vec![("Content-Type", "application/octet-stream")],
+            gzip_of_zeros(17 * MIB),
+            413,
+        ),
+        (
+            "folded body over 16 MiB",
+            "/ingest?name=bad",
+            vec![("Content-Type", "text/plain")],
+            b"main;work 1\n".repeat(16 * MIB / 12 + 1),
+            413,
+        ),
+        (
+            "bad label selector syntax",
+            merge,
+            vec![("Content-Type", "application/json")],
+            merge_json(r#"{service_name="good""#),
+            400,
+        ),
+        (
+            "bad label selector regex",
+            merge,
+            vec![("Content-Type", "application/json")],
+            merge_json(r#"{service_name=~"(unclosed"}"#),
+            400,
+        ),
+        (
+            "bad matcher in LabelValues",
+            "/querier.v1.QuerierService/LabelValues",
+            vec![("Content-Type", "application/json")],
+            br#"{"name": "service_name", "matchers": ["service_name=good"]}"#.to_vec(),
+            400,
+        ),
+        (
+            "bad profile type",
+            merge,
+            vec![("Content-Type", "application/json")],
+            br#"{"profileTypeID": "cpu", "labelSelector": "{}"}"#.to_vec(),
+            400,
+        ),
+        (
+            "unknown querier method",
+            "/querier.v1.QuerierService/DropEverything",
+            vec![("Content-Type", "application/json")],
+            b"{}".to_vec(),
+            404,
+        ),
+        (
+            "unknown Connect service",
+            "/push.v1.PusherService/Delete",
+            vec![("Content-Type", "application/proto")],
+            prost::Message::encode_to_vec(&good),
+            404,
+        ),
+    ];
+    for (what, path, headers, body, expected) in &cases {
+        let response = client.request("POST", path, headers, Some(body));
+        assert_eq!(response.status, *expected, "{what}: {}", response.text());
+        let (code, message) = response.json_error();
+        assert!(!code.is_empty(), "{what}");
+        assert!(
+            !message.is_empty() && !message.contains('\n'),
+            "{what}: not a one-line message: {message:?}"
+        );
+        assert_eq!(
+            response.header("content-type"),
+            Some("application/json"),
+            "{what}"
+        );
+    }
+    let wrong_method = client.get(push);
+    assert_eq!(wrong_method.status, 405);
+    wrong_method.json_error();
+    assert_eq!(client.snapshot(), before, "a rejected request changed the store");
+    // The server is still healthy and accepts good data.
+    assert_eq!(client.push(&good).status, 200);
+    assert_eq!(
+        client.merge(CPU_TYPE, r#"{service_name="good"}"#).total,
+        20_000_000
+    );
+}
+
+#[test]
+fn listening_beyond_loopback_needs_a_token_or_explicit_consent() {
+    let scratch = Scratch::new("listen");
+    let data_dir = scratch.path("data");
+    let data = data_dir.to_str().unwrap();
+    let err = match ServerProcess::try_start(&["--listen", "0.0.0.0:0", "--data-dir", data]) {
+        Ok(server) => panic!("listened on {} without a token", server.addr),
+        Err(err) => err,
+    };
+    assert!(
+        err.contains("--auth-token") && err.contains("--insecure-listen"),
+        "{err}"
+    );
+    assert!(!data_dir.exists(), "refused before touching the disk");
+
+    let with_token = ServerProcess::try_start(&[
+        "--listen",
+        "0.0.0.0:0",
+        "--data-dir",
+        data,
+        "--auth-token",
+        "remote-secret",
+    ])
+    .expect("starts with a token");
+    assert!(with_token.addr.ip().is_unspecified());
+    let loopback = |server: &ServerProcess| {
+        Client::new(std::net::SocketAddr::from((
+            [127, 0, 0, 1],
+            server.addr.port(),
+        )))
+    };
+    assert_eq!(loopback(&with_token).get("/api/health").status, 401);
+    assert_eq!(
+        loopback(&with_token)
+            .with_token("remote-secret")
+            .get("/api/health")
+            .status,
+        200
+    );
+    drop(with_token);
+
+    let insecure = ServerProcess::try_start(&[
+        "--listen",
+        "0.0.0.0:0",
+        "--data-dir",
+        data,
+        "--insecure-listen",
+    ])
+    .expect("starts with --insecure-listen");
+    assert_eq!(loopback(&insecure).get("/api/health").status, 200);
+}
+
+/// The bearer token guards every route but /metrics; a browser gets a cookie from `/?token=`.
+#[test]
+fn token_is_checked_on_every_route_but_metrics() {
+    // Characters that need escaping in a URL and are not allowed in a raw cookie value.
+    let token = "s3cret+/= ;x";
+    let token_in_url = "s3cret%2B%2F%3D%20%3Bx";
+    let scratch = Scratch::new("token");
+    let server = ServerProcess::start(&scratch.path("data"), &["--auth-token", token]);
+    let anonymous = server.client();
+    let authorized = server.client().with_token(token);
+    let wrong = server.client().with_token("s3cret");
+    let profile = push_request(
+        &[("service_name", "guarded")],
+        &marker_profile("guarded_work", 10_000_000),
+    );
+    let push_body = prost::Message::encode_to_vec(&profile);
+    let pprof_download = format!("/api/pprof?query={CPU_TYPE}{{}}");
+    let routes: Vec<(&str, &str, Option<(&str, Vec<u8>)>)> = vec![
+        ("GET", "/", None),
+        ("GET", "/index.html", None),
+        ("GET", "/api/health", None),
+        ("GET", &pprof_download, None),
+        (
+            "POST",
+            "/push.v1.PusherService/Push",
+            Some(("application/proto", push_body.clone())),
+        ),
+        (
+            "POST",
+            "/ingest?name=guarded&format=pprof",
+            Some((
+                "application/octet-stream",
+                prost::Message::encode_to_vec(&marker_profile("guarded_work", 10_000_000)),
+            )),
+        ),
+        (
+            "POST",
+            "/querier.v1.QuerierService/ProfileTypes",
+            Some(("application/json", b"{}".to_vec())),
+        ),
+        (
+            "POST",
+            "/querier.v1.QuerierService/LabelValues",
+            Some(("application/json", br#"{"name":"service_name"}"#.to_vec())),
+        ),
+        ("GET", "/no/such/page", None),
+    ];
+    let call = |client: &Client, method: &str, path: &str, body: &Option<(&str, Vec<u8>)>| {
+        match body {
+            Some((content_type, body)) => client.request(
+                method,
+                path,
+                &[("Content-Type", *content_type)],
+                Some(body),
+            ),
+            None => client.request(method, path, &[], None),
+        }
+    };
+    for (method, path, body) in &routes {
+        for client in [&anonymous, &wrong] {
+            let response = call(client, method, path, body);
+            assert_eq!(response.status, 401, "{method} {path}: {}", response.text());
+            assert_eq!(response.header("www-authenticate"), Some("Bearer"));
+            response.json_error();
+        }
+        let response = call(&authorized, method, path, body);
+        assert_ne!(response.status, 401, "{method} {path}");
+    }
+    assert_eq!(anonymous.get("/metrics").status, 200);
+    // Only the authorized requests stored anything.
+    assert_eq!(
+        authorized
+            .merge(CPU_TYPE, r#"{service_name="guarded"}"#)
+            .total,
+        20_000_000
+    );
+
+    // A browser: a wrong token in the address gets no cookie.
+    let rejected = anonymous.get("/?token=s3cret");
+    assert_eq!(rejected.status, 401);
+    assert_eq!(rejected.header("set-cookie"), None);
+    // The right one sets an HttpOnly, SameSite=Strict cookie and redirects to the bare page.
+    let login = anonymous.get(&format!("/?token={token_in_url}"));
+    assert_eq!(login.status, 303, "{}", login.text());
+    assert_eq!(login.header("location"), Some("/"));
+    let set_cookie = login.header("set-cookie").expect("a cookie").to_owned();
+    let attributes: Vec<&str> = set_cookie.split(';').map(str::trim).collect();
+    assert!(attributes.contains(&"HttpOnly"), "{set_cookie}");
+    assert!(attributes.contains(&"SameSite=Strict"), "{set_cookie}");
+    assert!(attributes.contains(&"Path=/"), "{set_cookie}");
+    let cookie = attributes[0];
+    assert!(cookie.starts_with("profiler_token="), "{set_cookie}");
+    let with_cookie = |path: &str, cookie: &str| {
+        let header = format!("theme=dark; {cookie}");
+        anonymous
+            .request("GET", path, &[("Cookie", header.as_str())], None)
+            .status
+    };
+    assert_eq!(with_cookie("/", cookie), 200);
+    assert_eq!(with_cookie("/api/health", cookie), 200);
+    let query = anonymous.request(
+        "POST",
+        "/querier.v1.QuerierService/ProfileTypes",
+        &[("Content-Type", "application/json"), ("Cookie", cookie)],
+        Some(b"{}"),
+    );
+    assert_eq!(query.status, 200, "{}", query.text());
+    // A cookie with another value is refused.
+    let forged = format!("{}00", cookie);
+    assert_eq!(with_cookie("/api/health", &forged), 401);
+    assert_eq!(with_cookie("/api/health", "profiler_token=s3cret"), 401);
+}
+
+/// Static routes serve only files embedded in the binary: no way to the file system.
+#[test]
+fn no_file_access_through_the_api() {
+    let scratch = Scratch::new("traversal");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    assert_eq!(raw_get(server.addr, "/").0, 200);
+    assert_eq!(raw_get(server.addr, "/index.html").0, 200);
+    for target in [
+        "/../Cargo.toml",
+        "/../../../../../../etc/passwd",
+        "/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+        "/..%2f..%2f..%2fetc%2fpasswd",
+        "/static/../../../../etc/passwd",
+        "/index.html/../../Cargo.toml",
+        "//etc/passwd",
+        "/etc/passwd",
+        "/proc/self/environ",
+        "/api/../../profiles.db",
+        "/profiles.db",
+        "/ui/index.html",
+        "/src/main.rs",
+    ] {
+        let (status, body) = raw_get(server.addr, target);
+        assert_eq!(status, 404, "{target}: {body}");
+        assert!(
+            !body.contains("root:") && !body.contains("[workspace]"),
+            "{target} leaked a file: {body}"
+        );
+    }
+}
