@@ -102,6 +102,49 @@ fn fake_process_snapshot() {
 }
 
 #[test]
+fn pod_process_gets_kubernetes_labels_from_the_runtime_config() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 200, 5000, ANON_MAPS);
+    let uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+    fs::write(
+        dir.join("cgroup"),
+        format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{CONTAINER_ID}.scope\n",
+            uid.replace('-', "_")
+        ),
+    )
+    .unwrap();
+    // The host's root is <proc root>/1/root, as /proc/1/root is for an agent with host PID.
+    let bundle = root.path().join(format!(
+        "1/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/{CONTAINER_ID}"
+    ));
+    fs::create_dir_all(&bundle).unwrap();
+    fs::write(
+        bundle.join("config.json"),
+        r#"{"annotations":{"io.kubernetes.cri.sandbox-namespace":"ml",
+            "io.kubernetes.cri.sandbox-name":"web-1","io.kubernetes.cri.container-name":"api"}}"#,
+    )
+    .unwrap();
+    let mut registry = fake_registry(root.path(), Duration::from_secs(1));
+    let labels = &registry.lookup(Pid(200)).expect("snapshot").labels;
+    assert_eq!(labels.pod_uid.as_deref(), Some(uid));
+    assert_eq!(labels.namespace.as_deref(), Some("ml"));
+    assert_eq!(labels.pod.as_deref(), Some("web-1"));
+    assert_eq!(labels.container.as_deref(), Some("api"));
+    assert_eq!(labels.service_name, "ml/api");
+
+    // Outside a pod nothing is looked up, even with the same variables in the environment.
+    write_fake_process(root.path(), 201, 5000, ANON_MAPS);
+    fs::write(
+        root.path().join("201/environ"),
+        b"POD_NAMESPACE=ml\0POD_NAME=web-1\0",
+    )
+    .unwrap();
+    let labels = &registry.lookup(Pid(201)).expect("snapshot").labels;
+    assert_eq!((&labels.namespace, &labels.pod), (&None, &None));
+}
+
+#[test]
 fn lookup_of_missing_pid_fails() {
     let root = tempfile::tempdir().expect("tempdir");
     let mut registry = fake_registry(root.path(), Duration::ZERO);
