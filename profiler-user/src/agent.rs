@@ -27,6 +27,7 @@ use crate::{
         events::{
             CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, profile_kind,
         },
+        nvml::{GpuBoard, NvmlPoller},
     },
     model::{Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid},
     process::ProcessRegistry,
@@ -114,6 +115,7 @@ impl Pipeline {
         python_maps: KernelPythonMaps,
         events: EventRing,
         cuda_events: Option<CudaEventRing>,
+        gpus: Option<Arc<GpuBoard>>,
     ) -> Self {
         let host = hostname();
         let aggregator_settings = |kind| AggregatorSettings {
@@ -122,6 +124,7 @@ impl Pipeline {
             host: host.clone(),
             max_thread_names: 64,
             kind,
+            gpus: gpus.clone(),
         };
         let cuda = cuda_events.map(|ring| CudaAttribution {
             ring,
@@ -527,6 +530,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         parts.python_maps,
         parts.events,
         parts.cuda_events,
+        None,
     );
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
@@ -700,7 +704,23 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         parts.python_maps,
         parts.events,
         parts.cuda_events,
+        Some(serving.health.gpu.clone()),
     );
+    let gpu = &config.sampling.gpu;
+    let nvml = if gpu.enabled {
+        Some(NvmlPoller::spawn(
+            gpu.nvml_library.clone(),
+            gpu.nvml_interval,
+            hostname(),
+            serving.health.gpu.clone(),
+        ))
+    } else {
+        serving
+            .health
+            .gpu
+            .set_unavailable("GPU support is off (--no-gpu)".into());
+        None
+    };
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
     pipeline.poll_cuda(Some(&mut sampler));
@@ -744,6 +764,9 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     reader_stats.add_to(&mut metrics);
     exporter.add_to(&mut metrics);
     metrics.log("agent stopped");
+    if let Some(nvml) = nvml {
+        nvml.stop();
+    }
     serving.shutdown();
     Ok(())
 }

@@ -34,6 +34,8 @@ pub struct AggregatorSettings {
     pub max_thread_names: usize,
     /// What the added values measure.
     pub kind: ProfileKind,
+    /// Where the GPU a process uses is known (NVML), for the `gpu` series label.
+    pub gpus: Option<Arc<crate::gpu::nvml::GpuBoard>>,
 }
 
 /// Name of the synthetic frame that marks a stack cut short by the depth limit or an error.
@@ -123,6 +125,14 @@ impl Aggregator {
                 let l = &process.labels;
                 if !l.executable.is_empty() {
                     labels.push(("executable".into(), l.executable.clone()));
+                }
+                if let Some(gpu) = self
+                    .settings
+                    .gpus
+                    .as_ref()
+                    .and_then(|b| b.gpu_of(process.pid.0))
+                {
+                    labels.push(("gpu".into(), gpu.to_string()));
                 }
                 for (name, value) in [
                     ("container_id", &l.container_id),
@@ -307,6 +317,7 @@ mod tests {
             host: "h1".into(),
             max_thread_names: 2,
             kind: ProfileKind::Cpu,
+            gpus: None,
         }
     }
 
