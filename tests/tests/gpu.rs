@@ -11,79 +11,14 @@ use std::{
 };
 
 use integration_tests::{
-    Scratch, StackSample, cached_fixture, decode_pprof, exclusive, find_chain, fixture_dir,
-    fixture_source, profiler_bin, pyenv_python, readable_samples, send_signal, stack_samples,
-    top_stacks,
+    STANDIN_FLAGS, Scratch, StackSample, cached_fixture, decode_pprof, exclusive, find_chain,
+    fixture_dir, fixture_source, gpu_standins as standins, profiler_bin, pyenv_python,
+    readable_samples, send_signal, stack_samples, top_stacks,
 };
 
-/// Stand-in functions start with `push %rbp`, an instruction the kernel's uprobe code
-/// emulates; anything else is single-stepped out of line at every hit.
-const STANDIN_FLAGS: &[&str] = &[
-    "-O2",
-    "-g",
-    "-fPIC",
-    "-shared",
-    "-fno-omit-frame-pointer",
-    "-fcf-protection=none",
-];
 /// The scripted synchronization wait of the stand-in driver, in milliseconds.
 const SYNC_MS: u64 = 40;
 const ROUNDS: u64 = 10;
-
-fn run(mut cmd: Command) {
-    let output = cmd.output().expect("run build command");
-    assert!(
-        output.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
-/// `target/fixtures/gpu/` with the stand-in libcuda.so.1, libcudart.so.12 and the C program.
-fn standins() -> PathBuf {
-    let dir = fixture_dir().join("gpu");
-    cached_fixture("gpu/cuda_app", |app| {
-        std::fs::create_dir_all(&dir).expect("mkdir");
-        let version_script = dir.join("cudart.map");
-        std::fs::write(&version_script, "libcudart.so.12 { global: *; };\n").expect("write");
-        let driver_script = dir.join("cuda.map");
-        std::fs::write(&driver_script, "libcuda.so.1 { global: *; };\n").expect("write");
-        for (source, name, script) in [
-            ("gpu/fake_cuda.c", "libcuda.so.1", &driver_script),
-            ("gpu/fake_cudart.c", "libcudart.so.12", &version_script),
-        ] {
-            let mut cmd = Command::new("gcc");
-            cmd.args(STANDIN_FLAGS)
-                .arg(format!("-Wl,-soname,{name}"))
-                .arg(format!("-Wl,--version-script={}", script.display()))
-                .arg("-o")
-                .arg(dir.join(name))
-                .arg(fixture_source(source))
-                .arg("-ldl");
-            run(cmd);
-        }
-        let mut cmd = Command::new("gcc");
-        cmd.args([
-            "-O2",
-            "-g",
-            "-fno-omit-frame-pointer",
-            "-fno-optimize-sibling-calls",
-            "-fno-ipa-icf",
-            "-fcf-protection=none",
-            "-o",
-        ])
-        .arg(app)
-        .arg(fixture_source("gpu/cuda_app.c"))
-        .arg(format!("-L{}", dir.display()))
-        .args([
-            "-l:libcudart.so.12",
-            "-l:libcuda.so.1",
-            "-Wl,-rpath,$ORIGIN",
-        ]);
-        run(cmd);
-    });
-    dir
-}
 
 /// A `profiler record` in the background whose log is collected.
 struct Recording {
@@ -320,6 +255,101 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
     let _ = readable_samples;
 }
 
+/// CPU samples of a thread spinning inside a synchronization call are marked `[cuda sync]`.
+#[test]
+fn cpu_samples_inside_synchronization_get_a_cuda_sync_frame() {
+    let _guard = exclusive();
+    let dir = standins();
+    let scratch = Scratch::new("gpu-spin");
+    let output = scratch.path("profile.pb.gz");
+    let mut fixture = spawn_waiting(
+        &dir.join("cuda_app"),
+        &["5"],
+        &[("CUDA_STANDIN_SYNC_MS", "200"), ("CUDA_STANDIN_SPIN", "1")],
+    );
+    let pid = fixture.id().to_string();
+    let mut recording = Recording::start(&[
+        "--duration",
+        "120",
+        "--pid",
+        &pid,
+        "--no-cache",
+        "--output",
+        output.to_str().unwrap(),
+    ]);
+    recording.wait_for(
+        &["probes attached", "libcudart.so.12"],
+        Duration::from_secs(60),
+    );
+    say(&mut fixture, "go\n");
+    wait_done(&mut fixture);
+    std::thread::sleep(Duration::from_millis(300));
+    recording.stop();
+    let cpu = stack_samples(&decode_pprof(&output));
+    let in_sync: i64 = cpu
+        .iter()
+        .filter(|s| s.frames.last().map(String::as_str) == Some("[cuda sync]"))
+        .map(|s| s.count)
+        .sum();
+    let total: i64 = cpu.iter().map(|s| s.count).sum();
+    // One second of spinning at 100 Hz (fewer on a busy machine); the rest of the program takes
+    // almost no CPU.
+    assert!(
+        in_sync * 10 >= total * 8 && in_sync >= 20,
+        "{in_sync} of {total} samples marked:\n{}",
+        top_stacks(&cpu, 5)
+    );
+    // The spinning function is under the marker. (The runtime function's own frame is the
+    // uretprobe trampoline while it runs, so it shows as `[unknown]`.)
+    assert!(
+        cpu.iter()
+            .filter(|s| s.frames.last().map(String::as_str) == Some("[cuda sync]"))
+            .all(|s| s.frames.iter().any(|f| f == "spin_wait")),
+        "{}",
+        top_stacks(&cpu, 5)
+    );
+}
+
+/// Which files are CUDA libraries is decided by their exported functions only.
+#[test]
+fn cuda_libraries_are_recognized_by_exported_symbols_only() {
+    use profiler::gpu::discovery::probe_points;
+    let dir = standins();
+    let scratch = Scratch::new("gpu-symbols");
+    let renamed = scratch.path("libcudart-abc123.so.12");
+    std::fs::copy(dir.join("libcudart.so.12"), &renamed).expect("copy");
+    let runtime: Vec<&str> = probe_points(&renamed)
+        .expect("readable")
+        .iter()
+        .map(|p| p.symbol)
+        .collect();
+    for symbol in [
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "__cudaLaunchKernel",
+        "__cudaGetKernel",
+        "cudaMemcpy",
+        "cudaMalloc",
+        "cudaDeviceSynchronize",
+    ] {
+        assert!(
+            runtime.contains(&symbol),
+            "{symbol} missing from {runtime:?}"
+        );
+    }
+    // Symbols the stand-in lacks (the _ptsz forms) are simply not probed.
+    assert!(!runtime.iter().any(|s| s.ends_with("_ptsz")), "{runtime:?}");
+    // A library named like the runtime but exporting no launch function is not probed.
+    let impostor = scratch.path("libcudart.so.12");
+    std::fs::copy(nvml_standin(), &impostor).expect("copy");
+    assert!(probe_points(&impostor).expect("readable").is_empty());
+    // Not an ELF file: a clear error, not a panic.
+    let text = scratch.path("libcuda.so.1");
+    std::fs::write(&text, "not a library").expect("write");
+    let error = probe_points(&text).expect_err("not ELF").to_string();
+    assert!(error.contains("libcuda.so.1"), "{error}");
+}
+
 /// Python through ctypes: a renamed copy of the runtime (`libcudart-abc123.so.12`, found by its
 /// symbols), loaded with dlopen after the profiler started; Python functions in the stacks.
 #[test]
@@ -467,6 +497,15 @@ fn start_agent(args: &[&str], env: &[(&str, &str)]) -> (Recording, String) {
         .unwrap_or_else(|| panic!("no url in {line:?}"))
         .to_string();
     (agent, address)
+}
+
+fn run(mut cmd: Command) {
+    let output = cmd.output().expect("run build command");
+    assert!(
+        output.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 fn nvml_standin() -> PathBuf {

@@ -217,8 +217,7 @@ impl Aggregator {
             .into_iter()
             .map(|(series_labels, data)| {
                 let keep_thread_names = data.thread_names.len() <= self.settings.max_thread_names;
-                build_profile(
-                    self.settings.kind,
+                let mut profile = build_profile(
                     series_labels,
                     data,
                     &frames,
@@ -226,7 +225,9 @@ impl Aggregator {
                     start,
                     end_unix_ns - start,
                     self.settings.period_ns,
-                )
+                );
+                profile.kind = self.settings.kind;
+                profile
             })
             .collect();
         profiles.sort_by(|a, b| a.series_labels.cmp(&b.series_labels));
@@ -249,7 +250,6 @@ fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
 type SampleLabels = Vec<(Arc<str>, LabelValue)>;
 
 fn build_profile(
-    kind: ProfileKind,
     series_labels: Vec<(String, String)>,
     data: SeriesData,
     window_frames: &[Arc<SymbolizedFrame>],
@@ -295,7 +295,7 @@ fn build_profile(
         .collect();
     samples.sort_by(|a, b| (&a.stack, &a.labels).cmp(&(&b.stack, &b.labels)));
     Profile {
-        kind,
+        kind: ProfileKind::Cpu,
         series_labels,
         start_unix_ns,
         duration_ns,

@@ -112,6 +112,13 @@ struct ApiResponse<'a> {
     gpus: Vec<ApiGpu<'a>>,
 }
 
+/// A per-process metric: name, help, and how to read it.
+type ProcessMetric = (
+    &'static str,
+    &'static str,
+    fn(&ProcessReading) -> Option<u64>,
+);
+
 fn escape_label(value: &str) -> String {
     value
         .replace('\\', "\\\\")
@@ -226,7 +233,7 @@ impl GpuBoard {
                 value.value
             );
         }
-        let process_metrics: [(&str, &str, fn(&ProcessReading) -> Option<u64>); 2] = [
+        let process_metrics: [ProcessMetric; 2] = [
             (
                 "gpu_process_memory_used_bytes",
                 "GPU memory used by the process, from NVML.",

@@ -5,6 +5,8 @@
 //! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes).
 //! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
+#[path = "bench/gpu.rs"]
+mod gpu;
 #[path = "bench/parse.rs"]
 mod parse;
 #[path = "bench/procs.rs"]
@@ -34,7 +36,7 @@ const USAGE: &str = "\
 usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-seconds N]
              [--output FILE] [--no-build]
 
-  --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
+  --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python, gpu,
                        unwind (= depth,tables,shared), all (default: all)
   --seconds N          overhead suite: length of each scenario in seconds (default 20)
   --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
@@ -52,7 +54,9 @@ Needs root. Suites:
   shared    agent RSS and table sharing with 100 processes mapping 50 libraries, and with
             100 processes of one binary
   python    extra BPF cost per sample of 50 Python frames (walk on vs --no-python, uses the
-            depth seconds), and the agent's cost of reading a new code object";
+            depth seconds), and the agent's cost of reading a new code object
+  gpu       cost per probed CUDA call (stand-in runtime) and the slowdown of a loop making
+            100,000 launches/s";
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Suites {
@@ -61,6 +65,7 @@ struct Suites {
     tables: bool,
     shared: bool,
     python: bool,
+    gpu: bool,
 }
 
 impl Suites {
@@ -75,6 +80,7 @@ impl Suites {
                         tables: true,
                         shared: true,
                         python: true,
+                        gpu: true,
                     }
                 }
                 "overhead" => suites.overhead = true,
@@ -87,8 +93,9 @@ impl Suites {
                 "tables" => suites.tables = true,
                 "shared" => suites.shared = true,
                 "python" => suites.python = true,
+                "gpu" => suites.gpu = true,
                 other => bail!(
-                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, unwind or all"
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, gpu, unwind or all"
                 ),
             }
         }
@@ -97,7 +104,7 @@ impl Suites {
 
     /// Whether a suite needs the BPF program (root, the release profiler, the sysctl).
     fn needs_bpf(&self) -> bool {
-        self.overhead || self.depth || self.shared || self.python
+        self.overhead || self.depth || self.shared || self.python || self.gpu
     }
 }
 
@@ -332,6 +339,11 @@ fn run(args: &[String]) -> Result<()> {
         eprintln!("bench: [python 3/3] reading new code objects");
         let code = python::run_code_objects(&interpreter)?;
         markdown.push_str(&python::render(&runs, Some(&code), options.depth_seconds));
+    }
+    if let (true, Some(profiler)) = (suites.gpu, &profiler) {
+        let results = gpu::run(profiler, &scratch)?;
+        markdown.push_str(&gpu::render(&results));
+        settle()?;
     }
     let mut table_results = None;
     if suites.tables {
