@@ -249,7 +249,11 @@ impl Pipeline {
                 self.python.sync(&process);
             }
         }
-        for record in records {
+        // Names first: a handle named in this batch names the launches of the whole batch.
+        let (names, calls): (Vec<CudaRecord>, Vec<CudaRecord>) = records
+            .into_iter()
+            .partition(|r| matches!(r, CudaRecord::Name { .. }));
+        for record in names.into_iter().chain(calls) {
             self.handle_cuda(record);
         }
     }
@@ -257,6 +261,14 @@ impl Pipeline {
     fn handle_cuda(&mut self, record: CudaRecord) {
         let (header, stack) = match record {
             CudaRecord::Name { header, name } => {
+                tracing::debug!(
+                    pid = header.pid,
+                    handle = header.handle,
+                    stub = header.aux,
+                    name,
+                    ktime = header.ktime_ns,
+                    "kernel handle named"
+                );
                 if let Some(cuda) = &mut self.cuda {
                     cuda.names.learn(&header, &name);
                 }
@@ -267,6 +279,13 @@ impl Pipeline {
         let Some(kind) = profile_kind(header.call) else {
             return;
         };
+        tracing::trace!(
+            pid = header.pid,
+            handle = header.handle,
+            call = header.call,
+            ktime = header.ktime_ns,
+            "cuda call"
+        );
         let pid = Pid(header.pid);
         let (mut frames, process, truncated, sample) = match stack {
             Some(sample) => {
