@@ -30,6 +30,7 @@ use crate::{
         events::{
             CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, profile_kind,
         },
+        nvml::{GpuBoard, NvmlPoller},
     },
     model::{Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid},
     process::ProcessRegistry,
@@ -100,6 +101,28 @@ struct Pipeline {
     synthetic: std::collections::HashMap<String, Arc<SymbolizedFrame>>,
 }
 
+/// The BPF maps and rings the pipeline reads and writes.
+struct KernelInputs {
+    unwind_maps: KernelUnwindMaps,
+    python_maps: KernelPythonMaps,
+    events: EventRing,
+    cuda_events: Option<CudaEventRing>,
+}
+
+impl KernelInputs {
+    fn from_parts(parts: crate::bpf::SamplerParts) -> (Self, crate::bpf::SampleRing) {
+        (
+            KernelInputs {
+                unwind_maps: parts.unwind_maps,
+                python_maps: parts.python_maps,
+                events: parts.events,
+                cuda_events: parts.cuda_events,
+            },
+            parts.samples,
+        )
+    }
+}
+
 /// The CUDA side of the pipeline: library discovery, the probes' records, one aggregator per
 /// CUDA profile kind.
 struct CudaAttribution {
@@ -115,10 +138,8 @@ impl Pipeline {
         grouping: Grouping,
         sampling: &SamplingConfig,
         start_unix_ns: i64,
-        unwind_maps: KernelUnwindMaps,
-        python_maps: KernelPythonMaps,
-        events: EventRing,
-        cuda_events: Option<CudaEventRing>,
+        kernel: KernelInputs,
+        gpus: Option<Arc<GpuBoard>>,
     ) -> Self {
         let host = hostname();
         let aggregator_settings = |kind| AggregatorSettings {
@@ -127,7 +148,14 @@ impl Pipeline {
             host: host.clone(),
             max_thread_names: 64,
             kind,
+            gpus: gpus.clone(),
         };
+        let KernelInputs {
+            unwind_maps,
+            python_maps,
+            events,
+            cuda_events,
+        } = kernel;
         let cuda = cuda_events.map(|ring| CudaAttribution {
             ring,
             discovery: Discovery::new("/proc".into()),
@@ -226,7 +254,11 @@ impl Pipeline {
                 self.python.sync(&process);
             }
         }
-        for record in records {
+        // Names first: a handle named in this batch names the launches of the whole batch.
+        let (names, calls): (Vec<CudaRecord>, Vec<CudaRecord>) = records
+            .into_iter()
+            .partition(|r| matches!(r, CudaRecord::Name { .. }));
+        for record in names.into_iter().chain(calls) {
             self.handle_cuda(record);
         }
     }
@@ -234,6 +266,14 @@ impl Pipeline {
     fn handle_cuda(&mut self, record: CudaRecord) {
         let (header, stack) = match record {
             CudaRecord::Name { header, name } => {
+                tracing::debug!(
+                    pid = header.pid,
+                    handle = header.handle,
+                    stub = header.aux,
+                    name,
+                    ktime = header.ktime_ns,
+                    "kernel handle named"
+                );
                 if let Some(cuda) = &mut self.cuda {
                     cuda.names.learn(&header, &name);
                 }
@@ -244,6 +284,13 @@ impl Pipeline {
         let Some(kind) = profile_kind(header.call) else {
             return;
         };
+        tracing::trace!(
+            pid = header.pid,
+            handle = header.handle,
+            call = header.call,
+            ktime = header.ktime_ns,
+            "cuda call"
+        );
         let pid = Pid(header.pid);
         let (mut frames, process, truncated, sample) = match stack {
             Some(sample) => {
@@ -281,7 +328,7 @@ impl Pipeline {
         };
         let mut leaf = Vec::with_capacity(2);
         match kind {
-            ProfileKind::CudaLaunch => leaf.push(self.kernel_frame(&header, process.as_deref())),
+            ProfileKind::CudaLaunch => leaf.push(self.kernel_frame(&header, process.as_ref())),
             ProfileKind::CudaMemcpy => leaf.push(self.synthetic(direction_frame(header.aux))),
             _ => {}
         }
@@ -298,19 +345,27 @@ impl Pipeline {
     fn kernel_frame(
         &mut self,
         header: &profiler_common::CudaEventHeader,
-        process: Option<&ProcessInfo>,
+        process: Option<&Arc<ProcessInfo>>,
     ) -> Arc<SymbolizedFrame> {
         let kernel = match &self.cuda {
             Some(cuda) => cuda.names.kernel(header),
             None => KernelRef::Unknown(header.handle),
         };
         match kernel {
-            KernelRef::Stub(stub) => match process {
-                Some(process) if process.mapping_for(stub).is_some() => {
-                    self.symbolizer.symbolize(&resolve_address(process, stub))
+            KernelRef::Stub(stub) => {
+                // A snapshot older than the stub's mapping (dlopen) is refreshed once.
+                let process = match process {
+                    Some(p) if p.mapping_for(stub).is_some() => Some(p.clone()),
+                    _ => self
+                        .processes
+                        .refresh_for_address(Pid(header.pid), stub)
+                        .filter(|p| p.mapping_for(stub).is_some()),
+                };
+                match process {
+                    Some(process) => self.symbolizer.symbolize(&resolve_address(&process, stub)),
+                    None => self.synthetic(&format!("kernel@{stub:#x}")),
                 }
-                _ => self.synthetic(&format!("kernel@{stub:#x}")),
-            },
+            }
             KernelRef::Named(name) => self.synthetic(&name),
             KernelRef::Unknown(handle) => self.synthetic(&format!("kernel@{handle:#x}")),
             KernelRef::Graph(exec) => self.synthetic(&format!("graph@{exec:#x}")),
@@ -384,6 +439,12 @@ impl Pipeline {
             agent_peak_rss_bytes: peak,
             native_tables: self.native_tables.stats(),
             python: self.python.stats(),
+            cuda: self
+                .cuda
+                .as_ref()
+                .map(|c| c.discovery.stats)
+                .unwrap_or_default(),
+            cuda_decode_errors: self.cuda.as_ref().map_or(0, |c| c.decode_errors),
             ..SelfMetrics::default()
         };
         if let Some(sampler) = sampler {
@@ -524,19 +585,18 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     check_writable_file(&config.output)?;
     let start_unix_ns = unix_now_ns();
     let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
+    let (kernel, samples) = KernelInputs::from_parts(parts);
     let mut pipeline = Pipeline::new(
         Grouping::Single,
         &config.sampling,
         start_unix_ns,
-        parts.unwind_maps,
-        parts.python_maps,
-        parts.events,
-        parts.cuda_events,
+        kernel,
+        None,
     );
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
     pipeline.poll_cuda(Some(&mut sampler));
-    let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
+    let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
     let started = Instant::now();
     pump(&mut pipeline, &rx, |pipeline| {
         pipeline.poll_cuda(Some(&mut sampler));
@@ -715,19 +775,33 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     };
     let mut exporter = Exporter::spawn(Outputs(outputs), pusher);
     let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
+    let (kernel, samples) = KernelInputs::from_parts(parts);
     let mut pipeline = Pipeline::new(
         Grouping::PerService,
         &config.sampling,
         unix_now_ns(),
-        parts.unwind_maps,
-        parts.python_maps,
-        parts.events,
-        parts.cuda_events,
+        kernel,
+        Some(serving.health.gpu.clone()),
     );
+    let gpu = &config.sampling.gpu;
+    let nvml = if gpu.enabled {
+        Some(NvmlPoller::spawn(
+            gpu.nvml_library.clone(),
+            gpu.nvml_interval,
+            hostname(),
+            serving.health.gpu.clone(),
+        ))
+    } else {
+        serving
+            .health
+            .gpu
+            .set_unavailable("GPU support is off (--no-gpu)".into());
+        None
+    };
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
     pipeline.poll_cuda(Some(&mut sampler));
-    let (reader, rx) = SampleReader::spawn(parts.samples, SAMPLE_QUEUE);
+    let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
     tracing::info!(
         interval_s = config.interval.as_secs_f64(),
         output_dir = ?config.output_dir,
@@ -768,6 +842,9 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     reader_stats.add_to(&mut metrics);
     exporter.add_to(&mut metrics);
     metrics.log("agent stopped");
+    if let Some(nvml) = nvml {
+        nvml.stop();
+    }
     serving.shutdown();
     Ok(())
 }

@@ -58,6 +58,10 @@ pub struct SelfMetrics {
     pub spool_bytes: u64,
     pub native_tables: NativeTableStats,
     pub python: PythonStats,
+    /// CUDA library discovery.
+    pub cuda: crate::gpu::discovery::DiscoveryStats,
+    /// CUDA probe records that did not decode.
+    pub cuda_decode_errors: u64,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
@@ -128,6 +132,36 @@ impl SelfMetrics {
             "python_frames_total",
             "Python frames put into stacks",
             self.python.frames as f64,
+            "counter",
+        );
+        push(
+            "cuda_libraries_probed",
+            "CUDA runtime and driver files with probes attached",
+            self.cuda.libraries_attached as f64,
+            "gauge",
+        );
+        push(
+            "cuda_probes_attached",
+            "CUDA functions probed over all files",
+            self.cuda.probes_attached as f64,
+            "gauge",
+        );
+        push(
+            "cuda_attach_errors_total",
+            "CUDA probes that could not be attached",
+            self.cuda.attach_errors as f64,
+            "counter",
+        );
+        push(
+            "cuda_processes",
+            "Processes mapping a CUDA library at the last scan",
+            self.cuda.processes_using_cuda as f64,
+            "gauge",
+        );
+        push(
+            "cuda_decode_errors_total",
+            "CUDA probe records that did not decode",
+            self.cuda_decode_errors as f64,
             "counter",
         );
         push(

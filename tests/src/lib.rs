@@ -674,3 +674,75 @@ pub fn service_profiles(dir: &Path, service: &str) -> Vec<(PathBuf, proto::Profi
     profiles.sort_by_key(|(_, p)| p.time_nanos);
     profiles
 }
+
+/// Stand-in functions start with `push %rbp`, an instruction the kernel's uprobe code
+/// emulates; anything else is single-stepped out of line at every hit.
+pub const STANDIN_FLAGS: &[&str] = &[
+    "-O2",
+    "-g",
+    "-fPIC",
+    "-shared",
+    "-fno-omit-frame-pointer",
+    "-fcf-protection=none",
+];
+
+fn run_gpu_build(mut cmd: Command) {
+    let output = cmd.output().expect("run build command");
+    assert!(
+        output.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `target/fixtures/gpu/` with the stand-in libcuda.so.1, libcudart.so.12, the C program
+/// `cuda_app` and the benchmark loop `launch_loop` (tests/fixtures/gpu).
+pub fn gpu_standins() -> PathBuf {
+    let dir = fixture_dir().join("gpu");
+    cached_fixture("gpu/cuda_app", |app| {
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let version_script = dir.join("cudart.map");
+        std::fs::write(&version_script, "libcudart.so.12 { global: *; };\n").expect("write");
+        let driver_script = dir.join("cuda.map");
+        std::fs::write(&driver_script, "libcuda.so.1 { global: *; };\n").expect("write");
+        for (source, name, script) in [
+            ("gpu/fake_cuda.c", "libcuda.so.1", &driver_script),
+            ("gpu/fake_cudart.c", "libcudart.so.12", &version_script),
+        ] {
+            let mut cmd = Command::new("gcc");
+            cmd.args(STANDIN_FLAGS)
+                .arg(format!("-Wl,-soname,{name}"))
+                .arg(format!("-Wl,--version-script={}", script.display()))
+                .arg("-o")
+                .arg(dir.join(name))
+                .arg(fixture_source(source))
+                .arg("-ldl");
+            run_gpu_build(cmd);
+        }
+        for (source, out) in [
+            ("gpu/launch_loop.c", dir.join("launch_loop")),
+            ("gpu/cuda_app.c", app.to_path_buf()),
+        ] {
+            let mut cmd = Command::new("gcc");
+            cmd.args([
+                "-O2",
+                "-g",
+                "-fno-omit-frame-pointer",
+                "-fno-optimize-sibling-calls",
+                "-fno-ipa-icf",
+                "-fcf-protection=none",
+                "-o",
+            ])
+            .arg(out)
+            .arg(fixture_source(source))
+            .arg(format!("-L{}", dir.display()))
+            .args([
+                "-l:libcudart.so.12",
+                "-l:libcuda.so.1",
+                "-Wl,-rpath,$ORIGIN",
+            ]);
+            run_gpu_build(cmd);
+        }
+    });
+    dir
+}

@@ -34,6 +34,8 @@ pub struct AggregatorSettings {
     pub max_thread_names: usize,
     /// What the added values measure.
     pub kind: ProfileKind,
+    /// Where the GPU a process uses is known (NVML), for the `gpu` series label.
+    pub gpus: Option<Arc<crate::gpu::nvml::GpuBoard>>,
 }
 
 /// Name of the synthetic frame that marks a stack cut short by the depth limit or an error.
@@ -124,6 +126,14 @@ impl Aggregator {
                 if !l.executable.is_empty() {
                     labels.push(("executable".into(), l.executable.clone()));
                 }
+                if let Some(gpu) = self
+                    .settings
+                    .gpus
+                    .as_ref()
+                    .and_then(|b| b.gpu_of(process.pid.0))
+                {
+                    labels.push(("gpu".into(), gpu.to_string()));
+                }
                 for (name, value) in [
                     ("container_id", &l.container_id),
                     ("pod_uid", &l.pod_uid),
@@ -210,8 +220,7 @@ impl Aggregator {
             .into_iter()
             .map(|(series_labels, data)| {
                 let keep_thread_names = data.thread_names.len() <= self.settings.max_thread_names;
-                build_profile(
-                    self.settings.kind,
+                let mut profile = build_profile(
                     series_labels,
                     data,
                     &frames,
@@ -219,7 +228,9 @@ impl Aggregator {
                     start,
                     end_unix_ns - start,
                     self.settings.period_ns,
-                )
+                );
+                profile.kind = self.settings.kind;
+                profile
             })
             .collect();
         profiles.sort_by(|a, b| a.series_labels.cmp(&b.series_labels));
@@ -242,7 +253,6 @@ fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
 type SampleLabels = Vec<(Arc<str>, LabelValue)>;
 
 fn build_profile(
-    kind: ProfileKind,
     series_labels: Vec<(String, String)>,
     data: SeriesData,
     window_frames: &[Arc<SymbolizedFrame>],
@@ -288,7 +298,7 @@ fn build_profile(
         .collect();
     samples.sort_by(|a, b| (&a.stack, &a.labels).cmp(&(&b.stack, &b.labels)));
     Profile {
-        kind,
+        kind: ProfileKind::Cpu,
         series_labels,
         start_unix_ns,
         duration_ns,
@@ -310,6 +320,7 @@ mod tests {
             host: "h1".into(),
             max_thread_names: 2,
             kind: ProfileKind::Cpu,
+            gpus: None,
         }
     }
 

@@ -2,3 +2,4 @@
 //! probes' records turned into profile events (`events`), and NVIDIA's counters (`nvml`).
 pub mod discovery;
 pub mod events;
+pub mod nvml;

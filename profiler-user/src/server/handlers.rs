@@ -650,6 +650,7 @@ pub async fn pprof_download(State(state): State<AppState>, uri: Uri) -> Result<R
 
 /// `GET /metrics`: Prometheus text format.
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    let gpu = state.health.gpu.clone();
     let metrics = blocking(move || Ok(state.health.snapshot(state.store.as_ref())))
         .await
         .unwrap_or_default();
@@ -659,6 +660,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         let _ = writeln!(text, "# TYPE {} {}", value.name, value.kind);
         let _ = writeln!(text, "{} {}", value.name, value.value);
     }
+    text.push_str(&gpu.render_prometheus());
     (
         StatusCode::OK,
         [(
@@ -668,6 +670,34 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// `GET /api/gpu?from=<unix ms>&until=<unix ms>`: NVML utilization history per GPU.
+pub async fn gpu(
+    State(state): State<AppState>,
+    axum::extract::Query(range): axum::extract::Query<GpuRange>,
+) -> Response {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    let until = range.until.unwrap_or(now_ms);
+    let from = range.from.unwrap_or(until - 3_600_000);
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        state.health.gpu.api_json(from, until),
+    )
+        .into_response()
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct GpuRange {
+    from: Option<i64>,
+    until: Option<i64>,
 }
 
 /// `GET /api/health`: the numbers the UI's health panel shows.

@@ -86,6 +86,8 @@ impl ServerConfig {
 #[derive(Debug)]
 pub struct HealthBoard {
     latest: Mutex<SelfMetrics>,
+    /// NVML readings (filled by the agent's poller; empty in `profiler server`).
+    pub gpu: Arc<crate::gpu::nvml::GpuBoard>,
     started: Instant,
     pub http_requests: AtomicU64,
     pub http_errors: AtomicU64,
@@ -95,6 +97,7 @@ impl Default for HealthBoard {
     fn default() -> Self {
         HealthBoard {
             latest: Mutex::new(SelfMetrics::default()),
+            gpu: Arc::default(),
             started: Instant::now(),
             http_requests: AtomicU64::new(0),
             http_errors: AtomicU64::new(0),
@@ -157,6 +160,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/metrics", get(handlers::metrics))
         .route("/api/health", get(handlers::health))
+        .route("/api/gpu", get(handlers::gpu))
         .route("/api/pprof", get(handlers::pprof_download))
         .route("/", get(handlers::ui))
         .fallback(handlers::ui_or_not_found)

@@ -7,6 +7,8 @@
 //! latency, bytes per service per day).
 //! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
+#[path = "bench/gpu.rs"]
+mod gpu;
 #[path = "bench/parse.rs"]
 mod parse;
 #[path = "bench/procs.rs"]
@@ -39,7 +41,7 @@ usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-second
              [--store-intervals N] [--output FILE] [--no-build]
 
   --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
-                       store, unwind (= depth,tables,shared), all (default: all)
+                       store, gpu, unwind (= depth,tables,shared), all (default: all)
   --seconds N          overhead suite: length of each scenario in seconds (default 20)
   --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
   --shared-seconds N   shared suite: recording per variant in seconds (default 10)
@@ -60,7 +62,9 @@ Needs root. Suites:
             depth seconds), and the agent's cost of reading a new code object
   store     the embedded store behind `profiler server` (no root needed): a day of one
             service's 2,000-stack profiles (bytes per service per day), its 24-hour merge
-            (latency), 50 services' intervals through Connect Push (profiles per second)";
+            (latency), 50 services' intervals through Connect Push (profiles per second)
+  gpu       cost per probed CUDA call (stand-in runtime) and the slowdown of a loop making
+            100,000 launches/s";
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Suites {
@@ -70,6 +74,7 @@ struct Suites {
     shared: bool,
     python: bool,
     store: bool,
+    gpu: bool,
 }
 
 impl Suites {
@@ -85,6 +90,7 @@ impl Suites {
                         shared: true,
                         python: true,
                         store: true,
+                        gpu: true,
                     }
                 }
                 "overhead" => suites.overhead = true,
@@ -98,8 +104,9 @@ impl Suites {
                 "shared" => suites.shared = true,
                 "python" => suites.python = true,
                 "store" => suites.store = true,
+                "gpu" => suites.gpu = true,
                 other => bail!(
-                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, unwind or all"
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, gpu, unwind or all"
                 ),
             }
         }
@@ -108,7 +115,7 @@ impl Suites {
 
     /// Whether a suite needs the BPF program (root, the release profiler, the sysctl).
     fn needs_bpf(&self) -> bool {
-        self.overhead || self.depth || self.shared || self.python
+        self.overhead || self.depth || self.shared || self.python || self.gpu
     }
 }
 
@@ -350,6 +357,11 @@ fn run(args: &[String]) -> Result<()> {
     if let (true, Some(profiler)) = (suites.store, &profiler) {
         let run = store::run(profiler, &scratch, options.store_intervals as usize)?;
         markdown.push_str(&store::render(&run));
+    }
+    if let (true, Some(profiler)) = (suites.gpu, &profiler) {
+        let results = gpu::run(profiler, &scratch)?;
+        markdown.push_str(&gpu::render(&results));
+        settle()?;
     }
     let mut table_results = None;
     if suites.tables {

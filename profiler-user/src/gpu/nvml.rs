@@ -1,0 +1,683 @@
+//! NVIDIA's counters through NVML (nvml-wrapper, which opens `libnvidia-ml.so.1` with dlopen):
+//! polled on a thread, kept in a [`GpuBoard`] that `/metrics` renders with dcgm-exporter's names
+//! and labels (so existing GPU dashboards work) and `/api/gpu` serves as a time series.
+//!
+//! Without a driver the agent runs as usual: the reason is logged once and `gpu_available` is
+//! 0. A reading a GPU does not support (`NotSupported`, or a symbol the library lacks) is left
+//! out, never an error.
+use std::{
+    collections::{HashMap, VecDeque},
+    fmt::Write as _,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use nvml_wrapper::{
+    Device, Nvml,
+    enum_wrappers::device::{Clock, EccCounter, MemoryError, PcieUtilCounter, TemperatureSensor},
+    enums::device::UsedGpuMemory,
+    error::NvmlError,
+};
+use serde::Serialize;
+
+/// How long the in-memory history covers.
+pub const HISTORY: Duration = Duration::from_secs(24 * 3600);
+/// Most points `/api/gpu` returns per GPU.
+pub const MAX_API_POINTS: usize = 1000;
+
+/// One metric of one GPU: dcgm-exporter's name and the value in its unit.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceValue {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: &'static str,
+    pub value: f64,
+}
+
+/// One poll of one GPU.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceReading {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub values: Vec<DeviceValue>,
+    pub util: Option<u32>,
+    pub mem_util: Option<u32>,
+    pub mem_used_bytes: Option<u64>,
+    pub mem_total_bytes: Option<u64>,
+}
+
+/// A process using a GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProcessReading {
+    pub pid: u32,
+    pub comm: String,
+    pub gpu: u32,
+    pub uuid: String,
+    pub memory_bytes: Option<u64>,
+    pub sm_util_percent: Option<u32>,
+}
+
+/// One point of a GPU's history, as `/api/gpu` returns it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct HistoryPoint {
+    pub t: i64,
+    pub util: u32,
+    pub mem_util: u32,
+    pub mem_used_bytes: u64,
+    pub mem_total_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct GpuHistory {
+    index: u32,
+    uuid: String,
+    name: String,
+    points: VecDeque<HistoryPoint>,
+}
+
+#[derive(Debug, Default)]
+struct BoardState {
+    available: bool,
+    reason: Option<String>,
+    hostname: String,
+    devices: Vec<DeviceReading>,
+    processes: Vec<ProcessReading>,
+    history: Vec<GpuHistory>,
+    history_capacity: usize,
+}
+
+/// The latest NVML readings and a bounded history, shared by the poller and the server.
+#[derive(Debug, Default)]
+pub struct GpuBoard {
+    state: Mutex<BoardState>,
+}
+
+#[derive(Serialize)]
+struct ApiGpu<'a> {
+    index: u32,
+    uuid: &'a str,
+    name: &'a str,
+    points: Vec<HistoryPoint>,
+}
+
+#[derive(Serialize)]
+struct ApiResponse<'a> {
+    available: bool,
+    reason: Option<&'a str>,
+    gpus: Vec<ApiGpu<'a>>,
+}
+
+/// A per-process metric: name, help, and how to read it.
+type ProcessMetric = (
+    &'static str,
+    &'static str,
+    fn(&ProcessReading) -> Option<u64>,
+);
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl GpuBoard {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BoardState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// NVML cannot be used: `reason` says why (shown on `/api/gpu`).
+    pub fn set_unavailable(&self, reason: String) {
+        let mut state = self.lock();
+        state.available = false;
+        state.reason = Some(reason);
+    }
+
+    /// Records one poll at `t_ms` (Unix milliseconds).
+    pub fn update(
+        &self,
+        hostname: &str,
+        t_ms: i64,
+        devices: Vec<DeviceReading>,
+        processes: Vec<ProcessReading>,
+        history_capacity: usize,
+    ) {
+        let mut state = self.lock();
+        state.available = true;
+        state.reason = None;
+        state.hostname = hostname.to_string();
+        state.history_capacity = history_capacity.max(1);
+        for device in &devices {
+            let capacity = state.history_capacity;
+            let position = state
+                .history
+                .iter()
+                .position(|h| h.uuid == device.uuid && h.index == device.index);
+            let history = match position {
+                Some(i) => &mut state.history[i],
+                None => {
+                    state.history.push(GpuHistory {
+                        index: device.index,
+                        uuid: device.uuid.clone(),
+                        name: device.name.clone(),
+                        points: VecDeque::new(),
+                    });
+                    state.history.last_mut().expect("just pushed")
+                }
+            };
+            if let (Some(util), Some(mem_util)) = (device.util, device.mem_util) {
+                while history.points.len() >= capacity {
+                    history.points.pop_front();
+                }
+                history.points.push_back(HistoryPoint {
+                    t: t_ms,
+                    util,
+                    mem_util,
+                    mem_used_bytes: device.mem_used_bytes.unwrap_or(0),
+                    mem_total_bytes: device.mem_total_bytes.unwrap_or(0),
+                });
+            }
+        }
+        state.devices = devices;
+        state.processes = processes;
+    }
+
+    /// The GPU index a process uses, for the `gpu` label of its profiles.
+    pub fn gpu_of(&self, pid: u32) -> Option<u32> {
+        self.lock()
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .map(|p| p.gpu)
+    }
+
+    /// The Prometheus text for `/metrics`: dcgm-exporter names and labels per GPU, our own
+    /// names per process, and `gpu_available`.
+    pub fn render_prometheus(&self) -> String {
+        let state = self.lock();
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "# HELP gpu_available 1 when NVML answers, 0 when no NVIDIA driver or GPU is usable."
+        );
+        let _ = writeln!(text, "# TYPE gpu_available gauge");
+        let _ = writeln!(text, "gpu_available {}", u8::from(state.available));
+        let hostname = escape_label(&state.hostname);
+        let mut by_name: Vec<(&DeviceValue, &DeviceReading)> = state
+            .devices
+            .iter()
+            .flat_map(|d| d.values.iter().map(move |v| (v, d)))
+            .collect();
+        by_name.sort_by_key(|(v, d)| (v.name, d.index));
+        let mut last = "";
+        for (value, device) in by_name {
+            if value.name != last {
+                let _ = writeln!(text, "# HELP {} {}", value.name, value.help);
+                let _ = writeln!(text, "# TYPE {} {}", value.name, value.kind);
+                last = value.name;
+            }
+            let _ = writeln!(
+                text,
+                "{}{{gpu=\"{}\",UUID=\"{}\",device=\"nvidia{}\",modelName=\"{}\",Hostname=\"{}\"}} {}",
+                value.name,
+                device.index,
+                escape_label(&device.uuid),
+                device.index,
+                escape_label(&device.name),
+                hostname,
+                value.value
+            );
+        }
+        let process_metrics: [ProcessMetric; 2] = [
+            (
+                "gpu_process_memory_used_bytes",
+                "GPU memory used by the process, from NVML.",
+                |p| p.memory_bytes,
+            ),
+            (
+                "gpu_process_sm_utilization_percent",
+                "Share of the GPU's SMs the process used over NVML's last sample period.",
+                |p| p.sm_util_percent.map(u64::from),
+            ),
+        ];
+        for (name, help, get) in process_metrics {
+            let mut header = false;
+            for process in &state.processes {
+                let Some(value) = get(process) else { continue };
+                if !header {
+                    let _ = writeln!(text, "# HELP {name} {help}");
+                    let _ = writeln!(text, "# TYPE {name} gauge");
+                    header = true;
+                }
+                let _ = writeln!(
+                    text,
+                    "{name}{{pid=\"{}\",comm=\"{}\",gpu=\"{}\",UUID=\"{}\",Hostname=\"{}\"}} {value}",
+                    process.pid,
+                    escape_label(&process.comm),
+                    process.gpu,
+                    escape_label(&process.uuid),
+                    hostname
+                );
+            }
+        }
+        text
+    }
+
+    /// The `/api/gpu` answer for `[from_ms, until_ms]`, at most [`MAX_API_POINTS`] per GPU
+    /// (averaged buckets when there are more).
+    pub fn api_json(&self, from_ms: i64, until_ms: i64) -> String {
+        let state = self.lock();
+        let gpus = state
+            .history
+            .iter()
+            .map(|h| {
+                let points: Vec<HistoryPoint> = h
+                    .points
+                    .iter()
+                    .filter(|p| p.t >= from_ms && p.t <= until_ms)
+                    .copied()
+                    .collect();
+                ApiGpu {
+                    index: h.index,
+                    uuid: &h.uuid,
+                    name: &h.name,
+                    points: downsample(&points, MAX_API_POINTS),
+                }
+            })
+            .collect();
+        let response = ApiResponse {
+            available: state.available,
+            reason: state.reason.as_deref(),
+            gpus,
+        };
+        serde_json::to_string(&response).unwrap_or_else(|_| "{}".into())
+    }
+}
+
+/// Averages consecutive points into at most `max` buckets.
+pub fn downsample(points: &[HistoryPoint], max: usize) -> Vec<HistoryPoint> {
+    if points.len() <= max || max == 0 {
+        return points.to_vec();
+    }
+    let per_bucket = points.len().div_ceil(max);
+    points
+        .chunks(per_bucket)
+        .map(|chunk| {
+            let n = chunk.len() as u64;
+            let sum = |f: fn(&HistoryPoint) -> u64| chunk.iter().map(f).sum::<u64>() / n;
+            HistoryPoint {
+                t: chunk[0].t,
+                util: sum(|p| u64::from(p.util)) as u32,
+                mem_util: sum(|p| u64::from(p.mem_util)) as u32,
+                mem_used_bytes: sum(|p| p.mem_used_bytes),
+                mem_total_bytes: sum(|p| p.mem_total_bytes),
+            }
+        })
+        .collect()
+}
+
+/// A reading, or `None` when this GPU or driver does not offer it.
+fn reading<T>(what: &str, result: Result<T, NvmlError>) -> Option<T> {
+    match result {
+        Ok(value) => Some(value),
+        Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => None,
+        Err(err) => {
+            tracing::debug!("NVML {what}: {err}");
+            None
+        }
+    }
+}
+
+fn value(name: &'static str, help: &'static str, kind: &'static str, v: f64) -> DeviceValue {
+    DeviceValue {
+        name,
+        help,
+        kind,
+        value: v,
+    }
+}
+
+fn read_device(device: &Device<'_>, index: u32) -> DeviceReading {
+    let mut out = DeviceReading {
+        index,
+        uuid: reading("uuid", device.uuid()).unwrap_or_default(),
+        name: reading("name", device.name()).unwrap_or_default(),
+        ..DeviceReading::default()
+    };
+    let values = &mut out.values;
+    if let Some(u) = reading("utilization", device.utilization_rates()) {
+        out.util = Some(u.gpu);
+        out.mem_util = Some(u.memory);
+        values.push(value(
+            "DCGM_FI_DEV_GPU_UTIL",
+            "GPU utilization (in %).",
+            "gauge",
+            u.gpu.into(),
+        ));
+        values.push(value(
+            "DCGM_FI_DEV_MEM_COPY_UTIL",
+            "Memory utilization (in %).",
+            "gauge",
+            u.memory.into(),
+        ));
+    }
+    if let Some(m) = reading("memory", device.memory_info()) {
+        out.mem_used_bytes = Some(m.used);
+        out.mem_total_bytes = Some(m.total);
+        let mib = |b: u64| (b >> 20) as f64;
+        values.push(value(
+            "DCGM_FI_DEV_FB_USED",
+            "Framebuffer memory used (in MiB).",
+            "gauge",
+            mib(m.used),
+        ));
+        values.push(value(
+            "DCGM_FI_DEV_FB_FREE",
+            "Framebuffer memory free (in MiB).",
+            "gauge",
+            mib(m.free),
+        ));
+        values.push(value(
+            "DCGM_FI_DEV_FB_RESERVED",
+            "Framebuffer memory reserved (in MiB).",
+            "gauge",
+            mib(m.reserved),
+        ));
+    }
+    if let Some(t) = reading("temperature", device.temperature(TemperatureSensor::Gpu)) {
+        values.push(value(
+            "DCGM_FI_DEV_GPU_TEMP",
+            "GPU temperature (in C).",
+            "gauge",
+            t.into(),
+        ));
+    }
+    if let Some(mw) = reading("power", device.power_usage()) {
+        values.push(value(
+            "DCGM_FI_DEV_POWER_USAGE",
+            "Power draw (in W).",
+            "gauge",
+            f64::from(mw) / 1000.0,
+        ));
+    }
+    if let Some(mj) = reading("energy", device.total_energy_consumption()) {
+        values.push(value(
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+            "Total energy consumption since boot (in mJ).",
+            "counter",
+            mj as f64,
+        ));
+    }
+    if let Some(mhz) = reading("SM clock", device.clock_info(Clock::SM)) {
+        values.push(value(
+            "DCGM_FI_DEV_SM_CLOCK",
+            "SM clock frequency (in MHz).",
+            "gauge",
+            mhz.into(),
+        ));
+    }
+    if let Some(mhz) = reading("memory clock", device.clock_info(Clock::Memory)) {
+        values.push(value(
+            "DCGM_FI_DEV_MEM_CLOCK",
+            "Memory clock frequency (in MHz).",
+            "gauge",
+            mhz.into(),
+        ));
+    }
+    if let Some(kb) = reading("PCIe TX", device.pcie_throughput(PcieUtilCounter::Send)) {
+        values.push(value(
+            "DCGM_FI_DEV_PCIE_TX_THROUGHPUT",
+            "PCIe transmit throughput (in KB/s).",
+            "gauge",
+            kb.into(),
+        ));
+    }
+    if let Some(kb) = reading("PCIe RX", device.pcie_throughput(PcieUtilCounter::Receive)) {
+        values.push(value(
+            "DCGM_FI_DEV_PCIE_RX_THROUGHPUT",
+            "PCIe receive throughput (in KB/s).",
+            "gauge",
+            kb.into(),
+        ));
+    }
+    if let Some(reasons) = reading("throttle reasons", device.current_throttle_reasons()) {
+        values.push(value(
+            "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+            "Current clock throttle reasons (bitmask).",
+            "gauge",
+            reasons.bits() as f64,
+        ));
+    }
+    for (name, help, error, counter) in [
+        (
+            "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+            "Single-bit volatile ECC errors.",
+            MemoryError::Corrected,
+            EccCounter::Volatile,
+        ),
+        (
+            "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+            "Double-bit volatile ECC errors.",
+            MemoryError::Uncorrected,
+            EccCounter::Volatile,
+        ),
+        (
+            "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+            "Single-bit persistent ECC errors.",
+            MemoryError::Corrected,
+            EccCounter::Aggregate,
+        ),
+        (
+            "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+            "Double-bit persistent ECC errors.",
+            MemoryError::Uncorrected,
+            EccCounter::Aggregate,
+        ),
+    ] {
+        if let Some(count) = reading("ECC", device.total_ecc_errors(error, counter)) {
+            values.push(value(name, help, "counter", count as f64));
+        }
+    }
+    out
+}
+
+fn process_comm(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Polls NVML every `interval` until `stop`; never fails the agent.
+pub struct NvmlPoller {
+    thread: Option<std::thread::JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl NvmlPoller {
+    pub fn spawn(
+        library: Option<PathBuf>,
+        interval: Duration,
+        hostname: String,
+        board: Arc<GpuBoard>,
+    ) -> NvmlPoller {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("nvml".into())
+                .spawn(move || poll(library, interval, hostname, board, stop))
+                .ok()
+        };
+        NvmlPoller { thread, stop }
+    }
+
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn open(library: Option<&PathBuf>) -> Result<Nvml, NvmlError> {
+    match library {
+        Some(path) => Nvml::builder().lib_path(path.as_os_str()).init(),
+        None => Nvml::init(),
+    }
+}
+
+fn poll(
+    library: Option<PathBuf>,
+    interval: Duration,
+    hostname: String,
+    board: Arc<GpuBoard>,
+    stop: Arc<AtomicBool>,
+) {
+    let nvml = match open(library.as_ref()) {
+        Ok(nvml) => nvml,
+        Err(err) => {
+            let reason = format!(
+                "NVML is unavailable ({}): {err}",
+                library
+                    .as_ref()
+                    .map_or("libnvidia-ml.so.1".into(), |p| p.display().to_string())
+            );
+            tracing::warn!("{reason}; GPU metrics are off, profiling goes on");
+            board.set_unavailable(reason);
+            return;
+        }
+    };
+    let capacity = (HISTORY.as_secs_f64() / interval.as_secs_f64().max(0.001)).ceil() as usize;
+    let mut last_seen: HashMap<u32, u64> = HashMap::new();
+    tracing::info!(
+        gpus = reading("device count", nvml.device_count()).unwrap_or(0),
+        "NVML polling started"
+    );
+    while !stop.load(Ordering::Relaxed) {
+        let started = Instant::now();
+        let count = reading("device count", nvml.device_count()).unwrap_or(0);
+        let mut devices = Vec::new();
+        let mut processes = Vec::new();
+        for index in 0..count {
+            let Some(device) = reading("device", nvml.device_by_index(index)) else {
+                continue;
+            };
+            let reading_now = read_device(&device, index);
+            let mut by_pid: HashMap<u32, ProcessReading> = HashMap::new();
+            for process in
+                reading("processes", device.running_compute_processes()).unwrap_or_default()
+            {
+                let entry = by_pid.entry(process.pid).or_insert_with(|| ProcessReading {
+                    pid: process.pid,
+                    comm: process_comm(process.pid),
+                    gpu: index,
+                    uuid: reading_now.uuid.clone(),
+                    ..ProcessReading::default()
+                });
+                if let UsedGpuMemory::Used(bytes) = process.used_gpu_memory {
+                    entry.memory_bytes = Some(bytes);
+                }
+            }
+            let since = last_seen.get(&index).copied().unwrap_or(0);
+            // An idle GPU answers NotFound: no samples, not an error.
+            let samples = match device.process_utilization_stats(since) {
+                Ok(samples) => samples,
+                Err(NvmlError::NotFound) => Vec::new(),
+                Err(err) => reading::<Vec<_>>("process utilization", Err(err)).unwrap_or_default(),
+            };
+            for sample in samples {
+                last_seen.insert(index, sample.timestamp.max(since));
+                let entry = by_pid.entry(sample.pid).or_insert_with(|| ProcessReading {
+                    pid: sample.pid,
+                    comm: process_comm(sample.pid),
+                    gpu: index,
+                    uuid: reading_now.uuid.clone(),
+                    ..ProcessReading::default()
+                });
+                entry.sm_util_percent = Some(sample.sm_util);
+            }
+            let mut list: Vec<ProcessReading> = by_pid.into_values().collect();
+            list.sort_by_key(|p| p.pid);
+            processes.extend(list);
+            devices.push(reading_now);
+        }
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        board.update(&hostname, now_ms, devices, processes, capacity);
+        let deadline = started + interval;
+        while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50).min(interval));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(t: i64, util: u32) -> HistoryPoint {
+        HistoryPoint {
+            t,
+            util,
+            mem_util: util / 2,
+            mem_used_bytes: 100,
+            mem_total_bytes: 1000,
+        }
+    }
+
+    #[test]
+    fn downsampling_keeps_at_most_max_points_and_averages() {
+        let points: Vec<_> = (0..2500).map(|i| point(i, (i % 2) as u32 * 100)).collect();
+        let out = downsample(&points, 1000);
+        assert!(out.len() <= 1000, "{}", out.len());
+        assert_eq!(out[0].t, 0);
+        assert_eq!(out[0].util, 33, "0,100,0 averaged");
+        assert_eq!(downsample(&points[..10], 1000).len(), 10);
+    }
+
+    #[test]
+    fn board_keeps_bounded_history_and_renders_dcgm_names() {
+        let board = GpuBoard::default();
+        let device = DeviceReading {
+            index: 0,
+            uuid: "GPU-1".into(),
+            name: "Test \"GPU\"".into(),
+            values: vec![value(
+                "DCGM_FI_DEV_GPU_UTIL",
+                "GPU utilization (in %).",
+                "gauge",
+                41.0,
+            )],
+            util: Some(41),
+            mem_util: Some(20),
+            mem_used_bytes: Some(1),
+            mem_total_bytes: Some(2),
+        };
+        for t in 0..5 {
+            board.update("host", t, vec![device.clone()], Vec::new(), 3);
+        }
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
+        assert_eq!(json["available"], true);
+        assert_eq!(json["gpus"][0]["points"].as_array().unwrap().len(), 3);
+        assert_eq!(json["gpus"][0]["points"][0]["t"], 2);
+        let text = board.render_prometheus();
+        assert!(text.contains("gpu_available 1"), "{text}");
+        assert!(
+            text.contains(
+                "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-1\",device=\"nvidia0\",modelName=\"Test \\\"GPU\\\"\",Hostname=\"host\"} 41"
+            ),
+            "{text}"
+        );
+        board.set_unavailable("no driver".into());
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
+        assert_eq!(json["available"], false);
+        assert_eq!(json["reason"], "no driver");
+    }
+}
