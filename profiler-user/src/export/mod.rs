@@ -362,6 +362,7 @@ pub(crate) mod test_fixture {
             },
         ];
         Profile {
+            kind: crate::model::ProfileKind::Cpu,
             series_labels: vec![
                 ("host".to_owned(), "node-1".to_owned()),
                 ("service_name".to_owned(), "my app/v1".to_owned()),
