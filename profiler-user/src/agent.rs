@@ -284,13 +284,6 @@ impl Pipeline {
         let Some(kind) = profile_kind(header.call) else {
             return;
         };
-        tracing::trace!(
-            pid = header.pid,
-            handle = header.handle,
-            call = header.call,
-            ktime = header.ktime_ns,
-            "cuda call"
-        );
         let pid = Pid(header.pid);
         let (mut frames, process, truncated, sample) = match stack {
             Some(sample) => {

@@ -713,6 +713,8 @@ pub fn gpu_standins() -> PathBuf {
             cmd.args(STANDIN_FLAGS)
                 .arg(format!("-Wl,-soname,{name}"))
                 .arg(format!("-Wl,--version-script={}", script.display()))
+                // The runtime finds the driver next to itself, as with an installed toolkit.
+                .arg("-Wl,-rpath,$ORIGIN")
                 .arg("-o")
                 .arg(dir.join(name))
                 .arg(fixture_source(source))
