@@ -130,8 +130,7 @@ pub fn fp_fixture(source: &str) -> PathBuf {
             "-O2",
             "-g",
             "-fno-omit-frame-pointer",
-            "-mno-omit-leaf-frame-pointer",
-            "-fno-optimize-sibling-calls",
+                    "-fno-optimize-sibling-calls",
         ],
     )
 }
