@@ -57,6 +57,38 @@ pub const CALL_DRV_GET_FUNCTION: u32 = 42;
 /// Runtime calls have ids below this; driver calls at or above it.
 pub const CALL_FIRST_DRIVER: u32 = 32;
 
+/// How long after a runtime call's entry a driver call of the same kind still counts as made by
+/// that runtime call. The real runtime calls the driver within microseconds; a runtime call that
+/// fails before reaching the driver leaves its mark for at most this long.
+pub const RUNTIME_TO_DRIVER_NS: u64 = 1_000_000;
+
+/// Whether a runtime call is probed at return too: synchronizations (time blocked) and
+/// `__cudaGetKernel` (its out-parameter). The others only leave a mark at entry that the driver
+/// call they make consumes ([`call_family`]), because a return probe costs more than the entry
+/// probe itself and hides the caller's frame from CPU samples taken inside the call.
+#[inline(always)]
+pub fn runtime_call_has_return_probe(call: u32) -> bool {
+    matches!(call, CALL_RT_SYNC | CALL_RT_GET_KERNEL | CALL_RT_OTHER)
+}
+
+/// The family of a counted call, shared by a runtime call and the driver call it makes (0: none).
+#[inline(always)]
+pub fn call_family(call: u32) -> u32 {
+    match call {
+        CALL_RT_LAUNCH
+        | CALL_RT_LAUNCH_EXC
+        | CALL_RT_LAUNCH_HANDLE
+        | CALL_DRV_LAUNCH
+        | CALL_DRV_LAUNCH_EX => 1,
+        CALL_RT_GRAPH_LAUNCH | CALL_DRV_GRAPH_LAUNCH => 2,
+        CALL_RT_MEMCPY | CALL_DRV_MEMCPY_HTOD | CALL_DRV_MEMCPY_DTOH | CALL_DRV_MEMCPY_DTOD
+        | CALL_DRV_MEMCPY => 3,
+        CALL_RT_MALLOC | CALL_DRV_ALLOC => 4,
+        CALL_RT_FREE | CALL_DRV_FREE => 5,
+        _ => 0,
+    }
+}
+
 /// `cudaMemcpyKind` values, also used for the driver's directions.
 pub const MEMCPY_HOST_TO_HOST: u32 = 0;
 pub const MEMCPY_HOST_TO_DEVICE: u32 = 1;
@@ -144,9 +176,14 @@ pub struct CudaThread {
     pub runtime_depth: u32,
     /// Synchronization calls in progress (CPU samples meanwhile are waits for the GPU).
     pub sync_depth: u32,
+    /// The last runtime call probed at entry only: when it began and its [`call_family`]
+    /// (0: none pending). The driver call it makes clears it.
+    pub runtime_call_ns: u64,
+    pub runtime_call_family: u32,
+    pub _pad: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<CudaThread>() == 64);
+const _: () = assert!(core::mem::size_of::<CudaThread>() == 80);
 
 /// Settings written by the agent into the single-entry `CUDA_CONFIG` array.
 #[repr(C)]

@@ -8,8 +8,12 @@
 //! the registers already are the caller's. The walks are the sampler's own
 //! (`user_stack::collect`, `python::collect`), run in their own scratch slot.
 //!
-//! A runtime call that calls the driver is counted once: runtime entries raise a per-thread
-//! depth that their return lowers, and driver calls made meanwhile are only counted as nested.
+//! A runtime call that calls the driver is counted once. Synchronizations and `__cudaGetKernel`
+//! are probed at return too: their entries raise a per-thread depth that their return lowers, and
+//! driver calls made meanwhile are only counted as nested. The other runtime calls (launches,
+//! copies, allocations) are probed at entry only, because a return probe costs more than the
+//! entry probe: they leave a mark of their family, which the driver call of the same family that
+//! follows within `RUNTIME_TO_DRIVER_NS` consumes as nested.
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_NO_WAKEUP, pt_regs},
@@ -30,9 +34,10 @@ use profiler_common::{
     CUDA_EVENT_HEADER_BYTES, CUDA_EVENT_NAME, CUDA_EVENT_RATE_LIMITED, CUDA_EVENTS_RING_BYTES,
     CudaConfig, CudaEventHeader, CudaNameRecord, CudaThread, MAX_CUDA_THREADS, MAX_PYTHON_FRAMES,
     MEMCPY_DEFAULT, MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE,
-    PyFrameRecord, RAW_SAMPLE_FIXED_BYTES, STAT_CUDA_EVENTS, STAT_CUDA_EVENTS_LOST,
-    STAT_CUDA_NAMES, STAT_CUDA_NESTED, STAT_CUDA_STACKS, STAT_CUDA_STACKS_RATE_LIMITED,
-    STAT_CUDA_UNMATCHED_RETURNS, SamplerConfig,
+    PyFrameRecord, RAW_SAMPLE_FIXED_BYTES, RUNTIME_TO_DRIVER_NS, STAT_CUDA_EVENTS,
+    STAT_CUDA_EVENTS_LOST, STAT_CUDA_NAMES, STAT_CUDA_NESTED, STAT_CUDA_STACKS,
+    STAT_CUDA_STACKS_RATE_LIMITED, STAT_CUDA_UNMATCHED_RETURNS, SamplerConfig, call_family,
+    runtime_call_has_return_probe,
 };
 
 use crate::{
@@ -252,9 +257,23 @@ pub fn cuda_entry(ctx: ProbeContext) -> u32 {
         )
     };
     unsafe {
+        let family = call_family(call);
         if call < CALL_FIRST_DRIVER {
-            (*thread).runtime_depth += 1;
-        } else if (*thread).runtime_depth > 0 {
+            if runtime_call_has_return_probe(call) {
+                (*thread).runtime_depth += 1;
+            } else {
+                (*thread).runtime_call_family = family;
+                (*thread).runtime_call_ns = bpf_ktime_get_ns();
+            }
+        } else if (*thread).runtime_depth > 0
+            || (family != 0
+                && (*thread).runtime_call_family == family
+                && bpf_ktime_get_ns().wrapping_sub((*thread).runtime_call_ns)
+                    < RUNTIME_TO_DRIVER_NS)
+        {
+            if family != 0 && (*thread).runtime_call_family == family {
+                (*thread).runtime_call_family = 0;
+            }
             // The runtime's own driver call: names still count, events do not.
             if call == CALL_DRV_GET_FUNCTION {
                 (*thread).drv_out = rdi;

@@ -130,7 +130,7 @@ pub fn fp_fixture(source: &str) -> PathBuf {
             "-O2",
             "-g",
             "-fno-omit-frame-pointer",
-                    "-fno-optimize-sibling-calls",
+            "-fno-optimize-sibling-calls",
         ],
     )
 }

@@ -98,10 +98,16 @@ const MARKER_SYMBOLS: &[&str] = &["cudaLaunchKernel", "__cudaLaunchKernel", "cuL
 /// How often `/proc` is scanned for new CUDA libraries.
 pub const SCAN_INTERVAL: Duration = Duration::from_secs(2);
 
-/// Whether a call needs its return probed: runtime calls (to mark "inside the runtime"),
-/// synchronizations (time blocked) and the calls whose out-parameter names a handle.
+/// Whether a call needs its return probed: synchronizations (time blocked), the calls whose
+/// out-parameter names a handle, and runtime calls that mark "inside the runtime" for their
+/// whole duration (the others mark only the driver call they make, see
+/// [`profiler_common::gpu::runtime_call_has_return_probe`]).
 pub fn needs_return_probe(call: u32) -> bool {
-    call < CALL_FIRST_DRIVER || call == CALL_DRV_SYNC || call == CALL_DRV_GET_FUNCTION
+    if call < CALL_FIRST_DRIVER {
+        profiler_common::gpu::runtime_call_has_return_probe(call)
+    } else {
+        call == CALL_DRV_SYNC || call == CALL_DRV_GET_FUNCTION
+    }
 }
 
 /// One place to probe in a file.
