@@ -149,8 +149,8 @@ pub fn render(r: &GpuResults) -> String {
     format!(
         "\n## GPU: CUDA probe cost\n\n\
          Stand-in runtime (tests/fixtures/gpu), `cudaLaunchKernel` → driver `cuLaunchKernel` through a \
-         cuGetProcAddress pointer: four probes fire per call (runtime entry and return, driver \
-         entry, which the runtime depth suppresses).\n\n\
+         cuGetProcAddress pointer: two entry probes fire per call (the runtime's, which reports the \
+         launch and leaves a mark, and the driver's, which the mark turns into a nested call).\n\n\
          | measurement | value |\n|---|---|\n\
          | launch, no probes | {:.0} ns/call |\n\
          | launch, probes attached (default stack budget: counted, stack-less) | {:.0} ns/call |\n\
