@@ -1,7 +1,9 @@
 //! Turning what clients send (pprof, folded stacks) into [`NewProfile`]s: decompression with a
 //! size guard, pprof validation as Pyroscope does it (docs/pyroscope.md §1.5.2), one profile per
 //! sample type and per distinct set of pprof sample string labels.
-use std::{collections::HashMap, io::Read};
+use std::io::Read;
+
+use foldhash::{HashMap, HashMapExt};
 
 use prost::Message;
 

@@ -21,7 +21,6 @@ pub mod selector;
 pub mod sink;
 
 use std::{
-    collections::HashMap,
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, RwLock,
@@ -30,6 +29,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use foldhash::{HashMap, HashMapExt};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
 /// Default directory of the embedded store.
@@ -164,7 +164,14 @@ struct Space {
     /// (parent, name id) per node; node 0 is the root.
     nodes: Vec<(u32, u32)>,
     index: HashMap<(u32, u32), u32>,
+    /// Whole stacks (name ids, root first) → their leaf node: an agent sends mostly the same
+    /// stacks every interval, so one lookup per stack replaces one per frame. Only a shortcut:
+    /// cleared when it reaches [`MAX_CACHED_STACKS`] and whenever nodes are undone.
+    leaf_by_stack: HashMap<Box<[u32]>, u32>,
 }
+
+/// Stacks remembered per space (about 150 bytes each).
+const MAX_CACHED_STACKS: usize = 20_000;
 
 impl Space {
     fn new(profile_type: String, service_name: String) -> Space {
@@ -173,6 +180,7 @@ impl Space {
             service_name,
             nodes: vec![(u32::MAX, 0)],
             index: HashMap::new(),
+            leaf_by_stack: HashMap::new(),
         }
     }
 }
@@ -430,6 +438,7 @@ impl Store {
                     space.index.remove(&node);
                 }
                 space.nodes.truncate(before);
+                space.leaf_by_stack.clear();
             }
         }
         for id in &additions.spaces {
@@ -758,25 +767,38 @@ fn encode_profile(
         additions.nodes.push((space_id, space.nodes.len()));
     }
     let mut values: HashMap<u32, i64> = HashMap::with_capacity(profile.stacks.len());
+    let mut stack: Vec<u32> = Vec::new();
     for (path, value) in &profile.stacks {
         if *value == 0 {
             continue;
         }
-        let mut node = 0u32;
-        for &local in path {
-            let Some(&name) = name_ids.get(local as usize) else {
-                continue;
-            };
-            node = match space.index.get(&(node, name)) {
-                Some(&child) => child,
-                None => {
-                    let child = space.nodes.len() as u32;
-                    space.nodes.push((node, name));
-                    space.index.insert((node, name), child);
-                    child
+        stack.clear();
+        stack.extend(
+            path.iter()
+                .filter_map(|&local| name_ids.get(local as usize).copied()),
+        );
+        let node = match space.leaf_by_stack.get(stack.as_slice()) {
+            Some(&leaf) => leaf,
+            None => {
+                let mut node = 0u32;
+                for &name in &stack {
+                    node = match space.index.get(&(node, name)) {
+                        Some(&child) => child,
+                        None => {
+                            let child = space.nodes.len() as u32;
+                            space.nodes.push((node, name));
+                            space.index.insert((node, name), child);
+                            child
+                        }
+                    };
                 }
-            };
-        }
+                if space.leaf_by_stack.len() >= MAX_CACHED_STACKS {
+                    space.leaf_by_stack.clear();
+                }
+                space.leaf_by_stack.insert(stack.as_slice().into(), node);
+                node
+            }
+        };
         // Saturating: values come from clients and may be extreme.
         let sum = values.entry(node).or_default();
         *sum = sum.saturating_add(*value);

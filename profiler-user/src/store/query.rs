@@ -1,5 +1,7 @@
 //! Reading the store: merged call trees, time series of totals, label names and values.
-use std::{collections::HashMap, sync::Arc};
+use std::sync::Arc;
+
+use foldhash::{HashMap, HashMapExt};
 
 use super::{SeriesInfo, Store, StoreError, codec, selector::Selector};
 
