@@ -302,14 +302,7 @@ impl Pipeline {
                         .map_or_else(|| Arc::from("unknown"), |p| p.comm.clone()),
                     kernel_ips: Vec::new(),
                     user_ips: Vec::new(),
-                    kernel_truncated: false,
-                    user_truncated: false,
-                    user_stack_error: false,
-                    user_unknown_mapping: false,
-                    user_table_missing: false,
-                    python_frames: Vec::new(),
-                    python_truncated: false,
-                    in_cuda_sync: false,
+                    ..Default::default()
                 };
                 (
                     vec![self.synthetic(STACK_NOT_SAMPLED_FRAME)],

@@ -8,11 +8,11 @@
 use std::{fmt, fs::File, path::PathBuf, sync::Arc};
 
 /// A process id (thread-group id).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Pid(pub u32);
 
 /// A thread id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tid(pub u32);
 
 impl fmt::Display for Pid {
@@ -22,7 +22,7 @@ impl fmt::Display for Pid {
 }
 
 /// A decoded CPU sample.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Sample {
     /// CLOCK_MONOTONIC nanoseconds.
     pub ktime_ns: u64,

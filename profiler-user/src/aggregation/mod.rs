@@ -349,14 +349,7 @@ mod tests {
             comm: thread.into(),
             kernel_ips: vec![],
             user_ips: vec![],
-            kernel_truncated: false,
-            user_truncated: false,
-            user_stack_error: false,
-            user_unknown_mapping: false,
-            user_table_missing: false,
-            python_frames: Vec::new(),
-            python_truncated: false,
-            in_cuda_sync: false,
+            ..Default::default()
         }
     }
 

@@ -187,14 +187,7 @@ mod tests {
             comm: "app".into(),
             kernel_ips: kernel,
             user_ips: user,
-            kernel_truncated: false,
-            user_truncated: false,
-            user_stack_error: false,
-            user_unknown_mapping: false,
-            user_table_missing: false,
-            python_frames: Vec::new(),
-            python_truncated: false,
-            in_cuda_sync: false,
+            ..Default::default()
         }
     }
 

@@ -586,16 +586,8 @@ mod tests {
             tid: Tid(pid.0),
             cpu: 0,
             comm: Arc::from("python"),
-            kernel_ips: Vec::new(),
-            user_ips: Vec::new(),
-            kernel_truncated: false,
-            user_truncated: false,
-            user_stack_error: false,
-            user_unknown_mapping: false,
-            user_table_missing: false,
             python_frames: python,
-            python_truncated: false,
-            in_cuda_sync: false,
+            ..Default::default()
         }
     }
 
