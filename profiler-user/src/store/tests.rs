@@ -286,13 +286,8 @@ fn concurrent_ingest_and_queries() {
 const CRASH_DIR_ENV: &str = "PROFILER_STORE_CRASH_TEST_DIR";
 
 /// The child side of the crash test: ingests forever, printing each acknowledged sequence number.
-#[test]
-#[ignore = "run by acknowledged_profiles_survive_sigkill"]
-fn crash_child_ingest_loop() {
-    let Some(dir) = std::env::var_os(CRASH_DIR_ENV) else {
-        return;
-    };
-    let store = open(Path::new(&dir));
+fn crash_child_ingest_loop(dir: &Path) -> ! {
+    let store = open(dir);
     let stacks: Vec<(String, i64)> = (0..300)
         .map(|i| (format!("main;f{};g{i}", i % 17), 10))
         .collect();
@@ -308,18 +303,22 @@ fn crash_child_ingest_loop() {
         writeln!(out, "acked {seq}").unwrap();
         out.flush().unwrap();
     }
+    unreachable!("the ingest loop only ends when the parent kills it")
 }
 
 #[test]
 fn acknowledged_profiles_survive_sigkill() {
+    // The same test binary, re-run with the directory set, is the child that gets killed.
+    if let Some(dir) = std::env::var_os(CRASH_DIR_ENV) {
+        crash_child_ingest_loop(Path::new(&dir));
+    }
     let dir = tempfile::tempdir().unwrap();
     let mut acknowledged = -1i64;
     for round in 0..3 {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "store::tests::crash_child_ingest_loop",
-                "--ignored",
+                "store::tests::acknowledged_profiles_survive_sigkill",
                 "--nocapture",
                 "--test-threads=1",
             ])
