@@ -66,10 +66,10 @@ pub struct SampleHeader {
 
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == 48);
 
-/// A complete sample record. Kernel frames are innermost first, as are user and Python frames.
+/// The sample as the eBPF program builds it in its per-CPU scratch memory. Kernel frames are
+/// innermost first, as are user and Python frames.
 ///
-/// The ring buffer carries only the used part of `python`: a record is
-/// [`RAW_SAMPLE_FIXED_BYTES`] plus 16 bytes per Python frame.
+/// Only the used slots go into the ring buffer; see [`sample_record_bytes`] for the record.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RawSample {
@@ -79,12 +79,24 @@ pub struct RawSample {
     pub python: [PyFrameRecord; MAX_PYTHON_FRAMES],
 }
 
-pub const RAW_SAMPLE_BYTES: usize = core::mem::size_of::<RawSample>();
-/// Bytes of a record before its Python frames.
-pub const RAW_SAMPLE_FIXED_BYTES: usize = 48 + 8 * (MAX_KERNEL_FRAMES + MAX_USER_FRAMES);
-const _: () = assert!(RAW_SAMPLE_BYTES == RAW_SAMPLE_FIXED_BYTES + 16 * MAX_PYTHON_FRAMES);
-const _: () = assert!(core::mem::offset_of!(RawSample, python) == RAW_SAMPLE_FIXED_BYTES);
+pub const SAMPLE_HEADER_BYTES: usize = core::mem::size_of::<SampleHeader>();
 const _: () = assert!(core::mem::align_of::<RawSample>() == 8);
+const _: () = assert!(core::mem::offset_of!(RawSample, kernel_ips) == SAMPLE_HEADER_BYTES);
+
+/// Bytes of the ring-buffer record of a sample with these frame counts.
+///
+/// The record is the header, then `user_frames` user addresses, then `kernel_frames` kernel
+/// addresses (8 bytes each), then `python_frames` [`PyFrameRecord`]s: only what was collected,
+/// since at 100 Hz every byte copied is a cold cache line in the sampling interrupt.
+pub const fn sample_record_bytes(
+    kernel_frames: usize,
+    user_frames: usize,
+    python_frames: usize,
+) -> usize {
+    SAMPLE_HEADER_BYTES
+        + 8 * (user_frames + kernel_frames)
+        + core::mem::size_of::<PyFrameRecord>() * python_frames
+}
 
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for SampleHeader {}

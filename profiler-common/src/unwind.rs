@@ -110,6 +110,11 @@ pub const MAPPING_HAS_TABLE: u32 = 1 << 0;
 /// pointers.
 pub const MAPPING_FRAME_POINTERS: u32 = 1 << 1;
 
+/// Every function of the mapped file keeps a standard frame-pointer frame wherever it calls
+/// (see the agent's `UnwindTable::frame_pointers_reliable`): return addresses in it are unwound
+/// from RBP without a row lookup. Only set together with `MAPPING_HAS_TABLE`.
+pub const MAPPING_RELIABLE_FRAME_POINTERS: u32 = 1 << 2;
+
 /// Value of the `PROCESS_MAPPINGS` LPM trie.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -32,17 +32,16 @@ use profiler_common::{
     CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC,
     CALL_RT_LAUNCH_HANDLE, CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC, CUDA_EVENT_HAS_STACK,
     CUDA_EVENT_HEADER_BYTES, CUDA_EVENT_NAME, CUDA_EVENT_RATE_LIMITED, CUDA_EVENTS_RING_BYTES,
-    CudaConfig, CudaEventHeader, CudaNameRecord, CudaThread, MAX_CUDA_THREADS, MAX_PYTHON_FRAMES,
-    MEMCPY_DEFAULT, MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE,
-    PyFrameRecord, RAW_SAMPLE_FIXED_BYTES, RUNTIME_TO_DRIVER_NS, STAT_CUDA_EVENTS,
-    STAT_CUDA_EVENTS_LOST, STAT_CUDA_NAMES, STAT_CUDA_NESTED, STAT_CUDA_STACKS,
+    CudaConfig, CudaEventHeader, CudaNameRecord, CudaThread, MAX_CUDA_THREADS, MEMCPY_DEFAULT,
+    MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, RUNTIME_TO_DRIVER_NS,
+    STAT_CUDA_EVENTS, STAT_CUDA_EVENTS_LOST, STAT_CUDA_NAMES, STAT_CUDA_NESTED, STAT_CUDA_STACKS,
     STAT_CUDA_STACKS_RATE_LIMITED, STAT_CUDA_UNMATCHED_RETURNS, SamplerConfig, call_family,
     runtime_call_has_return_probe,
 };
 
 use crate::{
     python,
-    sampler::{CONFIG, PID_FILTER, SCRATCH_SAMPLE, SLOT_CUDA, count},
+    sampler::{CONFIG, PID_FILTER, SCRATCH_SAMPLE, SLOT_CUDA, count, output_sample},
     user_stack::{self, Registers},
 };
 
@@ -166,7 +165,7 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
             call: event.call,
             flags,
         };
-        let length = if with_stack {
+        let sent = if with_stack {
             let sample = &raw mut (*record).sample;
             (*sample).header.ktime_ns = now;
             (*sample).header.pid = pid;
@@ -180,20 +179,18 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
             let fsbase_offset = CONFIG.get(0).map_or(0, |c| c.task_fsbase_offset);
             user_stack::collect(SLOT_CUDA, pid, caller, false, sample);
             python::collect(SLOT_CUDA, pid, tid, fsbase_offset, sample);
-            let python_frames =
-                (core::ptr::read_volatile(&raw const (*sample).header.python_frames) as usize)
-                    .min(MAX_PYTHON_FRAMES);
-            CUDA_EVENT_HEADER_BYTES
-                + RAW_SAMPLE_FIXED_BYTES
-                + python_frames * size_of::<PyFrameRecord>()
+            output_sample(
+                &CUDA_EVENTS,
+                &raw const (*record).cuda,
+                CUDA_EVENT_HEADER_BYTES as u32,
+                sample,
+            )
         } else {
-            CUDA_EVENT_HEADER_BYTES
+            CUDA_EVENTS
+                .output::<CudaEventHeader>(&(*record).cuda, BPF_RB_NO_WAKEUP as u64)
+                .is_ok()
         };
-        let bytes = core::slice::from_raw_parts(record.cast::<u8>(), length);
-        if CUDA_EVENTS
-            .output::<[u8]>(bytes, BPF_RB_NO_WAKEUP as u64)
-            .is_err()
-        {
+        if !sent {
             count(STAT_CUDA_EVENTS_LOST);
         }
     }

@@ -1,9 +1,14 @@
+use core::{ffi::c_void, mem::MaybeUninit, ptr};
+
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, bpf_perf_event_data},
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, bpf_dynptr, bpf_perf_event_data},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
-        generated::bpf_get_stack,
+        generated::{
+            bpf_dynptr_write, bpf_get_stack, bpf_ringbuf_discard_dynptr,
+            bpf_ringbuf_reserve_dynptr, bpf_ringbuf_submit_dynptr,
+        },
     },
     macros::{map, perf_event, raw_tracepoint},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -11,11 +16,12 @@ use aya_ebpf::{
 };
 use profiler_common::{
     EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS,
-    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, ProcessEvent, PyFrameRecord, RAW_SAMPLE_FIXED_BYTES,
-    RawSample, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
+    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, ProcessEvent, PyFrameRecord, RawSample,
+    SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
     SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
     STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
     STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord,
+    StatCounters,
 };
 
 use crate::{cuda, python, user_stack};
@@ -26,8 +32,9 @@ static SAMPLES: RingBuf = RingBuf::with_byte_size(SAMPLES_RING_BYTES, 0);
 #[map(name = "EVENTS")]
 static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_RING_BYTES, 0);
 
+/// One value per CPU holding every counter (see `StatCounters`).
 #[map(name = "STATS")]
-static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
+static STATS: PerCpuArray<StatCounters> = PerCpuArray::with_max_entries(1, 0);
 
 #[map(name = "PID_FILTER")]
 pub(crate) static PID_FILTER: HashMap<u32, u8> = HashMap::with_max_entries(MAX_FILTERED_PIDS, 0);
@@ -57,9 +64,86 @@ pub(crate) fn scratch_sample(slot: u32) -> Option<*mut RawSample> {
 
 #[inline(always)]
 pub(crate) fn count(stat: u32) {
-    if let Some(slot) = STATS.get_ptr_mut(stat) {
-        // Per-CPU slot and perf-event programs do not nest on one CPU: a plain add is safe.
-        unsafe { *slot += 1 };
+    count_by(stat, 1);
+}
+
+#[inline(always)]
+pub(crate) fn count_by(stat: u32, amount: u64) {
+    if stat >= STAT_COUNT {
+        return;
+    }
+    if let Some(stats) = STATS.get_ptr_mut(0) {
+        // Per-CPU value, and perf-event programs do not nest on one CPU: a plain add is safe
+        // there (a uprobe's count interrupted by a sample may lose one increment).
+        unsafe { (*stats).counters[stat as usize] += amount };
+    }
+}
+
+/// Sends `prefix` (`prefix_len` bytes, may be 0) followed by the used part of `sample` as one
+/// record: header, user frames, kernel frames, Python frames (`profiler_common::sample`).
+/// Returns false when the ring buffer had no room.
+///
+/// # Safety
+/// `prefix` must point to `prefix_len` readable bytes of a map value and `sample` to a scratch
+/// sample whose frame counts were set by this program.
+#[inline(always)]
+pub(crate) unsafe fn output_sample<T>(
+    ring: &RingBuf,
+    prefix: *const T,
+    prefix_len: u32,
+    sample: *const RawSample,
+) -> bool {
+    unsafe {
+        // Clamped, so the verifier sees every copy stay within its array.
+        let mut user = ptr::read_volatile(&raw const (*sample).header.user_frames) as u32;
+        if user > MAX_USER_FRAMES as u32 {
+            user = MAX_USER_FRAMES as u32;
+        }
+        let mut kernel = ptr::read_volatile(&raw const (*sample).header.kernel_frames) as u32;
+        if kernel > MAX_KERNEL_FRAMES as u32 {
+            kernel = MAX_KERNEL_FRAMES as u32;
+        }
+        let mut python = ptr::read_volatile(&raw const (*sample).header.python_frames) as u32;
+        if python > MAX_PYTHON_FRAMES as u32 {
+            python = MAX_PYTHON_FRAMES as u32;
+        }
+        let user_bytes = user * 8;
+        let kernel_bytes = kernel * 8;
+        let python_bytes = python * size_of::<PyFrameRecord>() as u32;
+        let size =
+            prefix_len + SAMPLE_HEADER_BYTES as u32 + user_bytes + kernel_bytes + python_bytes;
+
+        let mut record = MaybeUninit::<bpf_dynptr>::uninit();
+        let record = record.as_mut_ptr();
+        // A ring buffer map's address is what the helpers take as the map.
+        let map = (ring as *const RingBuf).cast_mut().cast::<c_void>();
+        if bpf_ringbuf_reserve_dynptr(map, size, 0, record) != 0 {
+            // The verifier insists on releasing even a failed reservation.
+            bpf_ringbuf_discard_dynptr(record, 0);
+            return false;
+        }
+        let mut offset = 0;
+        if prefix_len > 0 {
+            bpf_dynptr_write(record, 0, prefix.cast_mut().cast(), prefix_len, 0);
+            offset = prefix_len;
+        }
+        let parts: [(*const u8, u32); 4] = [
+            (
+                (&raw const (*sample).header).cast(),
+                SAMPLE_HEADER_BYTES as u32,
+            ),
+            ((&raw const (*sample).user_ips).cast(), user_bytes),
+            ((&raw const (*sample).kernel_ips).cast(), kernel_bytes),
+            ((&raw const (*sample).python).cast(), python_bytes),
+        ];
+        for (source, length) in parts {
+            bpf_dynptr_write(record, offset, source.cast_mut().cast(), length, 0);
+            offset += length;
+        }
+        // No wakeup per sample: the agent drains the buffer on a timer, which costs it a few
+        // wakeups a second instead of one per sample.
+        bpf_ringbuf_submit_dynptr(record, BPF_RB_NO_WAKEUP as u64);
+        true
     }
 }
 
@@ -104,26 +188,25 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             flags |= SAMPLE_IN_CUDA_SYNC;
         }
 
-        let kernel_bytes = bpf_get_stack(
-            ctx.as_ptr(),
-            (*sample).kernel_ips.as_mut_ptr().cast(),
-            (MAX_KERNEL_FRAMES * 8) as u32,
-            0,
-        );
-        header.kernel_frames = if kernel_bytes > 0 {
-            (kernel_bytes / 8) as u16
-        } else {
-            0
-        };
-        if kernel_bytes < 0 {
-            // A sample taken in user mode has no kernel stack (-EFAULT): that is not an error.
-            if !in_user_mode {
+        // A sample taken in user mode has no kernel stack: skip the helper's callchain set-up.
+        header.kernel_frames = 0;
+        if !in_user_mode {
+            let kernel_bytes = bpf_get_stack(
+                ctx.as_ptr(),
+                (*sample).kernel_ips.as_mut_ptr().cast(),
+                (MAX_KERNEL_FRAMES * 8) as u32,
+                0,
+            );
+            if kernel_bytes < 0 {
                 flags |= SAMPLE_KERNEL_STACK_ERROR;
                 count(STAT_KERNEL_STACK_ERROR);
+            } else {
+                header.kernel_frames = (kernel_bytes / 8) as u16;
+                if header.kernel_frames as usize == MAX_KERNEL_FRAMES {
+                    flags |= SAMPLE_KERNEL_TRUNCATED;
+                    count(STAT_KERNEL_TRUNCATED);
+                }
             }
-        } else if header.kernel_frames as usize == MAX_KERNEL_FRAMES {
-            flags |= SAMPLE_KERNEL_TRUNCATED;
-            count(STAT_KERNEL_TRUNCATED);
         }
         header.flags = flags;
 
@@ -139,25 +222,17 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         user_stack::collect(SLOT_SAMPLER, tgid, regs, true, sample);
         python::collect(SLOT_SAMPLER, tgid, tid, config.task_fsbase_offset, sample);
 
-        // Only the used Python slots are sent.
-        let python_frames = ((*sample).header.python_frames as usize).min(MAX_PYTHON_FRAMES);
-        let record = core::slice::from_raw_parts(
-            sample.cast::<u8>(),
-            RAW_SAMPLE_FIXED_BYTES + python_frames * size_of::<PyFrameRecord>(),
-        );
-        // No wakeup per sample: the agent drains the buffer on a timer, which costs it a few
-        // wakeups a second instead of one per sample.
-        if SAMPLES
-            .output::<[u8]>(record, BPF_RB_NO_WAKEUP as u64)
-            .is_err()
-        {
+        if !output_sample(&SAMPLES, ptr::null::<u8>(), 0, sample) {
             count(STAT_RINGBUF_FULL);
             return 0;
         }
     }
     count(STAT_SAMPLES_SENT);
-    if let Some(slot) = STATS.get_ptr_mut(STAT_RINGBUF_PENDING_BYTES) {
-        unsafe { *slot = SAMPLES.query(BPF_RB_AVAIL_DATA as u64) };
+    if let Some(stats) = STATS.get_ptr_mut(0) {
+        unsafe {
+            (*stats).counters[STAT_RINGBUF_PENDING_BYTES as usize] =
+                SAMPLES.query(BPF_RB_AVAIL_DATA as u64)
+        };
     }
     0
 }

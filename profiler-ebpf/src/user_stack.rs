@@ -21,20 +21,20 @@ use profiler_common::{
     SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
     SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, STAT_UNWIND_BAD_FRAME,
     STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT, STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI,
-    STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAMES,
-    STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES, STAT_UNWIND_READ_ERROR,
-    STAT_UNWIND_SIGNAL_FRAMES,
+    STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAME_POINTER_CODE,
+    STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES,
+    STAT_UNWIND_READ_ERROR, STAT_UNWIND_SIGNAL_FRAMES,
     unwind::{
-        CFA_END, CFA_PLT, CFA_RBP, CFA_RSP, CFA_SIGNAL, MAPPING_HAS_TABLE, MappingKey,
-        MappingValue, PAGE_SHIFT, PageEntry, PageKey, RBP_AT_CFA, ROWS_PER_CHUNK, RowChunk,
-        RowSource, SIGNAL_GREG_RBP, SIGNAL_GREG_RIP, SIGNAL_GREG_RSP, SIGNAL_MCONTEXT_OFFSET,
-        UnwindRow, cfa, find_row,
+        CFA_END, CFA_PLT, CFA_RBP, CFA_RSP, CFA_SIGNAL, MAPPING_HAS_TABLE,
+        MAPPING_RELIABLE_FRAME_POINTERS, MappingKey, MappingValue, PAGE_SHIFT, PageEntry, PageKey,
+        RBP_AT_CFA, ROWS_PER_CHUNK, RowChunk, RowSource, SIGNAL_GREG_RBP, SIGNAL_GREG_RIP,
+        SIGNAL_GREG_RSP, SIGNAL_MCONTEXT_OFFSET, UnwindRow, cfa, find_row,
     },
 };
 
 pub use profiler_common::unwind::Registers;
 
-use crate::sampler::{SCRATCH_SLOTS, count, scratch_sample};
+use crate::sampler::{SCRATCH_SLOTS, count, count_by, scratch_sample};
 
 #[map(name = "UNWIND_ROWS")]
 static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(DEFAULT_ROW_CHUNKS, 0);
@@ -57,7 +57,8 @@ pub struct UnwindState {
     /// a signal frame) rather than a return address.
     exact_pc: u32,
     done: u32,
-    _pad: u32,
+    /// Frames taken from RBP in files with reliable frame pointers (see `collect`).
+    frame_pointer_frames: u32,
     /// The last mapping found, so frames in the same file skip the trie.
     mapping: MappingValue,
     /// The last page found, so frames in the same 64 KiB of code skip the hash lookup.
@@ -136,6 +137,7 @@ pub fn collect(
         (*state).flags = 0;
         (*state).exact_pc = u32::from(exact_pc);
         (*state).done = 0;
+        (*state).frame_pointer_frames = 0;
         (*state).mapping = MappingValue::default();
         (*state).page_key = PageKey::default();
         bpf_loop(
@@ -148,7 +150,13 @@ pub fn collect(
             (*state).flags |= SAMPLE_USER_TRUNCATED;
             count(STAT_UNWIND_DEPTH_LIMIT);
         }
-        (*sample).header.user_frames = ptr::read_volatile(&raw const (*state).frames) as u16;
+        let frames = ptr::read_volatile(&raw const (*state).frames);
+        count_by(STAT_UNWIND_FRAMES, frames as u64);
+        count_by(
+            STAT_UNWIND_FRAME_POINTER_CODE,
+            ptr::read_volatile(&raw const (*state).frame_pointer_frames) as u64,
+        );
+        (*sample).header.user_frames = frames as u16;
         (*sample).header.flags |= ptr::read_volatile(&raw const (*state).flags);
     }
 }
@@ -189,14 +197,10 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     }
     sample.user_ips[(state.frames & FRAME_MASK) as usize] = regs.rip;
     state.frames += 1;
-    count(STAT_UNWIND_FRAMES);
 
     // A return address points after the call; the call itself belongs to the caller's rule.
-    let lookup_pc = if state.exact_pc != 0 {
-        regs.rip
-    } else {
-        regs.rip - 1
-    };
+    let exact_pc = state.exact_pc != 0;
+    let lookup_pc = if exact_pc { regs.rip } else { regs.rip - 1 };
     state.exact_pc = 0;
 
     let m = &state.mapping;
@@ -215,6 +219,12 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     if mapping.flags & MAPPING_HAS_TABLE == 0 {
         count(STAT_UNWIND_FP_NO_CFI);
         return frame_pointer_step(state);
+    }
+    // A return address in a file whose every call site has the standard frame: RBP gives the
+    // caller exactly as the table would, without the page and row lookups. The interrupted
+    // instruction itself may be in a prologue, so it still takes the table.
+    if !exact_pc && mapping.flags & MAPPING_RELIABLE_FRAME_POINTERS != 0 {
+        return frame_pointer_run(state, sample);
     }
     let file_pc = lookup_pc.wrapping_sub(mapping.load_bias);
     let page_key = PageKey {
@@ -284,6 +294,31 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     }
 }
 
+/// Return addresses in a file with reliable frame pointers: follows the RBP chain for as long
+/// as it stays in that file (up to `FRAME_POINTER_RUN` frames), in one `bpf_loop` iteration.
+/// The frame at `state.regs` is already recorded.
+#[inline(always)]
+fn frame_pointer_run(state: &mut UnwindState, sample: &mut RawSample) -> i64 {
+    let (start, end) = (state.mapping.start, state.mapping.end);
+    let mut result = frame_chain_step(state);
+    state.frame_pointer_frames += 1;
+    for _ in 1..FRAME_POINTER_RUN {
+        let rip = state.regs.rip;
+        let pc = rip.wrapping_sub(1);
+        if result != 0 || !(start <= pc && pc < end) || state.frames >= MAX_USER_FRAMES as u32 {
+            break;
+        }
+        sample.user_ips[(state.frames & FRAME_MASK) as usize] = rip;
+        state.frames += 1;
+        state.frame_pointer_frames += 1;
+        result = frame_chain_step(state);
+    }
+    result
+}
+
+/// Frames one `frame_pointer_run` walks at most: bounds the verifier's work per iteration.
+const FRAME_POINTER_RUN: u32 = 8;
+
 /// Moves to the caller, refusing frames that do not move up the stack.
 #[inline(always)]
 fn advance(state: &mut UnwindState, caller: Registers) -> i64 {
@@ -297,14 +332,25 @@ fn advance(state: &mut UnwindState, caller: Registers) -> i64 {
     0
 }
 
-/// The classic walk: the saved RBP and return address sit at RBP and RBP + 8.
+/// The frame-pointer fallback for code the tables do not cover: flagged on the sample, since
+/// such a walk may skip frames.
 #[inline(always)]
 fn frame_pointer_step(state: &mut UnwindState) -> i64 {
     state.flags |= SAMPLE_USER_FRAME_POINTERS;
-    let rbp = state.regs.rbp;
-    if rbp == 0 {
+    if state.regs.rbp == 0 {
         // The ABI's marker of the outermost frame (`_start` clears RBP).
         return stop(state, STAT_UNWIND_FP_END, 0);
+    }
+    frame_chain_step(state)
+}
+
+/// The classic walk: the saved RBP and return address sit at RBP and RBP + 8.
+#[inline(always)]
+fn frame_chain_step(state: &mut UnwindState) -> i64 {
+    let rbp = state.regs.rbp;
+    if rbp == 0 {
+        // In code with reliable frame pointers RBP is only 0 above `_start`, which clears it.
+        return stop(state, STAT_UNWIND_COMPLETE, 0);
     }
     let (Some(saved_rbp), Some(return_address)) = (read_user(rbp), read_user(rbp.wrapping_add(8)))
     else {

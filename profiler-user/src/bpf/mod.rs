@@ -24,7 +24,8 @@ use aya::{
 };
 use profiler_common::{
     CudaConfig, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent,
-    PyProcInfo, STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, names,
+    PyProcInfo, STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters,
+    names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -281,7 +282,7 @@ fn btf_path() -> PathBuf {
 pub struct Sampler {
     // Holds the programs and their perf-event links.
     ebpf: Ebpf,
-    stats: PerCpuArray<MapData, u64>,
+    stats: PerCpuArray<MapData, StatCounters>,
     pid_filter_entries: u32,
     attached_cpus: usize,
     frequency_hz: u64,
@@ -407,7 +408,7 @@ impl Sampler {
                 message: error_chain(&err),
             })?;
         }
-        let stats: PerCpuArray<_, u64> = take_map(&mut ebpf, names::MAP_STATS)?;
+        let stats: PerCpuArray<_, StatCounters> = take_map(&mut ebpf, names::MAP_STATS)?;
         let ring: RingBuf<_> = take_map(&mut ebpf, names::MAP_SAMPLES)?;
         let events: RingBuf<_> = take_map(&mut ebpf, names::MAP_EVENTS)?;
         let unwind_maps = KernelUnwindMaps {
@@ -500,15 +501,17 @@ impl Sampler {
     /// Per-cause counters summed over CPUs (the ring-buffer gauge is the maximum instead).
     pub fn stats(&self) -> BpfStats {
         let mut out = BpfStats::default();
-        for id in 0..STAT_COUNT {
-            let Ok(values) = self.stats.get(&id, 0) else {
-                continue;
-            };
-            out.counters[id as usize] = if id == STAT_RINGBUF_PENDING_BYTES {
-                values.iter().copied().max().unwrap_or(0)
-            } else {
-                values.iter().sum()
-            };
+        let Ok(per_cpu) = self.stats.get(&0, 0) else {
+            return out;
+        };
+        for cpu in per_cpu.iter() {
+            for (id, (total, &value)) in out.counters.iter_mut().zip(&cpu.counters).enumerate() {
+                if id == STAT_RINGBUF_PENDING_BYTES as usize {
+                    *total = (*total).max(value);
+                } else {
+                    *total += value;
+                }
+            }
         }
         out
     }

@@ -1,14 +1,12 @@
 //! Bytes from the ring buffer → [`Sample`], validated against the ABI in profiler-common.
 use std::sync::Arc;
 
-use std::mem::offset_of;
-
 use profiler_common::{
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, PY_FRAME_ENTRY,
-    PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, RAW_SAMPLE_FIXED_BYTES, RawSample,
-    SAMPLE_IN_CUDA_SYNC, SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED,
-    SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
-    SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
+    PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_ERROR,
+    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
+    sample_record_bytes,
 };
 
 use crate::model::{Pid, PythonFrameRef, Sample, Tid};
@@ -25,11 +23,13 @@ pub enum DecodeError {
     TooManyFrames { kernel: u16, user: u16, python: u16 },
 }
 
+/// Decodes one record: the header, then the user, kernel and Python frames it counts
+/// (`profiler_common::sample_record_bytes`).
 pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
-    if bytes.len() < RAW_SAMPLE_FIXED_BYTES {
+    if bytes.len() < SAMPLE_HEADER_BYTES {
         return Err(DecodeError::WrongSize {
             actual: bytes.len(),
-            expected: RAW_SAMPLE_FIXED_BYTES,
+            expected: SAMPLE_HEADER_BYTES,
         });
     }
     // SAFETY: length checked; the header is plain old data and read unaligned.
@@ -51,11 +51,11 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
             python: header.python_frames,
         });
     }
-    let python_bytes = python * size_of::<PyFrameRecord>();
-    if bytes.len() != RAW_SAMPLE_FIXED_BYTES + python_bytes {
+    let expected = sample_record_bytes(kernel, user, python);
+    if bytes.len() != expected {
         return Err(DecodeError::WrongSize {
             actual: bytes.len(),
-            expected: RAW_SAMPLE_FIXED_BYTES + python_bytes,
+            expected,
         });
     }
     let words = |offset: usize, count: usize| {
@@ -63,8 +63,9 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
             .chunks_exact(8)
             .map(|word| u64::from_ne_bytes(word.try_into().expect("8-byte chunk")))
     };
-    let kernel_offset = offset_of!(RawSample, kernel_ips);
-    let user_offset = offset_of!(RawSample, user_ips);
+    let user_offset = SAMPLE_HEADER_BYTES;
+    let kernel_offset = user_offset + user * 8;
+    let python_offset = kernel_offset + kernel * 8;
     let comm_len = header
         .comm
         .iter()
@@ -78,7 +79,7 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         comm: Arc::from(String::from_utf8_lossy(&header.comm[..comm_len]).as_ref()),
         kernel_ips: words(kernel_offset, kernel).collect(),
         user_ips: words(user_offset, user).take_while(|&ip| ip != 0).collect(),
-        python_frames: bytes[RAW_SAMPLE_FIXED_BYTES..]
+        python_frames: bytes[python_offset..]
             .chunks_exact(size_of::<PyFrameRecord>())
             .map(|record| {
                 // SAFETY: exactly one record's bytes; plain old data read unaligned.
@@ -106,12 +107,24 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
 mod tests {
     use super::*;
 
-    /// The bytes BPF sends: the fixed part and the used Python slots.
+    use profiler_common::RawSample;
+
+    fn bytes_of<T>(values: &[T]) -> &[u8] {
+        // SAFETY: the ABI types are repr(C) plain old data without padding.
+        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size_of_val(values)) }
+    }
+
+    /// The bytes BPF sends: the header, then the used user, kernel and Python slots.
     fn encode(raw: &RawSample) -> Vec<u8> {
-        let python = (raw.header.python_frames as usize).min(MAX_PYTHON_FRAMES);
-        let len = RAW_SAMPLE_FIXED_BYTES + python * size_of::<PyFrameRecord>();
-        // SAFETY: RawSample is repr(C) plain old data without padding.
-        unsafe { std::slice::from_raw_parts((raw as *const RawSample).cast::<u8>(), len) }.to_vec()
+        let h = &raw.header;
+        let user = (h.user_frames as usize).min(MAX_USER_FRAMES);
+        let kernel = (h.kernel_frames as usize).min(MAX_KERNEL_FRAMES);
+        let python = (h.python_frames as usize).min(MAX_PYTHON_FRAMES);
+        let mut bytes = bytes_of(std::slice::from_ref(h)).to_vec();
+        bytes.extend_from_slice(bytes_of(&raw.user_ips[..user]));
+        bytes.extend_from_slice(bytes_of(&raw.kernel_ips[..kernel]));
+        bytes.extend_from_slice(bytes_of(&raw.python[..python]));
+        bytes
     }
 
     fn raw_sample() -> RawSample {
@@ -199,6 +212,15 @@ mod tests {
             decode_sample(&encode(&raw)),
             Err(DecodeError::TooManyFrames { .. })
         ));
+        // A record whose length disagrees with its user frame count.
+        let mut raw = raw_sample();
+        raw.header.user_frames = 4;
+        let mut bytes = encode(&raw);
+        bytes.truncate(bytes.len() - 8);
+        assert!(matches!(
+            decode_sample(&bytes),
+            Err(DecodeError::WrongSize { .. })
+        ));
         // A record whose length disagrees with its Python frame count.
         let mut bytes = encode(&raw_sample());
         bytes.truncate(bytes.len() - 16);
@@ -215,10 +237,12 @@ mod tests {
             0,
             1,
             47,
-            RAW_SAMPLE_FIXED_BYTES - 1,
-            RAW_SAMPLE_FIXED_BYTES,
-            RAW_SAMPLE_FIXED_BYTES + 16,
-            RAW_SAMPLE_FIXED_BYTES + 8,
+            SAMPLE_HEADER_BYTES,
+            SAMPLE_HEADER_BYTES + 8,
+            SAMPLE_HEADER_BYTES + 16,
+            sample_record_bytes(2, 3, 2),
+            sample_record_bytes(2, 3, 2) + 8,
+            3000,
         ] {
             let bytes: Vec<u8> = (0..len)
                 .map(|_| {

@@ -18,13 +18,12 @@ mod python;
 #[cfg(test)]
 mod tests;
 
-use std::{
-    collections::{HashMap, HashSet},
-    path::PathBuf,
-    sync::Arc,
-};
+use std::{path::PathBuf, sync::Arc};
 
 use blazesym::symbolize as bz;
+// Every frame of every sample is looked up here: a fast hash matters more than DoS resistance
+// for keys that come from our own BPF program.
+use foldhash::{HashMap, HashMapExt, HashSet};
 use tracing::debug;
 
 use crate::{

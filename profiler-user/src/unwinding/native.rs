@@ -16,8 +16,8 @@ use std::{
 
 use object::{Object, ObjectSegment};
 use profiler_common::unwind::{
-    MAPPING_FRAME_POINTERS, MAPPING_HAS_TABLE, MappingKey, MappingValue, PageEntry, PageKey,
-    ROWS_PER_CHUNK, RowChunk, UnwindRow,
+    MAPPING_FRAME_POINTERS, MAPPING_HAS_TABLE, MAPPING_RELIABLE_FRAME_POINTERS, MappingKey,
+    MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk, UnwindRow,
 };
 
 use super::tables::{TableCache, UnwindTable, build_table};
@@ -111,6 +111,8 @@ struct TableSlot {
     id: u32,
     state: SlotState,
     segments: Segments,
+    /// The table says the file's frames can be walked with RBP alone.
+    reliable_frame_pointers: bool,
     last_used: u64,
     /// When the table was last placed or asked for: a table younger than the minimum
     /// residency is never evicted, so a budget too small for the working set degrades to
@@ -411,19 +413,20 @@ impl<M: UnwindMaps> NativeTables<M> {
             .as_ref()
             .map(|f| f.path.to_string())
             .unwrap_or_else(|| "[vdso]".into());
-        let (state, segments) = match result.table {
+        let (state, segments, reliable_frame_pointers) = match result.table {
             Ok((table, segments)) => {
                 if result.from_cache {
                     self.stats.tables_from_cache += 1;
                 } else {
                     self.stats.tables_built += 1;
                 }
-                (self.place(id, &table, &name), segments)
+                let reliable = table.frame_pointers_reliable();
+                (self.place(id, &table, &name), segments, reliable)
             }
             Err(message) => {
                 self.stats.tables_failed += 1;
                 tracing::info!(file = %name, "no unwind table, using frame pointers: {message}");
-                (SlotState::Unusable, Segments::default())
+                (SlotState::Unusable, Segments::default(), false)
             }
         };
         if let Some(slot) = self.slots.get_mut(&result.key) {
@@ -432,6 +435,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             slot.used_at = Instant::now();
             slot.state = state;
             slot.segments = segments;
+            slot.reliable_frame_pointers = reliable_frame_pointers;
         }
     }
 
@@ -502,7 +506,11 @@ impl<M: UnwindMaps> NativeTables<M> {
         (
             MappingValue {
                 table_id: slot.id,
-                flags: MAPPING_HAS_TABLE,
+                flags: if slot.reliable_frame_pointers {
+                    MAPPING_HAS_TABLE | MAPPING_RELIABLE_FRAME_POINTERS
+                } else {
+                    MAPPING_HAS_TABLE
+                },
                 load_bias,
                 ..frame_pointers
             },
@@ -544,6 +552,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                         id,
                         state: SlotState::Building,
                         segments: Segments::default(),
+                        reliable_frame_pointers: false,
                         last_used: tick,
                         used_at: Instant::now(),
                         retry_after: None,

@@ -312,6 +312,10 @@ impl Collected {
                     }
                     previous_start = row_start;
                     let rule = map_rule(row, return_address, in_plt, section, &mut self.stats);
+                    // The PLT never holds a return address, whatever its rules.
+                    if !in_plt && !rule.keeps_standard_frame() {
+                        self.stats.frame_breaking_rows += 1;
+                    }
                     self.push_row(row_start, rule)?;
                 }
             }

@@ -1,7 +1,7 @@
 //! Built tables on disk, keyed by build id (files without one are not cached).
 //!
-//! File format (little-endian), version 1:
-//! `magic "PFUNWTAB"` · `version u32` · `reserved u32 (0)` · 12 × `u64` stats ·
+//! File format (little-endian), version 2:
+//! `magic "PFUNWTAB"` · `version u32` · `reserved u32 (0)` · 13 × `u64` stats ·
 //! `row count u64` · rows (`address u64, cfa_kind u8, rbp_kind u8, cfa_offset i16,
 //! rbp_offset i16, 2 zero bytes`) · `FNV-1a 64 checksum u64` of everything before it.
 //!
@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::{CfiSource, MAX_ROWS, Rule, TableError, TableRow, TableStats, UnwindTable};
 
 const MAGIC: [u8; 8] = *b"PFUNWTAB";
-const FORMAT_VERSION: u32 = 1;
-const STATS_FIELDS: usize = 12;
+const FORMAT_VERSION: u32 = 2;
+const STATS_FIELDS: usize = 13;
 const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
 const ROW_BYTES: usize = 16;
 const CHECKSUM_BYTES: usize = 8;
@@ -131,6 +131,7 @@ fn stats_fields(stats: &TableStats) -> [u64; STATS_FIELDS] {
         stats.unsupported_cfa_registers,
         stats.offsets_out_of_range,
         stats.unsupported_rbp_rules,
+        stats.frame_breaking_rows,
     ]
 }
 
@@ -154,6 +155,7 @@ fn stats_from_fields(fields: [u64; STATS_FIELDS]) -> Result<TableStats, TableErr
         unsupported_cfa_registers: fields[9],
         offsets_out_of_range: fields[10],
         unsupported_rbp_rules: fields[11],
+        frame_breaking_rows: fields[12],
     })
 }
 

@@ -115,7 +115,7 @@ fn damaged_entries_are_rejected_and_removed() {
         bytes
     };
     let mut future_version = good.clone();
-    future_version[8] = 2;
+    future_version[8] += 1;
     damaged.push(("future version", with_checksum(future_version)));
     let rows_start = good.len() - 8 - 5 * 16;
     let mut unsorted = good.clone();

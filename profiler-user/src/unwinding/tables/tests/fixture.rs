@@ -45,11 +45,22 @@ __attribute__((noinline, aligned(64))) int fp_function(int n) {
 }
 "#;
 
-/// The fixture programs: `main` (CFI in `.eh_frame`) and `debug_frame_only` (fp.c compiled
-/// with `-g -fno-asynchronous-unwind-tables`, `.eh_frame` removed: CFI only in `.debug_frame`).
+/// A caller for `fp_function`, for the program built wholly with frame pointers.
+const FRAME_POINTER_MAIN_C: &str = r#"
+int fp_function(int n);
+int main(int argc, char **argv) {
+    (void)argv;
+    return fp_function(argc) + 1;
+}
+"#;
+
+/// The fixture programs: `main` (CFI in `.eh_frame`), `debug_frame_only` (fp.c compiled
+/// with `-g -fno-asynchronous-unwind-tables`, `.eh_frame` removed: CFI only in `.debug_frame`)
+/// and `all_frame_pointers` (every function built with frame pointers, leaves included).
 struct Fixtures {
     main: Vec<u8>,
     debug_frame_only: Vec<u8>,
+    all_frame_pointers: Vec<u8>,
 }
 
 fn fixtures() -> Option<&'static Fixtures> {
@@ -79,6 +90,7 @@ fn build_fixtures() -> Result<Fixtures, String> {
     };
     write("omit.c", OMIT_FRAME_POINTER_C)?;
     write("fp.c", FRAME_POINTER_C)?;
+    write("fp_main.c", FRAME_POINTER_MAIN_C)?;
     let run = |program: &str, args: &[&str]| -> Result<(), String> {
         let output = Command::new(program)
             .current_dir(dir.path())
@@ -128,10 +140,29 @@ fn build_fixtures() -> Result<Fixtures, String> {
             "debug-frame-only",
         ],
     )?;
+    let frame_pointers = ["-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"];
+    for source in ["fp.c", "fp_main.c"] {
+        let object = source.replace(".c", "-all-fp.o");
+        gcc(&[
+            &common[..],
+            &unwind,
+            &frame_pointers,
+            &[source, "-o", &object],
+        ]
+        .concat())?;
+    }
+    gcc(&[
+        "-Wl,-z,lazy",
+        "-o",
+        "all-fp",
+        "fp-all-fp.o",
+        "fp_main-all-fp.o",
+    ])?;
     let read = |name: &str| std::fs::read(dir.path().join(name)).map_err(|e| e.to_string());
     Ok(Fixtures {
         main: read("fixture")?,
         debug_frame_only: read("debug-frame-only")?,
+        all_frame_pointers: read("all-fp")?,
     })
 }
 
@@ -340,4 +371,19 @@ fn debug_frame_is_used_without_eh_frame() {
             .is_none_or(|row| row.cfa_kind == CFA_NONE),
         "no CFI for omit.c's functions"
     );
+}
+
+#[test]
+fn frame_pointers_are_reliable_only_when_every_caller_keeps_the_frame() {
+    let Some(fixtures) = fixtures() else { return };
+    let all_fp = build_table(&fixtures.all_frame_pointers).expect("all-fp table builds");
+    assert!(
+        all_fp.frame_pointers_reliable(),
+        "a program built with frame pointers throughout (its lazy PLT included): {:?}",
+        all_fp.stats()
+    );
+    // omit_function calls snprintf and puts from a frameless body (CFA = RSP + n).
+    let mixed = build_table(&fixtures.main).expect("fixture table builds");
+    assert!(mixed.stats().frame_breaking_rows > 0, "{:?}", mixed.stats());
+    assert!(!mixed.frame_pointers_reliable());
 }
