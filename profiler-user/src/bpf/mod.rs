@@ -1,6 +1,7 @@
 //! The only module that talks to aya: loads the embedded eBPF object, attaches the sampler to
 //! the cpu-clock event of every online CPU, and exposes its maps by intent (ring buffer of
 //! samples, per-cause counters, the pid filter).
+mod btf;
 mod capabilities;
 
 use std::{
@@ -203,39 +204,10 @@ impl PythonMaps for KernelPythonMaps {
 }
 
 /// `thread.fsbase` in the kernel's `task_struct`, from its BTF: the BPF Python walk identifies
-/// a pre-3.11 thread state by `pthread_self()`, which is the FS base.
+/// a thread state by `pthread_self()`, which is the FS base.
 fn task_fsbase_offset(btf_path: &std::path::Path) -> Result<u32, String> {
-    struct Bytes(Vec<u8>);
-    impl btfparse::Readable for Bytes {
-        fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
-            let start = usize::try_from(offset).unwrap_or(usize::MAX);
-            match start
-                .checked_add(buffer.len())
-                .and_then(|end| self.0.get(start..end))
-            {
-                Some(bytes) => {
-                    buffer.copy_from_slice(bytes);
-                    Ok(())
-                }
-                None => Err(btfparse::Error::new(
-                    btfparse::ErrorKind::InvalidOffset,
-                    "read past the end of the BTF data",
-                )),
-            }
-        }
-    }
     let bytes = std::fs::read(btf_path).map_err(|e| format!("{}: {e}", btf_path.display()))?;
-    let types = btfparse::TypeInformation::new(&Bytes(bytes)).map_err(|e| format!("{e:?}"))?;
-    let task = types
-        .id_of("task_struct")
-        .ok_or("no task_struct in the kernel's BTF")?;
-    match types.offset_of(task, "thread.fsbase") {
-        Ok((_, btfparse::Offset::ByteOffset(offset))) => Ok(offset),
-        Ok((_, other)) => Err(format!(
-            "task_struct.thread.fsbase is a bit field: {other:?}"
-        )),
-        Err(e) => Err(format!("task_struct.thread.fsbase: {e:?}")),
-    }
+    btf::member_offset(&bytes, "task_struct", &["thread", "fsbase"]).map_err(|e| e.to_string())
 }
 
 /// A process lifecycle event.
