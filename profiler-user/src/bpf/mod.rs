@@ -202,7 +202,7 @@ impl PythonMaps for KernelPythonMaps {
 }
 
 /// `thread.fsbase` in the kernel's `task_struct`, from its BTF: the BPF Python walk identifies
-/// a pre-3.11 thread state by `pthread_self()`, which is the FS base.
+/// a thread's state by `pthread_self()`, which is the FS base (in every PID namespace).
 fn task_fsbase_offset(btf_path: &std::path::Path) -> Result<u32, String> {
     struct Bytes(Vec<u8>);
     impl btfparse::Readable for Bytes {
@@ -383,7 +383,7 @@ impl Sampler {
             Ok(Ok(offset)) => offset,
             Ok(Err(reason)) => {
                 tracing::warn!(
-                    "Python before 3.11 will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
+                    "Python 3.8-3.10, and 3.11+ in other PID namespaces, will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
                 );
                 0
             }
