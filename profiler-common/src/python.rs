@@ -11,8 +11,11 @@ pub const MAX_PYTHON_FRAMES: usize = 256;
 pub const MAX_PYTHON_PROCESSES: u32 = 4096;
 /// Entries of the `PYTHON_THREADS` LRU cache (thread id → thread state).
 pub const MAX_PYTHON_THREADS: u32 = 16_384;
-/// Thread states examined per interpreter when looking for the sampled thread's.
-pub const MAX_PYTHON_THREAD_SCAN: u32 = 256;
+/// Steps of the thread-state scan for the sampled thread (one per thread state, plus one per
+/// interpreter): threads further down the lists get no Python frames. CPython pushes new
+/// thread states at the head, so the main thread is the last one; see docs/architecture.md
+/// for the bound's cost.
+pub const MAX_PYTHON_THREAD_SCAN: u32 = 1024;
 /// Bytes of a frame read in one go: every field BPF uses lies below this in every layout.
 pub const PYTHON_FRAME_READ_BYTES: usize = 128;
 
@@ -47,9 +50,12 @@ pub struct PyProcInfo {
     pub interp_next: u16,
     pub interp_threads_head: u16,
     pub tstate_next: u16,
-    /// `pthread_t thread_id`, compared with the task's FS base (= `pthread_self()`).
+    /// `pthread_t thread_id`, compared with the task's FS base (= `pthread_self()`): how BPF
+    /// finds the sampled thread's state in every version and PID namespace.
     pub tstate_thread_id: u16,
-    /// `native_thread_id` (3.11+), compared with the kernel tid; 0 when absent.
+    /// `native_thread_id` (3.11+), compared with the kernel tid only when the FS base offset
+    /// is unknown; 0 when absent or when the process is in another PID namespace (its
+    /// `native_thread_id`s are that namespace's numbers, not the kernel's).
     pub tstate_native_thread_id: u16,
     /// `frame` / `current_frame` / `cframe`, per `anchor_kind`.
     pub tstate_frame: u16,

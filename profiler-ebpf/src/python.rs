@@ -106,11 +106,12 @@ pub fn collect(slot: u32, pid: u32, tid: u32, fsbase_offset: u32, sample: *mut R
     let Some(state) = PYTHON_WALK.get_ptr_mut(slot) else {
         return;
     };
-    // 3.11+ records the kernel tid in the thread state; older versions only `pthread_self()`,
-    // which on x86_64 is the thread's FS base.
-    let (match_offset, match_value) = if info.tstate_native_thread_id != 0 {
-        (info.tstate_native_thread_id as u32, tid as u64)
-    } else if fsbase_offset != 0 {
+    // Every version records `pthread_self()` in the thread state; on x86_64 (glibc and musl)
+    // it is the thread's FS base, the same seen from any PID namespace. 3.11+'s
+    // `native_thread_id` is the tid as the process's own PID namespace numbers it: only the
+    // fallback when the kernel's BTF gave no FS base offset (and the agent leaves it at 0 for
+    // processes in another namespace).
+    let (match_offset, match_value) = if fsbase_offset != 0 {
         let task = unsafe { bpf_get_current_task() };
         let Ok(fsbase) =
             (unsafe { bpf_probe_read_kernel((task + fsbase_offset as u64) as *const u64) })
@@ -119,6 +120,8 @@ pub fn collect(slot: u32, pid: u32, tid: u32, fsbase_offset: u32, sample: *mut R
             return;
         };
         (info.tstate_thread_id as u32, fsbase)
+    } else if info.tstate_native_thread_id != 0 {
+        (info.tstate_native_thread_id as u32, tid as u64)
     } else {
         count(STAT_PYTHON_NO_THREAD_STATE);
         return;

@@ -384,6 +384,7 @@ impl SelfMetrics {
             unwind_tables = self.native_tables.tables_loaded,
             unwind_rows = self.native_tables.rows_in_use,
             python_processes = self.python.active,
+            python_processes_disabled = self.python.disabled,
             agent_cpu_us = self.agent_cpu.as_micros() as u64,
             bpf_run_time_ns = self.bpf_run_time_ns,
             bpf_run_count = self.bpf_run_count,

@@ -1,41 +1,51 @@
 //! Mixed Python/native stacks from the real BPF walk, on every interpreter available offline:
 //! pyenv 3.8–3.13, Debian's static python3.11 and Debian sid's 3.14 (unpacked by setup). For
 //! each, fixture processes sit in known stacks (a chain of functions and methods, a `sorted`
-//! key callback called from C, a generator, an asyncio coroutine, recursion 200 deep, two busy
-//! threads) while `profiler record` samples them; every sampled thread's Python frames must
-//! equal what `py-spy dump --native` reports for the same thread, and the native frames between
-//! Python frames must be there.
+//! key callback and a ctypes `qsort` callback called from C, a generator, an asyncio coroutine,
+//! recursion 200 deep, two busy threads) while `profiler record` samples them. Every sampled
+//! thread's Python frames must be the fixture's own (qualified names, and lines from the
+//! fixture's `# HOT:`/`# AT:` markers) and equal what `py-spy dump --native` reports for the
+//! same thread; the native frames between Python frames must be the C code that called back,
+//! and no eval-loop frame may be left where Python frames replaced it.
+//!
+//! Also: processes started after the profiler, in another PID namespace, with 300 threads, an
+//! embedding program loading libpython late, a process whose thread states fail the layout
+//! self-check, and a free-threaded build.
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use integration_tests::{
-    Scratch, assert_success, decode_pprof, exclusive, fixture_source, profiler_bin, proto,
-    pyenv_python, require_external, run_profiler, send_signal, workspace_root,
+    Agent, Scratch, StackSample, assert_success, build_fixture, decode_pprof, exclusive,
+    find_chain, fixture_source, parse_folded, profiler_bin, proto, pyenv_python, require_external,
+    run_profiler, send_signal, server_harness::Client, stack_samples, top_stacks, workspace_root,
 };
 
-const PYENV: &[(&str, &str)] = &[
-    ("3.8.18", "python3.8"),
-    ("3.9.18", "python3.9"),
-    ("3.10.13", "python3.10"),
-    ("3.11.7", "python3.11"),
-    ("3.12.1", "python3.12"),
-    ("3.13.0", "python3.13"),
+const PYENV: &[(&str, &str, (u8, u8))] = &[
+    ("3.8.18", "python3.8", (3, 8)),
+    ("3.9.18", "python3.9", (3, 9)),
+    ("3.10.13", "python3.10", (3, 10)),
+    ("3.11.7", "python3.11", (3, 11)),
+    ("3.12.1", "python3.12", (3, 12)),
+    ("3.13.0", "python3.13", (3, 13)),
 ];
 const MODES: &[&str] = &[
     "chain",
     "sorted",
+    "ctypes",
     "generator",
     "asyncio",
     "recursion",
     "threads",
 ];
 const SIGINT: i32 = 2;
+const SIGSTOP: i32 = 19;
+const SIGUSR1: i32 = 10;
 
 fn skip_or_fail(what: &str) {
     assert!(
@@ -45,28 +55,72 @@ fn skip_or_fail(what: &str) {
     eprintln!("skipping: {what}");
 }
 
-/// (label, interpreter) for every interpreter present.
-fn interpreters() -> Vec<(String, PathBuf)> {
-    let mut found = Vec::new();
-    for (version, executable) in PYENV {
-        match pyenv_python(version, executable) {
-            Some(path) => found.push((format!("pyenv {version}"), path)),
-            None => skip_or_fail(&format!("pyenv Python {version} is not installed")),
+/// An interpreter to run the fixtures under.
+#[derive(Clone, Debug)]
+struct Interpreter {
+    label: String,
+    path: PathBuf,
+    /// (major, minor).
+    version: (u8, u8),
+    /// Stripped of `.symtab`: static functions of the interpreter have no names.
+    stripped: bool,
+}
+
+fn debian_python311() -> Option<Interpreter> {
+    let path = PathBuf::from("/usr/bin/python3.11");
+    if path.is_file() {
+        return Some(Interpreter {
+            label: "debian 3.11 (static, stripped)".into(),
+            path,
+            version: (3, 11),
+            stripped: true,
+        });
+    }
+    skip_or_fail("Debian's /usr/bin/python3.11 is not installed");
+    None
+}
+
+fn sid_python314() -> Option<Interpreter> {
+    let path = workspace_root().join(".tools/python3.14/usr/bin/python3.14");
+    if path.is_file() {
+        return Some(Interpreter {
+            label: "debian sid 3.14 (stripped)".into(),
+            path,
+            version: (3, 14),
+            stripped: true,
+        });
+    }
+    skip_or_fail("Python 3.14 is not unpacked under .tools (`cargo xtask setup` does it)");
+    None
+}
+
+fn pyenv_interpreter(version: &str) -> Option<Interpreter> {
+    let &(_, executable, minor) = PYENV
+        .iter()
+        .find(|(v, _, _)| *v == version)
+        .expect("a known pyenv version");
+    match pyenv_python(version, executable) {
+        Some(path) => Some(Interpreter {
+            label: format!("pyenv {version}"),
+            path,
+            version: minor,
+            stripped: false,
+        }),
+        None => {
+            skip_or_fail(&format!("pyenv Python {version} is not installed"));
+            None
         }
     }
-    let debian = PathBuf::from("/usr/bin/python3.11");
-    if debian.is_file() {
-        found.push(("debian 3.11 (static, stripped)".into(), debian));
-    } else {
-        skip_or_fail("Debian's /usr/bin/python3.11 is not installed");
-    }
-    let sid = workspace_root().join(".tools/python3.14/usr/bin/python3.14");
-    if sid.is_file() {
-        found.push(("debian sid 3.14".into(), sid));
-    } else {
-        skip_or_fail("Python 3.14 is not unpacked under .tools (`cargo xtask setup` does it)");
-    }
-    found
+}
+
+/// Every interpreter present.
+fn interpreters() -> Vec<Interpreter> {
+    PYENV
+        .iter()
+        .filter_map(|(version, _, _)| pyenv_interpreter(version))
+        .chain(debian_python311())
+        .chain(sid_python314())
+        .collect()
 }
 
 fn py_spy() -> Option<PathBuf> {
@@ -78,31 +132,48 @@ fn fixture_script() -> PathBuf {
     fixture_source("python/stacks.py")
 }
 
-/// The line of the fixture marked `# HOT:<mode>`.
-fn hot_line(mode: &str) -> u32 {
+/// The line of the fixture that ends with `marker`.
+fn marker_line(marker: &str) -> u64 {
     let text = std::fs::read_to_string(fixture_script()).expect("fixture script");
-    let marker = format!("# HOT:{mode}");
     text.lines()
-        .position(|line| line.contains(&marker))
-        .unwrap_or_else(|| panic!("no {marker} in the fixture")) as u32
+        .position(|line| line.trim_end().ends_with(marker))
+        .unwrap_or_else(|| panic!("no line ending with {marker} in the fixture")) as u64
         + 1
+}
+
+/// The line of the fixture marked `# HOT:<mode>`.
+fn hot_line(mode: &str) -> u64 {
+    marker_line(&format!("# HOT:{mode}"))
+}
+
+/// The call site marked `# AT:<caller>`: where the frame of `caller` waits for its callee.
+fn call_line(caller: &str) -> u64 {
+    marker_line(&format!("# AT:{caller}"))
 }
 
 /// A fixture process in its hot loop; killed on drop.
 struct Fixture {
     mode: &'static str,
     child: Child,
+    /// The Python process: the child itself, or the child's child under `unshare --fork`.
+    pid: u32,
 }
 
 impl Fixture {
     fn start(python: &Path, mode: &'static str) -> Result<Fixture, String> {
-        let mut child = Command::new(python)
-            .arg(fixture_script())
-            .arg(mode)
+        let mut command = Command::new(python);
+        command.arg(fixture_script()).arg(mode);
+        Fixture::spawn(command, mode, false)
+    }
+
+    /// Runs `command`, which prints "ready" once its stack is set up; with `forks`, the
+    /// Python process is the only child of the process started.
+    fn spawn(mut command: Command, mode: &'static str, forks: bool) -> Result<Fixture, String> {
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("spawn {}: {e}", python.display()))?;
+            .map_err(|e| format!("spawn {command:?}: {e}"))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let (ready_tx, ready_rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -116,15 +187,25 @@ impl Fixture {
                 }
             }
         });
-        let fixture = Fixture { mode, child };
+        let pid = child.id();
+        let mut fixture = Fixture { mode, child, pid };
         ready_rx
             .recv_timeout(Duration::from_secs(30))
             .map_err(|_| format!("{mode}: the fixture never printed ready"))?;
+        if forks {
+            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .map_err(|e| format!("children of {pid}: {e}"))?;
+            fixture.pid = children
+                .split_whitespace()
+                .next()
+                .and_then(|child| child.parse().ok())
+                .ok_or_else(|| format!("{pid} has no child"))?;
+        }
         Ok(fixture)
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
     }
 }
 
@@ -263,82 +344,271 @@ fn py_spy_dump(py_spy: &Path, pid: u32) -> Result<HashMap<i64, Vec<PyFrame>>, St
     Ok(result)
 }
 
-/// The unqualified name (≤3.10 has no `co_qualname`).
+/// A fixture frame as it must be recorded: `Class.method` from 3.11 (`co_qualname`), the
+/// bare name before.
+fn fixture_frame(version: (u8, u8), qualname: &str, line: u64) -> PyFrame {
+    let name = if version >= (3, 11) {
+        qualname
+    } else {
+        qualname.rsplit('.').next().unwrap_or(qualname)
+    };
+    (
+        name.to_owned(),
+        fixture_script().display().to_string(),
+        line,
+    )
+}
+
+/// The fixture frames of `mode`'s hot stack, innermost first: (qualname, line). `inner` must
+/// start the Python stack and `outer` end it; `exact` says nothing else may be in between.
+struct ExpectedFrames {
+    inner: Vec<PyFrame>,
+    outer: Vec<PyFrame>,
+    exact: bool,
+}
+
+fn expected_frames(mode: &str, version: (u8, u8)) -> ExpectedFrames {
+    let frame = |qualname: &str, line: u64| fixture_frame(version, qualname, line);
+    let module = || frame("<module>", call_line("<module>"));
+    let main = || frame("main", call_line(&format!("main:{mode}")));
+    let (inner, outer, exact) = match mode {
+        "chain" => (
+            vec![
+                frame("Worker.spin", hot_line(mode)),
+                frame("middle", call_line("middle")),
+                frame("outer", call_line("outer")),
+                main(),
+                module(),
+            ],
+            vec![],
+            true,
+        ),
+        "sorted" => (
+            vec![
+                frame("key_func", hot_line(mode)),
+                frame("sort_driver", call_line("sort_driver")),
+                main(),
+                module(),
+            ],
+            vec![],
+            true,
+        ),
+        "ctypes" => (
+            vec![
+                frame("ctypes_compare", hot_line(mode)),
+                frame("ctypes_driver", call_line("ctypes_driver")),
+                main(),
+                module(),
+            ],
+            vec![],
+            true,
+        ),
+        "generator" => (
+            vec![
+                frame("generator", hot_line(mode)),
+                frame("consume_generator", call_line("consume_generator")),
+                main(),
+                module(),
+            ],
+            vec![],
+            true,
+        ),
+        // asyncio's own frames in between differ per version.
+        "asyncio" => (
+            vec![
+                frame("inner_coroutine", hot_line(mode)),
+                frame("outer_coroutine", call_line("outer_coroutine")),
+            ],
+            vec![
+                frame("run_asyncio", call_line("run_asyncio")),
+                main(),
+                module(),
+            ],
+            false,
+        ),
+        "recursion" => {
+            let mut inner = vec![frame("recurse", hot_line(mode))];
+            inner.extend((1..200).map(|_| frame("recurse", call_line("recurse"))));
+            inner.extend([main(), module()]);
+            (inner, vec![], true)
+        }
+        // threading's frames below differ per version; py-spy checks them.
+        "threads" => (vec![frame("thread_spin", hot_line(mode))], vec![], false),
+        other => panic!("unknown mode {other}"),
+    };
+    ExpectedFrames {
+        inner,
+        outer,
+        exact,
+    }
+}
+
+/// The recorded Python frames against the fixture's own call sites.
+fn check_python_frames(mode: &str, version: (u8, u8), python: &[PyFrame]) -> Result<(), String> {
+    let expected = expected_frames(mode, version);
+    let fits = python.starts_with(&expected.inner)
+        && python.ends_with(&expected.outer)
+        && python.len() >= expected.inner.len() + expected.outer.len()
+        && (!expected.exact || python.len() == expected.inner.len() + expected.outer.len());
+    if fits {
+        return Ok(());
+    }
+    let show = |frames: &[PyFrame]| {
+        frames
+            .iter()
+            .map(|(name, file, line)| format!("{name} ({file}:{line})"))
+            .collect::<Vec<_>>()
+            .join("\n    ")
+    };
+    Err(format!(
+        "Python frames differ from the fixture's call sites:\n  recorded\n    {}\n  expected{}\n    {}{}",
+        show(python),
+        if expected.exact {
+            ""
+        } else {
+            " (innermost, then outermost)"
+        },
+        show(&expected.inner),
+        if expected.outer.is_empty() {
+            String::new()
+        } else {
+            format!("\n    ...\n    {}", show(&expected.outer))
+        }
+    ))
+}
+
+/// The frames of `full` strictly between the Python frames named `inner` and `outer`.
+fn frames_between<'a>(full: &'a [Frame], inner: &str, outer: &str) -> Result<&'a [Frame], String> {
+    let at = |name: &str| full.iter().position(|f| f.python && short(&f.name) == name);
+    match (at(inner), at(outer)) {
+        (Some(i), Some(o)) if i < o => Ok(&full[i + 1..o]),
+        _ => Err(format!("{inner}/{outer} missing from the full stack")),
+    }
+}
+
+/// The unqualified name.
 fn short(name: &str) -> &str {
     name.rsplit('.').next().unwrap_or(name)
 }
 
-fn names(frames: &[PyFrame]) -> Vec<&str> {
-    frames.iter().map(|(name, _, _)| short(name)).collect()
+fn describe(frames: &[Frame]) -> String {
+    frames
+        .iter()
+        .map(|f| {
+            if f.python {
+                format!("{} ({}:{})", f.name, f.file, f.line)
+            } else {
+                format!("{} [{}]", f.name, f.file)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n    ")
+}
+
+/// The interpreter's own native frames between `key_func` and `sort_driver`: `sorted` is
+/// `builtin_sorted`, which sorts with `list.sort` (`list_sort_impl`). A stripped interpreter
+/// names neither (they are static functions): there the frames only have to be the
+/// interpreter's.
+fn check_sorted_natives(interpreter: &Interpreter, full: &[Frame]) -> Result<(), String> {
+    let between = frames_between(full, "key_func", "sort_driver")?;
+    let natives: Vec<&Frame> = between.iter().filter(|f| f.native).collect();
+    let named = |name: &str| natives.iter().any(|f| f.name == name);
+    let ok = if interpreter.stripped {
+        let interpreter_file = std::fs::canonicalize(&interpreter.path)
+            .unwrap_or_else(|_| interpreter.path.clone())
+            .display()
+            .to_string();
+        // builtin_sorted and list_sort at least.
+        natives
+            .iter()
+            .filter(|f| f.file == interpreter_file)
+            .count()
+            >= 2
+    } else {
+        named("builtin_sorted") && named("list_sort_impl")
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "the native frames between key_func and sort_driver are not sorted's:\n    {}",
+            describe(between)
+        ))
+    }
+}
+
+/// `_ctypes` calling libc's `qsort` through libffi's `ffi_call`, and the comparison coming
+/// back through libffi's closure trampoline and `_ctypes`, between `ctypes_compare` and
+/// `ctypes_driver` (the exported names `ffi_call` and `qsort_r`/`__qsort_r` are there even in
+/// stripped files).
+fn check_ctypes_natives(full: &[Frame]) -> Result<(), String> {
+    let between = frames_between(full, "ctypes_compare", "ctypes_driver")?;
+    let from = |module: &str| {
+        between
+            .iter()
+            .any(|f| f.native && file_name(&f.file).starts_with(module))
+    };
+    let named = |wanted: &str| between.iter().any(|f| f.native && f.name.contains(wanted));
+    if from("libffi.so")
+        && from("libc.so")
+        && from("_ctypes")
+        && named("ffi_call")
+        && named("qsort")
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "no _ctypes, libffi and libc frames between ctypes_compare and ctypes_driver:\n    {}",
+            describe(between)
+        ))
+    }
+}
+
+fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+/// Every `_PyEval_EvalFrameDefault` frame must have been replaced by the Python frames it ran.
+fn check_no_eval_frames(full: &[Frame]) -> Result<(), String> {
+    match full
+        .iter()
+        .find(|f| f.native && f.name.starts_with("_PyEval_EvalFrameDefault"))
+    {
+        Some(frame) => Err(format!(
+            "{} is left in a stack with Python frames:\n    {}",
+            frame.name,
+            describe(full)
+        )),
+        None => Ok(()),
+    }
 }
 
 /// What each mode's dominant stack must look like, beyond agreeing with py-spy.
-fn check_mode(mode: &str, python: &[PyFrame], full: &[Frame]) -> Result<(), String> {
-    let script = fixture_script().display().to_string();
-    let hot = hot_line(mode);
-    let innermost = python.first().ok_or("no Python frames")?;
-    if innermost.1 != script || innermost.2 != u64::from(hot) {
-        return Err(format!(
-            "innermost Python frame {innermost:?} is not the hot line {script}:{hot}"
-        ));
-    }
-    let names = names(python);
-    let expect_prefix = |prefix: &[&str]| -> Result<(), String> {
-        if names.starts_with(prefix) {
-            Ok(())
-        } else {
-            Err(format!(
-                "Python frames {names:?} do not start with {prefix:?}"
-            ))
-        }
-    };
+fn check_mode(
+    interpreter: &Interpreter,
+    mode: &str,
+    python: &[PyFrame],
+    full: &[Frame],
+) -> Result<(), String> {
+    check_python_frames(mode, interpreter.version, python)?;
+    check_no_eval_frames(full)?;
     match mode {
-        "chain" => expect_prefix(&["spin", "middle", "outer", "main", "<module>"]),
-        "generator" => expect_prefix(&["generator", "consume_generator", "main", "<module>"]),
-        "threads" => expect_prefix(&["thread_spin", "run"]),
-        "asyncio" => {
-            let inner = names.iter().position(|n| *n == "inner_coroutine");
-            let outer = names.iter().position(|n| *n == "outer_coroutine");
-            let runner = names.iter().position(|n| *n == "run_asyncio");
-            match (inner, outer, runner) {
-                (Some(0), Some(o), Some(r)) if o < r => Ok(()),
-                _ => Err(format!("asyncio stack out of order: {names:?}")),
-            }
-        }
-        "recursion" => {
-            let depth = names.iter().filter(|n| **n == "recurse").count();
-            if depth == 200 && names[..200].iter().all(|n| *n == "recurse") {
-                Ok(())
-            } else {
-                Err(format!("{depth} recurse frames, expected 200 innermost"))
-            }
-        }
-        "sorted" => {
-            expect_prefix(&["key_func", "sort_driver", "main", "<module>"])?;
-            // `sorted` is C code calling back into Python: native frames sit between.
-            let at = |name: &str| full.iter().position(|f| f.python && short(&f.name) == name);
-            let (Some(key), Some(driver)) = (at("key_func"), at("sort_driver")) else {
-                return Err("key_func/sort_driver missing from the full stack".into());
-            };
-            if full[key + 1..driver].iter().any(|f| f.native) {
-                Ok(())
-            } else {
-                Err(format!(
-                    "no native frame between key_func and sort_driver: {:?}",
-                    &full[key..=driver]
-                ))
-            }
-        }
-        other => Err(format!("unknown mode {other}")),
+        "sorted" => check_sorted_natives(interpreter, full),
+        "ctypes" => check_ctypes_natives(full),
+        _ => Ok(()),
     }
 }
 
 /// Records all fixtures of one interpreter at once and checks every sampled thread.
-fn check_interpreter(python: &Path, py_spy: Option<&Path>, scratch: &Scratch) -> Vec<String> {
+fn check_interpreter(
+    interpreter: &Interpreter,
+    py_spy: Option<&Path>,
+    scratch: &Scratch,
+) -> Vec<String> {
     let mut failures = Vec::new();
     let mut fixtures = Vec::new();
     for mode in MODES {
-        match Fixture::start(python, mode) {
+        match Fixture::start(&interpreter.path, mode) {
             Ok(fixture) => fixtures.push(fixture),
             Err(error) => failures.push(error),
         }
@@ -380,7 +650,7 @@ fn check_interpreter(python: &Path, py_spy: Option<&Path>, scratch: &Scratch) ->
                 continue;
             }
             checked += 1;
-            if let Err(error) = check_mode(fixture.mode, &python, &full) {
+            if let Err(error) = check_mode(interpreter, fixture.mode, &python, &full) {
                 failures.push(format!("{} tid {tid}: {error}", fixture.mode));
             }
             if let Some(oracle) = &oracle {
@@ -416,82 +686,181 @@ fn python_stacks_agree_with_py_spy_on_every_interpreter() {
     }
     let scratch = Scratch::new("python-matrix");
     let mut failures = Vec::new();
-    for (label, python) in interpreters() {
-        for failure in check_interpreter(&python, py_spy.as_deref(), &scratch) {
-            failures.push(format!("[{label}] {failure}"));
+    for interpreter in interpreters() {
+        for failure in check_interpreter(&interpreter, py_spy.as_deref(), &scratch) {
+            failures.push(format!("[{}] {failure}", interpreter.label));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A Python process that starts while the profiler runs gets Python frames within 2 seconds.
+/// A `profiler record` running until stopped, its log collected.
+struct Recorder {
+    child: Child,
+    log: Option<std::thread::JoinHandle<String>>,
+}
+
+impl Recorder {
+    /// Starts `profiler record ARGS` (without a duration: it runs until stopped) and waits until
+    /// its sampler is attached.
+    fn start(args: &[&str]) -> Recorder {
+        let mut child = Command::new(profiler_bin())
+            .arg("record")
+            .args(args)
+            .args(["--duration", "600"])
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start profiler");
+        let stderr = child.stderr.take().expect("stderr");
+        let (attached_tx, attached_rx) = mpsc::channel();
+        let log = std::thread::spawn(move || {
+            let mut text = String::new();
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("sampler attached") {
+                    let _ = attached_tx.send(());
+                }
+                text.push_str(&line);
+                text.push('\n');
+            }
+            text
+        });
+        let mut recorder = Recorder {
+            child,
+            log: Some(log),
+        };
+        if attached_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            let log = recorder.stop();
+            panic!("the profiler did not attach:\n{log}");
+        }
+        recorder
+    }
+
+    /// SIGINT: the profiler writes its output and exits. Returns its log.
+    fn stop(&mut self) -> String {
+        send_signal(self.child.id(), SIGINT);
+        let status = self.child.wait().expect("profiler exits");
+        let log = self
+            .log
+            .take()
+            .map(|reader| reader.join().expect("log reader"))
+            .unwrap_or_default();
+        assert!(status.success(), "profiler failed ({status}):\n{log}");
+        log
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        if self.log.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A Python process that starts while the profiler runs gets Python frames within 2 seconds,
+/// on a shared libpython (pyenv 3.12), a static stripped executable (Debian's 3.11) and the
+/// `_Py_DebugOffsets` path (sid's 3.14).
 #[test]
 fn python_process_started_after_the_profiler_gets_python_frames_within_two_seconds() {
     let _guard = exclusive();
-    let Some(python) = pyenv_python("3.12.1", "python3.12") else {
-        skip_or_fail("pyenv Python 3.12.1 is not installed");
-        return;
-    };
+    let interpreters: Vec<Interpreter> = pyenv_interpreter("3.12.1")
+        .into_iter()
+        .chain(debian_python311())
+        .chain(sid_python314())
+        .collect();
     let scratch = Scratch::new("python-late");
     let output = scratch.path("late.folded");
-    let mut profiler = Command::new(profiler_bin())
-        .args([
-            "record",
-            "--duration",
-            "60",
-            "--format",
-            "folded",
-            "--output",
-        ])
-        .arg(&output)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start profiler");
-    let stderr = profiler.stderr.take().expect("stderr");
-    let (attached_tx, attached_rx) = mpsc::channel();
-    let log = std::thread::spawn(move || {
-        let mut text = String::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("sampler attached") {
-                let _ = attached_tx.send(());
-            }
-            text.push_str(&line);
-            text.push('\n');
-        }
-        text
-    });
-    attached_rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the profiler attaches");
-    let started = std::time::Instant::now();
-    let fixture = Fixture::start(&python, "chain").expect("fixture starts");
-    std::thread::sleep(Duration::from_secs(2).saturating_sub(started.elapsed()));
-    send_signal(profiler.id(), SIGINT);
-    let status = profiler.wait().expect("profiler exits");
-    let log = log.join().expect("log reader");
-    assert!(status.success(), "profiler failed:\n{log}");
-    drop(fixture);
+    let output_arg = output.to_str().expect("utf-8 path");
+    let mut recorder = Recorder::start(&["--format", "folded", "--output", output_arg]);
+    let mut fixtures = Vec::new();
+    for interpreter in &interpreters {
+        let started = Instant::now();
+        let fixture = Fixture::start(&interpreter.path, "chain").expect("fixture starts");
+        std::thread::sleep(Duration::from_secs(2).saturating_sub(started.elapsed()));
+        // Stopped, not killed: every sample it has is from its first 2 s, and its memory is
+        // still there for the symbolizer.
+        send_signal(fixture.pid(), SIGSTOP);
+        fixtures.push(fixture);
+    }
+    let log = recorder.stop();
+    drop(fixtures);
     let folded = std::fs::read_to_string(&output).expect("folded output");
     let hot = format!(
         "Worker.spin ({}:{})",
         fixture_script().display(),
         hot_line("chain")
     );
-    let with_python: u64 = folded
-        .lines()
-        .filter(|line| line.contains(&hot))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum();
-    assert!(
-        with_python >= 5,
-        "only {with_python} samples with `{hot}` in the first 2 s of the process:\n{log}"
-    );
+    let mut failures = Vec::new();
+    for interpreter in &interpreters {
+        let comm = interpreter
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("interpreter file name");
+        let with_python: u64 = parse_folded(&folded)
+            .iter()
+            .filter(|stack| stack.frames[0] == comm && stack.frames.contains(&hot))
+            .map(|stack| stack.count)
+            .sum();
+        if with_python < 5 {
+            failures.push(format!(
+                "[{}] only {with_python} samples with `{hot}` in the first 2 s of the process",
+                interpreter.label
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}\n{log}", failures.join("\n"));
 }
 
+/// Runs `profiler agent --pid PID` with profile files in `scratch` for a few intervals;
+/// returns its /metrics text, its log and every sample of `pid` it wrote.
+fn agent_run(pid: u32, scratch: &Scratch) -> (String, String, Vec<StackSample>) {
+    let dir = scratch.path("profiles");
+    std::fs::create_dir_all(&dir).expect("profile dir");
+    let pid_arg = pid.to_string();
+    let mut agent = Agent::start(&[
+        "--pid",
+        &pid_arg,
+        "--interval",
+        "1",
+        "--no-cache",
+        "--output-dir",
+        dir.to_str().expect("utf-8 path"),
+    ]);
+    agent.wait_for_intervals(3, Duration::from_secs(60));
+    let metrics = Client::new(agent.http_addr()).get("/metrics").text();
+    let (status, log) = agent.stop();
+    assert!(status.success(), "the agent failed ({status}):\n{log}");
+    let mut samples = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("profile dir") {
+        let path = entry.expect("dir entry").path();
+        if path.to_string_lossy().ends_with(".pb.gz") {
+            samples.extend(
+                stack_samples(&decode_pprof(&path))
+                    .into_iter()
+                    .filter(|s| s.pid == Some(i64::from(pid))),
+            );
+        }
+    }
+    (metrics, log, samples)
+}
+
+/// The value of an unlabelled metric on /metrics.
+fn metric(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok())?
+    })
+}
+
+const DISABLED_METRIC: &str = "profiler_python_processes_disabled_total";
+
 /// A free-threaded interpreter (3.13t, here a stand-in library with the real
-/// `_Py_DebugOffsets` header) is reported as unsupported, and its native stacks are kept.
+/// `_Py_DebugOffsets` header) is reported as unsupported and counted, and its native stacks
+/// are kept.
 #[test]
 fn free_threaded_python_is_reported_and_keeps_native_stacks() {
     let _guard = exclusive();
@@ -522,36 +891,321 @@ fn free_threaded_python_is_reported_and_keeps_native_stacks() {
             "building the free-threaded fixture failed"
         );
     });
-    let running = integration_tests::spawn(&program, &["8"]);
-    std::thread::sleep(Duration::from_millis(200));
+    let running = integration_tests::spawn(&program, &["60"]);
     let scratch = Scratch::new("python-free-threaded");
-    let output = scratch.path("ft.folded");
-    let pid = running.pid().to_string();
-    let run = integration_tests::run_profiler_with_env(
-        &[
-            "record",
-            "--pid",
-            &pid,
-            "--duration",
-            "2",
-            "--format",
-            "folded",
-            "--output",
-            output.to_str().expect("utf-8 path"),
-        ],
-        &[("RUST_LOG", "info"), ("NO_COLOR", "1")],
-    );
-    assert_success(&run);
-    let log = String::from_utf8_lossy(&run.stderr);
+    let (metrics, log, samples) = agent_run(running.pid(), &scratch);
     assert!(
         log.contains("free-threaded Python 3.13 is not supported"),
         "no free-threaded report in the log:\n{log}"
     );
-    let folded = std::fs::read_to_string(&output).expect("folded output");
-    assert!(
-        folded
-            .lines()
-            .any(|line| line.contains("free_threaded_loop;_PyEval_EvalFrameDefault")),
-        "native stacks of the free-threaded process are missing:\n{folded}"
+    assert_eq!(
+        metric(&metrics, DISABLED_METRIC),
+        Some(1.0),
+        "{DISABLED_METRIC} on /metrics:\n{metrics}"
     );
+    assert!(
+        samples.iter().any(|s| find_chain(
+            &s.frames,
+            &["main", "free_threaded_loop", "_PyEval_EvalFrameDefault"]
+        )
+        .is_some()),
+        "native stacks of the free-threaded process are missing:\n{}",
+        top_stacks(&samples, 10)
+    );
+}
+
+/// pyenv 3.12's shared library, its prefix and include directory.
+fn pyenv312_embedding() -> Option<(PathBuf, PathBuf, PathBuf)> {
+    let Some(python) = pyenv_python("3.12.1", "python3.12") else {
+        skip_or_fail("pyenv Python 3.12.1 is not installed");
+        return None;
+    };
+    let prefix = python
+        .parent()
+        .and_then(Path::parent)
+        .expect("pyenv layout")
+        .to_path_buf();
+    let library = prefix.join("lib/libpython3.12.so.1.0");
+    if !library.is_file() {
+        skip_or_fail("pyenv 3.12.1 has no shared libpython (built without --enable-shared)");
+        return None;
+    }
+    let include = prefix.join("include/python3.12");
+    Some((prefix, library, include))
+}
+
+/// `tests/fixtures/python/embed_python.c`, built against pyenv 3.12's headers.
+fn embed_fixture(include: &Path) -> PathBuf {
+    let include = format!("-I{}", include.display());
+    build_fixture(
+        "embed_python",
+        "gcc",
+        &[
+            "-O2",
+            "-g",
+            "-fno-omit-frame-pointer",
+            "-fno-optimize-sibling-calls",
+            &include,
+        ],
+        &["python/embed_python.c"],
+        &["-ldl"],
+    )
+}
+
+fn embed_command(program: &Path, mode: &str, prefix: &Path, library: &Path) -> Command {
+    let mut command = Command::new(program);
+    command
+        .arg(mode)
+        .arg(library)
+        .arg(fixture_script())
+        .arg("chain")
+        .env("PYTHONHOME", prefix);
+    command
+}
+
+/// A process whose thread states do not hold its threads' ids (an embedding program
+/// overwrites them, as a wrong layout would read them) fails the self-check: Python frames off
+/// with the reason logged and counted, native stacks kept.
+#[test]
+fn a_layout_that_does_not_match_keeps_native_stacks() {
+    let _guard = exclusive();
+    let Some((prefix, library, include)) = pyenv312_embedding() else {
+        return;
+    };
+    let program = embed_fixture(&include);
+    let fixture = Fixture::spawn(
+        embed_command(&program, "corrupt", &prefix, &library),
+        "corrupt",
+        false,
+    )
+    .expect("the embedding fixture runs");
+    let scratch = Scratch::new("python-mismatch");
+    let (metrics, log, samples) = agent_run(fixture.pid(), &scratch);
+    assert!(
+        log.lines()
+            .any(|line| line.contains(&format!("pid={}", fixture.pid()))
+                && line.contains("the 3.12 layout does not match: no thread state's thread_id")),
+        "no mismatch reason logged for pid {}:\n{log}",
+        fixture.pid()
+    );
+    assert_eq!(
+        metric(&metrics, DISABLED_METRIC),
+        Some(1.0),
+        "{DISABLED_METRIC} on /metrics:\n{metrics}"
+    );
+    assert_eq!(metric(&metrics, "profiler_python_processes"), Some(0.0));
+    let python_frames = samples
+        .iter()
+        .filter(|s| s.frames.iter().any(|f| f.contains("Worker.spin")))
+        .count();
+    assert_eq!(python_frames, 0, "{}", top_stacks(&samples, 10));
+    assert!(
+        samples.iter().any(
+            |s| find_chain(&s.frames, &["main", "run_embedded"]).is_some()
+                && s.frames
+                    .iter()
+                    .any(|f| f.starts_with("_PyEval_EvalFrameDefault"))
+        ),
+        "native stacks of the process are missing:\n{}",
+        top_stacks(&samples, 10)
+    );
+}
+
+/// An embedding program that loads libpython while being profiled gets Python frames on top
+/// of its own native frames.
+#[test]
+fn libpython_loaded_late_by_an_embedding_program_gets_python_frames() {
+    let _guard = exclusive();
+    let Some((prefix, library, include)) = pyenv312_embedding() else {
+        return;
+    };
+    let program = embed_fixture(&include);
+    let mut command = embed_command(&program, "late", &prefix, &library);
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the embedding fixture");
+    let stdout = child.stdout.take().expect("stdout");
+    let running = integration_tests::Running { child };
+    let (line_tx, line_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = line_tx.send(line);
+        }
+    });
+    let wait_for = |wanted: &str| loop {
+        match line_rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(line) if line == wanted => break,
+            Ok(_) => {}
+            Err(_) => panic!("the embedding fixture never printed {wanted}"),
+        }
+    };
+    wait_for("waiting");
+    let scratch = Scratch::new("python-embedded");
+    let output = scratch.path("embedded.pb.gz");
+    let pid = running.pid().to_string();
+    let mut recorder = Recorder::start(&[
+        "--pid",
+        &pid,
+        "--output",
+        output.to_str().expect("utf-8 path"),
+    ]);
+    // Native samples first, so the process is known without libpython.
+    std::thread::sleep(Duration::from_secs(1));
+    send_signal(running.pid(), SIGUSR1);
+    wait_for("ready");
+    std::thread::sleep(Duration::from_secs(4));
+    let log = recorder.stop();
+    let profile = decode_pprof(&output);
+    let samples = stack_samples(&profile);
+    assert!(
+        samples
+            .iter()
+            .any(|s| find_chain(&s.frames, &["main", "wait_for_signal"]).is_some()),
+        "no sample before libpython was loaded:\n{}{log}",
+        top_stacks(&samples, 10)
+    );
+    let (python, full, count) = thread_stacks(&profile)
+        .into_iter()
+        .filter(|((p, _), _)| p.to_string() == pid)
+        .map(|(_, stacks)| dominant_stack(&stacks))
+        .max_by_key(|(_, _, count)| *count)
+        .expect("samples of the fixture");
+    // The fixture's own frames, then runpy's (frozen in 3.12: lines of its own), then line 3
+    // of the `<string>` that run_embedded gave PyRun_SimpleString (`runpy.run_path(...)`).
+    let expected = expected_frames("chain", (3, 12));
+    let names: Vec<&str> = python.iter().map(|(name, _, _)| name.as_str()).collect();
+    assert!(
+        python.starts_with(&expected.inner)
+            && names[expected.inner.len()..]
+                == ["_run_code", "_run_module_code", "run_path", "<module>"]
+            && python.last() == Some(&("<module>".to_owned(), "<string>".to_owned(), 3)),
+        "Python frames of the embedded interpreter ({count} samples):\n  {python:?}\n{log}"
+    );
+    check_no_eval_frames(&full).expect("eval frames replaced");
+    // Root first: the embedding program's frames are below the outermost Python frame.
+    let names: Vec<&str> = full.iter().rev().map(|f| f.name.as_str()).collect();
+    let main = names.iter().position(|n| *n == "main");
+    let embedded = names.iter().position(|n| *n == "run_embedded");
+    let outermost_python = full.iter().rev().position(|f| f.python);
+    assert!(
+        matches!((main, embedded, outermost_python), (Some(m), Some(e), Some(p)) if m < e && e < p),
+        "main/run_embedded are not below the Python frames:\n    {}",
+        describe(&full)
+    );
+}
+
+/// A Python process in its own PID namespace (as in a container): its `native_thread_id`s are
+/// that namespace's numbers, not the kernel's, yet each of its threads is found.
+#[test]
+fn python_in_another_pid_namespace_gets_python_frames() {
+    let _guard = exclusive();
+    let scratch = Scratch::new("python-pidns");
+    let mut fixtures = Vec::new();
+    let mut failures = Vec::new();
+    let interpreters = interpreters();
+    for interpreter in &interpreters {
+        let mut command = Command::new("unshare");
+        command
+            .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+            .arg(&interpreter.path)
+            .arg(fixture_script())
+            .arg("chain");
+        match Fixture::spawn(command, "chain", true) {
+            Ok(fixture) => fixtures.push((interpreter, fixture)),
+            Err(error) => failures.push(format!("[{}] {error}", interpreter.label)),
+        }
+    }
+    for (interpreter, fixture) in &fixtures {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", fixture.pid()))
+            .expect("status of the namespaced fixture");
+        let nspid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .unwrap_or_default();
+        assert_eq!(
+            nspid.split_whitespace().last(),
+            Some("1"),
+            "[{}] the fixture is not pid 1 of a new namespace: NSpid {nspid}",
+            interpreter.label
+        );
+    }
+    let pids: Vec<String> = fixtures.iter().map(|(_, f)| f.pid().to_string()).collect();
+    let output = scratch.path("pidns.pb.gz");
+    let run = run_profiler(&[
+        "record",
+        "--pid",
+        &pids.join(","),
+        "--duration",
+        "3",
+        "--output",
+        output.to_str().expect("utf-8 path"),
+    ]);
+    assert_success(&run);
+    let log = String::from_utf8_lossy(&run.stderr);
+    let stacks = thread_stacks(&decode_pprof(&output));
+    for (interpreter, fixture) in &fixtures {
+        let pid = i64::from(fixture.pid());
+        let dominant = stacks
+            .iter()
+            .filter(|((p, _), _)| *p == pid)
+            .map(|(_, thread)| dominant_stack(thread))
+            .max_by_key(|(_, _, count)| *count);
+        let result = match dominant {
+            None => Err("no samples".to_owned()),
+            Some((python, full, _)) => check_mode(interpreter, "chain", &python, &full),
+        };
+        if let Err(error) = result {
+            failures.push(format!("[{}] pid {pid}: {error}", interpreter.label));
+        }
+    }
+    assert!(failures.is_empty(), "{}\n{log}", failures.join("\n"));
+}
+
+/// CPython pushes new thread states at the head of its list, so the main thread's is the last:
+/// with 300 more threads it is found only by a scan longer than 300 (the BPF bound is
+/// `MAX_PYTHON_THREAD_SCAN`).
+#[test]
+fn the_main_thread_behind_300_thread_states_gets_python_frames() {
+    let _guard = exclusive();
+    let Some(interpreter) = pyenv_interpreter("3.12.1") else {
+        return;
+    };
+    let threads = 300;
+    assert!(threads < profiler_common::MAX_PYTHON_THREAD_SCAN as usize);
+    let mut command = Command::new(&interpreter.path);
+    command
+        .arg(fixture_script())
+        .arg("chain")
+        .arg(threads.to_string());
+    let fixture = Fixture::spawn(command, "chain", false).expect("fixture starts");
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", fixture.pid()))
+        .expect("tasks")
+        .count();
+    assert_eq!(tasks, threads + 1);
+    let scratch = Scratch::new("python-threads");
+    let output = scratch.path("threads.pb.gz");
+    let pid = fixture.pid().to_string();
+    let run = run_profiler(&[
+        "record",
+        "--pid",
+        &pid,
+        "--duration",
+        "2",
+        "--output",
+        output.to_str().expect("utf-8 path"),
+    ]);
+    assert_success(&run);
+    let stacks = thread_stacks(&decode_pprof(&output));
+    let main = stacks
+        .get(&(i64::from(fixture.pid()), i64::from(fixture.pid())))
+        .expect("samples of the main thread");
+    let (python, full, _) = dominant_stack(main);
+    check_mode(&interpreter, "chain", &python, &full).unwrap_or_else(|error| {
+        panic!(
+            "main thread: {error}\n{}",
+            String::from_utf8_lossy(&run.stderr)
+        )
+    });
 }

@@ -77,8 +77,10 @@ pub fn install_python314(workspace: &Path) -> Result<()> {
             .arg(&libs)
             .arg(python314_binary(workspace)),
     )?;
-    cmd::run(Command::new(python314_binary(workspace)).args(["-c", "import asyncio, threading"]))
-        .context("the unpacked Python 3.14 does not run")?;
+    cmd::run(
+        Command::new(python314_binary(workspace)).args(["-c", "import asyncio, ctypes, threading"]),
+    )
+    .context("the unpacked Python 3.14 does not run")?;
     let _ = std::fs::remove_dir_all(&apt);
     Ok(())
 }

@@ -204,7 +204,7 @@ impl PythonMaps for KernelPythonMaps {
 }
 
 /// `thread.fsbase` in the kernel's `task_struct`, from its BTF: the BPF Python walk identifies
-/// a thread state by `pthread_self()`, which is the FS base.
+/// a thread's state by `pthread_self()`, which is the FS base (in every PID namespace).
 fn task_fsbase_offset(btf_path: &std::path::Path) -> Result<u32, String> {
     let bytes = std::fs::read(btf_path).map_err(|e| format!("{}: {e}", btf_path.display()))?;
     btf::member_offset(&bytes, "task_struct", &["thread", "fsbase"]).map_err(|e| e.to_string())
@@ -356,7 +356,7 @@ impl Sampler {
             Ok(Ok(offset)) => offset,
             Ok(Err(reason)) => {
                 tracing::warn!(
-                    "Python before 3.11 will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
+                    "Python 3.8-3.10, and 3.11+ in other PID namespaces, will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
                 );
                 0
             }

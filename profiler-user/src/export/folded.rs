@@ -111,6 +111,46 @@ mod tests {
         assert_eq!(folded_text(&Profile::default()), "");
     }
 
+    /// Python frames read `qualname (file:line)` between native frames (which keep their bare
+    /// names even with a file); an unreadable code object has no file and stays a bare name.
+    #[test]
+    fn python_frames_show_qualname_file_and_line() {
+        use crate::model::SymbolizedFrame;
+        let mut profile = test_fixture::profile();
+        let python = |name: &str, file: Option<&str>, line_number: u32| SymbolizedFrame {
+            kind: FrameKind::Python,
+            address: 0x7f00_1000_0000 + u64::from(line_number),
+            mapping: None,
+            lines: vec![line(name, None, file, line_number)],
+            unsymbolized: file.is_none(),
+        };
+        let first = profile.frames.len() as u32;
+        profile.frames.extend([
+            python("Worker.spin", Some("/app/work;er.py"), 31),
+            python("<module>", Some("/app/main.py"), 7),
+            python("[unknown python]", None, 0),
+        ]);
+        let (spin, module, unknown) = (first, first + 1, first + 2);
+        profile.samples = vec![
+            ProfileSample {
+                // Innermost first: spin, called through native main, from the module.
+                stack: vec![spin, MAIN, module, ROOT],
+                count: 5,
+                labels: Vec::new(),
+            },
+            ProfileSample {
+                stack: vec![unknown, ROOT],
+                count: 2,
+                labels: Vec::new(),
+            },
+        ];
+        assert_eq!(
+            folded_text(&profile),
+            "myapp;<module> (/app/main.py:7);main;Worker.spin (/app/work:er.py:31) 5\n\
+             myapp;[unknown python] 2\n"
+        );
+    }
+
     #[test]
     fn separators_and_empty_names_are_sanitized() {
         let mut text = String::new();

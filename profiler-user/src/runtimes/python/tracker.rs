@@ -20,7 +20,7 @@ use super::{
     },
     layout::{EntryMarker, FrameAnchor, InstructionUnit, PyLayout},
     memory::{ProcMemory, ProcessMemoryExt},
-    walk::{WalkError, thread_first_frame, thread_states, walk_frame_chain},
+    walk::{MAX_THREADS, WalkError, thread_first_frame, thread_states, walk_frame_chain},
 };
 use crate::{
     bpf::PythonMaps,
@@ -59,8 +59,10 @@ impl PythonRuntime {
     }
 }
 
-/// The flat description of a layout the BPF walk reads.
-pub fn bpf_proc_info(process: &PythonProcess) -> PyProcInfo {
+/// The flat description of a layout the BPF walk reads. `kernel_tids` says whether the
+/// process's thread ids are the kernel's (it runs in the agent's PID namespace): only then may
+/// BPF fall back to matching `native_thread_id` with the kernel tid.
+pub fn bpf_proc_info(process: &PythonProcess, kernel_tids: bool) -> PyProcInfo {
     let layout: &PyLayout = &process.layout;
     let narrow = |offset: u32| u16::try_from(offset).unwrap_or(u16::MAX);
     let (anchor_kind, tstate_frame, cframe_current_frame) = match layout.tstate_frame {
@@ -85,7 +87,11 @@ pub fn bpf_proc_info(process: &PythonProcess) -> PyProcInfo {
         interp_threads_head: narrow(layout.interp_threads_head),
         tstate_next: narrow(layout.tstate_next),
         tstate_thread_id: narrow(layout.tstate_thread_id),
-        tstate_native_thread_id: layout.tstate_native_thread_id.map(narrow).unwrap_or(0),
+        tstate_native_thread_id: layout
+            .tstate_native_thread_id
+            .filter(|_| kernel_tids)
+            .map(narrow)
+            .unwrap_or(0),
         tstate_frame: narrow(tstate_frame),
         cframe_current_frame: narrow(cframe_current_frame),
         frame_code: narrow(layout.frame_code),
@@ -361,8 +367,8 @@ impl<M: PythonMaps> PythonTracker<M> {
     fn activate(&mut self, runtime: Arc<PythonRuntime>) -> State {
         let pid = runtime.pid;
         match self_check(&runtime, &self.proc_root) {
-            Ok(()) => {
-                let info = bpf_proc_info(&runtime.process);
+            Ok(threads) => {
+                let info = bpf_proc_info(&runtime.process, threads.kernel_tids);
                 tracing::debug!(%pid, ?info, "registering Python process with BPF");
                 match self.maps.insert_process(pid.0, &info) {
                     Ok(()) => {
@@ -403,9 +409,16 @@ impl<M: PythonMaps> PythonTracker<M> {
     }
 }
 
+/// What the self-check learnt about the process's threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CheckedThreads {
+    /// The process's thread ids are the kernel's: it runs in the agent's PID namespace.
+    kernel_tids: bool,
+}
+
 /// Reads the live process the way BPF will: its thread states must belong to its threads and
 /// its frames must point at code objects.
-fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<(), CheckFailure> {
+fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<CheckedThreads, CheckFailure> {
     let memory = &runtime.memory;
     let layout = &runtime.process.layout;
     let threads = match thread_states(memory, layout, runtime.process.runtime_addr) {
@@ -416,26 +429,33 @@ fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<(), CheckFail
         }
         Err(WalkError::Runtime(error)) => return Err(CheckFailure::NotReady(error.to_string())),
     };
-    if let Some(offset) = layout.tstate_native_thread_id {
-        let tasks = task_ids(proc_root, runtime.pid);
+    // BPF matches `thread_id` (`pthread_self()`) with the FS base. On x86_64 glibc and musl
+    // `pthread_self()` is the thread pointer, whose first word points at itself (the TCB's
+    // `tcb`/`self`): that is what a real thread id looks like, in any PID namespace.
+    let thread_ids: Vec<u64> = threads
+        .iter()
+        .filter_map(|&t| memory.read_u64(t + u64::from(layout.tstate_thread_id)).ok())
+        .collect();
+    let is_thread_pointer = |id: u64| id != 0 && memory.read_u64(id) == Ok(id);
+    if !thread_ids.iter().any(|&id| is_thread_pointer(id)) {
+        return Err(CheckFailure::Mismatch(format!(
+            "no thread state's thread_id ({thread_ids:x?}) is a thread pointer of the process"
+        )));
+    }
+    let tasks = namespace_task_ids(proc_root, runtime.pid);
+    if let Some(offset) = layout.tstate_native_thread_id
+        && !tasks.ids.is_empty()
+    {
         let ids: Vec<u64> = threads
             .iter()
             .filter_map(|&t| memory.read_u64(t + u64::from(offset)).ok())
             .collect();
-        if !tasks.is_empty() && !ids.iter().any(|id| tasks.contains(id)) {
+        if !ids.iter().any(|id| tasks.ids.contains(id)) {
             return Err(CheckFailure::Mismatch(format!(
-                "no thread state's native_thread_id ({ids:?}) is a thread of the process"
+                "no thread state's native_thread_id ({ids:?}) is a thread of the process \
+                 (its thread ids in its PID namespace: {:?})",
+                tasks.ids
             )));
-        }
-    } else {
-        let ids: Vec<u64> = threads
-            .iter()
-            .filter_map(|&t| memory.read_u64(t + u64::from(layout.tstate_thread_id)).ok())
-            .collect();
-        if ids.iter().all(|&id| id == 0) {
-            return Err(CheckFailure::Mismatch(
-                "every thread state has a zero thread_id".into(),
-            ));
         }
     }
     let (mut code_objects, mut not_code) = (0, 0);
@@ -467,18 +487,55 @@ fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<(), CheckFail
             not_code + code_objects
         )));
     }
-    Ok(())
+    Ok(CheckedThreads {
+        kernel_tids: tasks.kernel_tids,
+    })
 }
 
-fn task_ids(proc_root: &Path, pid: Pid) -> HashSet<u64> {
-    let dir = proc_root.join(pid.0.to_string()).join("task");
-    std::fs::read_dir(dir)
+/// A process's thread ids as it sees them itself.
+#[derive(Debug, Default)]
+struct NamespaceTaskIds {
+    /// Empty when `/proc` could not be read (the process is exiting).
+    ids: HashSet<u64>,
+    /// The ids are the kernel's (those of `proc_root`'s PID namespace).
+    kernel_tids: bool,
+}
+
+/// Thread ids of `pid` in its own PID namespace: the last `NSpid` entry of each task's
+/// status (a containerised process numbers its threads from its namespace's pid 1, and
+/// CPython records those numbers as `native_thread_id`).
+fn namespace_task_ids(proc_root: &Path, pid: Pid) -> NamespaceTaskIds {
+    let process = proc_root.join(pid.0.to_string());
+    let kernel_ids: Vec<u64> = std::fs::read_dir(process.join("task"))
         .map(|entries| {
             entries
                 .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+                .take(MAX_THREADS)
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let levels = |status: &Path| -> Option<Vec<u64>> {
+        let text = std::fs::read_to_string(status).ok()?;
+        let line = text.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+        line.split_whitespace().map(|n| n.parse().ok()).collect()
+    };
+    // Kernels without NSpid (before 4.1) have no nested view to offer.
+    match levels(&process.join("status")) {
+        Some(nspid) if nspid.len() > 1 => NamespaceTaskIds {
+            ids: kernel_ids
+                .iter()
+                .filter_map(|tid| {
+                    let status = process.join("task").join(tid.to_string()).join("status");
+                    levels(&status)?.last().copied()
+                })
+                .collect(),
+            kernel_tids: false,
+        },
+        _ => NamespaceTaskIds {
+            ids: kernel_ids.into_iter().collect(),
+            kernel_tids: true,
+        },
+    }
 }
 
 #[cfg(test)]
@@ -689,14 +746,52 @@ mod tests {
             else {
                 unreachable!()
             };
-            let info = bpf_proc_info(&runtime.process);
+            let info = bpf_proc_info(&runtime.process, true);
             assert_eq!(info.frame_back as u32, layout.frame_back);
             assert_eq!(info.frame_code as u32, layout.frame_code);
             assert_eq!(info.code_firstlineno as u32, layout.code_firstlineno);
+            assert_eq!(info.tstate_thread_id as u32, layout.tstate_thread_id);
             assert_eq!(
                 info.tstate_native_thread_id as u32,
                 layout.tstate_native_thread_id.unwrap_or(0)
             );
+            // In another PID namespace the native ids are not the kernel's: BPF must not use
+            // them, while `thread_id` (the FS base) still works.
+            let info = bpf_proc_info(&runtime.process, false);
+            assert_eq!(info.tstate_native_thread_id, 0);
+            assert_eq!(info.tstate_thread_id as u32, layout.tstate_thread_id);
         }
+    }
+
+    /// A process in its own PID namespace is pid (and tid) 1 there; our own threads keep the
+    /// kernel's numbers.
+    #[test]
+    fn thread_ids_are_read_in_the_process_namespace() {
+        let own = namespace_task_ids(Path::new("/proc"), Pid(std::process::id()));
+        assert!(own.kernel_tids);
+        assert!(own.ids.contains(&u64::from(std::process::id())));
+
+        let mut unshare = std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "sleep", "30"])
+            .spawn()
+            .expect("unshare (util-linux) runs");
+        let children = format!("/proc/{0}/task/{0}/children", unshare.id());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let child = loop {
+            let text = std::fs::read_to_string(&children).unwrap_or_default();
+            if let Some(pid) = text.split_whitespace().next().and_then(|p| p.parse().ok()) {
+                break Pid(pid);
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unshare forked no child"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let namespaced = namespace_task_ids(Path::new("/proc"), child);
+        let _ = unshare.kill();
+        let _ = unshare.wait();
+        assert!(!namespaced.kernel_tids);
+        assert_eq!(namespaced.ids, HashSet::from([1]));
     }
 }

@@ -1,6 +1,7 @@
 //! The interpreter matrix: run `tests/fixtures/python/stacks.py` under every interpreter
-//! present (pyenv 3.8–3.13, Debian's static python3.11), stop it, and check detection, the
-//! userspace walk and, when installed, py-spy's view of the same stopped process.
+//! present (pyenv 3.8–3.13, Debian's static python3.11, Debian sid's 3.14 unpacked under
+//! `.tools/python3.14` by `cargo xtask setup`), stop it, and check detection, the userspace
+//! walk and, when installed, py-spy's view of the same stopped process.
 //!
 //! Missing interpreters or py-spy are skipped with a message unless
 //! `PROFILER_REQUIRE_EXTERNAL=1`, which turns a skip into a failure.
@@ -28,6 +29,8 @@ use crate::{
 
 const PYENV_VERSIONS: &[&str] = &["3.8.18", "3.9.18", "3.10.13", "3.11.7", "3.12.1", "3.13.0"];
 const DEBIAN_PYTHON: &str = "/usr/bin/python3.11";
+/// Where `cargo xtask setup` unpacks Debian sid's CPython 3.14 (xtask/src/python314.rs).
+const SID_PYTHON: &str = ".tools/python3.14/usr/bin/python3.14";
 
 fn require_external() -> bool {
     std::env::var("PROFILER_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
@@ -78,6 +81,12 @@ fn interpreters() -> Vec<(String, PathBuf)> {
         _ => skip(&format!(
             "{DEBIAN_PYTHON} (Debian's static build) not present"
         )),
+    }
+    let sid = workspace_root().join(SID_PYTHON);
+    if sid.is_file() {
+        found.push(("debian sid 3.14".to_owned(), sid));
+    } else {
+        skip("Python 3.14 is not unpacked under .tools (`cargo xtask setup` does it)");
     }
     found
 }
@@ -338,6 +347,19 @@ fn check_sorted(_: &Scenario, stacks: &[PyThreadStack]) -> Result<(), String> {
     )
 }
 
+fn check_ctypes(_: &Scenario, stacks: &[PyThreadStack]) -> Result<(), String> {
+    check_stack(
+        main_thread(stacks)?,
+        &[
+            fixture_frame("ctypes_compare", Some(hot_line("# HOT:ctypes"))),
+            fixture_frame("ctypes_driver", None),
+            fixture_frame("main", None),
+            fixture_frame("<module>", None),
+        ],
+        &[],
+    )
+}
+
 fn check_generator(_: &Scenario, stacks: &[PyThreadStack]) -> Result<(), String> {
     check_stack(
         main_thread(stacks)?,
@@ -422,36 +444,59 @@ fn check_detection(
             Err(format!("layout {:?} != table row {row:?}", process.layout))
         }
         Some(_) => Ok(()),
-        // 3.13 from _Py_DebugOffsets: the values unwinding.md §2.3 lists (from DWARF).
-        None if version.1 == 13 => {
+        // 3.13 and 3.14 from _Py_DebugOffsets: the values unwinding.md §2.3 lists (from
+        // DWARF for 3.13, from Debian's 3.14 for 3.14).
+        None if version.1 == 13 || version.1 == 14 => {
             let layout = &process.layout;
             let got = (
                 layout.runtime_interpreters_head,
                 layout.interp_threads_head,
                 layout.tstate_frame,
+                layout.tstate_thread_id,
                 layout.tstate_native_thread_id,
                 layout.frame_instruction,
                 layout.entry_marker,
                 layout.code_bytecode,
                 layout.unicode_ascii_data,
+                layout.stackref_tag_mask,
             );
-            let want = (
-                632,
-                7344,
-                FrameAnchor::ThreadCurrentFrame { offset: 72 },
-                Some(160),
-                56,
-                EntryMarker::ShimOwner {
-                    offset: 70,
-                    value: 3,
-                },
-                Some(200),
-                40,
-            );
+            let want = if version.1 == 13 {
+                (
+                    632,
+                    7344,
+                    FrameAnchor::ThreadCurrentFrame { offset: 72 },
+                    152,
+                    Some(160),
+                    56,
+                    EntryMarker::ShimOwner {
+                        offset: 70,
+                        value: 3,
+                    },
+                    Some(200),
+                    40,
+                    0,
+                )
+            } else {
+                (
+                    808,
+                    7344,
+                    FrameAnchor::ThreadCurrentFrame { offset: 72 },
+                    152,
+                    Some(160),
+                    56,
+                    EntryMarker::ShimOwner {
+                        offset: 74,
+                        value: 3,
+                    },
+                    Some(208),
+                    40,
+                    3,
+                )
+            };
             if got == want {
                 Ok(())
             } else {
-                Err(format!("3.13 layout {got:?} != {want:?}"))
+                Err(format!("3.{} layout {got:?} != {want:?}", version.1))
             }
         }
         None => Err(format!("no expectations for {version:?}")),
@@ -612,7 +657,6 @@ fn check_caller_offsets(
     Ok(())
 }
 
-/// Prints how long reading a new code object takes (no cache), per code object.
 #[test]
 fn python_chain_and_threads() {
     run_matrix("chain", 3, check_chain);
@@ -621,6 +665,11 @@ fn python_chain_and_threads() {
 #[test]
 fn python_sorted_key_callback() {
     run_matrix("sorted", 0, check_sorted);
+}
+
+#[test]
+fn python_ctypes_callback() {
+    run_matrix("ctypes", 0, check_ctypes);
 }
 
 #[test]
