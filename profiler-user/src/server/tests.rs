@@ -14,6 +14,7 @@ const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
 struct TestServer {
     server: Server,
     store: Store,
+    health: Arc<HealthBoard>,
     _dir: tempfile::TempDir,
 }
 
@@ -27,15 +28,17 @@ impl TestServer {
         let store = Store::open(StoreSettings::new(dir.path())).unwrap();
         let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap());
         adjust(&mut config);
+        let health = Arc::new(HealthBoard::default());
         let server = Server::start(AppState {
             store: Some(store.clone()),
-            health: Arc::new(HealthBoard::default()),
+            health: health.clone(),
             config: Arc::new(config),
         })
         .unwrap();
         TestServer {
             server,
             store,
+            health,
             _dir: dir,
         }
     }
@@ -530,6 +533,51 @@ fn token_guards_everything_but_metrics() {
             .unwrap()
             .contains("profiler_http_requests_total")
     );
+    // The probes answer without the token (a kubelet has none).
+    assert_eq!(server.get("/healthz").0, 200);
+    server.health.set_ready(true);
+    assert_eq!(server.get("/readyz").0, 200);
+}
+
+#[test]
+fn auth_metrics_puts_metrics_behind_the_token() {
+    let server = TestServer::with_config(|c| {
+        c.auth_token = Some("s3cret".into());
+        c.auth_metrics = true;
+    });
+    let (status, body) = server.get("/metrics");
+    assert_json_error(status, &body, 401, "bearer token");
+    let right = ureq2::get(&server.url("/metrics"))
+        .set("Authorization", "Bearer s3cret")
+        .call();
+    let (status, body) = read(right);
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&body).contains("profiler_http_requests_total"));
+    assert_eq!(server.get("/healthz").0, 200, "probes stay open");
+}
+
+#[test]
+fn readiness_follows_the_agent_and_liveness_does_not() {
+    let server = TestServer::start();
+    let (status, body) = server.get("/readyz");
+    assert_json_error(status, &body, 503, "not ready");
+    let (status, body) = server.get("/healthz");
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"],
+        "alive"
+    );
+    server.health.set_ready(true);
+    let (status, body) = server.get("/readyz");
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"],
+        "ready"
+    );
+    server.health.set_ready(false);
+    assert_eq!(server.get("/readyz").0, 503);
+    // Probe answers are not counted as server errors.
+    assert_eq!(server.health.http_errors.load(Ordering::Relaxed), 0);
 }
 
 #[test]

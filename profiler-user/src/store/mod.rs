@@ -38,6 +38,8 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/profiler";
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
 /// Default cap on the store's size on disk.
 pub const DEFAULT_MAX_BYTES: u64 = 10 << 30;
+/// Default period of enforcing the retention and the size cap.
+pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(60);
 const DATABASE_FILE: &str = "profiles.db";
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +64,8 @@ pub struct StoreSettings {
     pub retention: Duration,
     /// Beyond this many bytes of data the oldest profiles are deleted.
     pub max_bytes: u64,
+    /// How often the retention and the size cap are enforced while running.
+    pub maintenance_interval: Duration,
 }
 
 impl StoreSettings {
@@ -70,6 +74,7 @@ impl StoreSettings {
             data_dir: data_dir.into(),
             retention: DEFAULT_RETENTION,
             max_bytes: DEFAULT_MAX_BYTES,
+            maintenance_interval: DEFAULT_MAINTENANCE_INTERVAL,
         }
     }
 }
