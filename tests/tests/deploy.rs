@@ -705,6 +705,45 @@ fn env_vars(help: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// The `[default: VALUE]` of each long flag in a clap help text: an option's entry runs from
+/// its `-`/`--` line to the next one, and the brackets may wrap across lines.
+fn help_defaults(help: &str) -> Vec<(String, String)> {
+    let mut entries: Vec<String> = Vec::new();
+    for line in help.lines().map(str::trim) {
+        if line.starts_with('-') {
+            entries.push(line.to_owned());
+        } else if let Some(entry) = entries.last_mut() {
+            entry.push(' ');
+            entry.push_str(line);
+        }
+    }
+    entries
+        .iter()
+        .filter_map(|entry| {
+            let flag = long_flags(entry).into_iter().next()?;
+            let start = entry.find("[default: ")? + "[default: ".len();
+            let value = &entry[start..start + entry[start..].find(']')?];
+            Some((flag, value.to_owned()))
+        })
+        .collect()
+}
+
+/// The default column of docs/configuration.md's table rows for `flag` (rows whose first cell
+/// starts with the flag).
+fn documented_defaults<'a>(docs: &'a str, flag: &str) -> Vec<&'a str> {
+    docs.lines()
+        .filter(|line| line.starts_with("| `"))
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let first = cells.first()?.trim_start_matches("| ");
+            let named = first
+                .split(", ")
+                .any(|name| mentions(name.trim_matches('`'), flag) && name[1..].starts_with(flag));
+            named.then(|| cells.get(2).copied()).flatten()
+        })
+        .collect()
+}
+
 /// `needle` in `text` as a whole flag or variable name (not a prefix of a longer one).
 fn mentions(text: &str, needle: &str) -> bool {
     text.match_indices(needle).any(|(at, _)| {
@@ -736,4 +775,40 @@ fn every_flag_and_variable_in_help_is_documented() {
     // The check itself can fail.
     assert!(!mentions("`--frequency-x`", "--frequency"));
     assert!(mentions("| `--frequency HZ` |", "--frequency"));
+}
+
+#[test]
+fn every_default_in_help_is_the_documented_one() {
+    let docs = read(&workspace_root().join("docs/configuration.md"));
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for subcommand in ["agent", "record", "server"] {
+        let help = help_text(subcommand);
+        for (flag, value) in help_defaults(&help) {
+            let cells = documented_defaults(&docs, &flag);
+            checked += 1;
+            if !cells
+                .iter()
+                .any(|cell| cell.contains(&format!("`{value}`")))
+            {
+                wrong.push(format!(
+                    "{subcommand} {flag}: --help says `{value}`, docs say {cells:?}"
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "defaults differ:\n{}", wrong.join("\n"));
+    // Every subcommand has defaulted flags (--log-format at least): the parsing found them.
+    assert!(checked >= 3 * 2, "only {checked} defaults found in --help");
+    // The check itself can fail.
+    let help = "      --retention <AGE>\n          How long [env: PROFILER_RETENTION=]\n          [default:\n          7d]\n  -h, --help\n";
+    assert_eq!(
+        help_defaults(help),
+        [("--retention".to_owned(), "7d".to_owned())]
+    );
+    let table = "| `--retention AGE` | `PROFILER_RETENTION` | `3d` | Profiles older... |\n\
+                 | `--frequency HZ`, `-F` | `PROFILER_FREQUENCY` | `100` | Samples |";
+    assert_eq!(documented_defaults(table, "--retention"), ["`3d`"]);
+    assert_eq!(documented_defaults(table, "--frequency"), ["`100`"]);
+    assert!(documented_defaults(table, "--freq").is_empty());
 }
