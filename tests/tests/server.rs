@@ -1194,6 +1194,47 @@ fn token_is_checked_on_every_route_but_metrics() {
     let forged = format!("{}00", cookie);
     assert_eq!(with_cookie("/api/health", &forged), 401);
     assert_eq!(with_cookie("/api/health", "profiler_token=s3cret"), 401);
+    // The probes are open (a kubelet sends no token) and `profiler server` is ready at once.
+    assert_eq!(anonymous.get("/healthz").status, 200);
+    assert_eq!(anonymous.get("/readyz").status, 200);
+}
+
+/// `--auth-metrics`: /metrics needs the token too; the probes stay open. Without a token the
+/// flag is refused, since it would protect nothing.
+#[test]
+fn auth_metrics_guards_metrics_with_the_token() {
+    let scratch = Scratch::new("auth-metrics");
+    let data_dir = scratch.path("data");
+    let server = ServerProcess::start(&data_dir, &["--auth-token", "m3trics", "--auth-metrics"]);
+    let anonymous = server.client();
+    let response = anonymous.get("/metrics");
+    assert_eq!(response.status, 401, "{}", response.text());
+    assert_eq!(response.header("www-authenticate"), Some("Bearer"));
+    response.json_error();
+    let wrong = server.client().with_token("nope").get("/metrics");
+    assert_eq!(wrong.status, 401);
+    // Client::metric reads /metrics with the client's token.
+    let authorized = server.client().with_token("m3trics");
+    assert!(authorized.metric("profiler_http_requests_total").is_some());
+    assert_eq!(anonymous.get("/healthz").status, 200);
+    assert_eq!(anonymous.get("/readyz").status, 200);
+    drop(server);
+
+    let data = data_dir.to_str().unwrap();
+    let err = match ServerProcess::try_start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data,
+        "--auth-metrics",
+    ]) {
+        Ok(server) => panic!(
+            "started on {} with --auth-metrics and no token",
+            server.addr
+        ),
+        Err(err) => err,
+    };
+    assert!(err.contains("--auth-token"), "{err}");
 }
 
 /// Static routes serve only files embedded in the binary: no way to the file system.
