@@ -231,15 +231,48 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
             cookie_tokens(headers).any(|presented| constant_time_eq(&presented, token.as_bytes()))
         };
         if !bearer && !cookie() {
-            return unauthorized(&state);
+            let mut response = unauthorized(&state);
+            if has_body(request.headers()) {
+                // The body stays unread: tell the client the connection ends here.
+                close_connection(&mut response);
+            }
+            return response;
         }
     }
+    // The whole body (within the limit) is read before the handler runs. A handler that rejects
+    // a request early would otherwise leave the rest unread, and hyper then drops the connection
+    // without saying so: the client's next request on that kept-alive connection would fail.
+    let (parts, body) = request.into_parts();
+    let request = match connect::read_body(body, state.config.max_body_bytes).await {
+        Ok(bytes) => Request::from_parts(parts, axum::body::Body::from(bytes)),
+        Err(err) => {
+            state.health.http_errors.fetch_add(1, Ordering::Relaxed);
+            let mut response = err.into_response();
+            close_connection(&mut response);
+            return response;
+        }
+    };
     let response = next.run(request).await;
     // A 503 from /readyz while starting is an answer, not an error of the server.
     if !probe && (response.status().is_client_error() || response.status().is_server_error()) {
         state.health.http_errors.fetch_add(1, Ordering::Relaxed);
     }
     response
+}
+
+/// Whether a request announces a body (a length above 0, or chunked).
+fn has_body(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .is_some_and(|length| length != "0")
+}
+
+/// `Connection: close`: the server will not read the rest of this request.
+fn close_connection(response: &mut Response) {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
 fn unauthorized(state: &AppState) -> Response {
