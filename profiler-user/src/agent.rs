@@ -788,6 +788,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     sampler.attach()?;
     pipeline.poll_cuda(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
+    serving.health.set_ready(true);
     tracing::info!(
         interval_s = config.interval.as_secs_f64(),
         output_dir = ?config.output_dir,
@@ -810,6 +811,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         stop.load(Ordering::Relaxed)
     });
 
+    serving.health.set_ready(false);
     tracing::info!("stopping: flushing the current interval");
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();

@@ -30,6 +30,8 @@ pub const SERVER_ENV: &[&str] = &[
     "PROFILER_AUTH_TOKEN",
     "PROFILER_INSECURE_LISTEN",
     "PROFILER_MAX_BODY_SIZE",
+    "PROFILER_MAINTENANCE_INTERVAL",
+    "PROFILER_AUTH_METRICS",
 ];
 
 pub fn unix_now_ns() -> i64 {

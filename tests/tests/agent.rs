@@ -1,10 +1,11 @@
-//! `profiler agent`: one pprof per service per interval, flushed on SIGTERM.
+//! `profiler agent`: one pprof per service per interval, flushed on SIGTERM; and on the whole
+//! host with its store on, a running process's flame graph served over HTTP.
 use std::{
     process::{Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
-use integration_tests::*;
+use integration_tests::{server_harness::*, *};
 
 unsafe extern "C" {
     #[link_name = "kill"]
@@ -98,4 +99,141 @@ fn writes_per_service_profiles_every_interval_and_on_sigterm() {
         );
     }
     assert!(total >= 100, "{total} samples in {} files", checkout.len());
+}
+
+/// The "done when" of the store and web UI: `profiler agent` with no `--pid` (every process on
+/// the host) and its store on serves a running program's functions under its service through
+/// the query API the web UI uses. On the way, `/readyz` answers 503 until sampling runs and
+/// 200 from then on, while `/healthz` answers 200 throughout.
+#[test]
+fn whole_host_agent_serves_a_running_process_through_the_query_api() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let service = "whole-host-check";
+    let _running = spawn_with_env(&fixture, &["300"], &[("OTEL_SERVICE_NAME", service)]);
+    let scratch = Scratch::new("agent-whole-host");
+    let data_dir = scratch.path("data");
+    let mut command = Command::new(profiler_bin());
+    command
+        .args([
+            "agent",
+            "--interval",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(&data_dir)
+        .env("RUST_LOG", "info");
+    for var in SERVER_ENV {
+        command.env_remove(var);
+    }
+    let mut agent = LoggedChild::spawn(command);
+    let addr = agent
+        .wait_for_line(Duration::from_secs(60), parse_listening_line)
+        .unwrap_or_else(|err| panic!("the agent did not listen: {err}"));
+    let client = Client::new(addr);
+
+    // From the moment it listens: 503 (with a JSON error) until sampling runs, then 200.
+    let mut readiness = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let ready = client.get("/readyz");
+        match ready.status {
+            200 => {}
+            503 => {
+                let (code, message) = ready.json_error();
+                assert_eq!(code, "unavailable", "{message}");
+            }
+            other => panic!("/readyz answered {other}: {}", ready.text()),
+        }
+        readiness.push(ready.status);
+        assert_eq!(
+            client.get("/healthz").status,
+            200,
+            "liveness while starting"
+        );
+        if ready.status == 200 {
+            break;
+        }
+        assert!(
+            agent.exited().is_none(),
+            "the agent exited:\n{}",
+            agent.stderr()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "not ready after 120 s:\n{}",
+            agent.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The agent logs this before it turns ready (read through a pipe, so it may arrive a
+    // little after the 200).
+    agent
+        .wait_for_line(Duration::from_secs(30), |line| {
+            line.contains("sampler attached").then_some(())
+        })
+        .unwrap_or_else(|err| panic!("ready, but no `sampler attached`: {err}"));
+    // How many 503s the loop saw depends on how long loading BPF took; the unit tests check
+    // the 503 itself (server::tests::readiness_follows_the_agent_and_liveness_does_not).
+    eprintln!(
+        "readiness: {} answers of 503, then 200",
+        readiness.len() - 1
+    );
+
+    let selector = format!(r#"{{service_name="{service}"}}"#);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let graph = loop {
+        let graph = client.merge(CPU_TYPE, &selector);
+        if flamegraph_total_of(&graph, "level4") > 0 {
+            break graph;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no level4 of {service} after 120 s; services {:?}:\n{}",
+            client.label_values("service_name", None),
+            agent.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let names = flamegraph_names(&graph);
+    for function in ["main", "level1", "level2", "level3", "level4"] {
+        assert!(names.iter().any(|n| n == function), "{function}: {names:?}");
+    }
+    // The whole host: other processes' services are there too (this test binary, at least).
+    let services = client.label_values("service_name", None);
+    assert!(services.contains(&service.to_owned()), "{services:?}");
+    assert!(services.len() >= 2, "only {services:?}: not the whole host");
+    // The web UI's own calls: the service picker (JSON LabelValues) and its flame graph (JSON
+    // SelectMergeStacktraces) name the fixture's function.
+    let end = (unix_now_ms() + 60_000).to_string();
+    let picker = client.connect_json(
+        "querier.v1.QuerierService/LabelValues",
+        serde_json::json!({"name": "service_name", "start": "1", "end": end}),
+    );
+    assert!(
+        picker["names"]
+            .as_array()
+            .is_some_and(|names| names.iter().any(|n| n == service)),
+        "{picker}"
+    );
+    let ui_graph = client.connect_json(
+        "querier.v1.QuerierService/SelectMergeStacktraces",
+        serde_json::json!({"profileTypeID": CPU_TYPE, "labelSelector": selector,
+                           "start": "1", "end": end}),
+    );
+    assert!(
+        ui_graph["flamegraph"]["names"]
+            .as_array()
+            .is_some_and(|names| names.iter().any(|n| n == "level4")),
+        "{ui_graph}"
+    );
+    assert_eq!(
+        client.get("/readyz").status,
+        200,
+        "still ready while sampling"
+    );
+    let (status, stderr) = agent.stop();
+    assert!(status.success(), "{stderr}");
 }

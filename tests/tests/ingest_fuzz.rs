@@ -540,12 +540,55 @@ fn mutated_bodies_over_http() {
         Just("/ingest?name=fuzz-multipart"),
         Just("/ingest?name=fuzz%7Ba%3Db%7D&format=pprof&from=now-1h&until=now"),
     ];
-    // A third of the cases on each body kind: multipart, Connect proto, Connect JSON.
-    let cases = (0u8..3, mutations(), content_type, target);
-    runner(3000)
+    let folded = b"main;a;b 3\nmain;a;c 1\r\nmain;d 2\n\nmain 9223372036854775807\n".to_vec();
+    assert_eq!(
+        client
+            .request(
+                "POST",
+                "/ingest?name=fuzz-folded.cpu&format=folded",
+                &[("Content-Type", "text/plain")],
+                Some(&folded),
+            )
+            .status,
+        200
+    );
+    // Folded uploads: the body, the application name (with its type suffix and labels), the
+    // format and the sample rate all fuzzed; names are percent-encoded as clients must.
+    let folded_body = prop_oneof![
+        mutations().prop_map(move |m| mutate(folded.clone(), &m)),
+        "[a-c;: \\n\\r0-9-]{0,200}".prop_map(String::into_bytes),
+    ];
+    let folded_query = (
+        r#"[a-z.{}=,_ "-]{0,24}"#,
+        prop_oneof![Just(""), Just("&format=folded"), Just("&format=lines")],
+        prop_oneof![
+            Just(String::new()),
+            any::<i64>().prop_map(|r| format!("&sampleRate={r}"))
+        ],
+    )
+        .prop_map(|(app, format, rate)| {
+            let app: String = app
+                .bytes()
+                .map(|b| match b {
+                    b'a'..=b'z' | b'.' | b'_' | b'-' => (b as char).to_string(),
+                    other => format!("%{other:02X}"),
+                })
+                .collect();
+            format!("/ingest?name={app}{format}{rate}")
+        });
+    // A quarter of the cases on each body kind: multipart, Connect proto, Connect JSON, folded.
+    let cases = (
+        0u8..4,
+        mutations(),
+        content_type,
+        target,
+        folded_body,
+        folded_query,
+    );
+    runner(4000)
         .run(
             &cases,
-            |(kind, mutations, content_type, target)| match kind {
+            |(kind, mutations, content_type, target, folded_body, folded_query)| match kind {
                 0 => check_http(
                     &client,
                     target,
@@ -558,22 +601,32 @@ fn mutated_bodies_over_http() {
                     &[("Content-Type", "application/proto")],
                     &mutate(push.clone(), &mutations),
                 ),
-                _ => check_http(
+                2 => check_http(
                     &client,
                     "/push.v1.PusherService/Push",
                     &[("Content-Type", "application/json")],
                     &mutate(push_json.clone(), &mutations),
+                ),
+                _ => check_http(
+                    &client,
+                    &folded_query,
+                    &[("Content-Type", "text/plain")],
+                    &folded_body,
                 ),
             },
         )
         .unwrap();
     // Still serving, and what was accepted is queryable.
     assert_eq!(client.get("/api/health").status, 200);
-    assert!(
-        client
-            .label_values("service_name", None)
-            .contains(&"fuzz-multipart".to_owned())
-    );
+    let services = client.label_values("service_name", None);
+    for service in ["fuzz-multipart", "fuzz-folded"] {
+        assert!(services.contains(&service.to_owned()), "{services:?}");
+    }
+    // The seed upload's stacks (its values saturate: one count is i64::MAX).
+    let folded_names = flamegraph_names(&client.merge(CPU_TYPE, r#"{service_name="fuzz-folded"}"#));
+    for name in ["main", "a", "b", "c", "d"] {
+        assert!(folded_names.contains(&name.to_owned()), "{folded_names:?}");
+    }
 }
 
 /// Queries over stored fuzzed data (extreme, negative and overflowing values, odd times and

@@ -390,6 +390,45 @@ fn spooled_profiles_survive_an_agent_restart_during_an_outage() {
     drop(fixture);
 }
 
+/// `PYROSCOPE_URL` from the environment (no flag) turns push on, and `--store on` keeps the
+/// embedded store beside it: every interval's profile reaches the receiver and the agent's
+/// own store, exactly once each.
+#[test]
+fn pyroscope_url_from_the_environment_and_the_store_both_get_every_interval() {
+    let _guard = exclusive();
+    let service = "push-and-store";
+    let fixture = busy_fixture(service);
+    let scratch = Scratch::new("push-and-store");
+    let receiver = Receiver::start(free_port(), &scratch.path("receiver"), &[]);
+    let local = scratch.path("local");
+    let pid = fixture.pid().to_string();
+    let args = [
+        "--store",
+        "on",
+        "--data-dir",
+        local.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--interval",
+        "2",
+        "--pid",
+        &pid,
+    ];
+    let url = receiver.url();
+    let started_ms = unix_ms();
+    let mut agent = Agent::start_with_env(&args, &[PUSH_LOG, ("PYROSCOPE_URL", &url)]);
+    wait_for_profiles(&receiver, None, service, 3, started_ms);
+    let (status, log) = agent.stop();
+    assert!(status.success(), "{log}");
+    let queued = queued_profiles(&log, service);
+    assert!(queued.len() >= 3, "{log}");
+    assert_exactly_once(&receiver, service, &queued);
+    // The agent's store, read by a server on its directory after the agent stopped.
+    let store = Receiver::start(free_port(), &local, &[]);
+    assert_exactly_once(&store, service, &queued);
+    drop(fixture);
+}
+
 /// The request line and headers of each request a proxy forwarded.
 type Heads = Arc<Mutex<Vec<String>>>;
 

@@ -160,6 +160,68 @@ fn assert_queryable(client: &Client, expected: &Expected) {
         .parse()
         .unwrap();
     assert_eq!(total, client.merge(&found_in[0], &selector).total);
+
+    // LabelNames (Grafana's label picker): the service's own tag and the standard labels, and
+    // none of another service's tags.
+    let end = (unix_now_ms() + 60_000).to_string();
+    let json_names = client.connect_json(
+        "querier.v1.QuerierService/LabelNames",
+        serde_json::json!({"matchers": [service_selector], "start": "1", "end": end}),
+    );
+    let names: Vec<&str> = json_names["names"]
+        .as_array()
+        .expect("names array")
+        .iter()
+        .map(|n| n.as_str().expect("label names are strings"))
+        .collect();
+    for label in [tag, "service_name", "__name__", "__profile_type__"] {
+        assert!(names.contains(&label), "{label} not in {json_names}");
+    }
+    assert!(
+        !names.contains(&"no_such_label"),
+        "{json_names}: a label nobody sent"
+    );
+    let mut sorted = names.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(names, sorted, "sorted and unique: {json_names}");
+
+    // SelectSeries (Grafana's time-series panel), grouped by the tag: one series labelled with
+    // its value whose points add up to the merged flame graph's total, with 64-bit timestamps
+    // as strings inside the range.
+    let (start_ms, end_ms) = (1_i64, unix_now_ms() + 60_000);
+    let json_series = client.connect_json(
+        "querier.v1.QuerierService/SelectSeries",
+        serde_json::json!({
+            "profileTypeID": found_in[0],
+            "labelSelector": selector,
+            "start": start_ms.to_string(),
+            "end": end_ms.to_string(),
+            "groupBy": [tag],
+            "step": 1.0,
+        }),
+    );
+    let series = json_series["series"].as_array().expect("series array");
+    assert_eq!(series.len(), 1, "{json_series}");
+    assert_eq!(
+        series[0]["labels"],
+        serde_json::json!([{"name": tag, "value": value}]),
+        "{json_series}"
+    );
+    let points = series[0]["points"].as_array().expect("points array");
+    assert!(!points.is_empty(), "{json_series}");
+    let mut sum = 0.0;
+    for point in points {
+        let timestamp: i64 = point["timestamp"]
+            .as_str()
+            .expect("timestamp as a string")
+            .parse()
+            .expect("timestamp is an integer");
+        assert!((start_ms..=end_ms).contains(&timestamp), "{point}");
+        sum += point["value"].as_f64().expect("value is a number");
+    }
+    let merged = client.merge(&found_in[0], &selector).total;
+    assert_eq!(sum, merged as f64, "{json_series}");
 }
 
 #[test]
@@ -501,6 +563,141 @@ fn concurrent_ingest_and_queries() {
     }
 }
 
+/// A folded upload of `service` at unix second `from`: `stacks` stacks `main;work_<i>` (the
+/// same every time, so the stored profile is mostly its own blob) plus `main;<marker>`.
+fn ingest_folded_at(client: &Client, service: &str, from: i64, marker: &str, stacks: usize) {
+    let mut body = format!("main;{marker} 1\n");
+    for i in 0..stacks {
+        body.push_str(&format!("main;work_{i} {}\n", 1 + i % 7));
+    }
+    let response = client.post(
+        &format!("/ingest?name={service}&from={from}&until={}", from + 15),
+        "text/plain",
+        body.as_bytes(),
+    );
+    assert_eq!(response.status, 200, "{}", response.text());
+}
+
+fn unix_now_s() -> i64 {
+    unix_now_ns() / 1_000_000_000
+}
+
+/// `--retention` in the running binary: a profile older than the retention disappears from
+/// queries within a few maintenance passes, a recent one stays, and /metrics counts it.
+#[test]
+fn retention_evicts_old_profiles_in_the_running_server() {
+    let scratch = Scratch::new("retention");
+    let server = ServerProcess::start(
+        &scratch.path("data"),
+        &["--retention", "1h", "--maintenance-interval", "1s"],
+    );
+    let client = server.client();
+    assert_eq!(
+        client.metric("profiler_store_profiles_evicted_total"),
+        Some(0.0)
+    );
+    // Stored although old: the store accepts any time, retention removes it later.
+    ingest_folded_at(&client, "aging", unix_now_s() - 2 * 3600, "old_work", 10);
+    ingest_folded_at(&client, "aging", unix_now_s(), "new_work", 10);
+    eventually(
+        "the old profile's eviction",
+        Duration::from_secs(60),
+        || (client.metric("profiler_store_profiles_evicted_total")? >= 1.0).then_some(()),
+    );
+    let names = flamegraph_names(&client.merge(CPU_TYPE, r#"{service_name="aging"}"#));
+    assert!(names.contains(&"new_work".to_owned()), "{names:?}");
+    assert!(!names.contains(&"old_work".to_owned()), "{names:?}");
+    assert_eq!(
+        client.metric("profiler_store_profiles_evicted_total"),
+        Some(1.0),
+        "only the old profile"
+    );
+}
+
+/// `--max-store-size` in the binary: at start a lowered cap deletes the oldest profiles until
+/// the data fits, and while running ingest beyond the cap is evicted again, oldest first.
+#[test]
+fn size_cap_evicts_the_oldest_profiles() {
+    const PROFILES: i64 = 40;
+    const STACKS: usize = 2000;
+    let scratch = Scratch::new("size-cap");
+    let data_dir = scratch.path("data");
+    let marker = |k: i64| format!("marker_{k:03}");
+    let first = unix_now_s() - PROFILES * 60;
+    let full_bytes = {
+        let server = ServerProcess::start(&data_dir, &[]);
+        let client = server.client();
+        for k in 0..PROFILES {
+            ingest_folded_at(&client, "sized", first + k * 60, &marker(k), STACKS);
+        }
+        client.metric("profiler_store_bytes").expect("store bytes")
+    };
+    let cap = (full_bytes / 2.0) as u64;
+    let cap_flag = format!("{cap}B");
+    let server = ServerProcess::start(
+        &data_dir,
+        &[
+            "--max-store-size",
+            &cap_flag,
+            "--maintenance-interval",
+            "1s",
+        ],
+    );
+    let client = server.client();
+    let evicted_at_start = client
+        .metric("profiler_store_profiles_evicted_total")
+        .expect("evicted counter");
+    assert!(evicted_at_start >= 1.0, "nothing evicted at start");
+    assert!(
+        evicted_at_start < PROFILES as f64,
+        "everything evicted: the cap of {cap} bytes is below the catalog"
+    );
+    let used = client.metric("profiler_store_bytes").expect("store bytes");
+    assert!(
+        used <= cap as f64,
+        "{used} bytes in use over the cap of {cap}"
+    );
+    // The survivors are the newest profiles: a run of markers up to the last one.
+    let survivors = |client: &Client| -> Vec<i64> {
+        flamegraph_names(&client.merge(CPU_TYPE, r#"{service_name="sized"}"#))
+            .iter()
+            .filter_map(|name| name.strip_prefix("marker_")?.parse().ok())
+            .collect()
+    };
+    let kept = survivors(&client);
+    let oldest_kept = PROFILES - kept.len() as i64;
+    assert_eq!(
+        kept,
+        (oldest_kept..PROFILES).collect::<Vec<_>>(),
+        "not the newest ones kept"
+    );
+    assert_eq!(
+        PROFILES - kept.len() as i64,
+        evicted_at_start as i64,
+        "the counter counts the evicted profiles"
+    );
+
+    // Running: newer profiles push the store over the cap again; the maintenance thread evicts
+    // the oldest ones.
+    // Minutes apart like the others (the last ones slightly in the future), so "oldest" is
+    // never a tie.
+    const MORE: i64 = 10;
+    for k in PROFILES..PROFILES + MORE {
+        ingest_folded_at(&client, "sized", first + k * 60, &marker(k), STACKS);
+    }
+    eventually("eviction while running", Duration::from_secs(60), || {
+        let evicted = client.metric("profiler_store_profiles_evicted_total")?;
+        let used = client.metric("profiler_store_bytes")?;
+        (evicted > evicted_at_start && used <= cap as f64).then_some(())
+    });
+    let kept = survivors(&client);
+    assert!(
+        kept.contains(&(PROFILES + MORE - 1)),
+        "the newest went: {kept:?}"
+    );
+    assert!(!kept.contains(&oldest_kept), "the oldest stayed: {kept:?}");
+}
+
 const MIB: usize = 1 << 20;
 
 /// What is wrong, path, headers, body, expected status.
@@ -536,6 +733,18 @@ fn bad_input_is_rejected_with_a_json_error_and_stores_nothing() {
         request.series[0].samples[0].raw_profile = raw_profile;
         prost::Message::encode_to_vec(&request)
     };
+    let bad_labels = |labels: &[(&str, &str)]| {
+        let mut request = good.clone();
+        request.series[0].labels = labels
+            .iter()
+            .map(|(name, value)| api::LabelPair {
+                name: (*name).into(),
+                value: (*value).into(),
+            })
+            .collect();
+        prost::Message::encode_to_vec(&request)
+    };
+    let long_value = "v".repeat(2049);
     let merge_json = |selector: &str| {
         serde_json::json!({"profileTypeID": CPU_TYPE, "labelSelector": selector, "start": "1"})
             .to_string()
@@ -578,6 +787,60 @@ fn bad_input_is_rejected_with_a_json_error_and_stores_nothing() {
             push,
             vec![("Content-Type", "application/json")],
             b"{\"series\": [{\"samples\": 3}]}".to_vec(),
+            400,
+        ),
+        (
+            "label name with a brace in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_labels(&[("service_name", "bad"), ("env{x", "prod")]),
+            400,
+        ),
+        (
+            "label name with a quote in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_labels(&[("service_name", "bad"), ("a\"b", "prod")]),
+            400,
+        ),
+        (
+            "empty label name in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_labels(&[("service_name", "bad"), ("", "prod")]),
+            400,
+        ),
+        (
+            "label given twice in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_labels(&[("service_name", "bad"), ("service_name", "other")]),
+            400,
+        ),
+        (
+            "profile name with a colon in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_labels(&[("__name__", "process:cpu"), ("service_name", "bad")]),
+            400,
+        ),
+        (
+            "label value over 2048 bytes in Push",
+            push,
+            vec![("Content-Type", "application/proto")],
+            bad_labels(&[("service_name", "bad"), ("env", &long_value)]),
+            400,
+        ),
+        (
+            "bad label name in Push JSON",
+            push,
+            vec![("Content-Type", "application/json")],
+            serde_json::json!({"series": [{
+                "labels": [{"name": "service_name", "value": "bad"}, {"name": "a=b", "value": "x"}],
+                "samples": [{"rawProfile": base64::Engine::encode(
+                    &base64::engine::general_purpose::STANDARD, gzip(&valid_pprof))}]}]})
+            .to_string()
+            .into_bytes(),
             400,
         ),
         (
@@ -931,6 +1194,47 @@ fn token_is_checked_on_every_route_but_metrics() {
     let forged = format!("{}00", cookie);
     assert_eq!(with_cookie("/api/health", &forged), 401);
     assert_eq!(with_cookie("/api/health", "profiler_token=s3cret"), 401);
+    // The probes are open (a kubelet sends no token) and `profiler server` is ready at once.
+    assert_eq!(anonymous.get("/healthz").status, 200);
+    assert_eq!(anonymous.get("/readyz").status, 200);
+}
+
+/// `--auth-metrics`: /metrics needs the token too; the probes stay open. Without a token the
+/// flag is refused, since it would protect nothing.
+#[test]
+fn auth_metrics_guards_metrics_with_the_token() {
+    let scratch = Scratch::new("auth-metrics");
+    let data_dir = scratch.path("data");
+    let server = ServerProcess::start(&data_dir, &["--auth-token", "m3trics", "--auth-metrics"]);
+    let anonymous = server.client();
+    let response = anonymous.get("/metrics");
+    assert_eq!(response.status, 401, "{}", response.text());
+    assert_eq!(response.header("www-authenticate"), Some("Bearer"));
+    response.json_error();
+    let wrong = server.client().with_token("nope").get("/metrics");
+    assert_eq!(wrong.status, 401);
+    // Client::metric reads /metrics with the client's token.
+    let authorized = server.client().with_token("m3trics");
+    assert!(authorized.metric("profiler_http_requests_total").is_some());
+    assert_eq!(anonymous.get("/healthz").status, 200);
+    assert_eq!(anonymous.get("/readyz").status, 200);
+    drop(server);
+
+    let data = data_dir.to_str().unwrap();
+    let err = match ServerProcess::try_start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data,
+        "--auth-metrics",
+    ]) {
+        Ok(server) => panic!(
+            "started on {} with --auth-metrics and no token",
+            server.addr
+        ),
+        Err(err) => err,
+    };
+    assert!(err.contains("--auth-token"), "{err}");
 }
 
 /// Static routes serve only files embedded in the binary: no way to the file system.

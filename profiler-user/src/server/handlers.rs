@@ -672,6 +672,23 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+/// `GET /healthz`: the process is alive and serves HTTP.
+pub async fn healthz() -> Response {
+    axum::Json(serde_json::json!({"status": "alive"})).into_response()
+}
+
+/// `GET /readyz`: 200 once the agent samples (or `profiler server` listens), else 503.
+pub async fn readyz(State(state): State<AppState>) -> Result<Response, ApiError> {
+    if !state.health.is_ready() {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "not ready: sampling is not running (starting up or stopping)",
+        ));
+    }
+    Ok(axum::Json(serde_json::json!({"status": "ready"})).into_response())
+}
+
 /// `GET /api/gpu?from=<unix ms>&until=<unix ms>`: NVML utilization history per GPU.
 pub async fn gpu(
     State(state): State<AppState>,

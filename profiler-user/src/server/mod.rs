@@ -1,6 +1,6 @@
 //! The HTTP server on one port: Pyroscope-compatible ingest (`/ingest`, Connect Push), the
 //! Connect query API Grafana and the web UI use (`querier.v1.QuerierService`), `/metrics`,
-//! `/api/health`, and the embedded web UI at `/`.
+//! `/api/health`, the probes `/healthz` and `/readyz`, and the embedded web UI at `/`.
 //!
 //! Runs on its own small tokio runtime thread, so the sampling pipeline never waits for it;
 //! store work runs on tokio's blocking pool.
@@ -14,7 +14,7 @@ use std::{
     net::{SocketAddr, TcpListener},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Instant,
 };
@@ -56,8 +56,10 @@ pub enum ServerError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
-    /// Bearer token required on every route but /metrics.
+    /// Bearer token required on every route but /metrics and the probes.
     pub auth_token: Option<String>,
+    /// Require the token on /metrics too.
+    pub auth_metrics: bool,
     /// Allow a non-loopback address without a token.
     pub insecure_listen: bool,
     pub max_body_bytes: usize,
@@ -68,6 +70,7 @@ impl ServerConfig {
         ServerConfig {
             listen,
             auth_token: None,
+            auth_metrics: false,
             insecure_listen: false,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         }
@@ -91,6 +94,9 @@ pub struct HealthBoard {
     started: Instant,
     pub http_requests: AtomicU64,
     pub http_errors: AtomicU64,
+    /// Whether `/readyz` answers 200: set once the agent samples (the server alone: once it
+    /// listens), cleared when it stops.
+    ready: AtomicBool,
 }
 
 impl Default for HealthBoard {
@@ -101,11 +107,20 @@ impl Default for HealthBoard {
             started: Instant::now(),
             http_requests: AtomicU64::new(0),
             http_errors: AtomicU64::new(0),
+            ready: AtomicBool::new(false),
         }
     }
 }
 
 impl HealthBoard {
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
     pub fn publish(&self, metrics: SelfMetrics) {
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = metrics;
     }
@@ -159,6 +174,8 @@ pub fn router(state: AppState) -> Router {
             post(handlers::querier),
         )
         .route("/metrics", get(handlers::metrics))
+        .route(LIVENESS_PATH, get(handlers::healthz))
+        .route(READINESS_PATH, get(handlers::readyz))
         .route("/api/health", get(handlers::health))
         .route("/api/gpu", get(handlers::gpu))
         .route("/api/pprof", get(handlers::pprof_download))
@@ -179,13 +196,22 @@ async fn method_not_allowed(method: Method) -> ApiError {
 
 /// Cookie that carries the token for a browser after it opened `/?token=TOKEN` once.
 pub const TOKEN_COOKIE: &str = "profiler_token";
+/// Liveness probe: 200 while the process serves HTTP.
+pub const LIVENESS_PATH: &str = "/healthz";
+/// Readiness probe: 200 once sampling runs, 503 before and while stopping.
+pub const READINESS_PATH: &str = "/readyz";
 
 /// Checks the bearer token (header or cookie) and counts requests and errors. `/?token=TOKEN`
 /// with the right token sets the cookie and redirects to `/`, so a browser can open the UI.
+/// The probes never need the token (a kubelet has none), nor does /metrics unless
+/// `auth_metrics`; they reveal no profile data.
 async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
     state.health.http_requests.fetch_add(1, Ordering::Relaxed);
+    let path = request.uri().path();
+    let probe = path == LIVENESS_PATH || path == READINESS_PATH;
+    let open = probe || (path == "/metrics" && !state.config.auth_metrics);
     if let Some(token) = &state.config.auth_token
-        && request.uri().path() != "/metrics"
+        && !open
     {
         if request.uri().path() == "/"
             && let Some(offered) = query_token(request.uri())
@@ -205,14 +231,48 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
             cookie_tokens(headers).any(|presented| constant_time_eq(&presented, token.as_bytes()))
         };
         if !bearer && !cookie() {
-            return unauthorized(&state);
+            let mut response = unauthorized(&state);
+            if has_body(request.headers()) {
+                // The body stays unread: tell the client the connection ends here.
+                close_connection(&mut response);
+            }
+            return response;
         }
     }
+    // The whole body (within the limit) is read before the handler runs. A handler that rejects
+    // a request early would otherwise leave the rest unread, and hyper then drops the connection
+    // without saying so: the client's next request on that kept-alive connection would fail.
+    let (parts, body) = request.into_parts();
+    let request = match connect::read_body(body, state.config.max_body_bytes).await {
+        Ok(bytes) => Request::from_parts(parts, axum::body::Body::from(bytes)),
+        Err(err) => {
+            state.health.http_errors.fetch_add(1, Ordering::Relaxed);
+            let mut response = err.into_response();
+            close_connection(&mut response);
+            return response;
+        }
+    };
     let response = next.run(request).await;
-    if response.status().is_client_error() || response.status().is_server_error() {
+    // A 503 from /readyz while starting is an answer, not an error of the server.
+    if !probe && (response.status().is_client_error() || response.status().is_server_error()) {
         state.health.http_errors.fetch_add(1, Ordering::Relaxed);
     }
     response
+}
+
+/// Whether a request announces a body (a length above 0, or chunked).
+fn has_body(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .is_some_and(|length| length != "0")
+}
+
+/// `Connection: close`: the server will not read the rest of this request.
+fn close_connection(response: &mut Response) {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
 }
 
 fn unauthorized(state: &AppState) -> Response {

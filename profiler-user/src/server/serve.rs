@@ -4,7 +4,7 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     sync::{
-        Arc,
+        Arc, LazyLock,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
@@ -12,11 +12,23 @@ use std::{
 
 use clap::{Args, ValueEnum};
 
-use super::{AppState, DEFAULT_LISTEN, HealthBoard, Server, ServerConfig, ServerError};
-use crate::store::{DEFAULT_DATA_DIR, Store, StoreError, StoreSettings};
+use super::{
+    AppState, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, HealthBoard, Server, ServerConfig,
+    ServerError,
+};
+use crate::store::{
+    DEFAULT_DATA_DIR, DEFAULT_MAINTENANCE_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_RETENTION, Store,
+    StoreError, StoreSettings,
+};
 
-/// How often retention and the size cap are enforced.
-const MAINTENANCE_EVERY: Duration = Duration::from_secs(60);
+// The flags' defaults as `--help` shows them, written from the constants the store and server
+// use, so there is one source for each default.
+static DEFAULT_RETENTION_TEXT: LazyLock<String> = LazyLock::new(|| format_age(DEFAULT_RETENTION));
+static DEFAULT_MAINTENANCE_TEXT: LazyLock<String> =
+    LazyLock::new(|| format_age(DEFAULT_MAINTENANCE_INTERVAL));
+static DEFAULT_MAX_STORE_TEXT: LazyLock<String> = LazyLock::new(|| format_size(DEFAULT_MAX_BYTES));
+static DEFAULT_MAX_BODY_TEXT: LazyLock<String> =
+    LazyLock::new(|| format_size(DEFAULT_MAX_BODY_BYTES as u64));
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
@@ -39,19 +51,30 @@ pub struct ServerArgs {
     #[arg(long, env = "PROFILER_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
     /// How long stored profiles are kept (e.g. 7d, 12h, 90m, 3600s).
-    #[arg(long, env = "PROFILER_RETENTION", default_value = "7d", value_parser = parse_age)]
+    #[arg(long, env = "PROFILER_RETENTION", default_value = DEFAULT_RETENTION_TEXT.as_str(),
+          value_parser = parse_age)]
     pub retention: Duration,
     /// Size cap of the embedded store; the oldest profiles are deleted beyond it (e.g. 10GiB, 500MiB).
-    #[arg(long, env = "PROFILER_MAX_STORE_SIZE", default_value = "10GiB", value_parser = parse_size)]
+    #[arg(long, env = "PROFILER_MAX_STORE_SIZE", default_value = DEFAULT_MAX_STORE_TEXT.as_str(),
+          value_parser = parse_size)]
     pub max_store_size: u64,
-    /// Bearer token required on every HTTP route except /metrics.
+    /// How often --retention and --max-store-size are enforced while running (also at start).
+    #[arg(long, env = "PROFILER_MAINTENANCE_INTERVAL",
+          default_value = DEFAULT_MAINTENANCE_TEXT.as_str(), value_parser = parse_age)]
+    pub maintenance_interval: Duration,
+    /// Bearer token required on every HTTP route except /metrics, /healthz and /readyz
+    /// (/metrics too with --auth-metrics).
     #[arg(long, env = "PROFILER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// Require --auth-token on /metrics as well (Prometheus then needs the bearer token).
+    #[arg(long, env = "PROFILER_AUTH_METRICS", requires = "auth_token")]
+    pub auth_metrics: bool,
     /// Allow --listen on a non-loopback address without --auth-token.
     #[arg(long, env = "PROFILER_INSECURE_LISTEN")]
     pub insecure_listen: bool,
     /// Largest accepted request body, also after decompression (e.g. 16MiB).
-    #[arg(long, env = "PROFILER_MAX_BODY_SIZE", default_value = "16MiB", value_parser = parse_size)]
+    #[arg(long, env = "PROFILER_MAX_BODY_SIZE", default_value = DEFAULT_MAX_BODY_TEXT.as_str(),
+          value_parser = parse_size)]
     pub max_body_size: u64,
 }
 
@@ -85,6 +108,7 @@ impl ServerArgs {
             server: ServerConfig {
                 listen: self.listen,
                 auth_token: self.auth_token.filter(|t| !t.is_empty()),
+                auth_metrics: self.auth_metrics,
                 insecure_listen: self.insecure_listen,
                 max_body_bytes: self.max_body_size.min(usize::MAX as u64) as usize,
             },
@@ -92,6 +116,7 @@ impl ServerArgs {
                 data_dir: self.data_dir,
                 retention: self.retention,
                 max_bytes: self.max_store_size,
+                maintenance_interval: self.maintenance_interval,
             }),
         }
     }
@@ -121,6 +146,34 @@ pub(crate) fn parse_age(text: &str) -> Result<Duration, String> {
         _ => Err(format!(
             "'{text}' is not a positive duration (e.g. 7d, 12h, 90m, 3600s)"
         )),
+    }
+}
+
+/// The shortest text [`parse_age`] reads back as `age`: the largest unit that divides it.
+pub(crate) fn format_age(age: Duration) -> String {
+    let seconds = age.as_secs();
+    let unit = [(86_400, "d"), (3600, "h"), (60, "m")]
+        .into_iter()
+        .find(|(size, _)| seconds > 0 && seconds.is_multiple_of(*size));
+    match unit {
+        Some((size, suffix)) => format!("{}{suffix}", seconds / size),
+        None => format!("{seconds}s"),
+    }
+}
+
+/// The shortest text [`parse_size`] reads back as `bytes`, in binary units.
+pub(crate) fn format_size(bytes: u64) -> String {
+    let unit = [
+        (1u64 << 40, "TiB"),
+        (1 << 30, "GiB"),
+        (1 << 20, "MiB"),
+        (1 << 10, "KiB"),
+    ]
+    .into_iter()
+    .find(|(size, _)| bytes > 0 && bytes.is_multiple_of(*size));
+    match unit {
+        Some((size, suffix)) => format!("{}{suffix}", bytes / size),
+        None => format!("{bytes}B"),
     }
 }
 
@@ -182,7 +235,7 @@ impl Serving {
             if let Err(err) = store.enforce_limits() {
                 tracing::warn!("{err}");
             }
-            store.spawn_maintenance(MAINTENANCE_EVERY);
+            store.spawn_maintenance(store.settings().maintenance_interval);
         }
         let health = Arc::new(HealthBoard::default());
         let server = Server::start(AppState {
@@ -209,9 +262,12 @@ impl Serving {
 /// `profiler server`: the store and the HTTP server without sampling, until `stop`.
 pub fn run_server(config: &ServeConfig, stop: &AtomicBool) -> Result<(), ServeError> {
     let serving = Serving::start(config)?;
+    // Nothing to attach: ready as soon as it listens.
+    serving.health.set_ready(true);
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(100));
     }
+    serving.health.set_ready(false);
     tracing::info!("stopping the server");
     serving.shutdown();
     Ok(())
@@ -220,6 +276,50 @@ pub fn run_server(config: &ServeConfig, stop: &AtomicBool) -> Result<(), ServeEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flag_defaults_are_the_store_and_server_constants() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            server: ServerArgs,
+        }
+        let config = Cli::try_parse_from(["profiler"])
+            .unwrap()
+            .server
+            .into_config(Switch::On);
+        let store = config.store.unwrap();
+        assert_eq!(store, StoreSettings::new(DEFAULT_DATA_DIR));
+        assert_eq!(store.retention, Duration::from_secs(7 * 86_400));
+        assert_eq!(config.server.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        // What --help shows (docs/configuration.md lists the same; tests/tests/deploy.rs checks).
+        assert_eq!(DEFAULT_RETENTION_TEXT.as_str(), "7d");
+        assert_eq!(DEFAULT_MAX_STORE_TEXT.as_str(), "10GiB");
+        assert_eq!(DEFAULT_MAINTENANCE_TEXT.as_str(), "1m");
+        assert_eq!(DEFAULT_MAX_BODY_TEXT.as_str(), "16MiB");
+    }
+
+    #[test]
+    fn formatted_ages_and_sizes_parse_back() {
+        for seconds in [1, 59, 60, 90, 3600, 86_400, 7 * 86_400, 10 * 86_400 + 1] {
+            let age = Duration::from_secs(seconds);
+            assert_eq!(parse_age(&format_age(age)), Ok(age), "{seconds}");
+        }
+        for bytes in [
+            1,
+            1000,
+            1024,
+            16 << 20,
+            10 << 30,
+            (1 << 40) * 3,
+            1_000_000_007,
+        ] {
+            assert_eq!(parse_size(&format_size(bytes)), Ok(bytes), "{bytes}");
+        }
+        assert_eq!(format_age(Duration::from_secs(5400)), "90m");
+        assert_eq!(format_size(1536), "1536B");
+    }
 
     #[test]
     fn ages_and_sizes_parse_with_units() {

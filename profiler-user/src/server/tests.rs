@@ -14,6 +14,7 @@ const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
 struct TestServer {
     server: Server,
     store: Store,
+    health: Arc<HealthBoard>,
     _dir: tempfile::TempDir,
 }
 
@@ -27,15 +28,17 @@ impl TestServer {
         let store = Store::open(StoreSettings::new(dir.path())).unwrap();
         let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap());
         adjust(&mut config);
+        let health = Arc::new(HealthBoard::default());
         let server = Server::start(AppState {
             store: Some(store.clone()),
-            health: Arc::new(HealthBoard::default()),
+            health: health.clone(),
             config: Arc::new(config),
         })
         .unwrap();
         TestServer {
             server,
             store,
+            health,
             _dir: dir,
         }
     }
@@ -530,6 +533,117 @@ fn token_guards_everything_but_metrics() {
             .unwrap()
             .contains("profiler_http_requests_total")
     );
+    // The probes answer without the token (a kubelet has none).
+    assert_eq!(server.get("/healthz").0, 200);
+    server.health.set_ready(true);
+    assert_eq!(server.get("/readyz").0, 200);
+}
+
+/// Sends one HTTP/1.1 request on `stream` and reads its response: (status, headers in lower
+/// case, body).
+fn exchange(
+    stream: &mut std::net::TcpStream,
+    target: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String, Vec<u8>) {
+    use std::io::{BufRead, Read};
+    write!(
+        stream,
+        "POST {target} HTTP/1.1\r\nHost: test\r\nContent-Length: {}\r\n{headers}\r\n",
+        body.len()
+    )
+    .unwrap();
+    stream.write_all(body).unwrap();
+    let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "{target}: the connection closed before a response"
+        );
+        if line == "\r\n" {
+            break;
+        }
+        head.push_str(&line.to_ascii_lowercase());
+    }
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).unwrap();
+    (status, head, body)
+}
+
+#[test]
+fn a_request_rejected_early_leaves_the_connection_usable() {
+    let server = TestServer::start();
+    let mut stream = std::net::TcpStream::connect(server.server.local_addr()).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let big = b"main;work 1\n".repeat(50_000);
+    let text = "Content-Type: text/plain\r\n";
+    // Rejected for its application name, before the handler needs the body.
+    let (status, _, body) = exchange(&mut stream, "/ingest?name=%7Bbad", text, &big);
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    // The same kept-alive connection answers the next request.
+    let (status, _, body) = exchange(&mut stream, "/ingest?name=good", text, b"main;work 1\n");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(server.profile_count(), 1);
+
+    // A refused token leaves the body unread: the server says it closes the connection. (A
+    // small body, which the server has received whole before it answers: a large one could
+    // meet a closed socket while still being written.)
+    let guarded = TestServer::with_config(|c| c.auth_token = Some("t".into()));
+    let mut stream = std::net::TcpStream::connect(guarded.server.local_addr()).unwrap();
+    let (status, head, _) = exchange(&mut stream, "/ingest?name=good", text, b"main;work 1\n");
+    assert_eq!(status, 401);
+    assert!(head.contains("connection: close"), "{head}");
+}
+
+#[test]
+fn auth_metrics_puts_metrics_behind_the_token() {
+    let server = TestServer::with_config(|c| {
+        c.auth_token = Some("s3cret".into());
+        c.auth_metrics = true;
+    });
+    let (status, body) = server.get("/metrics");
+    assert_json_error(status, &body, 401, "bearer token");
+    let right = ureq2::get(&server.url("/metrics"))
+        .set("Authorization", "Bearer s3cret")
+        .call();
+    let (status, body) = read(right);
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&body).contains("profiler_http_requests_total"));
+    assert_eq!(server.get("/healthz").0, 200, "probes stay open");
+}
+
+#[test]
+fn readiness_follows_the_agent_and_liveness_does_not() {
+    let server = TestServer::start();
+    let (status, body) = server.get("/readyz");
+    assert_json_error(status, &body, 503, "not ready");
+    let (status, body) = server.get("/healthz");
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"],
+        "alive"
+    );
+    server.health.set_ready(true);
+    let (status, body) = server.get("/readyz");
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap()["status"],
+        "ready"
+    );
+    server.health.set_ready(false);
+    assert_eq!(server.get("/readyz").0, 503);
+    // Probe answers are not counted as server errors.
+    assert_eq!(server.health.http_errors.load(Ordering::Relaxed), 0);
 }
 
 #[test]

@@ -163,20 +163,24 @@ pub fn profiles_from_pprof(
     let string = |i: i64| pprof.string_table[i as usize].as_str();
     let malformed = |msg: String| IngestError::MalformedPprof(msg);
 
-    // Function names, deduplicated, and each location's frames root first.
+    // Function names, deduplicated, and each location's frames root first. Names are keyed by
+    // string-table index (no hashing or copying of the text per lookup); the module+address
+    // labels of unsymbolized frames are the only owned keys.
     let mut names: Vec<String> = Vec::new();
-    let mut name_index: HashMap<String, u32> = HashMap::new();
-    let mut intern = |s: &str, names: &mut Vec<String>| -> u32 {
-        if let Some(&i) = name_index.get(s) {
-            return i;
+    let mut name_of_string: Vec<u32> = vec![u32::MAX; pprof.string_table.len()];
+    let mut name_of_label: HashMap<String, u32> = HashMap::new();
+    let mut intern_string = |i: i64, names: &mut Vec<String>| -> u32 {
+        let slot = &mut name_of_string[i as usize];
+        if *slot == u32::MAX {
+            names.push(string(i).to_owned());
+            *slot = names.len() as u32 - 1;
         }
-        names.push(s.to_owned());
-        name_index.insert(s.to_owned(), names.len() as u32 - 1);
-        names.len() as u32 - 1
+        *slot
     };
     let functions: HashMap<u64, &proto::Function> =
         pprof.function.iter().map(|f| (f.id, f)).collect();
     let mappings: HashMap<u64, &proto::Mapping> = pprof.mapping.iter().map(|m| (m.id, m)).collect();
+    let unknown = "[unknown]";
     let mut locations: HashMap<u64, Vec<u32>> = HashMap::with_capacity(pprof.location.len());
     for location in &pprof.location {
         let mut frames = Vec::with_capacity(location.line.len().max(1));
@@ -187,20 +191,14 @@ pub fn profiles_from_pprof(
                     location.id, line.function_id
                 ))
             })?;
-            let function_name = string(function.name);
-            let function_name = if function_name.is_empty() {
-                string(function.system_name)
+            let name = if !string(function.name).is_empty() {
+                intern_string(function.name, &mut names)
+            } else if !string(function.system_name).is_empty() {
+                intern_string(function.system_name, &mut names)
             } else {
-                function_name
+                intern_label(&mut name_of_label, unknown.to_owned(), &mut names)
             };
-            frames.push(intern(
-                if function_name.is_empty() {
-                    "[unknown]"
-                } else {
-                    function_name
-                },
-                &mut names,
-            ));
+            frames.push(name);
         }
         if frames.is_empty() {
             // Unsymbolized: name it by module and address so distinct addresses stay apart.
@@ -213,7 +211,7 @@ pub fn profiles_from_pprof(
                 Some(module) => format!("{module}+0x{:x}", location.address),
                 None => format!("0x{:x}", location.address),
             };
-            frames.push(intern(&label, &mut names));
+            frames.push(intern_label(&mut name_of_label, label, &mut names));
         }
         locations.insert(location.id, frames);
     }
@@ -225,8 +223,10 @@ pub fn profiles_from_pprof(
     };
     let period_type = pprof.period_type.as_ref();
     let mut out = Vec::new();
-    // (sample type index, label set) → position in `out`.
-    let mut groups: HashMap<(usize, Vec<(String, String)>), usize> = HashMap::new();
+    // Distinct sample label sets, and (sample type index, label set index) → position in `out`.
+    let mut label_sets: HashMap<Vec<(String, String)>, usize> = HashMap::new();
+    let mut groups: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut labels: Vec<(String, String)> = Vec::new();
     for sample in &pprof.sample {
         let mut path = Vec::with_capacity(sample.location_id.len() * 2);
         for id in sample.location_id.iter().rev() {
@@ -235,51 +235,83 @@ pub fn profiles_from_pprof(
                 .ok_or_else(|| malformed(format!("a sample refers to unknown location {id}")))?;
             path.extend_from_slice(frames);
         }
-        let mut labels: Vec<(String, String)> = sample
-            .label
-            .iter()
-            .filter(|l| l.str != 0)
-            .map(|l| (string(l.key).to_owned(), string(l.str).to_owned()))
-            .filter(|(k, _)| !matches!(k.as_str(), "trace_id" | "span_id" | "profile_id"))
-            // Series labels win over sample labels of the same name.
-            .filter(|(k, _)| !series_labels.iter().any(|(s, _)| s == k))
-            .collect();
+        labels.clear();
+        labels.extend(
+            sample
+                .label
+                .iter()
+                .filter(|l| l.str != 0)
+                .map(|l| (string(l.key), string(l.str)))
+                .filter(|(k, _)| !matches!(*k, "trace_id" | "span_id" | "profile_id"))
+                // Series labels win over sample labels of the same name.
+                .filter(|(k, _)| !series_labels.iter().any(|(s, _)| s == k))
+                .map(|(k, v)| (k.to_owned(), v.to_owned())),
+        );
         labels.sort();
         labels.dedup_by(|a, b| a.0 == b.0);
+        let label_set = match label_sets.get(labels.as_slice()) {
+            Some(&index) => index,
+            None => {
+                let index = label_sets.len();
+                label_sets.insert(labels.clone(), index);
+                index
+            }
+        };
+        let last_value = sample.value.iter().rposition(|v| *v != 0);
         for (type_index, value) in sample.value.iter().enumerate() {
             if *value == 0 {
                 continue;
             }
-            let position = *groups
-                .entry((type_index, labels.clone()))
-                .or_insert_with(|| {
-                    let sample_type = &pprof.sample_type[type_index];
-                    let mut all_labels = series_labels.to_vec();
-                    all_labels.extend(labels.iter().cloned());
-                    out.push(NewProfile {
-                        profile_type: Some(ProfileType {
-                            name: name.to_owned(),
-                            sample_type: string(sample_type.r#type).to_owned(),
-                            sample_unit: string(sample_type.unit).to_owned(),
-                            period_type: period_type.map_or("", |p| string(p.r#type)).to_owned(),
-                            period_unit: period_type.map_or("", |p| string(p.unit)).to_owned(),
-                        }),
-                        labels: all_labels,
-                        time_ns,
-                        duration_ns: pprof.duration_nanos,
-                        names: Vec::new(),
-                        stacks: Vec::new(),
-                    });
-                    out.len() - 1
+            let position = *groups.entry((type_index, label_set)).or_insert_with(|| {
+                let sample_type = &pprof.sample_type[type_index];
+                let mut all_labels = series_labels.to_vec();
+                all_labels.extend(labels.iter().cloned());
+                out.push(NewProfile {
+                    profile_type: Some(ProfileType {
+                        name: name.to_owned(),
+                        sample_type: string(sample_type.r#type).to_owned(),
+                        sample_unit: string(sample_type.unit).to_owned(),
+                        period_type: period_type.map_or("", |p| string(p.r#type)).to_owned(),
+                        period_unit: period_type.map_or("", |p| string(p.unit)).to_owned(),
+                    }),
+                    labels: all_labels,
+                    time_ns,
+                    duration_ns: pprof.duration_nanos,
+                    names: Vec::new(),
+                    stacks: Vec::new(),
                 });
-            out[position].stacks.push((path.clone(), *value));
+                out.len() - 1
+            });
+            // The path is shared by the sample's values; the last one takes it.
+            let path = if Some(type_index) == last_value {
+                std::mem::take(&mut path)
+            } else {
+                path.clone()
+            };
+            out[position].stacks.push((path, *value));
         }
     }
-    for profile in &mut out {
-        profile.names = names.clone();
+    if let Some((last, rest)) = out.split_last_mut() {
+        for profile in rest {
+            profile.names = names.clone();
+        }
+        last.names = names;
+    }
+    for profile in &out {
         validate_labels(&profile.labels)?;
     }
     Ok(out)
+}
+
+/// The name id of an owned frame label, added to `names` when new.
+fn intern_label(index: &mut HashMap<String, u32>, label: String, names: &mut Vec<String>) -> u32 {
+    if let Some(&id) = index.get(&label) {
+        return id;
+    }
+    names.push(label.clone());
+    let id = names.len() as u32 - 1;
+    index.insert(label, id);
+    id
 }
 
 /// Structural checks before any use (§1.5.2); afterwards every index used is in range.

@@ -38,6 +38,8 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/profiler";
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
 /// Default cap on the store's size on disk.
 pub const DEFAULT_MAX_BYTES: u64 = 10 << 30;
+/// Default period of enforcing the retention and the size cap.
+pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(60);
 const DATABASE_FILE: &str = "profiles.db";
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +64,8 @@ pub struct StoreSettings {
     pub retention: Duration,
     /// Beyond this many bytes of data the oldest profiles are deleted.
     pub max_bytes: u64,
+    /// How often the retention and the size cap are enforced while running.
+    pub maintenance_interval: Duration,
 }
 
 impl StoreSettings {
@@ -70,6 +74,7 @@ impl StoreSettings {
             data_dir: data_dir.into(),
             retention: DEFAULT_RETENTION,
             max_bytes: DEFAULT_MAX_BYTES,
+            maintenance_interval: DEFAULT_MAINTENANCE_INTERVAL,
         }
     }
 }
@@ -239,8 +244,8 @@ const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS names(id INTEGER PRIMARY KEY, name TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS spaces(id INTEGER PRIMARY KEY, profile_type TEXT NOT NULL,
     service_name TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS nodes(space_id INTEGER NOT NULL, idx INTEGER NOT NULL,
-    parent INTEGER NOT NULL, name_id INTEGER NOT NULL, PRIMARY KEY(space_id, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS node_blocks(space_id INTEGER NOT NULL, first_idx INTEGER NOT NULL,
+    nodes BLOB NOT NULL, PRIMARY KEY(space_id, first_idx)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS series(id INTEGER PRIMARY KEY, space_id INTEGER NOT NULL,
     profile_type TEXT NOT NULL, labels TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS profiles(id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL,
@@ -276,13 +281,14 @@ impl Store {
         };
         std::fs::create_dir_all(&settings.data_dir).map_err(|e| open_error(e.to_string()))?;
         let path = settings.data_dir.join(DATABASE_FILE);
-        let conn = Connection::open(&path).map_err(|e| open_error(e.to_string()))?;
+        let mut conn = Connection::open(&path).map_err(|e| open_error(e.to_string()))?;
         // Must precede the first table: lets deleted pages be returned to the file system.
         conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")
             .map_err(|e| open_error(e.to_string()))?;
         configure(&conn).map_err(|e| open_error(e.to_string()))?;
         conn.execute_batch(SCHEMA)
             .map_err(|e| open_error(e.to_string()))?;
+        migrate_node_rows(&mut conn).map_err(|e| open_error(e.to_string()))?;
         let catalog = load_catalog(&conn).map_err(|e| open_error(e.to_string()))?;
         tracing::info!(
             path = %path.display(),
@@ -384,13 +390,16 @@ impl Store {
                     params![id, space.profile_type, space.service_name],
                 )?;
             }
-            let mut insert_node = tx.prepare_cached(
-                "INSERT INTO nodes(space_id, idx, parent, name_id) VALUES (?, ?, ?, ?)",
+            let mut insert_nodes = tx.prepare_cached(
+                "INSERT INTO node_blocks(space_id, first_idx, nodes) VALUES (?, ?, ?)",
             )?;
             for &(space_id, before) in &additions.nodes {
                 let space = &catalog.spaces[&space_id];
-                for (idx, &(parent, name)) in space.nodes.iter().enumerate().skip(before.max(1)) {
-                    insert_node.execute(params![space_id, idx as i64, parent, name])?;
+                // Node 0, the root, is implicit.
+                let first = before.max(1);
+                if first < space.nodes.len() {
+                    let block = codec::encode_nodes(first, &space.nodes[first..]);
+                    insert_nodes.execute(params![space_id, first as i64, block])?;
                 }
             }
             for id in &additions.series {
@@ -599,7 +608,7 @@ impl Store {
             .copied()
             .collect();
         for id in unused {
-            writer.execute("DELETE FROM nodes WHERE space_id = ?", [id])?;
+            writer.execute("DELETE FROM node_blocks WHERE space_id = ?", [id])?;
             writer.execute("DELETE FROM spaces WHERE id = ?", [id])?;
             if let Some(space) = catalog.spaces.remove(&id) {
                 catalog
@@ -816,7 +825,50 @@ fn encode_profile(
     }
 }
 
-fn load_catalog(conn: &Connection) -> rusqlite::Result<Catalog> {
+/// Stores written before node blocks kept one `nodes` row per node: converts them to one block
+/// per space in a single transaction (a crash midway leaves the old table in place).
+fn migrate_node_rows(conn: &mut Connection) -> Result<(), StoreError> {
+    let old: i64 = conn.query_row(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'nodes'",
+        [],
+        |r| r.get(0),
+    )?;
+    if old == 0 {
+        return Ok(());
+    }
+    let tx = conn.transaction()?;
+    {
+        let mut blocks: Vec<(i64, Vec<(u32, u32)>)> = Vec::new();
+        let mut stmt =
+            tx.prepare("SELECT space_id, idx, parent, name_id FROM nodes ORDER BY space_id, idx")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let space_id: i64 = row.get(0)?;
+            let (idx, parent, name): (u32, u32, u32) = (row.get(1)?, row.get(2)?, row.get(3)?);
+            if blocks.last().is_none_or(|(id, _)| *id != space_id) {
+                blocks.push((space_id, Vec::new()));
+            }
+            let nodes = &mut blocks.last_mut().expect("just pushed").1;
+            if idx as usize != nodes.len() + 1 || parent >= idx {
+                return Err(StoreError::Corrupt(codec::CorruptProfile(
+                    "call-tree nodes are not numbered in order",
+                )));
+            }
+            nodes.push((parent, name));
+        }
+        let mut insert =
+            tx.prepare("INSERT INTO node_blocks(space_id, first_idx, nodes) VALUES (?, 1, ?)")?;
+        for (space_id, nodes) in &blocks {
+            insert.execute(params![space_id, codec::encode_nodes(1, nodes)])?;
+        }
+    }
+    tx.execute("DROP TABLE nodes", [])?;
+    tx.commit()?;
+    tracing::info!("profile store: converted call-tree nodes to node blocks");
+    Ok(())
+}
+
+fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
     let mut catalog = Catalog::default();
     {
         let mut stmt = conn.prepare("SELECT id, name FROM names ORDER BY id")?;
@@ -843,17 +895,29 @@ fn load_catalog(conn: &Connection) -> rusqlite::Result<Catalog> {
         }
     }
     {
-        let mut stmt = conn
-            .prepare("SELECT space_id, idx, parent, name_id FROM nodes ORDER BY space_id, idx")?;
+        let mut stmt = conn.prepare(
+            "SELECT space_id, first_idx, nodes FROM node_blocks ORDER BY space_id, first_idx",
+        )?;
         let mut rows = stmt.query([])?;
         while let Some(row) = rows.next()? {
             let space_id: i64 = row.get(0)?;
-            let (idx, parent, name): (u32, u32, u32) = (row.get(1)?, row.get(2)?, row.get(3)?);
-            if let Some(space) = catalog.spaces.get_mut(&space_id) {
-                debug_assert_eq!(idx as usize, space.nodes.len());
-                space.nodes.push((parent, name));
-                space.index.insert((parent, name), idx);
+            let first: i64 = row.get(1)?;
+            let Some(space) = catalog.spaces.get_mut(&space_id) else {
+                continue;
+            };
+            // Blocks are written in one transaction with the nodes before them, so a gap or
+            // overlap means the file was damaged.
+            if first != space.nodes.len() as i64 {
+                return Err(StoreError::Corrupt(codec::CorruptProfile(
+                    "call-tree node blocks do not follow each other",
+                )));
             }
+            let block = row.get_ref(2)?.as_blob().map_err(rusqlite::Error::from)?;
+            let Space { nodes, index, .. } = space;
+            codec::decode_nodes(first as usize, block, |parent, name| {
+                index.insert((parent, name), nodes.len() as u32);
+                nodes.push((parent, name));
+            })?;
         }
     }
     let mut ranges: HashMap<i64, (i64, i64)> = HashMap::new();

@@ -159,6 +159,104 @@ fn survives_reopen_and_keeps_interning() {
 }
 
 #[test]
+fn node_rows_of_older_stores_become_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        // Two writes: two blocks for `api`, one for `web`.
+        store
+            .ingest(&[
+                profile("api", &[], NOW, &[("a;b;c", 3)]),
+                profile("web", &[], NOW, &[("x;y", 1)]),
+            ])
+            .unwrap();
+        store
+            .ingest(&[profile("api", &[], NOW + 1, &[("a;b;d", 1), ("e", 2)])])
+            .unwrap();
+    }
+    // Rewrite the file as the one-row-per-node layout stores used before node blocks.
+    {
+        let conn = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE nodes(space_id INTEGER NOT NULL, idx INTEGER NOT NULL, \
+             parent INTEGER NOT NULL, name_id INTEGER NOT NULL, PRIMARY KEY(space_id, idx)) \
+             WITHOUT ROWID;",
+        )
+        .unwrap();
+        let blocks: Vec<(i64, i64, Vec<u8>)> = conn
+            .prepare("SELECT space_id, first_idx, nodes FROM node_blocks")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(blocks.len(), 3, "{blocks:?}");
+        for (space, first, bytes) in blocks {
+            let mut idx = first;
+            codec::decode_nodes(first as usize, &bytes, |parent, name| {
+                conn.execute(
+                    "INSERT INTO nodes VALUES (?, ?, ?, ?)",
+                    params![space, idx, parent, name],
+                )
+                .unwrap();
+                idx += 1;
+            })
+            .unwrap();
+        }
+        conn.execute_batch("DROP TABLE node_blocks;").unwrap();
+    }
+    let store = open(dir.path());
+    let tree = store.merge(&selection("{}", 0, i64::MAX)).unwrap();
+    assert_eq!(
+        tree.folded(),
+        vec![
+            ("a;b;c".to_owned(), 3),
+            ("a;b;d".to_owned(), 1),
+            ("e".to_owned(), 2),
+            ("x;y".to_owned(), 1)
+        ]
+    );
+    // New nodes continue after the converted ones.
+    store
+        .ingest(&[profile("api", &[], NOW + 2, &[("a;f", 5)])])
+        .unwrap();
+    drop(store);
+    let store = open(dir.path());
+    let tree = store
+        .merge(&selection(r#"{service_name="api"}"#, 0, i64::MAX))
+        .unwrap();
+    assert_eq!(
+        tree.folded(),
+        vec![
+            ("a;b;c".to_owned(), 3),
+            ("a;b;d".to_owned(), 1),
+            ("a;f".to_owned(), 5),
+            ("e".to_owned(), 2),
+        ]
+    );
+}
+
+#[test]
+fn a_gap_between_node_blocks_is_reported_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        store
+            .ingest(&[profile("api", &[], NOW, &[("a;b", 1)])])
+            .unwrap();
+        store
+            .ingest(&[profile("api", &[], NOW + 1, &[("a;c", 1)])])
+            .unwrap();
+    }
+    let conn = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+    conn.execute("DELETE FROM node_blocks WHERE first_idx = 1", [])
+        .unwrap();
+    drop(conn);
+    let err = Store::open(StoreSettings::new(dir.path())).err().unwrap();
+    assert!(err.to_string().contains("node blocks"), "{err}");
+}
+
+#[test]
 fn retention_and_size_cap_delete_the_oldest() {
     let dir = tempfile::tempdir().unwrap();
     let mut settings = StoreSettings::new(dir.path());
