@@ -73,11 +73,14 @@ pub const STAT_CUDA_EVENTS_LOST: u32 = 32;
 pub const STAT_CUDA_NAMES: u32 = 33;
 /// Returns with no matching entry state (thread state evicted or the probe attached mid-call).
 pub const STAT_CUDA_UNMATCHED_RETURNS: u32 = 34;
+/// Successful naming or allocation calls whose out-parameter or name string could not be read
+/// (the handle or pointer stays unknown).
+pub const STAT_CUDA_UNREADABLE_RESULTS: u32 = 35;
 /// Number of slots in `STATS`.
 pub const STAT_COUNT: u32 = 40;
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 35] = [
+pub const STAT_NAMES: [&str; 36] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -113,6 +116,7 @@ pub const STAT_NAMES: [&str; 35] = [
     "cuda_events_lost",
     "cuda_names",
     "cuda_unmatched_returns",
+    "cuda_unreadable_results",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);
