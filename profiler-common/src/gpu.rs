@@ -21,9 +21,9 @@ pub const CALL_RT_GET_KERNEL: u32 = 4;
 pub const CALL_RT_GRAPH_LAUNCH: u32 = 5;
 /// `cudaMemcpy(dst, src, bytes, kind[, stream])`: rdx = bytes, rcx = kind.
 pub const CALL_RT_MEMCPY: u32 = 6;
-/// `cudaMalloc(void **p, bytes[, stream])`: rsi = bytes.
+/// `cudaMalloc(void **p, bytes[, stream])`: rsi = bytes; `*p` (the device pointer) at return.
 pub const CALL_RT_MALLOC: u32 = 7;
-/// `cudaFree(p[, stream])`.
+/// `cudaFree(p[, stream])`: rdi = the device pointer.
 pub const CALL_RT_FREE: u32 = 8;
 /// `cudaDeviceSynchronize()`, `cudaStreamSynchronize(s)`, `cudaEventSynchronize(e)`.
 pub const CALL_RT_SYNC: u32 = 9;
@@ -44,9 +44,9 @@ pub const CALL_DRV_MEMCPY_DTOH: u32 = 36;
 pub const CALL_DRV_MEMCPY_DTOD: u32 = 37;
 /// `cuMemcpy` / `cuMemcpyAsync` (direction from unified addressing: unknown here).
 pub const CALL_DRV_MEMCPY: u32 = 38;
-/// `cuMemAlloc_v2(CUdeviceptr *p, bytes)`, `cuMemAllocAsync`: rsi = bytes.
+/// `cuMemAlloc_v2(CUdeviceptr *p, bytes)`, `cuMemAllocAsync`: rsi = bytes; `*p` at return.
 pub const CALL_DRV_ALLOC: u32 = 39;
-/// `cuMemFree_v2(p)`, `cuMemFreeAsync`.
+/// `cuMemFree_v2(p)`, `cuMemFreeAsync`: rdi = the device pointer.
 pub const CALL_DRV_FREE: u32 = 40;
 /// `cuCtxSynchronize()`, `cuStreamSynchronize(s)`, `cuEventSynchronize(e)`.
 pub const CALL_DRV_SYNC: u32 = 41;
@@ -62,16 +62,33 @@ pub const CALL_FIRST_DRIVER: u32 = 32;
 /// fails before reaching the driver leaves its mark for at most this long.
 pub const RUNTIME_TO_DRIVER_NS: u64 = 1_000_000;
 
-/// Whether a runtime call is probed at return too: synchronizations (time blocked) and
-/// `__cudaGetKernel` (its out-parameter). The others only leave a mark at entry that the driver
-/// call they make consumes ([`call_family`]), because a return probe costs more than the entry
-/// probe itself and hides the caller's frame from CPU samples taken inside the call.
+/// Whether a runtime call is probed at return too: synchronizations (time blocked),
+/// `__cudaGetKernel` and allocations (their out-parameters: a handle, a device pointer). The
+/// others (launches, copies, frees: the frequent calls) only leave a mark at entry that the
+/// driver call they make consumes ([`call_family`]), because a return probe costs more than the
+/// entry probe itself and hides the caller's frame from CPU samples taken inside the call.
 #[inline(always)]
 pub fn runtime_call_has_return_probe(call: u32) -> bool {
-    matches!(call, CALL_RT_SYNC | CALL_RT_GET_KERNEL | CALL_RT_OTHER)
+    matches!(
+        call,
+        CALL_RT_SYNC | CALL_RT_GET_KERNEL | CALL_RT_MALLOC | CALL_RT_OTHER
+    )
 }
 
-/// The family of a counted call, shared by a runtime call and the driver call it makes (0: none).
+/// Whether a call (runtime or driver) is probed at return too: see
+/// [`runtime_call_has_return_probe`]; for the driver, synchronizations, the naming calls and
+/// allocations.
+#[inline(always)]
+pub fn has_return_probe(call: u32) -> bool {
+    if call < CALL_FIRST_DRIVER {
+        runtime_call_has_return_probe(call)
+    } else {
+        matches!(call, CALL_DRV_SYNC | CALL_DRV_GET_FUNCTION | CALL_DRV_ALLOC)
+    }
+}
+
+/// The family of a counted call probed at entry only, shared by a runtime call and the driver
+/// call it makes (0: none; calls with a return probe are told apart by the runtime depth).
 #[inline(always)]
 pub fn call_family(call: u32) -> u32 {
     match call {
@@ -83,7 +100,6 @@ pub fn call_family(call: u32) -> u32 {
         CALL_RT_GRAPH_LAUNCH | CALL_DRV_GRAPH_LAUNCH => 2,
         CALL_RT_MEMCPY | CALL_DRV_MEMCPY_HTOD | CALL_DRV_MEMCPY_DTOH | CALL_DRV_MEMCPY_DTOD
         | CALL_DRV_MEMCPY => 3,
-        CALL_RT_MALLOC | CALL_DRV_ALLOC => 4,
         CALL_RT_FREE | CALL_DRV_FREE => 5,
         _ => 0,
     }
@@ -118,11 +134,12 @@ pub const MAX_CUDA_THREADS: u32 = 16_384;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaEventHeader {
-    /// `bpf_ktime_get_ns()` at the call (entry) or at its return (synchronization).
+    /// `bpf_ktime_get_ns()` at the call (entry) or at its return (synchronization, allocation).
     pub ktime_ns: u64,
     /// Bytes (copies, allocations), nanoseconds blocked (synchronization), else 1.
     pub value: u64,
-    /// Host stub, function or kernel handle, graph exec, or the handle a name record names.
+    /// Host stub, function or kernel handle, graph exec, the device pointer allocated or freed,
+    /// or the handle a name record names.
     pub handle: u64,
     /// Memcpy direction (`MEMCPY_*`), or the stub of a name record.
     pub aux: u64,
@@ -181,9 +198,12 @@ pub struct CudaThread {
     pub runtime_call_ns: u64,
     pub runtime_call_family: u32,
     pub _pad: u32,
+    /// An allocation in progress: its out-parameter (the device pointer at return) and size.
+    pub alloc_out: u64,
+    pub alloc_bytes: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<CudaThread>() == 80);
+const _: () = assert!(core::mem::size_of::<CudaThread>() == 96);
 
 /// Settings written by the agent into the single-entry `CUDA_CONFIG` array.
 #[repr(C)]

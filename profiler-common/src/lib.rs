@@ -58,10 +58,15 @@ pub struct SamplerConfig {
     /// Offset of `thread.fsbase` in `task_struct` (from the kernel's BTF), 0 when unknown:
     /// the FS base is `pthread_self()`, which identifies a thread's Python thread state.
     pub task_fsbase_offset: u32,
+    /// Offsets of `signal` in `task_struct` and of `live` (threads not yet exiting) in
+    /// `signal_struct`, 0 when unknown: the exit tracepoint reports a process when its last
+    /// thread exits, not when its leader does.
+    pub task_signal_offset: u32,
+    pub signal_live_offset: u32,
     pub _pad: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 16);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 24);
 
 #[cfg(feature = "user")]
 mod pod {

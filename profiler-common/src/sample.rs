@@ -103,7 +103,8 @@ unsafe impl aya::Pod for SampleHeader {}
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for RawSample {}
 
-/// `ProcessEvent::kind`: the process (its thread-group leader) exited.
+/// `ProcessEvent::kind`: the process exited (its last thread; its leader when the kernel's BTF
+/// lacks the offsets to tell).
 pub const EVENT_PROCESS_EXIT: u32 = 1;
 /// `ProcessEvent::kind`: the process replaced its program (execve): its mappings are new.
 pub const EVENT_PROCESS_EXEC: u32 = 2;
@@ -112,9 +113,13 @@ pub const EVENT_PROCESS_EXEC: u32 = 2;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProcessEvent {
+    /// `bpf_ktime_get_ns()` at the event, comparable with the CUDA records' times.
+    pub ktime_ns: u64,
     pub kind: u32,
     pub pid: u32,
 }
+
+const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 16);
 
 /// Size of the `EVENTS` ring buffer in bytes.
 pub const EVENTS_RING_BYTES: u32 = 256 << 10;

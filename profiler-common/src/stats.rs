@@ -73,9 +73,12 @@ pub const STAT_CUDA_EVENTS_LOST: u32 = 32;
 pub const STAT_CUDA_NAMES: u32 = 33;
 /// Returns with no matching entry state (thread state evicted or the probe attached mid-call).
 pub const STAT_CUDA_UNMATCHED_RETURNS: u32 = 34;
+/// Successful naming or allocation calls whose out-parameter or name string could not be read
+/// (the handle or pointer stays unknown).
+pub const STAT_CUDA_UNREADABLE_RESULTS: u32 = 35;
 /// Return addresses unwound from RBP alone in files whose table shows reliable frame pointers
 /// (`MAPPING_RELIABLE_FRAME_POINTERS`), not a fallback.
-pub const STAT_UNWIND_FRAME_POINTER_CODE: u32 = 35;
+pub const STAT_UNWIND_FRAME_POINTER_CODE: u32 = 36;
 /// Number of slots in `STATS`.
 pub const STAT_COUNT: u32 = 40;
 
@@ -99,7 +102,7 @@ impl Default for StatCounters {
 unsafe impl aya::Pod for StatCounters {}
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 36] = [
+pub const STAT_NAMES: [&str; 37] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -135,6 +138,7 @@ pub const STAT_NAMES: [&str; 36] = [
     "cuda_events_lost",
     "cuda_names",
     "cuda_unmatched_returns",
+    "cuda_unreadable_results",
     "unwind_frame_pointer_code",
 ];
 

@@ -8,12 +8,15 @@
 //! the registers already are the caller's. The walks are the sampler's own
 //! (`user_stack::collect`, `python::collect`), run in their own scratch slot.
 //!
-//! A runtime call that calls the driver is counted once. Synchronizations and `__cudaGetKernel`
-//! are probed at return too: their entries raise a per-thread depth that their return lowers, and
-//! driver calls made meanwhile are only counted as nested. The other runtime calls (launches,
-//! copies, allocations) are probed at entry only, because a return probe costs more than the
-//! entry probe: they leave a mark of their family, which the driver call of the same family that
-//! follows within `RUNTIME_TO_DRIVER_NS` consumes as nested.
+//! A runtime call that calls the driver is counted once. Synchronizations, `__cudaGetKernel` and
+//! allocations are probed at return too: their entries raise a per-thread depth that their
+//! return lowers, and driver calls made meanwhile are only counted as nested. The other runtime
+//! calls (launches, copies, frees: the frequent ones) are probed at entry only, because a return
+//! probe costs more than the entry probe: they leave a mark of their family, which the driver
+//! call of the same family that follows within `RUNTIME_TO_DRIVER_NS` consumes as nested.
+//!
+//! Allocations are reported at return, where the out-parameter holds the device pointer (the
+//! agent pairs it with the free that names it); frees are reported without a stack.
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_NO_WAKEUP, pt_regs},
@@ -35,8 +38,8 @@ use profiler_common::{
     CudaConfig, CudaEventHeader, CudaNameRecord, CudaThread, MAX_CUDA_THREADS, MEMCPY_DEFAULT,
     MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, RUNTIME_TO_DRIVER_NS,
     STAT_CUDA_EVENTS, STAT_CUDA_EVENTS_LOST, STAT_CUDA_NAMES, STAT_CUDA_NESTED, STAT_CUDA_STACKS,
-    STAT_CUDA_STACKS_RATE_LIMITED, STAT_CUDA_UNMATCHED_RETURNS, SamplerConfig, call_family,
-    runtime_call_has_return_probe,
+    STAT_CUDA_STACKS_RATE_LIMITED, STAT_CUDA_UNMATCHED_RETURNS, STAT_CUDA_UNREADABLE_RESULTS,
+    SamplerConfig, call_family, runtime_call_has_return_probe,
 };
 
 use crate::{
@@ -56,6 +59,13 @@ static CUDA_THREADS: LruHashMap<u32, CudaThread> =
     LruHashMap::with_max_entries(MAX_CUDA_THREADS, 0);
 
 const NS_PER_STACK: u64 = 1_000_000_000;
+
+/// Drops an exiting thread's state, so a later thread with the same tid starts clean (a thread
+/// that dies inside a call would otherwise leave its depths raised).
+#[inline(always)]
+pub fn forget_thread(tid: u32) {
+    let _ = CUDA_THREADS.remove(&tid);
+}
 
 /// Whether thread `tid` is inside a CUDA synchronization call (for the CPU sampler).
 #[inline(always)]
@@ -196,22 +206,30 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
     }
 }
 
+/// Whether a call succeeded: `cudaError_t` and `CUresult` are 0 on success.
+#[inline(always)]
+fn succeeded(rax: u64) -> bool {
+    rax as u32 == 0
+}
+
 /// Names `handle` (read from `out`) with the string at `name` (driver) or the stub (runtime).
+/// Called after a successful call only: anything unreadable then is counted, never silent.
 #[inline(always)]
 fn emit_name(pid: u32, tid: u32, call: u32, out: u64, stub: u64, name: u64) {
-    let Some(handle) = read_u64(out) else {
-        return;
+    let handle = match read_u64(out) {
+        Some(handle) if handle != 0 => handle,
+        _ => {
+            count(STAT_CUDA_UNREADABLE_RESULTS);
+            return;
+        }
     };
-    if handle == 0 {
-        return;
-    }
     let Some(mut entry) = CUDA_EVENTS.reserve::<CudaNameRecord>(0) else {
         count(STAT_CUDA_EVENTS_LOST);
         return;
     };
     let record = entry.as_mut_ptr();
     // SAFETY: `record` is the reserved ring-buffer memory, written before submitting.
-    unsafe {
+    let readable = unsafe {
         (*record).header = CudaEventHeader {
             ktime_ns: bpf_ktime_get_ns(),
             value: 0,
@@ -223,9 +241,16 @@ fn emit_name(pid: u32, tid: u32, call: u32, out: u64, stub: u64, name: u64) {
             flags: CUDA_EVENT_NAME,
         };
         (*record).name[0] = 0;
-        if name != 0 {
-            let _ = bpf_probe_read_user_str_bytes(name as *const u8, &mut (*record).name);
-        }
+        name == 0
+            || matches!(
+                bpf_probe_read_user_str_bytes(name as *const u8, &mut (*record).name),
+                Ok(read) if !read.is_empty()
+            )
+    };
+    if !readable {
+        entry.discard(0);
+        count(STAT_CUDA_UNREADABLE_RESULTS);
+        return;
     }
     entry.submit(BPF_RB_NO_WAKEUP as u64);
     count(STAT_CUDA_NAMES);
@@ -296,8 +321,23 @@ pub fn cuda_entry(ctx: ProbeContext) -> u32 {
         CALL_DRV_MEMCPY_DTOH => event(rdx, 0, MEMCPY_DEVICE_TO_HOST as u64),
         CALL_DRV_MEMCPY_DTOD => event(rdx, 0, MEMCPY_DEVICE_TO_DEVICE as u64),
         CALL_DRV_MEMCPY => event(rdx, 0, MEMCPY_DEFAULT as u64),
-        CALL_RT_MALLOC | CALL_DRV_ALLOC => event(rsi, 0, 0),
-        CALL_RT_FREE | CALL_DRV_FREE => event(1, rdi, 0),
+        CALL_RT_MALLOC | CALL_DRV_ALLOC => {
+            // Reported at return, with the device pointer.
+            unsafe {
+                (*thread).alloc_out = rdi;
+                (*thread).alloc_bytes = rsi;
+            }
+            return 0;
+        }
+        CALL_RT_FREE | CALL_DRV_FREE => {
+            if rdi == 0 {
+                // Freeing NULL does nothing.
+                return 0;
+            }
+            // A free only needs its pointer: the agent knows the allocation's stack.
+            emit(pid, tid, thread, event(1, rdi, 0), None);
+            return 0;
+        }
         CALL_RT_SYNC | CALL_DRV_SYNC => {
             // SAFETY: this thread's entry.
             unsafe {
@@ -347,7 +387,7 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
     };
     let regs = ctx.regs as *const pt_regs;
     // SAFETY: the probe's register snapshot and this thread's map entry.
-    let (rip, rsp, rbp) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp) };
+    let (rip, rsp, rbp, rax) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp, (*regs).rax) };
     let is_runtime = call < CALL_FIRST_DRIVER;
     unsafe {
         if is_runtime {
@@ -359,14 +399,47 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
         }
         match call {
             CALL_RT_GET_KERNEL => {
-                emit_name(pid, tid, call, (*thread).rt_out, (*thread).rt_stub, 0);
+                if (*thread).rt_out != 0 && succeeded(rax) {
+                    emit_name(pid, tid, call, (*thread).rt_out, (*thread).rt_stub, 0);
+                }
                 (*thread).rt_out = 0;
             }
             CALL_DRV_GET_FUNCTION => {
-                if (*thread).drv_out != 0 {
+                if (*thread).drv_out != 0 && succeeded(rax) {
                     emit_name(pid, tid, call, (*thread).drv_out, 0, (*thread).drv_name);
                 }
                 (*thread).drv_out = 0;
+            }
+            CALL_RT_MALLOC | CALL_DRV_ALLOC => {
+                if !is_runtime && (*thread).runtime_depth > 0 {
+                    // The runtime's own allocation: its return reports it.
+                    return 0;
+                }
+                let out = (*thread).alloc_out;
+                (*thread).alloc_out = 0;
+                if out == 0 {
+                    count(STAT_CUDA_UNMATCHED_RETURNS);
+                    return 0;
+                }
+                if !succeeded(rax) {
+                    // Nothing was allocated.
+                    return 0;
+                }
+                let pointer = match read_u64(out) {
+                    Some(pointer) if pointer != 0 => pointer,
+                    _ => {
+                        count(STAT_CUDA_UNREADABLE_RESULTS);
+                        return 0;
+                    }
+                };
+                let event = Event {
+                    call: full_cookie,
+                    value: (*thread).alloc_bytes,
+                    handle: pointer,
+                    aux: 0,
+                };
+                // The registers are the caller's, just after the call returned.
+                emit(pid, tid, thread, event, Some(Registers { rip, rsp, rbp }));
             }
             CALL_RT_SYNC | CALL_DRV_SYNC => {
                 if !is_runtime && (*thread).runtime_depth > 0 {

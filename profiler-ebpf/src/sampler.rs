@@ -5,8 +5,9 @@ use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, bpf_dynptr, bpf_perf_event_data},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        bpf_probe_read_kernel,
         generated::{
-            bpf_dynptr_write, bpf_get_stack, bpf_ringbuf_discard_dynptr,
+            bpf_dynptr_write, bpf_get_current_task, bpf_get_stack, bpf_ringbuf_discard_dynptr,
             bpf_ringbuf_reserve_dynptr, bpf_ringbuf_submit_dynptr,
         },
     },
@@ -238,16 +239,47 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
 }
 
 /// Tells the agent a process is gone so it drops the process's mappings at once (a reused pid
-/// must never be unwound with the previous process's tables).
+/// must never be unwound with the previous process's tables). Fires for every exiting thread:
+/// the thread's CUDA state goes with it (so a reused tid starts clean), and the process is
+/// reported when its last thread exits. A leader that exits while other threads run (e.g.
+/// `pthread_exit` in `main`) does not end the process.
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn process_exit(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
-    if tgid != tid || tgid == 0 {
+    cuda::forget_thread(tid);
+    if tgid == 0 {
         return 0;
     }
-    send_event(EVENT_PROCESS_EXIT, tgid);
+    let config = CONFIG.get(0).copied().unwrap_or_default();
+    let group_dead = match live_threads(&config) {
+        Some(live) => live == 0,
+        // Without the offsets, the leader's exit stands for the process's.
+        None => tgid == tid,
+    };
+    if group_dead {
+        send_event(EVENT_PROCESS_EXIT, tgid);
+    }
     0
+}
+
+/// `current->signal->live`: threads of the process that have not begun exiting. do_exit
+/// decrements it before this tracepoint, so it is 0 at the last thread's exit.
+#[inline(always)]
+fn live_threads(config: &SamplerConfig) -> Option<i32> {
+    if config.task_signal_offset == 0 {
+        return None;
+    }
+    // SAFETY: reads of kernel memory through the probe-read helper, which fails cleanly.
+    unsafe {
+        let task = bpf_get_current_task();
+        let signal: u64 =
+            bpf_probe_read_kernel((task + config.task_signal_offset as u64) as *const u64).ok()?;
+        if signal == 0 {
+            return None;
+        }
+        bpf_probe_read_kernel((signal + config.signal_live_offset as u64) as *const i32).ok()
+    }
 }
 
 /// Tells the agent a process exec'ed: its old mappings (and their tables) no longer apply.
@@ -260,7 +292,11 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 
 #[inline(always)]
 fn send_event(kind: u32, pid: u32) {
-    let event = ProcessEvent { kind, pid };
+    let event = ProcessEvent {
+        ktime_ns: unsafe { bpf_ktime_get_ns() },
+        kind,
+        pid,
+    };
     // The agent polls the events ring on its own timer: no wakeup needed.
     if EVENTS
         .output::<ProcessEvent>(&event, BPF_RB_NO_WAKEUP as u64)

@@ -26,9 +26,11 @@ use crate::{
         push::{PushError, Pusher},
     },
     gpu::{
+        allocations::LiveAllocations,
         discovery::{Discovery, function_name},
         events::{
-            CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, profile_kind,
+            CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, is_free,
+            profile_kind,
         },
         nvml::{GpuBoard, NvmlPoller},
     },
@@ -123,12 +125,13 @@ impl KernelInputs {
     }
 }
 
-/// The CUDA side of the pipeline: library discovery, the probes' records, one aggregator per
-/// CUDA profile kind.
+/// The CUDA side of the pipeline: library discovery, the probes' records, kernel names, live
+/// device allocations, one aggregator per CUDA profile kind.
 struct CudaAttribution {
     ring: CudaEventRing,
     discovery: Discovery,
     names: KernelNames,
+    allocations: LiveAllocations,
     aggregators: Vec<(ProfileKind, Aggregator)>,
     decode_errors: u64,
 }
@@ -160,6 +163,7 @@ impl Pipeline {
             ring,
             discovery: Discovery::new("/proc".into()),
             names: KernelNames::default(),
+            allocations: LiveAllocations::default(),
             aggregators: ProfileKind::CUDA
                 .iter()
                 .map(|&kind| {
@@ -231,9 +235,36 @@ impl Pipeline {
         (frames, process, stack.truncated)
     }
 
-    /// Finds new CUDA libraries (attaching their probes) and turns the probes' records into
-    /// CUDA profile events.
-    fn poll_cuda(&mut self, sampler: Option<&mut Sampler>) {
+    /// Follows exits and execs, finds new CUDA libraries (attaching their probes) and turns the
+    /// probes' records into CUDA profile events.
+    ///
+    /// The lifecycle events are drained before the CUDA ring: a process's records are written
+    /// before its exit (or exec) is, so every record it made before is then in this batch and
+    /// is handled, with the process's kernel names and mappings, before the process is
+    /// forgotten.
+    fn poll(&mut self, sampler: Option<&mut Sampler>) {
+        self.native_tables.poll_builds();
+        let lifecycle = self.events.drain();
+        self.poll_cuda(sampler, &lifecycle);
+        for event in lifecycle {
+            match event {
+                LifecycleEvent::Exited { pid, .. } => {
+                    self.native_tables.unregister(Pid(pid));
+                    self.python.forget(Pid(pid));
+                    self.symbolizer.forget_process(Pid(pid));
+                }
+                LifecycleEvent::Execed { pid, .. } => {
+                    // A new program: its next sample takes a new snapshot and registration.
+                    self.native_tables.unregister(Pid(pid));
+                    self.python.forget(Pid(pid));
+                    self.symbolizer.forget_process(Pid(pid));
+                    self.processes.forget(Pid(pid));
+                }
+            }
+        }
+    }
+
+    fn poll_cuda(&mut self, sampler: Option<&mut Sampler>, lifecycle: &[LifecycleEvent]) {
         let Some(cuda) = &mut self.cuda else { return };
         let new_users = match sampler {
             Some(sampler) => cuda.discovery.maybe_scan(sampler),
@@ -246,6 +277,8 @@ impl Pipeline {
             Err(_) => errors += 1,
         });
         cuda.decode_errors += errors;
+        let now = Instant::now();
+        cuda.names.begin_batch(lifecycle, now);
         // A process that uses CUDA gets its unwind tables now, so even the stacks of its
         // first calls are unwound from tables rather than frame pointers.
         for pid in new_users {
@@ -260,6 +293,14 @@ impl Pipeline {
             .partition(|r| matches!(r, CudaRecord::Name { .. }));
         for record in names.into_iter().chain(calls) {
             self.handle_cuda(record);
+        }
+        let Some(cuda) = &mut self.cuda else { return };
+        cuda.names.end_batch(now);
+        // Whatever a process allocated before it exited or exec'ed, the driver released.
+        for event in lifecycle {
+            let (LifecycleEvent::Exited { pid, ktime_ns }
+            | LifecycleEvent::Execed { pid, ktime_ns }) = *event;
+            cuda.allocations.release_process(Pid(pid), ktime_ns);
         }
     }
 
@@ -281,6 +322,12 @@ impl Pipeline {
             }
             CudaRecord::Call { header, stack } => (header, stack),
         };
+        if is_free(header.call) {
+            if let Some(cuda) = &mut self.cuda {
+                cuda.allocations.freed(Pid(header.pid), header.handle);
+            }
+            return;
+        }
         let Some(kind) = profile_kind(header.call) else {
             return;
         };
@@ -321,8 +368,19 @@ impl Pipeline {
         leaf.push(self.synthetic(function_name(header.call)));
         leaf.append(&mut frames);
         let Some(cuda) = &mut self.cuda else { return };
+        // In the order of the kind's sample types; an allocation is one object of its bytes.
+        let values = if kind == ProfileKind::CudaAlloc {
+            let site = cuda
+                .allocations
+                .site(process.clone(), &sample, leaf.clone(), truncated);
+            cuda.allocations
+                .allocated(pid, header.handle, header.value, header.ktime_ns, site);
+            [header.value, 1, 0, 0]
+        } else {
+            [header.value, 0, 0, 0]
+        };
         if let Some((_, aggregator)) = cuda.aggregators.iter_mut().find(|(k, _)| *k == kind) {
-            aggregator.add_value(process.as_deref(), &sample, &leaf, truncated, header.value);
+            aggregator.add_values(process.as_deref(), &sample, &leaf, truncated, &values);
         }
     }
 
@@ -358,10 +416,27 @@ impl Pipeline {
         }
     }
 
-    /// Ends the window of every profile kind.
+    /// Ends the window of every profile kind. The memory still allocated goes into the
+    /// `cuda_alloc` profile as `inuse_*` values, by allocating stack.
     fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
         let mut profiles = self.aggregator.flush(end_unix_ns);
         if let Some(cuda) = &mut self.cuda {
+            if let Some((_, aggregator)) = cuda
+                .aggregators
+                .iter_mut()
+                .find(|(k, _)| *k == ProfileKind::CudaAlloc)
+            {
+                for (site, objects, bytes) in cuda.allocations.in_use() {
+                    aggregator.add_values(
+                        site.process.as_deref(),
+                        &site.sample,
+                        &site.frames,
+                        site.truncated,
+                        &[0, 0, bytes, objects],
+                    );
+                }
+            }
+            cuda.allocations.prune_sites();
             for (_, aggregator) in &mut cuda.aggregators {
                 profiles.extend(aggregator.flush(end_unix_ns));
             }
@@ -377,30 +452,6 @@ impl Pipeline {
                 self.native_tables
                     .sync_waiting(&process, Duration::from_secs(10));
                 self.python.sync(&process);
-            }
-        }
-    }
-
-    /// Places finished unwind tables and follows exits and execs.
-    fn poll_events(&mut self) {
-        self.native_tables.poll_builds();
-        for event in self.events.drain() {
-            match event {
-                LifecycleEvent::Exited(pid) => {
-                    if let Some(cuda) = &mut self.cuda {
-                        cuda.names.forget_process(Pid(pid));
-                    }
-                    self.native_tables.unregister(Pid(pid));
-                    self.python.forget(Pid(pid));
-                    self.symbolizer.forget_process(Pid(pid));
-                }
-                LifecycleEvent::Execed(pid) => {
-                    // A new program: its next sample takes a new snapshot and registration.
-                    self.native_tables.unregister(Pid(pid));
-                    self.python.forget(Pid(pid));
-                    self.symbolizer.forget_process(Pid(pid));
-                    self.processes.forget(Pid(pid));
-                }
             }
         }
     }
@@ -431,6 +482,16 @@ impl Pipeline {
                 .map(|c| c.discovery.stats)
                 .unwrap_or_default(),
             cuda_decode_errors: self.cuda.as_ref().map_or(0, |c| c.decode_errors),
+            cuda_names: self
+                .cuda
+                .as_ref()
+                .map(|c| c.names.stats)
+                .unwrap_or_default(),
+            cuda_allocations: self
+                .cuda
+                .as_ref()
+                .map(|c| c.allocations.stats())
+                .unwrap_or_default(),
             ..SelfMetrics::default()
         };
         if let Some(sampler) = sampler {
@@ -538,8 +599,8 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// Runs the pipeline on samples from `rx` until `until` returns true; calls `on_tick` about
-/// every 100 ms with the pipeline so the caller can flush.
+/// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` about
+/// every 100 ms with the pipeline so the caller can poll the other inputs and flush.
 fn pump(
     pipeline: &mut Pipeline,
     rx: &Receiver<Sample>,
@@ -557,7 +618,6 @@ fn pump(
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
-        pipeline.poll_events();
         if until(pipeline) {
             return;
         }
@@ -581,11 +641,11 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     );
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
-    pipeline.poll_cuda(Some(&mut sampler));
+    pipeline.poll(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
     let started = Instant::now();
     pump(&mut pipeline, &rx, |pipeline| {
-        pipeline.poll_cuda(Some(&mut sampler));
+        pipeline.poll(Some(&mut sampler));
         started.elapsed() >= config.duration || stop.load(Ordering::Relaxed)
     });
 
@@ -599,7 +659,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     for sample in rx.try_iter() {
         pipeline.handle(&sample);
     }
-    pipeline.poll_cuda(None);
+    pipeline.poll(None);
     let all_profiles = pipeline.flush(start_unix_ns + duration_ns);
     let (mut profiles, cuda_profiles): (Vec<Profile>, Vec<Profile>) = all_profiles
         .into_iter()
@@ -786,7 +846,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     };
     pipeline.register_known(&config.sampling.pids);
     sampler.attach()?;
-    pipeline.poll_cuda(Some(&mut sampler));
+    pipeline.poll(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
     serving.health.set_ready(true);
     tracing::info!(
@@ -799,7 +859,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     );
     let mut next_flush = Instant::now() + config.interval;
     pump(&mut pipeline, &rx, |pipeline| {
-        pipeline.poll_cuda(Some(&mut sampler));
+        pipeline.poll(Some(&mut sampler));
         let now = Instant::now();
         if now >= next_flush {
             // After a stall (start-up, a slow table build) start the next window from now
@@ -821,7 +881,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     for sample in rx.try_iter() {
         pipeline.handle(&sample);
     }
-    pipeline.poll_cuda(None);
+    pipeline.poll(None);
     exporter.submit(pipeline.flush(unix_now_ns()));
     exporter.finish();
     let mut metrics = pipeline.metrics(None, None);

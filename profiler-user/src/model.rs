@@ -233,10 +233,19 @@ pub enum LabelValue {
 pub struct ProfileSample {
     /// Indexes into `Profile::frames`, innermost first.
     pub stack: Vec<u32>,
-    /// Number of samples taken with this stack and these labels.
+    /// The primary value, in the unit of the kind's first sample type: samples taken with this
+    /// stack and these labels (CPU), launches, nanoseconds, bytes.
     pub count: u64,
+    /// The values of the kind's further sample types (`ProfileKind::sample_types()[1..]`, e.g.
+    /// objects allocated and memory in use); empty for kinds with one.
+    pub more_values: Vec<u64>,
     pub labels: Vec<(Arc<str>, LabelValue)>,
 }
+
+/// Most values one sample of any kind carries ([`ProfileKind::sample_types`]).
+pub const MAX_SAMPLE_VALUES: usize = 4;
+/// The values of one sample in its kind's sample-type order; unused slots stay 0.
+pub type SampleValues = [u64; MAX_SAMPLE_VALUES];
 
 /// What a profile's values measure. Each kind is its own series in the store (`__name__`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -250,7 +259,7 @@ pub enum ProfileKind {
     CudaSync,
     /// Bytes copied between host and device.
     CudaMemcpy,
-    /// Bytes of device memory allocated.
+    /// Device memory allocated (bytes, allocations) and still in use at the window's end.
     CudaAlloc,
 }
 
@@ -273,14 +282,32 @@ impl ProfileKind {
         }
     }
 
-    /// pprof sample type and unit of the (single) value of a non-CPU profile.
-    pub fn sample_type(self) -> (&'static str, &'static str) {
+    /// pprof sample types (type, unit) of a non-CPU profile, the primary one (the value in
+    /// `ProfileSample::count`, pprof's default sample type) first. Each becomes its own
+    /// Pyroscope series `<name>:<type>:<unit>:<period type>:<period unit>`. `cuda_alloc` is a
+    /// memory profile like Go's heap profile: bytes and objects allocated in the window, and
+    /// bytes and objects still allocated at its end, by allocating stack.
+    pub fn sample_types(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            ProfileKind::Cpu => ("cpu", "nanoseconds"),
-            ProfileKind::CudaLaunch => ("launches", "count"),
-            ProfileKind::CudaSync => ("blocked", "nanoseconds"),
-            ProfileKind::CudaMemcpy => ("copied", "bytes"),
-            ProfileKind::CudaAlloc => ("allocated", "bytes"),
+            ProfileKind::Cpu => &[("cpu", "nanoseconds")],
+            ProfileKind::CudaLaunch => &[("launches", "count")],
+            ProfileKind::CudaSync => &[("blocked", "nanoseconds")],
+            ProfileKind::CudaMemcpy => &[("copied", "bytes")],
+            ProfileKind::CudaAlloc => &[
+                ("alloc_space", "bytes"),
+                ("alloc_objects", "count"),
+                ("inuse_space", "bytes"),
+                ("inuse_objects", "count"),
+            ],
+        }
+    }
+
+    /// pprof period type of a non-CPU profile: the primary sample type, except for memory
+    /// (`space/bytes`, as Go heap profiles have it).
+    pub fn period_type(self) -> (&'static str, &'static str) {
+        match self {
+            ProfileKind::CudaAlloc => ("space", "bytes"),
+            other => other.sample_types()[0],
         }
     }
 }

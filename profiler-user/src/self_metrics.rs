@@ -62,6 +62,10 @@ pub struct SelfMetrics {
     pub cuda: crate::gpu::discovery::DiscoveryStats,
     /// CUDA probe records that did not decode.
     pub cuda_decode_errors: u64,
+    /// Kernel names learned from the probes.
+    pub cuda_names: crate::gpu::events::NameStats,
+    /// Device allocations and frees paired by the agent.
+    pub cuda_allocations: crate::gpu::allocations::AllocationStats,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
@@ -164,6 +168,66 @@ impl SelfMetrics {
             self.cuda_decode_errors as f64,
             "counter",
         );
+        let names = &self.cuda_names;
+        let memory = &self.cuda_allocations;
+        for (name, help, value, kind) in [
+            (
+                "cuda_kernel_names",
+                "Kernel handle names held (per process, by program)",
+                names.held,
+                "gauge",
+            ),
+            (
+                "cuda_kernel_names_dropped_total",
+                "Kernel names not kept because their process held the most allowed",
+                names.dropped,
+                "counter",
+            ),
+            (
+                "cuda_allocated_bytes_total",
+                "Device memory allocated through the probed CUDA calls",
+                memory.allocated_bytes,
+                "counter",
+            ),
+            (
+                "cuda_freed_bytes_total",
+                "Device memory freed, of the allocations the agent tracked",
+                memory.freed_bytes,
+                "counter",
+            ),
+            (
+                "cuda_released_bytes_total",
+                "Device memory of tracked allocations released by their process's exit or exec",
+                memory.released_bytes,
+                "counter",
+            ),
+            (
+                "cuda_in_use_bytes",
+                "Device memory of tracked allocations not freed yet",
+                memory.live_bytes,
+                "gauge",
+            ),
+            (
+                "cuda_live_allocations",
+                "Tracked device allocations not freed yet",
+                memory.live,
+                "gauge",
+            ),
+            (
+                "cuda_untracked_frees_total",
+                "Frees of pointers the agent did not track (allocated before it started, or over the limit)",
+                memory.untracked_frees,
+                "counter",
+            ),
+            (
+                "cuda_allocations_untracked_total",
+                "Allocations not tracked because the live-allocation map was full",
+                memory.overflow,
+                "counter",
+            ),
+        ] {
+            push(name, help, value as f64, kind);
+        }
         push(
             "samples_received_total",
             "Samples read from the ring buffer",
@@ -392,6 +456,28 @@ impl SelfMetrics {
             peak_rss_bytes = self.agent_peak_rss_bytes,
             "{what}"
         );
+        if self.cuda.libraries_attached > 0 {
+            let memory = &self.cuda_allocations;
+            tracing::info!(
+                cuda_events = self.bpf.get(profiler_common::STAT_CUDA_EVENTS),
+                cuda_stacks = self.bpf.get(profiler_common::STAT_CUDA_STACKS),
+                cuda_stacks_rate_limited =
+                    self.bpf.get(profiler_common::STAT_CUDA_STACKS_RATE_LIMITED),
+                cuda_events_lost = self.bpf.get(profiler_common::STAT_CUDA_EVENTS_LOST),
+                cuda_names = self.bpf.get(profiler_common::STAT_CUDA_NAMES),
+                cuda_unreadable_results =
+                    self.bpf.get(profiler_common::STAT_CUDA_UNREADABLE_RESULTS),
+                cuda_allocations = memory.allocations,
+                cuda_allocated_bytes = memory.allocated_bytes,
+                cuda_frees = memory.frees,
+                cuda_freed_bytes = memory.freed_bytes,
+                cuda_released_bytes = memory.released_bytes,
+                cuda_in_use_bytes = memory.live_bytes,
+                cuda_untracked_frees = memory.untracked_frees,
+                cuda_allocations_untracked = memory.overflow,
+                "{what}: CUDA"
+            );
+        }
     }
 }
 

@@ -694,8 +694,8 @@ fn run_gpu_build(mut cmd: Command) {
     );
 }
 
-/// `target/fixtures/gpu/` with the stand-in libcuda.so.1, libcudart.so.12, the C program
-/// `cuda_app` and the benchmark loop `launch_loop` (tests/fixtures/gpu).
+/// `target/fixtures/gpu/` with the stand-in libcuda.so.1, libcudart.so.12, the C programs
+/// `cuda_app` and `leader_exit` and the benchmark loop `launch_loop` (tests/fixtures/gpu).
 pub fn gpu_standins() -> PathBuf {
     let dir = fixture_dir().join("gpu");
     cached_fixture("gpu/cuda_app", |app| {
@@ -722,6 +722,7 @@ pub fn gpu_standins() -> PathBuf {
         }
         for (source, out) in [
             ("gpu/launch_loop.c", dir.join("launch_loop")),
+            ("gpu/leader_exit.c", dir.join("leader_exit")),
             ("gpu/cuda_app.c", app.to_path_buf()),
         ] {
             let mut cmd = Command::new("gcc");
@@ -740,6 +741,7 @@ pub fn gpu_standins() -> PathBuf {
             .args([
                 "-l:libcudart.so.12",
                 "-l:libcuda.so.1",
+                "-lpthread",
                 "-Wl,-rpath,$ORIGIN",
             ]);
             run_gpu_build(cmd);

@@ -12,7 +12,7 @@ use std::{
 
 use crate::model::{
     FrameKind, FrameLine, LabelValue, ProcessInfo, Profile, ProfileKind, ProfileSample, Sample,
-    SymbolizedFrame,
+    SampleValues, SymbolizedFrame,
 };
 
 /// How processes are grouped into profiles.
@@ -52,7 +52,7 @@ struct StackKey {
 
 #[derive(Debug, Default)]
 struct SeriesData {
-    counts: HashMap<StackKey, u64>,
+    counts: HashMap<StackKey, SampleValues>,
     thread_names: HashSet<Arc<str>>,
 }
 
@@ -163,7 +163,7 @@ impl Aggregator {
         self.add_value(process, sample, frames, truncated, 1);
     }
 
-    /// Adds `value` (in the kind's unit) for one stack.
+    /// Adds `value` (in the unit of the kind's primary sample type) for one stack.
     pub fn add_value(
         &mut self,
         process: Option<&ProcessInfo>,
@@ -171,6 +171,18 @@ impl Aggregator {
         frames: &[Arc<SymbolizedFrame>],
         truncated: bool,
         value: u64,
+    ) {
+        self.add_values(process, sample, frames, truncated, &[value]);
+    }
+
+    /// Adds `values`, in the order of the kind's sample types (missing ones are 0).
+    pub fn add_values(
+        &mut self,
+        process: Option<&ProcessInfo>,
+        sample: &Sample,
+        frames: &[Arc<SymbolizedFrame>],
+        truncated: bool,
+        values: &[u64],
     ) {
         self.samples_in_window += 1;
         let mut stack: Vec<u32> = Vec::with_capacity(frames.len() + 2);
@@ -206,7 +218,10 @@ impl Aggregator {
             thread_name: sample.comm.clone(),
             service_name,
         };
-        *data.counts.entry(key).or_default() += value;
+        let sums = data.counts.entry(key).or_default();
+        for (sum, value) in sums.iter_mut().zip(values) {
+            *sum = sum.saturating_add(*value);
+        }
     }
 
     /// Ends the window at `end_unix_ns`: returns one profile per series and starts a new window.
@@ -220,17 +235,18 @@ impl Aggregator {
             .into_iter()
             .map(|(series_labels, data)| {
                 let keep_thread_names = data.thread_names.len() <= self.settings.max_thread_names;
-                let mut profile = build_profile(
+                build_profile(
                     series_labels,
                     data,
                     &frames,
                     keep_thread_names,
-                    start,
-                    end_unix_ns - start,
-                    self.settings.period_ns,
-                );
-                profile.kind = self.settings.kind;
-                profile
+                    Window {
+                        start_unix_ns: start,
+                        duration_ns: end_unix_ns - start,
+                        period_ns: self.settings.period_ns,
+                    },
+                    self.settings.kind,
+                )
             })
             .collect();
         profiles.sort_by(|a, b| a.series_labels.cmp(&b.series_labels));
@@ -252,20 +268,26 @@ fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
 
 type SampleLabels = Vec<(Arc<str>, LabelValue)>;
 
+/// The time a profile covers.
+struct Window {
+    start_unix_ns: i64,
+    duration_ns: i64,
+    period_ns: i64,
+}
+
 fn build_profile(
     series_labels: Vec<(String, String)>,
     data: SeriesData,
     window_frames: &[Arc<SymbolizedFrame>],
     keep_thread_names: bool,
-    start_unix_ns: i64,
-    duration_ns: i64,
-    period_ns: i64,
+    window: Window,
+    kind: ProfileKind,
 ) -> Profile {
     // Re-index so a profile only carries the frames its own samples use.
     let mut local_ids: HashMap<u32, u32> = HashMap::new();
     let mut frames = Vec::new();
-    let mut merged: HashMap<(Vec<u32>, SampleLabels), u64> = HashMap::new();
-    for (key, count) in data.counts {
+    let mut merged: HashMap<(Vec<u32>, SampleLabels), SampleValues> = HashMap::new();
+    for (key, values) in data.counts {
         let stack = key
             .stack
             .iter()
@@ -286,23 +308,28 @@ fn build_profile(
         if let Some(service) = key.service_name {
             labels.push(("service_name".into(), LabelValue::Str(service)));
         }
-        *merged.entry((stack, labels)).or_default() += count;
+        let sums = merged.entry((stack, labels)).or_default();
+        for (sum, value) in sums.iter_mut().zip(values) {
+            *sum = sum.saturating_add(value);
+        }
     }
+    let value_count = kind.sample_types().len();
     let mut samples: Vec<ProfileSample> = merged
         .into_iter()
-        .map(|((stack, labels), count)| ProfileSample {
+        .map(|((stack, labels), values)| ProfileSample {
             stack,
-            count,
+            count: values[0],
+            more_values: values[1..value_count].to_vec(),
             labels,
         })
         .collect();
     samples.sort_by(|a, b| (&a.stack, &a.labels).cmp(&(&b.stack, &b.labels)));
     Profile {
-        kind: ProfileKind::Cpu,
+        kind,
         series_labels,
-        start_unix_ns,
-        duration_ns,
-        period_ns,
+        start_unix_ns: window.start_unix_ns,
+        duration_ns: window.duration_ns,
+        period_ns: window.period_ns,
         frames,
         samples,
     }
@@ -458,6 +485,51 @@ mod tests {
             .find(|s| s.labels.contains(&("pid".into(), LabelValue::Num(30))))
             .unwrap();
         assert_eq!(names(p, gone), ["f", "gone"]);
+    }
+
+    #[test]
+    fn multi_valued_kinds_sum_every_value_per_stack() {
+        let mut agg = Aggregator::new(
+            AggregatorSettings {
+                kind: ProfileKind::CudaAlloc,
+                ..settings(Grouping::PerService)
+            },
+            0,
+        );
+        let (api, caller) = (synthetic_frame("cudaMalloc"), synthetic_frame("train"));
+        let frames = [api, caller];
+        let api_process = process(10, "api");
+        // Two allocations in the window, then what is still in use at its end.
+        for _ in 0..2 {
+            agg.add_values(
+                Some(&api_process),
+                &sample(10, 11, "w"),
+                &frames,
+                false,
+                &[100, 1, 0, 0],
+            );
+        }
+        agg.add_values(
+            Some(&api_process),
+            &sample(10, 11, "w"),
+            &frames,
+            false,
+            &[0, 0, 100, 1],
+        );
+        let profiles = agg.flush(10);
+        assert_eq!(profiles.len(), 1);
+        assert_eq!(profiles[0].kind, ProfileKind::CudaAlloc);
+        let samples = &profiles[0].samples;
+        assert_eq!(samples.len(), 1);
+        assert_eq!(samples[0].count, 200);
+        assert_eq!(samples[0].more_values, [2, 100, 1]);
+
+        // Single-valued kinds carry no further values; `add_value` fills the primary one.
+        let mut cpu = Aggregator::new(settings(Grouping::PerService), 0);
+        cpu.add_value(Some(&api_process), &sample(10, 11, "w"), &frames, false, 3);
+        let profiles = cpu.flush(10);
+        assert_eq!(profiles[0].samples[0].count, 3);
+        assert!(profiles[0].samples[0].more_values.is_empty());
     }
 
     #[test]

@@ -152,7 +152,7 @@ impl UnwindMaps for KernelUnwindMaps {
     }
 }
 
-/// Process lifecycle events (exits) from the kernel.
+/// Process lifecycle events (exits, execs) from the kernel.
 pub struct EventRing {
     ring: RingBuf<MapData>,
 }
@@ -166,8 +166,14 @@ impl EventRing {
                 // SAFETY: length checked; ProcessEvent is plain old data.
                 let event: ProcessEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
                 match event.kind {
-                    EVENT_PROCESS_EXIT => events.push(LifecycleEvent::Exited(event.pid)),
-                    EVENT_PROCESS_EXEC => events.push(LifecycleEvent::Execed(event.pid)),
+                    EVENT_PROCESS_EXIT => events.push(LifecycleEvent::Exited {
+                        pid: event.pid,
+                        ktime_ns: event.ktime_ns,
+                    }),
+                    EVENT_PROCESS_EXEC => events.push(LifecycleEvent::Execed {
+                        pid: event.pid,
+                        ktime_ns: event.ktime_ns,
+                    }),
                     _ => {}
                 }
             }
@@ -203,18 +209,35 @@ impl PythonMaps for KernelPythonMaps {
     }
 }
 
-/// `thread.fsbase` in the kernel's `task_struct`, from its BTF: the BPF Python walk identifies
-/// a thread's state by `pthread_self()`, which is the FS base (in every PID namespace).
-fn task_fsbase_offset(btf_path: &std::path::Path) -> Result<u32, String> {
-    let bytes = std::fs::read(btf_path).map_err(|e| format!("{}: {e}", btf_path.display()))?;
-    btf::member_offset(&bytes, "task_struct", &["thread", "fsbase"]).map_err(|e| e.to_string())
+/// Offsets in kernel structures the BPF programs read, from the kernel's BTF.
+struct TaskOffsets {
+    /// `task_struct.thread.fsbase`: the BPF Python walk identifies a thread's state by
+    /// `pthread_self()`, which is the FS base (in every PID namespace).
+    fsbase: Result<u32, String>,
+    /// `task_struct.signal` and `signal_struct.live`: the exit tracepoint tells the last thread
+    /// of a process from its leader.
+    signal_live: Result<(u32, u32), String>,
 }
 
-/// A process lifecycle event.
+fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
+    let bytes = std::fs::read(btf_path).map_err(|e| format!("{}: {e}", btf_path.display()))?;
+    let offset = |structure: &str, path: &[&str]| {
+        btf::member_offset(&bytes, structure, path).map_err(|e| e.to_string())
+    };
+    Ok(TaskOffsets {
+        fsbase: offset("task_struct", &["thread", "fsbase"]),
+        signal_live: offset("task_struct", &["signal"])
+            .and_then(|signal| Ok((signal, offset("signal_struct", &["live"])?))),
+    })
+}
+
+/// A process lifecycle event, with its `bpf_ktime_get_ns()` time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LifecycleEvent {
-    Exited(u32),
-    Execed(u32),
+    /// The process's last thread exited.
+    Exited { pid: u32, ktime_ns: u64 },
+    /// The process replaced its program: everything before `ktime_ns` was the old one's.
+    Execed { pid: u32, ktime_ns: u64 },
 }
 
 /// Records of the CUDA probes (`profiler_common::gpu`), drained by the agent's pipeline.
@@ -341,7 +364,7 @@ impl Sampler {
             (ROWS_PER_CHUNK * std::mem::size_of::<profiler_common::unwind::UnwindRow>()) as u64;
         let btf_path = btf_path();
         // Parsed while the kernel verifies the programs.
-        let fsbase = std::thread::spawn(move || task_fsbase_offset(&btf_path));
+        let offsets = std::thread::spawn(move || task_offsets(&btf_path));
         let row_chunks = (settings.unwind_table_bytes / chunk_bytes)
             .clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
         // The program needs no CO-RE relocations, so skip parsing the kernel's BTF (a third of
@@ -352,20 +375,32 @@ impl Sampler {
             .load(EBPF_OBJECT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
 
-        let task_fsbase_offset = match fsbase.join() {
-            Ok(Ok(offset)) => offset,
-            Ok(Err(reason)) => {
-                tracing::warn!(
-                    "Python 3.8-3.10, and 3.11+ in other PID namespaces, will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
+        let offsets = offsets
+            .join()
+            .unwrap_or_else(|_| Err("reading the kernel's BTF panicked".into()))
+            .unwrap_or_else(|reason| TaskOffsets {
+                fsbase: Err(reason.clone()),
+                signal_live: Err(reason),
+            });
+        let task_fsbase_offset = offsets.fsbase.unwrap_or_else(|reason| {
+            tracing::warn!(
+                "Python 3.8-3.10, and 3.11+ in other PID namespaces, will show native frames only: cannot find the FS base in the kernel's task_struct ({reason})"
+            );
+            0
+        });
+        let (task_signal_offset, signal_live_offset) =
+            offsets.signal_live.unwrap_or_else(|reason| {
+                tracing::info!(
+                    "a process is taken as exited when its main thread exits: cannot find the live thread count in the kernel's task_struct ({reason})"
                 );
-                0
-            }
-            Err(_) => 0,
-        };
+                (0, 0)
+            });
         let config = SamplerConfig {
             filter_pids: u32::from(!settings.pids.is_empty()),
             keep_idle: 0,
             task_fsbase_offset,
+            task_signal_offset,
+            signal_live_offset,
             _pad: 0,
         };
         let mut config_map: Array<_, SamplerConfig> = take_map(&mut ebpf, names::MAP_CONFIG)?;

@@ -90,16 +90,19 @@ mod tests {
             ProfileSample {
                 stack: vec![u32::MAX, KERNEL, ROOT],
                 count: 4,
+                more_values: Vec::new(),
                 labels: Vec::new(),
             },
             ProfileSample {
                 stack: vec![u32::MAX],
                 count: 9,
+                more_values: Vec::new(),
                 labels: Vec::new(),
             },
             ProfileSample {
                 stack: Vec::new(),
                 count: 9,
+                more_values: Vec::new(),
                 labels: Vec::new(),
             },
         ];
@@ -136,11 +139,13 @@ mod tests {
                 // Innermost first: spin, called through native main, from the module.
                 stack: vec![spin, MAIN, module, ROOT],
                 count: 5,
+                more_values: Vec::new(),
                 labels: Vec::new(),
             },
             ProfileSample {
                 stack: vec![unknown, ROOT],
                 count: 2,
+                more_values: Vec::new(),
                 labels: Vec::new(),
             },
         ];

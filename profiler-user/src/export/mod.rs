@@ -342,6 +342,7 @@ pub(crate) mod test_fixture {
             ProfileSample {
                 stack: vec![KERNEL, LIBFOO_UNSYMBOLIZED, MAIN, ROOT],
                 count: 3,
+                more_values: Vec::new(),
                 labels: labels(&[
                     ("thread_name", worker.clone()),
                     ("tid", LabelValue::Num(42)),
@@ -350,16 +351,19 @@ pub(crate) mod test_fixture {
             ProfileSample {
                 stack: vec![INLINED, MAIN, ROOT],
                 count: 5,
+                more_values: Vec::new(),
                 labels: labels(&[("thread_name", worker)]),
             },
             ProfileSample {
                 stack: vec![INLINED, MAIN, ROOT],
                 count: 2,
+                more_values: Vec::new(),
                 labels: labels(&[("thread_name", LabelValue::Str("other".into()))]),
             },
             ProfileSample {
                 stack: vec![ODD_NAME, MAIN_OTHER_LINE, ROOT],
                 count: 1,
+                more_values: Vec::new(),
                 labels: Vec::new(),
             },
         ];

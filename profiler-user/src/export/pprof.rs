@@ -85,13 +85,17 @@ impl PprofBuilder {
         };
         let default_sample_type = cpu_nanoseconds.r#type;
         let is_cpu = profile.kind == ProfileKind::Cpu;
-        let measured = {
-            let (kind, unit) = profile.kind.sample_type();
-            proto::ValueType {
-                r#type: self.strings.intern(kind),
-                unit: self.strings.intern(unit),
-            }
+        let mut value_type = |(kind, unit): (&str, &str)| proto::ValueType {
+            r#type: self.strings.intern(kind),
+            unit: self.strings.intern(unit),
         };
+        let measured: Vec<proto::ValueType> = profile
+            .kind
+            .sample_types()
+            .iter()
+            .map(|&t| value_type(t))
+            .collect();
+        let measured_period = value_type(profile.kind.period_type());
 
         let location = profile
             .frames
@@ -120,7 +124,17 @@ impl PprofBuilder {
                     value: if is_cpu {
                         vec![count, count.saturating_mul(profile.period_ns)]
                     } else {
-                        vec![count]
+                        // One value per sample type, whatever the sample carries.
+                        std::iter::once(count)
+                            .chain(
+                                sample
+                                    .more_values
+                                    .iter()
+                                    .map(|&v| i64::try_from(v).unwrap_or(i64::MAX)),
+                            )
+                            .chain(std::iter::repeat(0))
+                            .take(measured.len())
+                            .collect()
                     },
                     label: sample
                         .labels
@@ -153,8 +167,8 @@ impl PprofBuilder {
                 default_sample_type,
             )
         } else {
-            let default = measured.r#type;
-            (vec![measured.clone()], measured, 1, default)
+            let default = measured[0].r#type;
+            (measured, measured_period, 1, default)
         };
         proto::Profile {
             sample_type,
@@ -541,11 +555,47 @@ mod tests {
     }
 
     #[test]
+    fn memory_profiles_have_every_sample_type_and_space_as_period() {
+        let mut profile = test_fixture::profile();
+        profile.kind = ProfileKind::CudaAlloc;
+        profile.samples[0].more_values = vec![2, 7, 1];
+        // A sample carrying fewer values than the kind's types gets zeros.
+        profile.samples[1].more_values = Vec::new();
+        let pprof = roundtrip(&profile);
+        let type_unit = |vt: &proto::ValueType| {
+            format!("{}/{}", string(&pprof, vt.r#type), string(&pprof, vt.unit))
+        };
+        let sample_types: Vec<String> = pprof.sample_type.iter().map(type_unit).collect();
+        assert_eq!(
+            sample_types,
+            [
+                "alloc_space/bytes",
+                "alloc_objects/count",
+                "inuse_space/bytes",
+                "inuse_objects/count"
+            ]
+        );
+        assert_eq!(string(&pprof, pprof.default_sample_type), "alloc_space");
+        assert_eq!(
+            pprof.period_type.as_ref().map(type_unit).as_deref(),
+            Some("space/bytes")
+        );
+        assert_eq!(pprof.sample[0].value, [3, 2, 7, 1]);
+        assert_eq!(pprof.sample[1].value, [5, 0, 0, 0]);
+
+        profile.kind = ProfileKind::CudaLaunch;
+        let pprof = roundtrip(&profile);
+        assert_eq!(pprof.sample_type.len(), 1);
+        assert_eq!(pprof.sample[0].value, [3], "one value for one sample type");
+    }
+
+    #[test]
     fn bad_input_does_not_panic() {
         let mut profile = test_fixture::profile();
         profile.samples.push(ProfileSample {
             stack: vec![u32::MAX, KERNEL, 1000],
             count: u64::MAX,
+            more_values: Vec::new(),
             labels: Vec::new(),
         });
         profile.period_ns = i64::MAX;

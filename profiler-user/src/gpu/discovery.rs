@@ -17,9 +17,9 @@ use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::{
     CALL_DRV_ALLOC, CALL_DRV_FREE, CALL_DRV_GET_FUNCTION, CALL_DRV_GRAPH_LAUNCH, CALL_DRV_LAUNCH,
     CALL_DRV_LAUNCH_EX, CALL_DRV_MEMCPY, CALL_DRV_MEMCPY_DTOD, CALL_DRV_MEMCPY_DTOH,
-    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_FIRST_DRIVER, CALL_RT_FREE, CALL_RT_GET_KERNEL,
-    CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC, CALL_RT_LAUNCH_HANDLE,
-    CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC,
+    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_RT_FREE, CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH,
+    CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC, CALL_RT_LAUNCH_HANDLE, CALL_RT_MALLOC, CALL_RT_MEMCPY,
+    CALL_RT_SYNC,
 };
 
 use crate::{
@@ -99,15 +99,10 @@ const MARKER_SYMBOLS: &[&str] = &["cudaLaunchKernel", "__cudaLaunchKernel", "cuL
 pub const SCAN_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Whether a call needs its return probed: synchronizations (time blocked), the calls whose
-/// out-parameter names a handle, and runtime calls that mark "inside the runtime" for their
-/// whole duration (the others mark only the driver call they make, see
-/// [`profiler_common::gpu::runtime_call_has_return_probe`]).
+/// out-parameter names a handle or a device pointer, and runtime calls that mark "inside the
+/// runtime" for their whole duration (see [`profiler_common::gpu::has_return_probe`]).
 pub fn needs_return_probe(call: u32) -> bool {
-    if call < CALL_FIRST_DRIVER {
-        profiler_common::gpu::runtime_call_has_return_probe(call)
-    } else {
-        call == CALL_DRV_SYNC || call == CALL_DRV_GET_FUNCTION
-    }
+    profiler_common::gpu::has_return_probe(call)
 }
 
 /// One place to probe in a file.
@@ -397,9 +392,15 @@ impl Discovery {
         }
         let mut attached = 0;
         for point in &points {
-            let mut ok = attacher.attach(&target, point, false);
-            if ok.is_ok() && needs_return_probe(point.call) {
+            // The return probe first: a call entered between the two attachments then has its
+            // return seen without its entry (counted as unmatched, no state), never an entry
+            // that raised a per-thread depth without the return that lowers it.
+            let mut ok = Ok(());
+            if needs_return_probe(point.call) {
                 ok = attacher.attach(&target, point, true);
+            }
+            if ok.is_ok() {
+                ok = attacher.attach(&target, point, false);
             }
             match ok {
                 Ok(()) => attached += 1,

@@ -1,5 +1,7 @@
 //! GPU attribution: CUDA libraries found by their exports and probed (`discovery`), the
-//! probes' records turned into profile events (`events`), and NVIDIA's counters (`nvml`).
+//! probes' records turned into profile events (`events`), device memory still allocated
+//! (`allocations`), and NVIDIA's counters (`nvml`).
+pub mod allocations;
 pub mod discovery;
 pub mod events;
 pub mod nvml;

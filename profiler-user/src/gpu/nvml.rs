@@ -3,10 +3,10 @@
 //! and labels (so existing GPU dashboards work) and `/api/gpu` serves as a time series.
 //!
 //! Without a driver the agent runs as usual: the reason is logged once and `gpu_available` is
-//! 0. A reading a GPU does not support (`NotSupported`, or a symbol the library lacks) is left
-//! out, never an error.
+//! 0. A reading a GPU does not support (`NotSupported`, or a function the library lacks) is left
+//! out, never an error; a missing function is logged once.
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     fmt::Write as _,
     path::PathBuf,
     sync::{
@@ -321,11 +321,25 @@ pub fn downsample(points: &[HistoryPoint], max: usize) -> Vec<HistoryPoint> {
         .collect()
 }
 
-/// A reading, or `None` when this GPU or driver does not offer it.
+/// A reading, or `None` when this GPU or driver does not offer it. A function the NVML
+/// library lacks is reported once (the other readings go on).
 fn reading<T>(what: &str, result: Result<T, NvmlError>) -> Option<T> {
     match result {
         Ok(value) => Some(value),
-        Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => None,
+        Err(NvmlError::NotSupported) => None,
+        Err(NvmlError::FailedToLoadSymbol(symbol)) => {
+            static REPORTED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+            let mut reported = REPORTED.lock().unwrap_or_else(|p| p.into_inner());
+            if reported
+                .get_or_insert_with(HashSet::new)
+                .insert(symbol.clone())
+            {
+                tracing::warn!(
+                    "NVML {what} is left out: the NVML library lacks the function ({symbol})"
+                );
+            }
+            None
+        }
         Err(err) => {
             tracing::debug!("NVML {what}: {err}");
             None

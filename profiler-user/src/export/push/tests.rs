@@ -98,7 +98,41 @@ fn every_profile_kind_is_named_as_pyroscope_expects() {
         let pushed = name(&profile).unwrap();
         assert_eq!(pushed, kind.name());
         assert!(!pushed.contains(':') && !pushed.contains('-') && !pushed.is_empty());
+        // Every sample type becomes a series whose profile type ID Pyroscope (and our store)
+        // accepts: no `-` or `:` in any part, the primary type first.
+        let stored =
+            ingest::profiles_from_pprof(&build_pprof(&profile), &pushed, &[], now_ns()).unwrap();
+        let mut ids: Vec<String> = stored
+            .iter()
+            .map(|p| p.profile_type.as_ref().unwrap().id())
+            .collect();
+        ids.dedup();
+        let expected: Vec<String> = kind
+            .sample_types()
+            .iter()
+            .map(|(sample_type, unit)| {
+                let (period_type, period_unit) = kind.period_type();
+                format!("{pushed}:{sample_type}:{unit}:{period_type}:{period_unit}")
+            })
+            .collect();
+        assert_eq!(
+            ids,
+            expected[..1],
+            "the fixture's samples carry the primary value"
+        );
+        for id in &expected {
+            let parsed = crate::store::ProfileType::parse(id).unwrap();
+            assert_eq!(&parsed.id(), id);
+            assert!(
+                id.split(':')
+                    .all(|part| !part.is_empty() && !part.contains('-'))
+            );
+        }
     }
+    assert_eq!(
+        crate::model::ProfileKind::CudaAlloc.sample_types()[0],
+        ("alloc_space", "bytes")
+    );
 }
 
 #[test]
