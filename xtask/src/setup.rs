@@ -360,7 +360,12 @@ fn rustup_link_missing() -> bool {
     }
 }
 
-/// True when `dir` has a package.json and its node_modules is absent or older than the lockfile.
+/// npm's record of a finished install inside node_modules: an emptied or half-written
+/// node_modules has none.
+const NPM_INSTALL_MARKER: &str = "node_modules/.package-lock.json";
+
+/// True when `dir` has a package.json and its install marker is absent or older than the
+/// lockfile.
 fn npm_deps_stale(dir: &Path) -> bool {
     if !dir.join("package.json").exists() {
         return false;
@@ -371,7 +376,7 @@ fn npm_deps_stale(dir: &Path) -> bool {
             .ok()
     };
     match (
-        modified(dir.join("node_modules")),
+        modified(dir.join(NPM_INSTALL_MARKER)),
         modified(dir.join("package-lock.json")),
     ) {
         (None, _) => true,
@@ -562,12 +567,16 @@ fn install_npm_deps(dir: &Path) -> Result<()> {
             .current_dir(dir)
             .stdin(Stdio::null()),
     )?;
-    // Mark node_modules as newer than the lockfile even if npm left its mtime alone.
-    let modules = dir.join("node_modules");
-    std::fs::create_dir_all(&modules)?;
-    std::fs::File::open(&modules)
+    // Mark the install as newer than the lockfile even if npm left the marker's mtime alone
+    // (npm writes the marker itself; an install without dependencies may not).
+    let marker = dir.join(NPM_INSTALL_MARKER);
+    std::fs::create_dir_all(dir.join("node_modules"))?;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&marker)
         .and_then(|file| file.set_modified(SystemTime::now()))
-        .with_context(|| format!("cannot touch {}", modules.display()))
+        .with_context(|| format!("cannot touch {}", marker.display()))
 }
 
 #[cfg(test)]
@@ -589,6 +598,8 @@ mod tests {
         std::fs::write(dir.join("package.json"), "{}").unwrap();
         assert!(npm_deps_stale(&dir), "no node_modules");
         std::fs::create_dir(dir.join("node_modules")).unwrap();
+        assert!(npm_deps_stale(&dir), "an empty node_modules is no install");
+        std::fs::File::create(dir.join(NPM_INSTALL_MARKER)).unwrap();
         let lock = std::fs::File::create(dir.join("package-lock.json")).unwrap();
         lock.set_modified(SystemTime::now() + Duration::from_secs(60))
             .unwrap();
