@@ -63,7 +63,9 @@ pub struct SamplerConfig {
     /// thread exits, not when its leader does.
     pub task_signal_offset: u32,
     pub signal_live_offset: u32,
-    pub _pad: u32,
+    /// Non-zero once the CUDA probes are loaded: only then can a thread be inside a CUDA
+    /// synchronization, so samples skip that lookup before.
+    pub cuda_probes: u32,
 }
 
 const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 24);

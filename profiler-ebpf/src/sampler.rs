@@ -185,7 +185,7 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         if in_user_mode {
             flags |= SAMPLE_IN_USER_MODE;
         }
-        if cuda::in_sync(tid) {
+        if config.cuda_probes != 0 && cuda::in_sync(tid) {
             flags |= SAMPLE_IN_CUDA_SYNC;
         }
 

@@ -108,7 +108,7 @@ struct KernelInputs {
     unwind_maps: KernelUnwindMaps,
     python_maps: KernelPythonMaps,
     events: EventRing,
-    cuda_events: Option<CudaEventRing>,
+    cuda: bool,
 }
 
 impl KernelInputs {
@@ -118,7 +118,7 @@ impl KernelInputs {
                 unwind_maps: parts.unwind_maps,
                 python_maps: parts.python_maps,
                 events: parts.events,
-                cuda_events: parts.cuda_events,
+                cuda: parts.cuda,
             },
             parts.samples,
         )
@@ -128,7 +128,8 @@ impl KernelInputs {
 /// The CUDA side of the pipeline: library discovery, the probes' records, kernel names, live
 /// device allocations, one aggregator per CUDA profile kind.
 struct CudaAttribution {
-    ring: CudaEventRing,
+    /// The probes' records; `None` until the first CUDA library is probed.
+    ring: Option<CudaEventRing>,
     discovery: Discovery,
     names: KernelNames,
     allocations: LiveAllocations,
@@ -157,10 +158,10 @@ impl Pipeline {
             unwind_maps,
             python_maps,
             events,
-            cuda_events,
+            cuda,
         } = kernel;
-        let cuda = cuda_events.map(|ring| CudaAttribution {
-            ring,
+        let cuda = cuda.then(|| CudaAttribution {
+            ring: None,
             discovery: Discovery::new("/proc".into()),
             names: KernelNames::default(),
             allocations: LiveAllocations::default(),
@@ -267,15 +268,23 @@ impl Pipeline {
     fn poll_cuda(&mut self, sampler: Option<&mut Sampler>, lifecycle: &[LifecycleEvent]) {
         let Some(cuda) = &mut self.cuda else { return };
         let new_users = match sampler {
-            Some(sampler) => cuda.discovery.maybe_scan(sampler),
+            Some(sampler) => {
+                let new_users = cuda.discovery.maybe_scan(sampler);
+                if cuda.ring.is_none() {
+                    cuda.ring = sampler.take_cuda_ring();
+                }
+                new_users
+            }
             None => Vec::new(),
         };
         let mut records = Vec::new();
         let mut errors = 0;
-        cuda.ring.drain(|bytes| match decode_cuda_record(bytes) {
-            Ok(record) => records.push(record),
-            Err(_) => errors += 1,
-        });
+        if let Some(ring) = &mut cuda.ring {
+            ring.drain(|bytes| match decode_cuda_record(bytes) {
+                Ok(record) => records.push(record),
+                Err(_) => errors += 1,
+            });
+        }
         cuda.decode_errors += errors;
         let now = Instant::now();
         cuda.names.begin_batch(lifecycle, now);

@@ -261,8 +261,9 @@ impl CudaEventRing {
 pub struct SamplerParts {
     pub samples: SampleRing,
     pub events: EventRing,
-    /// `None` when the CUDA programs are off (`--no-gpu`) or could not be loaded.
-    pub cuda_events: Option<CudaEventRing>,
+    /// Whether CUDA attribution is on (not `--no-gpu`). Its programs are loaded, and its ring
+    /// mapped, only when the first CUDA library is probed ([`Sampler::take_cuda_ring`]).
+    pub cuda: bool,
     pub unwind_maps: KernelUnwindMaps,
     pub python_maps: KernelPythonMaps,
 }
@@ -281,7 +282,21 @@ pub struct Sampler {
     pid_filter_entries: u32,
     attached_cpus: usize,
     frequency_hz: u64,
-    cuda_loaded: bool,
+    cuda: CudaPrograms,
+}
+
+/// The CUDA uprobe programs: verified and their 8 MiB ring mapped only once a process uses CUDA,
+/// so hosts and recordings without CUDA pay neither the start-up CPU nor the memory.
+enum CudaPrograms {
+    Off,
+    Deferred {
+        stacks_per_second: u32,
+    },
+    /// Loaded; the ring waits here until the pipeline takes it.
+    Loaded {
+        ring: Option<CudaEventRing>,
+    },
+    Failed,
 }
 
 /// The ring buffer of samples, moved to the reader thread.
@@ -401,14 +416,16 @@ impl Sampler {
             task_fsbase_offset,
             task_signal_offset,
             signal_live_offset,
-            _pad: 0,
+            cuda_probes: 0,
         };
-        let mut config_map: Array<_, SamplerConfig> = take_map(&mut ebpf, names::MAP_CONFIG)?;
+        // Borrowed, not taken: the CUDA programs, loaded later, refer to these maps by the file
+        // descriptors the object holds.
+        let mut config_map: Array<_, SamplerConfig> = borrow_map(&mut ebpf, names::MAP_CONFIG)?;
         config_map.set(0, config, 0).map_err(|err| BpfError::Map {
             name: names::MAP_CONFIG,
             message: error_chain(&err),
         })?;
-        let mut pid_filter: HashMap<_, u32, u8> = take_map(&mut ebpf, names::MAP_PID_FILTER)?;
+        let mut pid_filter: HashMap<_, u32, u8> = borrow_map(&mut ebpf, names::MAP_PID_FILTER)?;
         for pid in &settings.pids {
             pid_filter.insert(pid, 1, 0).map_err(|err| BpfError::Map {
                 name: names::MAP_PID_FILTER,
@@ -445,31 +462,26 @@ impl Sampler {
         program
             .load()
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
-        let cuda_events = if settings.cuda {
-            match load_cuda(&mut ebpf, settings.cuda_stacks_per_second) {
-                Ok(ring) => Some(ring),
-                Err(err) => {
-                    tracing::warn!("CUDA attribution is off: {err}");
-                    None
-                }
-            }
-        } else {
-            None
-        };
         let sampler = Sampler {
             ebpf,
             stats,
             pid_filter_entries: settings.pids.len() as u32,
             attached_cpus: 0,
             frequency_hz: settings.frequency_hz,
-            cuda_loaded: cuda_events.is_some(),
+            cuda: if settings.cuda {
+                CudaPrograms::Deferred {
+                    stacks_per_second: settings.cuda_stacks_per_second,
+                }
+            } else {
+                CudaPrograms::Off
+            },
         };
         Ok((
             sampler,
             SamplerParts {
                 samples: SampleRing { ring },
                 events: EventRing { ring: events },
-                cuda_events,
+                cuda: settings.cuda,
                 unwind_maps,
                 python_maps,
             },
@@ -542,9 +554,48 @@ impl Sampler {
         self.attached_cpus
     }
 
-    /// Whether the CUDA programs are loaded (and [`Sampler::attach_cuda`] can work).
-    pub fn cuda_loaded(&self) -> bool {
-        self.cuda_loaded
+    /// The CUDA probes' ring, once, after the first [`Sampler::attach_cuda`] loaded them.
+    pub fn take_cuda_ring(&mut self) -> Option<CudaEventRing> {
+        match &mut self.cuda {
+            CudaPrograms::Loaded { ring } => ring.take(),
+            _ => None,
+        }
+    }
+
+    /// Loads the CUDA programs on first use; an error turns CUDA attribution off for good.
+    fn ensure_cuda_loaded(&mut self) -> Result<(), BpfError> {
+        match self.cuda {
+            CudaPrograms::Loaded { .. } => Ok(()),
+            CudaPrograms::Off => Err(BpfError::Load("CUDA attribution is off".into())),
+            CudaPrograms::Failed => Err(BpfError::Load("the CUDA programs did not load".into())),
+            CudaPrograms::Deferred { stacks_per_second } => {
+                match load_cuda(&mut self.ebpf, stacks_per_second) {
+                    Ok(ring) => {
+                        // Samples now look up whether their thread waits in a CUDA sync.
+                        let mut config: Array<_, SamplerConfig> =
+                            borrow_map(&mut self.ebpf, names::MAP_CONFIG)?;
+                        let current = config.get(&0, 0).map_err(map_error(names::MAP_CONFIG))?;
+                        config
+                            .set(
+                                0,
+                                SamplerConfig {
+                                    cuda_probes: 1,
+                                    ..current
+                                },
+                                0,
+                            )
+                            .map_err(map_error(names::MAP_CONFIG))?;
+                        self.cuda = CudaPrograms::Loaded { ring: Some(ring) };
+                        Ok(())
+                    }
+                    Err(err) => {
+                        tracing::warn!("CUDA attribution is off: {err}");
+                        self.cuda = CudaPrograms::Failed;
+                        Err(err)
+                    }
+                }
+            }
+        }
     }
 
     /// Attaches the CUDA entry (or return) program at `file_offset` of the ELF file `target`,
@@ -556,6 +607,7 @@ impl Sampler {
         call: u32,
         at_return: bool,
     ) -> Result<(), BpfError> {
+        self.ensure_cuda_loaded()?;
         let name = if at_return {
             names::PROGRAM_CUDA_RETURN
         } else {
@@ -607,6 +659,23 @@ where
         .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))
 }
 
+/// The map `name`, left in the object (for maps only set up at load time).
+fn borrow_map<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<T, BpfError>
+where
+    T: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.map_mut(name).ok_or_else(|| BpfError::Map {
+        name,
+        message: "not in the object".into(),
+    })?;
+    T::try_from(map).map_err(|err| BpfError::Map {
+        name,
+        message: error_chain(&err),
+    })
+}
+
+/// The map `name`, moved out of the object. Its file descriptor closes when the map is
+/// dropped, so programs loaded later must not use a map taken this way and dropped.
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, BpfError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
