@@ -212,7 +212,7 @@ impl Pipeline {
             frames.insert(0, self.synthetic(CUDA_SYNC_FRAME));
         }
         self.aggregator
-            .add(process.as_deref(), sample, &frames, truncated);
+            .add(process.as_ref(), sample, &frames, truncated);
         self.samples_processed += 1;
     }
 
@@ -389,7 +389,7 @@ impl Pipeline {
             [header.value, 0, 0, 0]
         };
         if let Some((_, aggregator)) = cuda.aggregators.iter_mut().find(|(k, _)| *k == kind) {
-            aggregator.add_values(process.as_deref(), &sample, &leaf, truncated, &values);
+            aggregator.add_values(process.as_ref(), &sample, &leaf, truncated, &values);
         }
     }
 
@@ -437,7 +437,7 @@ impl Pipeline {
             {
                 for (site, objects, bytes) in cuda.allocations.in_use() {
                     aggregator.add_values(
-                        site.process.as_deref(),
+                        site.process.as_ref(),
                         &site.sample,
                         &site.frames,
                         site.truncated,

@@ -5,10 +5,10 @@
 //! `profiler record` file) all processes share one profile and `service_name` becomes a
 //! per-sample label instead. Per-sample labels are kept low-cardinality: `pid` and `tid` are
 //! numeric, and `thread_name` is dropped from a series that has too many distinct thread names.
-use std::{
-    collections::{HashMap, HashSet},
-    sync::Arc,
-};
+use std::sync::Arc;
+
+// Every sample goes through these maps: a fast hash for keys that are our own data.
+use foldhash::{HashMap, HashMapExt, HashSet};
 
 use crate::model::{
     FrameKind, FrameLine, LabelValue, ProcessInfo, Profile, ProfileKind, ProfileSample, Sample,
@@ -56,10 +56,25 @@ struct SeriesData {
     thread_names: HashSet<Arc<str>>,
 }
 
+type SeriesLabels = Vec<(String, String)>;
+
+/// What all samples of one process share within a window, worked out at its first sample.
+struct ProcessSeries {
+    /// Held so that no other process can take the address that keys this entry meanwhile.
+    _process: Option<Arc<ProcessInfo>>,
+    series: usize,
+    root_frame: u32,
+    service_name: Option<Arc<str>>,
+}
+
 pub struct Aggregator {
     settings: AggregatorSettings,
     window_start_unix_ns: i64,
-    series: HashMap<Vec<(String, String)>, SeriesData>,
+    series: Vec<(SeriesLabels, SeriesData)>,
+    series_ids: HashMap<SeriesLabels, usize>,
+    /// By the address of the process's snapshot (a new snapshot after exec or pid reuse is a
+    /// new entry); cleared with every window, so label changes (a GPU taken) apply at the next.
+    processes: HashMap<usize, ProcessSeries>,
     /// Frames seen in this window, by the address of their `Arc` (kept alive by `frames`).
     frame_ids: HashMap<usize, u32>,
     frames: Vec<Arc<SymbolizedFrame>>,
@@ -89,7 +104,9 @@ impl Aggregator {
         Aggregator {
             settings,
             window_start_unix_ns,
-            series: HashMap::new(),
+            series: Vec::new(),
+            series_ids: HashMap::new(),
+            processes: HashMap::new(),
             frame_ids: HashMap::new(),
             frames: Vec::new(),
             root_frames: HashMap::new(),
@@ -113,11 +130,7 @@ impl Aggregator {
         id
     }
 
-    fn series_labels(
-        &self,
-        process: Option<&ProcessInfo>,
-        sample: &Sample,
-    ) -> Vec<(String, String)> {
+    fn series_labels(&self, process: Option<&ProcessInfo>, sample: &Sample) -> SeriesLabels {
         let mut labels = vec![("host".to_string(), self.settings.host.clone())];
         if self.settings.grouping == Grouping::PerService {
             labels.push(("service_name".into(), service_name(process, sample)));
@@ -152,10 +165,42 @@ impl Aggregator {
         labels
     }
 
+    /// The series, root frame and per-sample service name of `process`'s samples (of the
+    /// sample's own comm when the process is unknown).
+    fn process_series(
+        &mut self,
+        process: Option<&Arc<ProcessInfo>>,
+        sample: &Sample,
+    ) -> ProcessSeries {
+        let info = process.map(|p| &**p);
+        let labels = self.series_labels(info, sample);
+        let series = match self.series_ids.get(&labels) {
+            Some(&id) => id,
+            None => {
+                self.series.push((labels.clone(), SeriesData::default()));
+                self.series_ids.insert(labels, self.series.len() - 1);
+                self.series.len() - 1
+            }
+        };
+        let comm = info.map_or_else(|| sample.comm.clone(), |p| p.comm.clone());
+        let root = self
+            .root_frames
+            .entry(comm.clone())
+            .or_insert_with(|| synthetic_frame(&comm))
+            .clone();
+        ProcessSeries {
+            _process: process.cloned(),
+            series,
+            root_frame: self.frame_id(&root),
+            service_name: (self.settings.grouping == Grouping::Single)
+                .then(|| Arc::<str>::from(service_name(info, sample))),
+        }
+    }
+
     /// Adds one sample whose frames (innermost first) are already symbolized.
     pub fn add(
         &mut self,
-        process: Option<&ProcessInfo>,
+        process: Option<&Arc<ProcessInfo>>,
         sample: &Sample,
         frames: &[Arc<SymbolizedFrame>],
         truncated: bool,
@@ -166,7 +211,7 @@ impl Aggregator {
     /// Adds `value` (in the unit of the kind's primary sample type) for one stack.
     pub fn add_value(
         &mut self,
-        process: Option<&ProcessInfo>,
+        process: Option<&Arc<ProcessInfo>>,
         sample: &Sample,
         frames: &[Arc<SymbolizedFrame>],
         truncated: bool,
@@ -178,7 +223,7 @@ impl Aggregator {
     /// Adds `values`, in the order of the kind's sample types (missing ones are 0).
     pub fn add_values(
         &mut self,
-        process: Option<&ProcessInfo>,
+        process: Option<&Arc<ProcessInfo>>,
         sample: &Sample,
         frames: &[Arc<SymbolizedFrame>],
         truncated: bool,
@@ -194,20 +239,25 @@ impl Aggregator {
             let marker = self.truncated_frame.clone();
             stack.push(self.frame_id(&marker));
         }
-        let comm = process
-            .map(|p| p.comm.clone())
-            .unwrap_or_else(|| sample.comm.clone());
-        let root = self
-            .root_frames
-            .entry(comm.clone())
-            .or_insert_with(|| synthetic_frame(&comm))
-            .clone();
-        stack.push(self.frame_id(&root));
-
-        let service_name = (self.settings.grouping == Grouping::Single)
-            .then(|| Arc::<str>::from(service_name(process, sample)));
-        let series = self.series_labels(process, sample);
-        let data = self.series.entry(series).or_default();
+        let (series, root_frame, service_name) = match process {
+            Some(process) => {
+                let key = Arc::as_ptr(process) as usize;
+                let entry = match self.processes.get(&key) {
+                    Some(entry) => entry,
+                    None => {
+                        let entry = self.process_series(Some(process), sample);
+                        self.processes.entry(key).or_insert(entry)
+                    }
+                };
+                (entry.series, entry.root_frame, entry.service_name.clone())
+            }
+            None => {
+                let entry = self.process_series(None, sample);
+                (entry.series, entry.root_frame, entry.service_name)
+            }
+        };
+        stack.push(root_frame);
+        let data = &mut self.series[series].1;
         if data.thread_names.len() <= self.settings.max_thread_names {
             data.thread_names.insert(sample.comm.clone());
         }
@@ -231,6 +281,8 @@ impl Aggregator {
         self.samples_in_window = 0;
         let frames = std::mem::take(&mut self.frames);
         self.frame_ids.clear();
+        self.series_ids.clear();
+        self.processes.clear();
         let mut profiles: Vec<Profile> = std::mem::take(&mut self.series)
             .into_iter()
             .map(|(series_labels, data)| {
@@ -351,8 +403,8 @@ mod tests {
         }
     }
 
-    fn process(pid: u32, service: &str) -> ProcessInfo {
-        ProcessInfo {
+    fn process(pid: u32, service: &str) -> Arc<ProcessInfo> {
+        Arc::new(ProcessInfo {
             pid: Pid(pid),
             start_time: 1,
             comm: format!("{service}-bin").into(),
@@ -364,7 +416,7 @@ mod tests {
             },
             mappings: vec![],
             is_kernel_thread: false,
-        }
+        })
     }
 
     fn sample(pid: u32, tid: u32, thread: &str) -> Sample {
@@ -386,6 +438,39 @@ mod tests {
             .iter()
             .map(|&i| profile.frames[i as usize].lines[0].function.to_string())
             .collect()
+    }
+
+    #[test]
+    fn a_new_snapshot_of_a_pid_gets_its_own_series_and_root_within_a_window() {
+        let mut agg = Aggregator::new(settings(Grouping::PerService), 1_000);
+        let main = synthetic_frame("main");
+        // The same pid before and after exec: two snapshots, two programs.
+        let (before, after) = (process(10, "launcher"), process(10, "trainer"));
+        for snapshot in [&before, &after, &before, &after, &after] {
+            agg.add(
+                Some(snapshot),
+                &sample(10, 10, "t"),
+                std::slice::from_ref(&main),
+                false,
+            );
+        }
+        let profiles = agg.flush(2_000);
+        let by_service = |service: &str| {
+            profiles
+                .iter()
+                .find(|p| p.series_label("service_name") == Some(service))
+                .unwrap_or_else(|| panic!("no {service} series"))
+        };
+        let launcher = by_service("launcher");
+        let trainer = by_service("trainer");
+        assert_eq!(launcher.samples[0].count, 2);
+        assert_eq!(trainer.samples[0].count, 3);
+        assert_eq!(names(trainer, &trainer.samples[0]), ["main", "trainer-bin"]);
+        // A later window starts from scratch (labels worked out again).
+        agg.add(Some(&before), &sample(10, 10, "t"), &[main], false);
+        let next = agg.flush(3_000);
+        assert_eq!(next.len(), 1);
+        assert_eq!(next[0].series_label("service_name"), Some("launcher"));
     }
 
     #[test]
