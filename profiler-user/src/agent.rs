@@ -453,9 +453,11 @@ impl Pipeline {
         profiles
     }
 
-    /// Registers the given processes before sampling starts, so even their first samples are
-    /// unwound from tables.
-    fn register_known(&mut self, pids: &[u32]) {
+    /// Before sampling starts: reads the kernel's symbols (a one-time cost that would otherwise
+    /// land on whichever sample first has a kernel frame) and registers the given processes, so
+    /// even their first samples are unwound from tables.
+    fn prepare(&mut self, pids: &[u32]) {
+        self.symbolizer.load_kernel_symbols();
         for &pid in pids {
             if let Some(process) = self.processes.lookup(Pid(pid)) {
                 self.native_tables
@@ -648,7 +650,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         kernel,
         None,
     );
-    pipeline.register_known(&config.sampling.pids);
+    pipeline.prepare(&config.sampling.pids);
     sampler.attach()?;
     pipeline.poll(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
@@ -853,7 +855,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
             .set_unavailable("GPU support is off (--no-gpu)".into());
         None
     };
-    pipeline.register_known(&config.sampling.pids);
+    pipeline.prepare(&config.sampling.pids);
     sampler.attach()?;
     pipeline.poll(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);

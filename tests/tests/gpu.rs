@@ -31,6 +31,29 @@ impl Recording {
         Recording::command("record", args, &[])
     }
 
+    /// `profiler record` of `pid` until stopped, into `output`, with `extra` flags.
+    fn of_pid(pid: &str, output: &Path, extra: &[&str]) -> Recording {
+        let output = output.to_str().expect("UTF-8 scratch path");
+        let mut args = vec![
+            "--duration",
+            "120",
+            "--pid",
+            pid,
+            "--no-cache",
+            "--output",
+            output,
+        ];
+        args.extend_from_slice(extra);
+        Recording::start(&args)
+    }
+
+    /// Waits until the probes of each library (a part of its path) are attached.
+    fn wait_for_probes(&mut self, libraries: &[&str]) {
+        for library in libraries {
+            self.wait_for(&["probes attached", library], Duration::from_secs(60));
+        }
+    }
+
     fn command(subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> Recording {
         let mut child = Command::new(profiler_bin())
             .arg(subcommand)
@@ -205,26 +228,9 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
     let rounds = ROUNDS.to_string();
     let mut fixture = spawn_waiting(&app, &[&rounds], &[("CUDA_STANDIN_SYNC_MS", &sync_ms)]);
     let pid = fixture.id().to_string();
-    let mut recording = Recording::start(&[
-        "--duration",
-        "120",
-        "--pid",
-        &pid,
-        "--no-cache",
-        // Every call's stack: this test checks them all.
-        "--cuda-stacks-per-second",
-        "10000",
-        "--output",
-        output.to_str().unwrap(),
-    ]);
-    recording.wait_for(
-        &["probes attached", "libcudart.so.12"],
-        Duration::from_secs(60),
-    );
-    recording.wait_for(
-        &["probes attached", "libcuda.so.1"],
-        Duration::from_secs(60),
-    );
+    // Every call's stack: this test checks them all.
+    let mut recording = Recording::of_pid(&pid, &output, &["--cuda-stacks-per-second", "10000"]);
+    recording.wait_for_probes(&["libcudart.so.12", "libcuda.so.1"]);
     say(&mut fixture, "go\n");
     // The fixture exits right after its last calls: its exit reaches the agent together with
     // (or before) its last records, which must still be named and counted.
@@ -435,19 +441,8 @@ fn a_main_thread_exiting_first_does_not_end_the_process() {
     let output = scratch.path("profile.pb.gz");
     let mut fixture = spawn_waiting(&dir.join("leader_exit"), &[], &[]);
     let pid = fixture.id().to_string();
-    let mut recording = Recording::start(&[
-        "--duration",
-        "120",
-        "--pid",
-        &pid,
-        "--no-cache",
-        "--output",
-        output.to_str().unwrap(),
-    ]);
-    recording.wait_for(
-        &["probes attached", "libcuda.so.1"],
-        Duration::from_secs(60),
-    );
+    let mut recording = Recording::of_pid(&pid, &output, &[]);
+    recording.wait_for_probes(&["libcuda.so.1"]);
     say(&mut fixture, "go\n");
     wait_done(&mut fixture);
     let log = recording.stop();
@@ -484,23 +479,8 @@ fn cpu_samples_inside_synchronization_get_a_cuda_sync_frame() {
         &[("CUDA_STANDIN_SYNC_MS", "200"), ("CUDA_STANDIN_SPIN", "1")],
     );
     let pid = fixture.id().to_string();
-    let mut recording = Recording::start(&[
-        "--duration",
-        "120",
-        "--pid",
-        &pid,
-        "--no-cache",
-        "--output",
-        output.to_str().unwrap(),
-    ]);
-    recording.wait_for(
-        &["probes attached", "libcudart.so.12"],
-        Duration::from_secs(60),
-    );
-    recording.wait_for(
-        &["probes attached", "libcuda.so.1"],
-        Duration::from_secs(60),
-    );
+    let mut recording = Recording::of_pid(&pid, &output, &[]);
+    recording.wait_for_probes(&["libcudart.so.12", "libcuda.so.1"]);
     say(&mut fixture, "go\n");
     wait_done(&mut fixture);
     std::thread::sleep(Duration::from_millis(300));
@@ -607,26 +587,11 @@ fn python_ctypes_launches_from_a_renamed_runtime_loaded_late() {
         ],
     );
     let pid = fixture.id().to_string();
-    let mut recording = Recording::start(&[
-        "--duration",
-        "120",
-        "--pid",
-        &pid,
-        "--no-cache",
-        "--output",
-        output.to_str().unwrap(),
-    ]);
+    let mut recording = Recording::of_pid(&pid, &output, &[]);
     recording.wait_for(&["sampler attached"], Duration::from_secs(60));
     // Only now does the script load the libraries.
     say(&mut fixture, "load\n");
-    recording.wait_for(
-        &["probes attached", "libcudart-abc123.so.12"],
-        Duration::from_secs(60),
-    );
-    recording.wait_for(
-        &["probes attached", "libcuda.so.1"],
-        Duration::from_secs(60),
-    );
+    recording.wait_for_probes(&["libcudart-abc123.so.12", "libcuda.so.1"]);
     say(&mut fixture, "go\n");
     read_done(&mut fixture);
     // Python function names are read from the live process: it exits after the recording.
@@ -762,21 +727,8 @@ fn a_launch_storm_over_the_stack_budget_is_counted_in_full() {
     let output = scratch.path("profile.pb.gz");
     let mut fixture = spawn_waiting(&dir.join("launch_loop"), &[&LAUNCHES.to_string(), "0"], &[]);
     let pid = fixture.id().to_string();
-    let mut recording = Recording::start(&[
-        "--duration",
-        "120",
-        "--pid",
-        &pid,
-        "--no-cache",
-        "--cuda-stacks-per-second",
-        "2",
-        "--output",
-        output.to_str().unwrap(),
-    ]);
-    recording.wait_for(
-        &["probes attached", "libcudart.so.12"],
-        Duration::from_secs(60),
-    );
+    let mut recording = Recording::of_pid(&pid, &output, &["--cuda-stacks-per-second", "2"]);
+    recording.wait_for_probes(&["libcudart.so.12"]);
     say(&mut fixture, "go\n");
     let mut out = String::new();
     BufReader::new(fixture.stdout.as_mut().expect("piped"))
@@ -1111,14 +1063,7 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
         ],
         &[("NVML_STANDIN_PID", &pid)],
     );
-    agent.wait_for(
-        &["probes attached", "libcudart.so.12"],
-        Duration::from_secs(60),
-    );
-    agent.wait_for(
-        &["probes attached", "libcuda.so.1"],
-        Duration::from_secs(60),
-    );
+    agent.wait_for_probes(&["libcudart.so.12", "libcuda.so.1"]);
     // NVML lists the process before it makes its first call.
     wait_for_metric(
         &address,

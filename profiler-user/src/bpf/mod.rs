@@ -664,14 +664,7 @@ fn borrow_map<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<T, BpfErr
 where
     T: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
 {
-    let map = ebpf.map_mut(name).ok_or_else(|| BpfError::Map {
-        name,
-        message: "not in the object".into(),
-    })?;
-    T::try_from(map).map_err(|err| BpfError::Map {
-        name,
-        message: error_chain(&err),
-    })
+    typed_map(ebpf.map_mut(name), name)
 }
 
 /// The map `name`, moved out of the object. Its file descriptor closes when the map is
@@ -680,7 +673,14 @@ fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, BpfError>
 where
     T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
 {
-    let map = ebpf.take_map(name).ok_or_else(|| BpfError::Map {
+    typed_map(ebpf.take_map(name), name)
+}
+
+fn typed_map<M, T>(map: Option<M>, name: &'static str) -> Result<T, BpfError>
+where
+    T: TryFrom<M, Error = aya::maps::MapError>,
+{
+    let map = map.ok_or_else(|| BpfError::Map {
         name,
         message: "not in the object".into(),
     })?;

@@ -133,6 +133,22 @@ impl KernelSymbols {
         }
     }
 
+    /// Makes blazesym parse the snapshot (its first lookup does) and builds the module index.
+    pub(super) fn load(&mut self, resolver: &bz::Symbolizer) {
+        // Any address does: the lookup parses the whole file before it searches.
+        let _ = self.lookup(resolver, u64::MAX);
+        self.module_index();
+    }
+
+    fn module_index(&mut self) -> &ModuleIndex {
+        self.modules.get_or_insert_with(|| {
+            ModuleIndex::load(&self.kallsyms).unwrap_or_else(|err| {
+                debug!(error = %err, "cannot index kernel modules");
+                ModuleIndex::default()
+            })
+        })
+    }
+
     pub(super) fn lookup(&mut self, resolver: &bz::Symbolizer, addr: u64) -> KernelLookup {
         let kallsyms = self.snapshot_path();
         let source = Source::Kernel(Kernel {
@@ -145,16 +161,12 @@ impl KernelSymbols {
         });
         match resolver.symbolize_single(&source, Input::AbsAddr(addr)) {
             Ok(Symbolized::Sym(sym)) => {
-                let modules = self.modules.get_or_insert_with(|| {
-                    ModuleIndex::load(&self.kallsyms).unwrap_or_else(|err| {
-                        debug!(error = %err, "cannot index kernel modules");
-                        ModuleIndex::default()
-                    })
-                });
-                let module = modules
+                let core_kernel = self.core_kernel.clone();
+                let module = self
+                    .module_index()
                     .module_of(sym.addr)
-                    .unwrap_or(&self.core_kernel)
-                    .clone();
+                    .cloned()
+                    .unwrap_or(core_kernel);
                 KernelLookup::Found(KernelSymbol {
                     name: sym.name.into_owned(),
                     module,

@@ -167,6 +167,11 @@ impl Symbolizer {
         }
     }
 
+    /// Reads and indexes the kernel's symbols now rather than at the first kernel frame.
+    pub fn load_kernel_symbols(&mut self) {
+        self.kernel.load(&self.resolver);
+    }
+
     pub fn stats(&self) -> SymbolizerStats {
         SymbolizerStats {
             cache_entries: self.frames.len(),

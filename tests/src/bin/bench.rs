@@ -220,6 +220,8 @@ pub struct CollectorRun {
     pub agent: Option<AgentSummary>,
     /// Ours only: agent CPU per BPF run while the workload ran (startup and final write excluded).
     pub steady_cpu_per_run: Option<Duration>,
+    /// ours: the agent's CPU in each one-second poll interval while the workload ran (ms).
+    pub agent_cpu_per_second_ms: Vec<f64>,
     /// perf only: the event it sampled (from `perf evlist`).
     pub event: Option<String>,
 }
@@ -571,6 +573,9 @@ fn finish_workers(workers: Vec<Proc>) -> Result<Throughput> {
 }
 
 /// One poll of the profiler while it runs.
+/// Polls at the start of the window left out of the steady-state agent CPU.
+const WARM_UP_POLLS: usize = 2;
+
 struct Poll {
     workers_running: bool,
     bpf: Option<ProgStats>,
@@ -735,14 +740,21 @@ fn run_ours(
         .collect();
     let stats: Vec<ProgStats> = window.iter().map(|(stats, _)| *stats).collect();
     let bpf = bpf_cost(&stats);
+    // The first seconds finish start-up (first symbols, kallsyms, first tables) and are not
+    // the steady state; the whole run, start-up included, is reported separately.
+    let steady: Vec<_> = window.iter().skip(WARM_UP_POLLS).collect();
     let mut steady_cpu_per_run = None;
-    if let (Some(first), Some(last)) = (window.first(), window.last())
+    if let (Some(first), Some(last)) = (steady.first(), steady.last())
         && let (Some(a), Some(b)) = (first.1, last.1)
-        && bpf.window_runs > 0
+        && last.0.run_cnt > first.0.run_cnt
     {
-        steady_cpu_per_run =
-            Some(b.saturating_sub(a) / bpf.window_runs.min(u64::from(u32::MAX)) as u32);
+        let runs = (last.0.run_cnt - first.0.run_cnt).min(u64::from(u32::MAX)) as u32;
+        steady_cpu_per_run = Some(b.saturating_sub(a) / runs);
     }
+    let agent_cpu_per_second_ms: Vec<f64> = window
+        .windows(2)
+        .filter_map(|pair| Some(pair[1].1?.saturating_sub(pair[0].1?).as_secs_f64() * 1e3))
+        .collect();
     if bpf.per_second_ns.is_empty() {
         eprintln!(
             "bench: warning: no BPF run statistics in /proc/{}/fdinfo (kernel without run_time_ns/run_cnt?)",
@@ -757,6 +769,7 @@ fn run_ours(
             bpf: Some(bpf),
             agent,
             steady_cpu_per_run,
+            agent_cpu_per_second_ms,
             event: None,
         },
     ))

@@ -252,8 +252,13 @@ pub fn render(r: &Results) -> String {
     );
     let _ = writeln!(
         out,
-        "- profiler CPU in steady state (/proc/PID/task/*/schedstat between the polls while the workload ran, per BPF run): {} µs",
-        opt(ours.steady_cpu_per_run.map(us), 1)
+        "- profiler CPU in steady state (/proc/PID/task/*/schedstat between the polls while the workload ran, leaving out the first 2 s of the window, per BPF run): {} µs; per one-second interval (ms): {}",
+        opt(ours.steady_cpu_per_run.map(us), 1),
+        ours.agent_cpu_per_second_ms
+            .iter()
+            .map(|ms| format!("{ms:.1}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     let _ = writeln!(
         out,
