@@ -227,7 +227,7 @@ pub struct CollectorRun {
 }
 
 pub enum Outcome {
-    Ran(Throughput, Option<CollectorRun>),
+    Ran(Throughput, Option<Box<CollectorRun>>),
     Skipped(String),
 }
 
@@ -809,12 +809,12 @@ fn run_perf(
     }
     Ok(Outcome::Ran(
         throughput,
-        Some(CollectorRun {
+        Some(Box::new(CollectorRun {
             usage: finished.usage,
             samples,
             event: perf_event(perf, &data),
             ..CollectorRun::default()
-        }),
+        })),
     ))
 }
 
