@@ -20,7 +20,8 @@
 //!    `uvicorn`, `python3 /srv/app/main.py` → `main`, `node server.js` → `server`, likewise ruby,
 //!    perl, php and shells; `java -jar foo.jar` → `foo`, a Java main class → its last dotted
 //!    component); inline code (`python3 -c ...`, `node -e ...`, `bash -c ...`) or stdin gives the
-//!    interpreter's name. Otherwise the basename of the executable, else the process name (comm).
+//!    interpreter's name. Otherwise the basename of the executable (for a program run from a
+//!    memfd, which has no file name, argv[0]), else the process name (comm).
 //!
 //! Kernel threads are always `kernel`.
 use std::collections::BTreeMap;
@@ -382,6 +383,18 @@ fn what_it_runs(interpreter: Interpreter, args: &[String]) -> Runs<'_> {
 
 fn program_name(inputs: &LabelInputs<'_>) -> Option<String> {
     let exe_name = inputs.exe.map(basename).and_then(non_empty);
+    // A program run from a memfd (runc and sandboxes re-exec themselves that way) has no file
+    // name (`/memfd:NAME (deleted)`, where NAME may contain slashes); argv[0] names it.
+    if inputs
+        .exe
+        .is_some_and(|exe| exe.trim_start_matches('/').starts_with("memfd:"))
+    {
+        let argv0 = inputs.cmdline.first().map(|a| basename(a));
+        return argv0
+            .and_then(non_empty)
+            .or_else(|| non_empty(inputs.comm))
+            .map(str::to_owned);
+    }
     let argv0_name = inputs
         .cmdline
         .first()
@@ -627,6 +640,22 @@ mod tests {
             "uvicorn"
         );
         assert_eq!(program("/usr/bin/python3.11", "python3 train.py"), "train");
+        // Executables without a file: argv[0], else the memfd's own name.
+        assert_eq!(
+            program(
+                "/memfd:sealed-91173221a7ea (deleted)",
+                "tools/binary_backend --uid 0"
+            ),
+            "binary_backend"
+        );
+        assert_eq!(
+            program("/memfd:runc_cloned:/proc/self/exe (deleted)", "runc init"),
+            "runc"
+        );
+        assert_eq!(
+            program("/memfd:runc_cloned:/proc/self/exe (deleted)", ""),
+            "comm"
+        );
         assert_eq!(
             program("/usr/bin/python3.11", "python3 /srv/app/main.py --x 1"),
             "main"
