@@ -493,6 +493,7 @@ pub fn send_signal(pid: u32, signal: i32) {
 }
 
 pub const SIGTERM: i32 = 15;
+pub const SIGINT: i32 = 2;
 
 /// A running `profiler agent`, whose stderr is collected in the background. Killed when
 /// dropped unless stopped.

@@ -145,8 +145,13 @@ impl LoggedChild {
 
     /// SIGTERM and wait; returns the exit status and stderr.
     pub fn stop(&mut self) -> (ExitStatus, String) {
+        self.stop_with(SIGTERM)
+    }
+
+    /// Sends `signal` and waits; returns the exit status and stderr.
+    pub fn stop_with(&mut self, signal: i32) -> (ExitStatus, String) {
         let mut child = self.child.take().expect("child still running");
-        send_signal(child.id(), SIGTERM);
+        send_signal(child.id(), signal);
         let status = child.wait().expect("wait for the child");
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();

@@ -1,8 +1,5 @@
 //! Command-line errors: one clear line, a non-zero exit, nothing written.
-use std::{
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::{process::Command, time::Duration};
 
 use integration_tests::*;
 
@@ -142,27 +139,35 @@ fn unprivileged_user_is_told_what_is_missing() {
 #[test]
 fn sigint_flushes_and_exits_zero() {
     let _guard = exclusive();
+    // A busy process, so the window before the signal surely holds samples (an idle machine
+    // gives none).
+    let busy = spawn(&fp_fixture("fp_chain.c"), &["30"]);
     let scratch = Scratch::new("sigint");
     let out = scratch.path("p.pb.gz");
-    let child = Command::new(profiler_bin())
+    let mut command = Command::new(profiler_bin());
+    command
         .args(["record", "--duration", "60", "--output"])
         .arg(&out)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_secs(2));
-    unsafe { libc_kill(child.id() as i32, 2) };
-    let output = child.wait_with_output().unwrap();
-    assert!(output.status.success(), "{}", stderr(&output));
+        .env("RUST_LOG", "info");
+    let mut recording = server_harness::LoggedChild::spawn(command);
+    recording
+        .wait_for_line(Duration::from_secs(60), |line| {
+            line.contains("sampler attached").then_some(())
+        })
+        .expect("the sampler attaches");
+    std::thread::sleep(Duration::from_millis(1500));
+    let (status, log) = recording.stop_with(SIGINT);
+    assert!(status.success(), "{log}");
     let profile = decode_pprof(&out);
+    let busy_pid = busy.pid() as i64;
+    let busy_samples: i64 = stack_samples(&profile)
+        .iter()
+        .filter(|s| s.pid == Some(busy_pid))
+        .map(|s| s.count)
+        .sum();
     assert!(
-        !profile.sample.is_empty(),
-        "the interrupted recording was written"
+        busy_samples >= 50,
+        "the interrupted recording holds the busy process's samples (1.5 s at 100 Hz), got {busy_samples}: {log}"
     );
     assert!(profile.duration_nanos < 30_000_000_000);
-}
-
-unsafe extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, signal: i32) -> i32;
 }
