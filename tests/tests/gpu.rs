@@ -371,14 +371,35 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
         64 * KIB * rounds,
         "{summary}"
     );
-    assert_eq!(total_count(&allocated), (2 * MIB + 64 * KIB) * rounds);
+    // Stream-ordered allocations, once each although the runtime's also calls the driver's.
+    assert_eq!(
+        count_chain(
+            &allocated,
+            &["train_step", "stage_activations", "cudaMallocAsync"]
+        ),
+        256 * KIB * rounds,
+        "{summary}"
+    );
+    assert_eq!(
+        count_chain(
+            &allocated,
+            &["train_step", "reserve_scratch", "cuMemAllocAsync"]
+        ),
+        128 * KIB * rounds,
+        "{summary}"
+    );
+    assert_eq!(
+        total_count(&allocated),
+        (2 * MIB + 64 * KIB + 256 * KIB + 128 * KIB) * rounds,
+        "{summary}"
+    );
     assert_eq!(
         total_count(&samples_of_type(&memory, "alloc_objects")),
-        2 * rounds
+        4 * rounds
     );
     assert_eq!(total_count(&samples_of_type(&memory, "inuse_space")), 0);
     let marker = "recording finished: CUDA";
-    let freed = 2 * MIB * rounds + 64 * KIB * rounds / 2;
+    let freed = (2 * MIB + 256 * KIB + 128 * KIB) * rounds + 64 * KIB * rounds / 2;
     assert_eq!(
         log_number(&log, marker, "cuda_freed_bytes") as i64,
         freed,
@@ -386,7 +407,7 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
     );
     assert_eq!(
         log_number(&log, marker, "cuda_frees") as i64,
-        rounds * 3 / 2
+        rounds * 3 + rounds / 2
     );
     // The workspaces never freed went with the process.
     assert_eq!(
@@ -530,6 +551,8 @@ fn cuda_libraries_are_recognized_by_exported_symbols_only() {
         "__cudaGetKernel",
         "cudaMemcpy",
         "cudaMalloc",
+        "cudaMallocAsync",
+        "cudaFreeAsync",
         "cudaDeviceSynchronize",
     ] {
         assert!(
@@ -542,7 +565,7 @@ fn cuda_libraries_are_recognized_by_exported_symbols_only() {
     for missing in [
         "cudaLaunchKernelExC_ptsz",
         "cudaMemcpy_ptds",
-        "cudaMallocAsync",
+        "cudaMallocAsync_ptsz",
     ] {
         assert!(!runtime.contains(&missing), "{missing} in {runtime:?}");
     }
