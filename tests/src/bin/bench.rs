@@ -715,7 +715,7 @@ fn run_ours(
         polls.push(Poll {
             workers_running,
             bpf: pid.and_then(bpf_prog_stats),
-            agent_cpu: pid.and_then(procs::cpu_time_so_far),
+            agent_cpu: pid.and_then(integration_tests::cpu_time_so_far),
         });
     })?;
     let throughput = finish_workers(workers)?;

@@ -168,19 +168,3 @@ impl Drop for Proc {
         }
     }
 }
-
-/// Total CPU time so far of all threads of `pid`, from `/proc/PID/task/*/schedstat` (ns
-/// resolution; `/proc/PID/stat` only has 10 ms ticks). `None` when the process is gone.
-pub fn cpu_time_so_far(pid: u32) -> Option<Duration> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let mut total_ns: u64 = 0;
-    for task in tasks.flatten() {
-        let text = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
-        total_ns += text
-            .split_whitespace()
-            .next()
-            .and_then(|ns| ns.parse::<u64>().ok())
-            .unwrap_or(0);
-    }
-    Some(Duration::from_nanos(total_ns))
-}
