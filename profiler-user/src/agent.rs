@@ -248,6 +248,12 @@ impl Pipeline {
         let lifecycle = self.events.drain();
         self.poll_cuda(sampler, &lifecycle);
         for event in lifecycle {
+            // Whatever a process allocated before it exited or exec'ed, the driver released.
+            if let Some(cuda) = &mut self.cuda {
+                let (LifecycleEvent::Exited { pid, ktime_ns }
+                | LifecycleEvent::Execed { pid, ktime_ns }) = event;
+                cuda.allocations.release_process(Pid(pid), ktime_ns);
+            }
             match event {
                 LifecycleEvent::Exited { pid, .. } => {
                     self.native_tables.unregister(Pid(pid));
@@ -270,6 +276,11 @@ impl Pipeline {
         let new_users = match sampler {
             Some(sampler) => {
                 let new_users = cuda.discovery.maybe_scan(sampler);
+                if sampler.cuda_unavailable() {
+                    // The programs failed to load (logged once): stop scanning for libraries.
+                    self.cuda = None;
+                    return;
+                }
                 if cuda.ring.is_none() {
                     cuda.ring = sampler.take_cuda_ring();
                 }
@@ -303,13 +314,8 @@ impl Pipeline {
         for record in names.into_iter().chain(calls) {
             self.handle_cuda(record);
         }
-        let Some(cuda) = &mut self.cuda else { return };
-        cuda.names.end_batch(now);
-        // Whatever a process allocated before it exited or exec'ed, the driver released.
-        for event in lifecycle {
-            let (LifecycleEvent::Exited { pid, ktime_ns }
-            | LifecycleEvent::Execed { pid, ktime_ns }) = *event;
-            cuda.allocations.release_process(Pid(pid), ktime_ns);
+        if let Some(cuda) = &mut self.cuda {
+            cuda.names.end_batch(now);
         }
     }
 

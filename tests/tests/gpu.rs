@@ -1191,13 +1191,24 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
     );
 }
 
-/// A recorder of attachments, which can fail chosen symbols' return probes.
+/// A recorder of attachments, which can fail chosen symbols' return probes, or everything as
+/// when the CUDA programs do not load.
 struct Recorder {
     attached: Vec<(&'static str, bool)>,
     fail_return_of: &'static str,
+    programs_unavailable: bool,
 }
 
 impl profiler::gpu::discovery::ProbeAttacher for Recorder {
+    fn prepare(&mut self) -> Result<(), profiler::bpf::BpfError> {
+        if self.programs_unavailable {
+            return Err(profiler::bpf::BpfError::Load(
+                "the CUDA programs did not load".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn attach(
         &mut self,
         _target: &Path,
@@ -1215,15 +1226,11 @@ impl profiler::gpu::discovery::ProbeAttacher for Recorder {
     }
 }
 
-/// Return probes are attached before entry probes, so a call entered in between never leaves
-/// a per-thread depth raised; an entry whose return probe failed is not attached at all.
-#[test]
-fn return_probes_are_attached_before_entry_probes() {
+/// A /proc under `scratch` with one process mapping the stand-in runtime, its root being ours;
+/// returns the runtime's path.
+fn proc_with_the_runtime(scratch: &Scratch) -> PathBuf {
     use std::os::unix::fs::MetadataExt;
-    let dir = standins();
-    let scratch = Scratch::new("gpu-attach-order");
-    // A /proc with one process mapping the stand-in runtime, its root being ours.
-    let runtime = dir.join("libcudart.so.12");
+    let runtime = standins().join("libcudart.so.12");
     let inode = std::fs::metadata(&runtime).expect("stat").ino();
     let process = scratch.path("proc/4242");
     std::fs::create_dir_all(&process).expect("mkdir");
@@ -1236,10 +1243,20 @@ fn return_probes_are_attached_before_entry_probes() {
     )
     .expect("write maps");
     std::os::unix::fs::symlink("/", process.join("root")).expect("symlink");
+    runtime
+}
+
+/// Return probes are attached before entry probes, so a call entered in between never leaves
+/// a per-thread depth raised; an entry whose return probe failed is not attached at all.
+#[test]
+fn return_probes_are_attached_before_entry_probes() {
+    let scratch = Scratch::new("gpu-attach-order");
+    let runtime = proc_with_the_runtime(&scratch);
     let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
     let mut recorder = Recorder {
         attached: Vec::new(),
         fail_return_of: "__cudaGetKernel",
+        programs_unavailable: false,
     };
     let users = discovery.scan(&mut recorder);
     assert_eq!(users.len(), 1);
@@ -1251,7 +1268,7 @@ fn return_probes_are_attached_before_entry_probes() {
                 .iter()
                 .position(|&(symbol, r)| symbol == point.symbol && r == at_return)
         };
-        let needs_return = profiler::gpu::discovery::needs_return_probe(point.call);
+        let needs_return = profiler_common::gpu::has_return_probe(point.call);
         if point.symbol == "__cudaGetKernel" {
             assert_eq!((position(true), position(false)), (None, None));
         } else if needs_return {
@@ -1278,4 +1295,23 @@ fn return_probes_are_attached_before_entry_probes() {
         );
     }
     assert_eq!(discovery.stats.attach_errors, 1);
+}
+
+/// When the CUDA programs cannot load, a CUDA library is skipped whole: no attempt per probe
+/// (and no warning per probe), nothing counted as attached.
+#[test]
+fn without_cuda_programs_no_probe_is_attempted() {
+    let scratch = Scratch::new("gpu-no-programs");
+    proc_with_the_runtime(&scratch);
+    let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
+    let mut recorder = Recorder {
+        attached: Vec::new(),
+        fail_return_of: "",
+        programs_unavailable: true,
+    };
+    assert!(discovery.scan(&mut recorder).is_empty());
+    assert!(recorder.attached.is_empty(), "{:?}", recorder.attached);
+    assert_eq!(discovery.stats.libraries_attached, 0);
+    assert_eq!(discovery.stats.attach_errors, 0);
+    assert_eq!(discovery.stats.probes_attached, 0);
 }

@@ -562,8 +562,14 @@ impl Sampler {
         }
     }
 
+    /// Whether the CUDA programs failed to load (or CUDA attribution is off): no probe can be
+    /// attached, so there is nothing to look for.
+    pub fn cuda_unavailable(&self) -> bool {
+        matches!(self.cuda, CudaPrograms::Off | CudaPrograms::Failed)
+    }
+
     /// Loads the CUDA programs on first use; an error turns CUDA attribution off for good.
-    fn ensure_cuda_loaded(&mut self) -> Result<(), BpfError> {
+    pub fn ensure_cuda_loaded(&mut self) -> Result<(), BpfError> {
         match self.cuda {
             CudaPrograms::Loaded { .. } => Ok(()),
             CudaPrograms::Off => Err(BpfError::Load("CUDA attribution is off".into())),

@@ -59,10 +59,13 @@ pub struct AllocationStats {
     pub live_bytes: u64,
 }
 
-/// The tracked allocations, keyed by process and device pointer.
+/// The tracked allocations, by process and device pointer. Per process, so an exit (of any
+/// process on the host) only looks at that process's allocations.
 #[derive(Debug)]
 pub struct LiveAllocations {
-    live: HashMap<(Pid, u64), Live>,
+    live: HashMap<Pid, HashMap<u64, Live>>,
+    /// Allocations in `live`, all processes together.
+    live_count: usize,
     sites: HashMap<SiteKey, Arc<AllocationSite>>,
     capacity: usize,
     stats: AllocationStats,
@@ -78,6 +81,7 @@ impl LiveAllocations {
     pub fn new(capacity: usize) -> Self {
         LiveAllocations {
             live: HashMap::new(),
+            live_count: 0,
             sites: HashMap::new(),
             capacity,
             stats: AllocationStats::default(),
@@ -86,8 +90,13 @@ impl LiveAllocations {
 
     pub fn stats(&self) -> AllocationStats {
         AllocationStats {
-            live: self.live.len() as u64,
-            live_bytes: self.live.values().map(|l| l.bytes).sum(),
+            live: self.live_count as u64,
+            live_bytes: self
+                .live
+                .values()
+                .flat_map(HashMap::values)
+                .map(|l| l.bytes)
+                .sum(),
             ..self.stats
         }
     }
@@ -137,27 +146,41 @@ impl LiveAllocations {
     ) {
         self.stats.allocations += 1;
         self.stats.allocated_bytes = self.stats.allocated_bytes.saturating_add(bytes);
-        let key = (pid, pointer);
-        if self.live.len() >= self.capacity && !self.live.contains_key(&key) {
+        let known = self
+            .live
+            .get(&pid)
+            .is_some_and(|process| process.contains_key(&pointer));
+        if self.live_count >= self.capacity && !known {
             self.stats.overflow += 1;
             return;
         }
         // A pointer handed out again without a free seen in between (a missed free): the new
         // allocation replaces the old one.
-        self.live.insert(
-            key,
+        let replaced = self.live.entry(pid).or_default().insert(
+            pointer,
             Live {
                 bytes,
                 ktime_ns,
                 site,
             },
         );
+        if replaced.is_none() {
+            self.live_count += 1;
+        }
     }
 
     /// `pointer` was freed; returns the bytes it held when it was tracked.
     pub fn freed(&mut self, pid: Pid, pointer: u64) -> Option<u64> {
-        match self.live.remove(&(pid, pointer)) {
+        let removed = self
+            .live
+            .get_mut(&pid)
+            .and_then(|process| process.remove(&pointer));
+        if removed.is_some() && self.live.get(&pid).is_some_and(HashMap::is_empty) {
+            self.live.remove(&pid);
+        }
+        match removed {
             Some(live) => {
+                self.live_count -= 1;
                 self.stats.frees += 1;
                 self.stats.freed_bytes = self.stats.freed_bytes.saturating_add(live.bytes);
                 Some(live.bytes)
@@ -172,21 +195,29 @@ impl LiveAllocations {
     /// The process exited or exec'ed at `ktime_ns`: the driver released what it allocated
     /// before (allocations after are a new program's or a new process's).
     pub fn release_process(&mut self, pid: Pid, ktime_ns: u64) {
+        let Some(process) = self.live.get_mut(&pid) else {
+            return;
+        };
         let stats = &mut self.stats;
-        self.live.retain(|(p, _), live| {
-            let released = *p == pid && live.ktime_ns < ktime_ns;
+        let before = process.len();
+        process.retain(|_, live| {
+            let released = live.ktime_ns < ktime_ns;
             if released {
                 stats.released += 1;
                 stats.released_bytes = stats.released_bytes.saturating_add(live.bytes);
             }
             !released
         });
+        self.live_count -= before - process.len();
+        if process.is_empty() {
+            self.live.remove(&pid);
+        }
     }
 
     /// What is allocated now, per site: (site, allocations, bytes).
     pub fn in_use(&self) -> Vec<(Arc<AllocationSite>, u64, u64)> {
         let mut by_site: HashMap<usize, (Arc<AllocationSite>, u64, u64)> = HashMap::new();
-        for live in self.live.values() {
+        for live in self.live.values().flat_map(HashMap::values) {
             let entry = by_site
                 .entry(Arc::as_ptr(&live.site) as usize)
                 .or_insert_with(|| (live.site.clone(), 0, 0));
@@ -260,6 +291,11 @@ mod tests {
         let stats = allocations.stats();
         assert_eq!((stats.released, stats.released_bytes), (1, 8192));
         assert_eq!((stats.live, stats.live_bytes), (2, 101));
+        // A process with nothing left is forgotten; a process never seen costs nothing.
+        allocations.release_process(Pid(9), 100);
+        allocations.release_process(Pid(11), 100);
+        assert!(!allocations.live.contains_key(&Pid(9)));
+        assert_eq!(allocations.stats().live, 1);
         drop((site, same));
         allocations.prune_sites();
         assert_eq!(allocations.sites.len(), 1, "only the site still in use");

@@ -98,13 +98,6 @@ const MARKER_SYMBOLS: &[&str] = &["cudaLaunchKernel", "__cudaLaunchKernel", "cuL
 /// How often `/proc` is scanned for new CUDA libraries.
 pub const SCAN_INTERVAL: Duration = Duration::from_secs(2);
 
-/// Whether a call needs its return probed: synchronizations (time blocked), the calls whose
-/// out-parameter names a handle or a device pointer, and runtime calls that mark "inside the
-/// runtime" for their whole duration (see [`profiler_common::gpu::has_return_probe`]).
-pub fn needs_return_probe(call: u32) -> bool {
-    profiler_common::gpu::has_return_probe(call)
-}
-
 /// One place to probe in a file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbePoint {
@@ -217,6 +210,11 @@ pub fn probe_points(path: &Path) -> Result<Vec<ProbePoint>, DiscoveryError> {
 
 /// Attaches probes; the BPF side in production, a recorder in tests.
 pub trait ProbeAttacher {
+    /// Called before a library's probes are attached; an error skips the library.
+    fn prepare(&mut self) -> Result<(), crate::bpf::BpfError> {
+        Ok(())
+    }
+
     fn attach(
         &mut self,
         target: &Path,
@@ -226,6 +224,11 @@ pub trait ProbeAttacher {
 }
 
 impl ProbeAttacher for crate::bpf::Sampler {
+    /// Loads the CUDA programs at the first library (their failure is logged there, once).
+    fn prepare(&mut self) -> Result<(), crate::bpf::BpfError> {
+        self.ensure_cuda_loaded()
+    }
+
     fn attach(
         &mut self,
         target: &Path,
@@ -387,7 +390,7 @@ impl Discovery {
                 return None;
             }
         };
-        if points.is_empty() {
+        if points.is_empty() || attacher.prepare().is_err() {
             return None;
         }
         let mut attached = 0;
@@ -396,7 +399,7 @@ impl Discovery {
             // return seen without its entry (counted as unmatched, no state), never an entry
             // that raised a per-thread depth without the return that lowers it.
             let mut ok = Ok(());
-            if needs_return_probe(point.call) {
+            if profiler_common::gpu::has_return_probe(point.call) {
                 ok = attacher.attach(&target, point, true);
             }
             if ok.is_ok() {
