@@ -22,7 +22,7 @@ use profiler_common::{
     SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
     STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
     STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord,
-    StatCounters,
+    StatCounters, sample_record_bytes,
 };
 
 use crate::{cuda, python, user_stack};
@@ -111,8 +111,8 @@ pub(crate) unsafe fn output_sample<T>(
         let user_bytes = user * 8;
         let kernel_bytes = kernel * 8;
         let python_bytes = python * size_of::<PyFrameRecord>() as u32;
-        let size =
-            prefix_len + SAMPLE_HEADER_BYTES as u32 + user_bytes + kernel_bytes + python_bytes;
+        let size = prefix_len
+            + sample_record_bytes(kernel as usize, user as usize, python as usize) as u32;
 
         let mut record = MaybeUninit::<bpf_dynptr>::uninit();
         let record = record.as_mut_ptr();
@@ -247,11 +247,14 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
 pub fn process_exit(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let (tgid, tid) = ((pid_tgid >> 32) as u32, pid_tgid as u32);
-    cuda::forget_thread(tid);
+    let config = CONFIG.get(0).copied().unwrap_or_default();
+    // Threads have CUDA state only once the CUDA probes exist.
+    if config.cuda_probes != 0 {
+        cuda::forget_thread(tid);
+    }
     if tgid == 0 {
         return 0;
     }
-    let config = CONFIG.get(0).copied().unwrap_or_default();
     let group_dead = match live_threads(&config) {
         Some(live) => live == 0,
         // Without the offsets, the leader's exit stands for the process's.

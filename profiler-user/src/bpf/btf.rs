@@ -58,7 +58,8 @@ struct TypeRecord {
     size_or_type: u32,
 }
 
-struct Btf<'a> {
+/// A kernel BTF blob, scanned once: type records are found by offset, decoded on demand.
+pub struct Btf<'a> {
     types: &'a [u8],
     strings: &'a [u8],
     little_endian: bool,
@@ -67,7 +68,7 @@ struct Btf<'a> {
 }
 
 impl<'a> Btf<'a> {
-    fn parse(bytes: &'a [u8]) -> Result<Self, BtfError> {
+    pub fn parse(bytes: &'a [u8]) -> Result<Self, BtfError> {
         let magic_le = bytes.get(..2).map(|m| u16::from_le_bytes([m[0], m[1]]));
         let little_endian = match magic_le {
             Some(MAGIC) => true,
@@ -232,54 +233,59 @@ fn read_u32(bytes: &[u8], at: usize, little_endian: bool) -> Option<u32> {
     })
 }
 
-/// Byte offset of `path` (members, outermost first) inside struct `root`, e.g.
-/// `("task_struct", &["thread", "fsbase"])`.
-pub fn member_offset(btf_bytes: &[u8], root: &str, path: &[&str]) -> Result<u32, BtfError> {
-    let btf = Btf::parse(btf_bytes)?;
-    // The first complete definition (forward declarations are a different kind).
-    let mut owner = (0..btf.offsets.len())
-        .map(|index| btf.record(btf.offsets[index]))
-        .find(|record| {
-            record.as_ref().is_ok_and(|r| {
-                r.kind == KIND_STRUCT && r.vlen > 0 && btf.name(r.name_off) == root.as_bytes()
+impl Btf<'_> {
+    /// Byte offset of `path` (members, outermost first) inside struct `root`, e.g.
+    /// `("task_struct", &["thread", "fsbase"])`.
+    pub fn member_offset(&self, root: &str, path: &[&str]) -> Result<u32, BtfError> {
+        // The first complete definition (forward declarations are a different kind).
+        let mut owner = (0..self.offsets.len())
+            .map(|index| self.record(self.offsets[index]))
+            .find(|record| {
+                record.as_ref().is_ok_and(|r| {
+                    r.kind == KIND_STRUCT && r.vlen > 0 && self.name(r.name_off) == root.as_bytes()
+                })
             })
-        })
-        .transpose()?
-        .ok_or_else(|| BtfError::NoStruct(root.into()))?;
-    let mut owner_name = root.to_string();
-    let mut bits = 0u32;
-    for (depth, member) in path.iter().enumerate() {
-        let (type_id, bit_offset, bitfield) =
-            btf.member(owner, member)?
-                .ok_or_else(|| BtfError::NoMember {
-                    owner: owner_name.clone(),
+            .transpose()?
+            .ok_or_else(|| BtfError::NoStruct(root.into()))?;
+        let mut owner_name = root.to_string();
+        let mut bits = 0u32;
+        for (depth, member) in path.iter().enumerate() {
+            let (type_id, bit_offset, bitfield) =
+                self.member(owner, member)?
+                    .ok_or_else(|| BtfError::NoMember {
+                        owner: owner_name.clone(),
+                        member: member.to_string(),
+                    })?;
+            if bitfield != 0 || bit_offset % 8 != 0 {
+                return Err(BtfError::BitField {
+                    owner: owner_name,
                     member: member.to_string(),
-                })?;
-        if bitfield != 0 || bit_offset % 8 != 0 {
-            return Err(BtfError::BitField {
-                owner: owner_name,
-                member: member.to_string(),
-            });
+                });
+            }
+            bits = bits
+                .checked_add(bit_offset)
+                .ok_or(BtfError::Malformed(owner.at))?;
+            if depth + 1 < path.len() {
+                owner = self
+                    .resolve_struct(type_id)?
+                    .ok_or_else(|| BtfError::NotAStruct {
+                        owner: owner_name.clone(),
+                        member: member.to_string(),
+                    })?;
+                owner_name = format!("{owner_name}.{member}");
+            }
         }
-        bits = bits
-            .checked_add(bit_offset)
-            .ok_or(BtfError::Malformed(owner.at))?;
-        if depth + 1 < path.len() {
-            owner = btf
-                .resolve_struct(type_id)?
-                .ok_or_else(|| BtfError::NotAStruct {
-                    owner: owner_name.clone(),
-                    member: member.to_string(),
-                })?;
-            owner_name = format!("{owner_name}.{member}");
-        }
+        Ok(bits / 8)
     }
-    Ok(bits / 8)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn member_offset(btf_bytes: &[u8], root: &str, path: &[&str]) -> Result<u32, BtfError> {
+        Btf::parse(btf_bytes)?.member_offset(root, path)
+    }
 
     const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 

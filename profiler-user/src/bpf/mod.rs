@@ -221,8 +221,10 @@ struct TaskOffsets {
 
 fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
     let bytes = std::fs::read(btf_path).map_err(|e| format!("{}: {e}", btf_path.display()))?;
+    let btf = btf::Btf::parse(&bytes).map_err(|e| e.to_string())?;
     let offset = |structure: &str, path: &[&str]| {
-        btf::member_offset(&bytes, structure, path).map_err(|e| e.to_string())
+        btf.member_offset(structure, path)
+            .map_err(|e| e.to_string())
     };
     Ok(TaskOffsets {
         fsbase: offset("task_struct", &["thread", "fsbase"]),
