@@ -6,13 +6,15 @@ use std::{
     io::Read,
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Output, Stdio},
-    sync::{Arc, Mutex, MutexGuard, OnceLock, mpsc},
+    sync::{Mutex, MutexGuard, OnceLock},
     time::{Duration, Instant},
 };
 
 pub use profiler::export::proto;
 
 pub mod server_harness;
+
+use server_harness::LoggedChild;
 
 /// The repository root.
 pub fn workspace_root() -> PathBuf {
@@ -390,13 +392,28 @@ pub struct StackSample {
 const KERNEL_START: u64 = 0xffff_8000_0000_0000;
 
 pub fn stack_samples(profile: &proto::Profile) -> Vec<StackSample> {
+    samples_counting_value(profile, 0)
+}
+
+/// Like [`stack_samples`], counting the values of sample type `sample_type` (a memory
+/// profile's `inuse_space`, say) instead of the first.
+pub fn stack_samples_of_type(profile: &proto::Profile, sample_type: &str) -> Vec<StackSample> {
+    let index = profile
+        .sample_type
+        .iter()
+        .position(|t| profile.string_table[t.r#type as usize] == sample_type)
+        .unwrap_or_else(|| panic!("no sample type {sample_type}"));
+    samples_counting_value(profile, index)
+}
+
+fn samples_counting_value(profile: &proto::Profile, index: usize) -> Vec<StackSample> {
     readable_samples(profile)
         .into_iter()
         .map(|s| StackSample {
             // pprof lists functions leaf first; these tests read stacks root first.
             frames: s.functions.into_iter().rev().collect(),
             user_frames: s.user_frames,
-            count: s.values[0],
+            count: s.values[index],
             pid: s.num_labels.get("pid").copied(),
         })
         .collect()
@@ -498,9 +515,7 @@ pub const SIGINT: i32 = 2;
 /// A running `profiler agent`, whose stderr is collected in the background. Killed when
 /// dropped unless stopped.
 pub struct Agent {
-    child: Option<Child>,
-    stderr: Arc<Mutex<String>>,
-    reader: Option<std::thread::JoinHandle<()>>,
+    process: LoggedChild,
 }
 
 impl Agent {
@@ -513,60 +528,28 @@ impl Agent {
 
     /// Like [`Agent::start`], with extra environment variables (they may override `RUST_LOG`).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Agent {
-        use std::io::BufRead;
         let mut command = Command::new(profiler_bin());
         command
             .arg("agent")
             .args(agent_isolation_args(args))
             .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .envs(env.iter().copied());
         for var in server_harness::SERVER_ENV {
             command.env_remove(var);
         }
-        let mut child = command.spawn().expect("start profiler agent");
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let (attached_tx, attached_rx) = mpsc::channel();
-        let pipe = child.stderr.take().expect("stderr is piped");
-        let collected = Arc::clone(&stderr);
-        let reader = std::thread::spawn(move || {
-            for line in std::io::BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                if line.contains("sampler attached") {
-                    let _ = attached_tx.send(());
-                }
-                let mut text = collected.lock().unwrap_or_else(|p| p.into_inner());
-                text.push_str(&line);
-                text.push('\n');
-            }
-        });
-        let mut agent = Agent {
-            child: Some(child),
-            stderr,
-            reader: Some(reader),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if attached_rx.recv_timeout(Duration::from_millis(100)).is_ok() {
-                return agent;
-            }
-            let exited = agent
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten());
-            if exited.is_some() || Instant::now() > deadline {
-                let (status, stderr) = agent.stop();
-                panic!("profiler agent did not attach ({status}):\n{stderr}");
-            }
+        let mut process = LoggedChild::spawn(command);
+        if let Err(log) = process.wait_for_line(Duration::from_secs(30), |line| {
+            line.contains("sampler attached").then_some(())
+        }) {
+            panic!("profiler agent did not attach: {log}");
         }
+        Agent { process }
     }
 
     /// The address the agent's HTTP server listens on (from its `listening on ADDR` line, logged
     /// before the sampler attaches).
     pub fn http_addr(&self) -> std::net::SocketAddr {
-        let text = self.stderr.lock().unwrap_or_else(|p| p.into_inner());
+        let text = self.stderr();
         text.lines()
             .find_map(server_harness::parse_listening_line)
             .unwrap_or_else(|| panic!("the agent logged no `listening on ADDR`:\n{text}"))
@@ -574,16 +557,13 @@ impl Agent {
 
     /// The agent's stderr so far.
     pub fn stderr(&self) -> String {
-        self.stderr
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.process.stderr()
     }
 
     /// How many intervals the agent has flushed so far (its `interval` log lines).
     pub fn intervals_flushed(&self) -> usize {
-        let text = self.stderr.lock().unwrap_or_else(|p| p.into_inner());
-        text.lines()
+        self.stderr()
+            .lines()
             .filter(|line| line.contains("self_metrics") && line.contains(" interval "))
             .count()
     }
@@ -607,27 +587,69 @@ impl Agent {
 
     /// SIGTERM, then waits for the agent to flush and exit; returns its status and stderr.
     pub fn stop(&mut self) -> (ExitStatus, String) {
-        let mut child = self.child.take().expect("agent not stopped yet");
-        send_signal(child.id(), SIGTERM);
-        let status = child.wait().expect("wait for the agent");
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
-        let stderr = self
-            .stderr
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        (status, stderr)
+        self.process.stop()
     }
 }
 
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+/// A `profiler` subcommand (`record`, or `agent` run like one) in the background with
+/// `RUST_LOG=info`, its log collected. Stopped with SIGINT, it writes its output and exits 0.
+/// Killed when dropped unless stopped.
+pub struct Recording {
+    process: LoggedChild,
+}
+
+impl Recording {
+    pub fn spawn(subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> Recording {
+        let mut command = Command::new(profiler_bin());
+        command
+            .arg(subcommand)
+            .args(args)
+            .envs(env.iter().copied())
+            .env("RUST_LOG", "info");
+        Recording {
+            process: LoggedChild::spawn(command),
         }
+    }
+
+    /// `profiler record ARGS` without an end (it runs until stopped), once its sampler is
+    /// attached.
+    pub fn until_stopped(args: &[&str]) -> Recording {
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--duration", "600"]);
+        let mut recording = Recording::spawn("record", &all, &[]);
+        recording.wait_for(&["sampler attached"], Duration::from_secs(60));
+        recording
+    }
+
+    /// Waits for a log line (so far or to come) containing every one of `needles`; returns it.
+    pub fn wait_for(&mut self, needles: &[&str], timeout: Duration) -> String {
+        self.process
+            .wait_for_line(timeout, |line| {
+                needles
+                    .iter()
+                    .all(|needle| line.contains(needle))
+                    .then(|| line.to_string())
+            })
+            .unwrap_or_else(|log| panic!("no log line with {needles:?}: {log}"))
+    }
+
+    /// The log so far.
+    pub fn log(&self) -> String {
+        self.process.stderr()
+    }
+
+    /// SIGINT, then waits for the output to be written; asserts a clean exit; returns the log.
+    pub fn stop(mut self) -> String {
+        let (status, log) = self.process.stop_with(SIGINT);
+        assert!(status.success(), "profiler failed ({status}):\n{log}");
+        log
+    }
+
+    /// Waits for the end of its `--duration`; asserts a clean exit; returns the log.
+    pub fn wait(mut self) -> String {
+        let (status, log) = self.process.wait();
+        assert!(status.success(), "profiler failed ({status}):\n{log}");
+        log
     }
 }
 

@@ -150,8 +150,13 @@ impl LoggedChild {
 
     /// Sends `signal` and waits; returns the exit status and stderr.
     pub fn stop_with(&mut self, signal: i32) -> (ExitStatus, String) {
+        send_signal(self.pid(), signal);
+        self.wait()
+    }
+
+    /// Waits for the process to exit; returns the exit status and its whole stderr.
+    pub fn wait(&mut self) -> (ExitStatus, String) {
         let mut child = self.child.take().expect("child still running");
-        send_signal(child.id(), signal);
         let status = child.wait().expect("wait for the child");
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
@@ -194,8 +199,18 @@ impl ServerProcess {
     }
 
     pub fn try_start_with(binary: &Path, args: &[&str]) -> Result<ServerProcess, String> {
+        Self::try_start_subcommand(binary, "server", args)
+    }
+
+    /// `BINARY SUBCOMMAND ARGS` (`server`, or `agent` with its HTTP server) once it listens;
+    /// Err with its stderr if it exits before.
+    pub fn try_start_subcommand(
+        binary: &Path,
+        subcommand: &str,
+        args: &[&str],
+    ) -> Result<ServerProcess, String> {
         let mut command = Command::new(binary);
-        command.arg("server").args(args).env("RUST_LOG", "info");
+        command.arg(subcommand).args(args).env("RUST_LOG", "info");
         for var in SERVER_ENV {
             command.env_remove(var);
         }
@@ -472,11 +487,16 @@ impl Client {
     pub fn metric(&self, name: &str) -> Option<f64> {
         let response = self.get("/metrics");
         assert_eq!(response.status, 200, "{}", response.text());
-        response.text().lines().find_map(|line| {
-            let (metric, value) = line.split_once(' ')?;
-            (metric == name).then(|| value.trim().parse().ok())?
-        })
+        metric_value(&response.text(), name)
     }
+}
+
+/// The value of the unlabelled metric `name` in a /metrics text.
+pub fn metric_value(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let (metric, value) = line.split_once(' ')?;
+        (metric == name).then(|| value.trim().parse().ok())?
+    })
 }
 
 /// Series, per-type totals and the ingest counter of a store, as queries report them.

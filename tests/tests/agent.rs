@@ -113,25 +113,22 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
     let _running = spawn_with_env(&fixture, &["300"], &[("OTEL_SERVICE_NAME", service)]);
     let scratch = Scratch::new("agent-whole-host");
     let data_dir = scratch.path("data");
-    let mut command = Command::new(profiler_bin());
-    command
-        .args([
-            "agent",
+    let ServerProcess {
+        process: mut agent,
+        addr,
+    } = ServerProcess::try_start_subcommand(
+        &profiler_bin(),
+        "agent",
+        &[
             "--interval",
             "2",
             "--listen",
             "127.0.0.1:0",
             "--data-dir",
-        ])
-        .arg(&data_dir)
-        .env("RUST_LOG", "info");
-    for var in SERVER_ENV {
-        command.env_remove(var);
-    }
-    let mut agent = LoggedChild::spawn(command);
-    let addr = agent
-        .wait_for_line(Duration::from_secs(60), parse_listening_line)
-        .unwrap_or_else(|err| panic!("the agent did not listen: {err}"));
+            data_dir.to_str().expect("UTF-8 scratch path"),
+        ],
+    )
+    .unwrap_or_else(|err| panic!("the agent did not listen: {err}"));
     let client = Client::new(addr);
 
     // From the moment it listens: 503 (with a JSON error) until sampling runs, then 200.

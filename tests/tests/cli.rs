@@ -144,20 +144,9 @@ fn sigint_flushes_and_exits_zero() {
     let busy = spawn(&fp_fixture("fp_chain.c"), &["30"]);
     let scratch = Scratch::new("sigint");
     let out = scratch.path("p.pb.gz");
-    let mut command = Command::new(profiler_bin());
-    command
-        .args(["record", "--duration", "60", "--output"])
-        .arg(&out)
-        .env("RUST_LOG", "info");
-    let mut recording = server_harness::LoggedChild::spawn(command);
-    recording
-        .wait_for_line(Duration::from_secs(60), |line| {
-            line.contains("sampler attached").then_some(())
-        })
-        .expect("the sampler attaches");
+    let recording = Recording::until_stopped(&["--output", out.to_str().unwrap()]);
     std::thread::sleep(Duration::from_millis(1500));
-    let (status, log) = recording.stop_with(SIGINT);
-    assert!(status.success(), "{log}");
+    let log = recording.stop();
     let profile = decode_pprof(&out);
     let busy_pid = busy.pid() as i64;
     let busy_samples: i64 = stack_samples(&profile)

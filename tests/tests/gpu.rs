@@ -6,118 +6,39 @@ use std::{
     io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use integration_tests::{
-    STANDIN_FLAGS, Scratch, StackSample, cached_fixture, decode_pprof, exclusive, find_chain,
-    fixture_source, gpu_standins as standins, profiler_bin, proto, pyenv_python, readable_samples,
-    require_external, send_signal, stack_samples, top_stacks, total_count,
+    Recording, STANDIN_FLAGS, Scratch, StackSample, cached_fixture, decode_pprof, exclusive,
+    find_chain, fixture_source, gpu_standins as standins, proto, pyenv_python, require_external,
+    spawn, spawn_with_env, stack_samples, stack_samples_of_type, top_stacks, total_count,
 };
 
 /// The scripted synchronization wait of the stand-in driver, in milliseconds.
 const SYNC_MS: u64 = 40;
 const ROUNDS: u64 = 10;
 
-/// A `profiler record` in the background whose log is collected.
-struct Recording {
-    child: Child,
-    log: Arc<Mutex<String>>,
+/// `profiler record` of `pid` until stopped, into `output`, with `extra` flags.
+fn record_pid(pid: &str, output: &Path, extra: &[&str]) -> Recording {
+    let output = output.to_str().expect("UTF-8 scratch path");
+    let mut args = vec![
+        "--duration",
+        "120",
+        "--pid",
+        pid,
+        "--no-cache",
+        "--output",
+        output,
+    ];
+    args.extend_from_slice(extra);
+    Recording::spawn("record", &args, &[])
 }
 
-impl Recording {
-    fn start(args: &[&str]) -> Recording {
-        Recording::command("record", args, &[])
-    }
-
-    /// `profiler record` of `pid` until stopped, into `output`, with `extra` flags.
-    fn of_pid(pid: &str, output: &Path, extra: &[&str]) -> Recording {
-        let output = output.to_str().expect("UTF-8 scratch path");
-        let mut args = vec![
-            "--duration",
-            "120",
-            "--pid",
-            pid,
-            "--no-cache",
-            "--output",
-            output,
-        ];
-        args.extend_from_slice(extra);
-        Recording::start(&args)
-    }
-
-    /// Waits until the probes of each library (a part of its path) are attached.
-    fn wait_for_probes(&mut self, libraries: &[&str]) {
-        for library in libraries {
-            self.wait_for(&["probes attached", library], Duration::from_secs(60));
-        }
-    }
-
-    fn command(subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> Recording {
-        let mut child = Command::new(profiler_bin())
-            .arg(subcommand)
-            .args(args)
-            .envs(env.iter().copied())
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start profiler record");
-        let log = Arc::new(Mutex::new(String::new()));
-        let pipe = child.stderr.take().expect("piped");
-        let collected = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines() {
-                let Ok(line) = line else { break };
-                collected.lock().unwrap().push_str(&format!("{line}\n"));
-            }
-        });
-        Recording { child, log }
-    }
-
-    /// Waits for a log line (so far or to come) containing every one of `needles`; returns it.
-    fn wait_for(&mut self, needles: &[&str], timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let found = self
-                .log
-                .lock()
-                .unwrap()
-                .lines()
-                .find(|line| needles.iter().all(|n| line.contains(n)))
-                .map(str::to_string);
-            if let Some(line) = found {
-                return line;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!(
-                    "no log line with {needles:?} in {timeout:?}:\n{}",
-                    self.log.lock().unwrap()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn stop(mut self) -> String {
-        send_signal(self.child.id(), 2);
-        let status = self.child.wait().expect("wait");
-        std::thread::sleep(Duration::from_millis(100));
-        let log = self.log.lock().unwrap().clone();
-        assert!(
-            status.success(),
-            "profiler record failed ({status}):\n{log}"
-        );
-        log
-    }
-}
-
-impl Drop for Recording {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
+/// Waits until the probes of each library (a part of its path) are attached.
+fn wait_for_probes(recording: &mut Recording, libraries: &[&str]) {
+    for library in libraries {
+        recording.wait_for(&["probes attached", library], Duration::from_secs(60));
     }
 }
 
@@ -173,24 +94,6 @@ fn count_with(samples: &[StackSample], frame: &str) -> i64 {
         .sum()
 }
 
-/// The samples of `profile` with their values of `sample_type` as counts.
-fn samples_of_type(profile: &proto::Profile, sample_type: &str) -> Vec<StackSample> {
-    let index = profile
-        .sample_type
-        .iter()
-        .position(|t| profile.string_table[t.r#type as usize] == sample_type)
-        .unwrap_or_else(|| panic!("no sample type {sample_type}"));
-    readable_samples(profile)
-        .into_iter()
-        .map(|s| StackSample {
-            frames: s.functions.into_iter().rev().collect(),
-            user_frames: s.user_frames,
-            count: s.values[index],
-            pid: s.num_labels.get("pid").copied(),
-        })
-        .collect()
-}
-
 /// Sum of counts of the samples whose frames contain `chain` (root first) contiguously.
 fn count_chain(samples: &[StackSample], chain: &[&str]) -> i64 {
     samples
@@ -229,8 +132,8 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
     let mut fixture = spawn_waiting(&app, &[&rounds], &[("CUDA_STANDIN_SYNC_MS", &sync_ms)]);
     let pid = fixture.id().to_string();
     // Every call's stack: this test checks them all.
-    let mut recording = Recording::of_pid(&pid, &output, &["--cuda-stacks-per-second", "10000"]);
-    recording.wait_for_probes(&["libcudart.so.12", "libcuda.so.1"]);
+    let mut recording = record_pid(&pid, &output, &["--cuda-stacks-per-second", "10000"]);
+    wait_for_probes(&mut recording, &["libcudart.so.12", "libcuda.so.1"]);
     say(&mut fixture, "go\n");
     // The fixture exits right after its last calls: its exit reaches the agent together with
     // (or before) its last records, which must still be named and counted.
@@ -356,7 +259,7 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
         memory.string_table[memory.default_sample_type as usize],
         "alloc_space"
     );
-    let allocated = samples_of_type(&memory, "alloc_space");
+    let allocated = stack_samples_of_type(&memory, "alloc_space");
     let summary = top_stacks(&allocated, 10);
     assert_eq!(
         count_chain(&allocated, &["train_step", "cudaMalloc"]),
@@ -394,10 +297,13 @@ fn c_program_launches_copies_allocations_and_waits_are_attributed() {
         "{summary}"
     );
     assert_eq!(
-        total_count(&samples_of_type(&memory, "alloc_objects")),
+        total_count(&stack_samples_of_type(&memory, "alloc_objects")),
         4 * rounds
     );
-    assert_eq!(total_count(&samples_of_type(&memory, "inuse_space")), 0);
+    assert_eq!(
+        total_count(&stack_samples_of_type(&memory, "inuse_space")),
+        0
+    );
     let marker = "recording finished: CUDA";
     let freed = (2 * MIB + 256 * KIB + 128 * KIB) * rounds + 64 * KIB * rounds / 2;
     assert_eq!(
@@ -462,8 +368,8 @@ fn a_main_thread_exiting_first_does_not_end_the_process() {
     let output = scratch.path("profile.pb.gz");
     let mut fixture = spawn_waiting(&dir.join("leader_exit"), &[], &[]);
     let pid = fixture.id().to_string();
-    let mut recording = Recording::of_pid(&pid, &output, &[]);
-    recording.wait_for_probes(&["libcuda.so.1"]);
+    let mut recording = record_pid(&pid, &output, &[]);
+    wait_for_probes(&mut recording, &["libcuda.so.1"]);
     say(&mut fixture, "go\n");
     wait_done(&mut fixture);
     let log = recording.stop();
@@ -500,8 +406,8 @@ fn cpu_samples_inside_synchronization_get_a_cuda_sync_frame() {
         &[("CUDA_STANDIN_SYNC_MS", "200"), ("CUDA_STANDIN_SPIN", "1")],
     );
     let pid = fixture.id().to_string();
-    let mut recording = Recording::of_pid(&pid, &output, &[]);
-    recording.wait_for_probes(&["libcudart.so.12", "libcuda.so.1"]);
+    let mut recording = record_pid(&pid, &output, &[]);
+    wait_for_probes(&mut recording, &["libcudart.so.12", "libcuda.so.1"]);
     say(&mut fixture, "go\n");
     wait_done(&mut fixture);
     std::thread::sleep(Duration::from_millis(300));
@@ -610,11 +516,11 @@ fn python_ctypes_launches_from_a_renamed_runtime_loaded_late() {
         ],
     );
     let pid = fixture.id().to_string();
-    let mut recording = Recording::of_pid(&pid, &output, &[]);
+    let mut recording = record_pid(&pid, &output, &[]);
     recording.wait_for(&["sampler attached"], Duration::from_secs(60));
     // Only now does the script load the libraries.
     say(&mut fixture, "load\n");
-    recording.wait_for_probes(&["libcudart-abc123.so.12", "libcuda.so.1"]);
+    wait_for_probes(&mut recording, &["libcudart-abc123.so.12", "libcuda.so.1"]);
     say(&mut fixture, "go\n");
     read_done(&mut fixture);
     // Python function names are read from the live process: it exits after the recording.
@@ -680,16 +586,16 @@ fn files_without_cuda_symbols_are_not_probed() {
     assert!(!driver_points.iter().any(|p| p.symbol.starts_with("cuda")));
     // Two processes map them (preloaded), and make no CUDA call.
     let preloaded = |library: &Path| {
-        Command::new("sleep")
-            .arg("60")
-            .env("LD_PRELOAD", library)
-            .spawn()
-            .expect("start sleep")
+        spawn_with_env(
+            Path::new("sleep"),
+            &["60"],
+            &[("LD_PRELOAD", library.to_str().expect("UTF-8 path"))],
+        )
     };
-    let mut sleepers = [preloaded(&impostor), preloaded(&renamed_driver)];
+    let sleepers = [preloaded(&impostor), preloaded(&renamed_driver)];
     // Both have mapped their library before the profiler's first scan.
     for sleeper in &sleepers {
-        let maps = format!("/proc/{}/maps", sleeper.id());
+        let maps = format!("/proc/{}/maps", sleeper.pid());
         let deadline = Instant::now() + Duration::from_secs(30);
         while !std::fs::read_to_string(&maps)
             .unwrap_or_default()
@@ -699,17 +605,21 @@ fn files_without_cuda_symbols_are_not_probed() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    let pids = format!("{},{}", sleepers[0].id(), sleepers[1].id());
+    let pids = format!("{},{}", sleepers[0].pid(), sleepers[1].pid());
     let output = scratch.path("profile.pb.gz");
-    let mut recording = Recording::start(&[
-        "--duration",
-        "3",
-        "--pid",
-        &pids,
-        "--no-cache",
-        "--output",
-        output.to_str().unwrap(),
-    ]);
+    let mut recording = Recording::spawn(
+        "record",
+        &[
+            "--duration",
+            "3",
+            "--pid",
+            &pids,
+            "--no-cache",
+            "--output",
+            output.to_str().unwrap(),
+        ],
+        &[],
+    );
     let line = recording.wait_for(
         &["probes attached", renamed_driver.to_str().unwrap()],
         Duration::from_secs(60),
@@ -718,9 +628,7 @@ fn files_without_cuda_symbols_are_not_probed() {
         line.contains(&format!("probes={}", driver_points.len())),
         "{line}"
     );
-    let status = recording.child.wait().expect("wait");
-    let log = recording.log.lock().unwrap().clone();
-    assert!(status.success(), "{log}");
+    let log = recording.wait();
     assert!(
         !log.contains(impostor.to_str().unwrap()),
         "the impostor was probed:\n{log}"
@@ -732,10 +640,6 @@ fn files_without_cuda_symbols_are_not_probed() {
                 .exists(),
             "{kind} written for processes making no CUDA call"
         );
-    }
-    for sleeper in &mut sleepers {
-        let _ = sleeper.kill();
-        let _ = sleeper.wait();
     }
 }
 
@@ -750,8 +654,8 @@ fn a_launch_storm_over_the_stack_budget_is_counted_in_full() {
     let output = scratch.path("profile.pb.gz");
     let mut fixture = spawn_waiting(&dir.join("launch_loop"), &[&LAUNCHES.to_string(), "0"], &[]);
     let pid = fixture.id().to_string();
-    let mut recording = Recording::of_pid(&pid, &output, &["--cuda-stacks-per-second", "2"]);
-    recording.wait_for_probes(&["libcudart.so.12"]);
+    let mut recording = record_pid(&pid, &output, &["--cuda-stacks-per-second", "2"]);
+    wait_for_probes(&mut recording, &["libcudart.so.12"]);
     say(&mut fixture, "go\n");
     let mut out = String::new();
     BufReader::new(fixture.stdout.as_mut().expect("piped"))
@@ -806,7 +710,7 @@ fn http_get(address: &str, path: &str) -> String {
 fn start_agent(args: &[&str], env: &[(&str, &str)]) -> (Recording, String) {
     let mut all = vec!["--listen", "127.0.0.1:0", "--store", "off", "--no-cache"];
     all.extend_from_slice(args);
-    let mut agent = Recording::command("agent", &all, env);
+    let mut agent = Recording::spawn("agent", &all, env);
     let line = agent.wait_for(&["agent running"], Duration::from_secs(60));
     let address = line
         .split("url=http://")
@@ -872,8 +776,8 @@ fn wait_for_metric(address: &str, prefix: &str) -> String {
 fn nvml_readings_are_served_with_dcgm_names_and_as_history() {
     let _guard = exclusive();
     let library = nvml_standin();
-    let sleeper = Command::new("sleep").arg("60").spawn().expect("sleep");
-    let pid = sleeper.id().to_string();
+    let sleeper = spawn(Path::new("sleep"), &["60"]);
+    let pid = sleeper.pid().to_string();
     let (agent, address) = start_agent(
         &[
             "--pid",
@@ -954,16 +858,13 @@ fn nvml_readings_are_served_with_dcgm_names_and_as_history() {
     assert_eq!(point["mem_total_bytes"], 80u64 << 30);
     assert!(point["t"].as_i64().unwrap() > 1_600_000_000_000);
     agent.stop();
-    let mut sleeper = sleeper;
-    let _ = sleeper.kill();
-    let _ = sleeper.wait();
 }
 
 #[test]
 fn without_nvml_the_agent_runs_and_reports_gpu_unavailable() {
     let _guard = exclusive();
-    let sleeper = Command::new("sleep").arg("60").spawn().expect("sleep");
-    let pid = sleeper.id().to_string();
+    let sleeper = spawn(Path::new("sleep"), &["60"]);
+    let pid = sleeper.pid().to_string();
     let (agent, address) = start_agent(
         &[
             "--pid",
@@ -999,9 +900,6 @@ fn without_nvml_the_agent_runs_and_reports_gpu_unavailable() {
         1,
         "said once:\n{log}"
     );
-    let mut sleeper = sleeper;
-    let _ = sleeper.kill();
-    let _ = sleeper.wait();
 }
 
 /// An NVML library without one optional function: the other readings are served, the missing
@@ -1010,8 +908,8 @@ fn without_nvml_the_agent_runs_and_reports_gpu_unavailable() {
 fn an_nvml_function_the_library_lacks_is_left_out_and_reported_once() {
     let _guard = exclusive();
     let library = nvml_standin_without_power();
-    let sleeper = Command::new("sleep").arg("60").spawn().expect("sleep");
-    let pid = sleeper.id().to_string();
+    let sleeper = spawn(Path::new("sleep"), &["60"]);
+    let pid = sleeper.pid().to_string();
     let (agent, address) = start_agent(
         &[
             "--pid",
@@ -1050,9 +948,6 @@ fn an_nvml_function_the_library_lacks_is_left_out_and_reported_once() {
         1,
         "said once:\n{log}"
     );
-    let mut sleeper = sleeper;
-    let _ = sleeper.kill();
-    let _ = sleeper.wait();
 }
 
 /// The profiles of a process NVML lists as using a GPU carry a `gpu` series label, and the
@@ -1086,7 +981,7 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
         ],
         &[("NVML_STANDIN_PID", &pid)],
     );
-    agent.wait_for_probes(&["libcudart.so.12", "libcuda.so.1"]);
+    wait_for_probes(&mut agent, &["libcudart.so.12", "libcuda.so.1"]);
     // NVML lists the process before it makes its first call.
     wait_for_metric(
         &address,
@@ -1094,10 +989,7 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
     );
     say(&mut fixture, "go\n");
     read_done(&mut fixture);
-    let done_ns = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_nanos() as i64;
+    let done_ns = integration_tests::server_harness::unix_now_ns();
 
     let types = |profile: &proto::Profile| -> Vec<String> {
         profile
@@ -1140,7 +1032,7 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
         assert!(
             Instant::now() < deadline,
             "no cuda_alloc profile of a window after the work:\n{}",
-            agent.log.lock().unwrap()
+            agent.log()
         );
         std::thread::sleep(Duration::from_millis(200));
     };
@@ -1153,7 +1045,7 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
         "{:?}",
         comments(&memory)
     );
-    let in_use = samples_of_type(&memory, "inuse_space");
+    let in_use = stack_samples_of_type(&memory, "inuse_space");
     let summary = top_stacks(&in_use, 5);
     // Half the rounds' 64 KiB workspaces were freed; the others are still allocated.
     assert_eq!(
@@ -1167,11 +1059,11 @@ fn agent_profiles_of_a_gpu_process_carry_the_gpu_label_and_memory_in_use() {
         "{summary}"
     );
     assert_eq!(
-        total_count(&samples_of_type(&memory, "inuse_objects")),
+        total_count(&stack_samples_of_type(&memory, "inuse_objects")),
         ROUNDS / 2
     );
     assert_eq!(
-        total_count(&samples_of_type(&memory, "alloc_space")),
+        total_count(&stack_samples_of_type(&memory, "alloc_space")),
         0,
         "nothing allocated in that window"
     );

@@ -21,9 +21,11 @@ use std::{
 };
 
 use integration_tests::{
-    Agent, Scratch, StackSample, assert_success, build_fixture, decode_pprof, exclusive,
-    find_chain, fixture_source, parse_folded, profiler_bin, proto, pyenv_python, require_external,
-    run_profiler, send_signal, server_harness::Client, stack_samples, top_stacks, workspace_root,
+    Agent, Recording, Scratch, StackSample, assert_success, build_fixture, decode_pprof, exclusive,
+    find_chain, fixture_source, parse_folded, proto, pyenv_python, require_external, run_profiler,
+    send_signal,
+    server_harness::{Client, metric_value},
+    stack_samples, top_stacks, workspace_root,
 };
 
 const PYENV: &[(&str, &str, (u8, u8))] = &[
@@ -43,7 +45,6 @@ const MODES: &[&str] = &[
     "recursion",
     "threads",
 ];
-const SIGINT: i32 = 2;
 const SIGSTOP: i32 = 19;
 const SIGUSR1: i32 = 10;
 
@@ -230,6 +231,23 @@ struct Frame {
 type Stacks = Vec<(Vec<Frame>, i64)>;
 /// Per (pid, tid).
 type ThreadStacks = HashMap<(i64, i64), Stacks>;
+
+/// `profiler record --pid PIDS --duration SECS` into `output`; the per-thread stacks it wrote
+/// and its log.
+fn record_threads(pids: &str, seconds: &str, output: &Path) -> (ThreadStacks, String) {
+    let run = run_profiler(&[
+        "record",
+        "--pid",
+        pids,
+        "--duration",
+        seconds,
+        "--output",
+        output.to_str().expect("utf-8 path"),
+    ]);
+    assert_success(&run);
+    let log = String::from_utf8_lossy(&run.stderr).into_owned();
+    (thread_stacks(&decode_pprof(output)), log)
+}
 
 fn thread_stacks(profile: &proto::Profile) -> ThreadStacks {
     let string = |i: i64| {
@@ -615,17 +633,7 @@ fn check_interpreter(
     }
     let pids: Vec<String> = fixtures.iter().map(|f| f.pid().to_string()).collect();
     let output = scratch.path("python.pb.gz");
-    let run = run_profiler(&[
-        "record",
-        "--pid",
-        &pids.join(","),
-        "--duration",
-        "3",
-        "--output",
-        output.to_str().expect("utf-8 path"),
-    ]);
-    assert_success(&run);
-    let stacks = thread_stacks(&decode_pprof(&output));
+    let (stacks, _) = record_threads(&pids.join(","), "3", &output);
     for fixture in &fixtures {
         let pid = i64::from(fixture.pid());
         let threads: Vec<(&(i64, i64), &Stacks)> =
@@ -694,72 +702,6 @@ fn python_stacks_agree_with_py_spy_on_every_interpreter() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A `profiler record` running until stopped, its log collected.
-struct Recorder {
-    child: Child,
-    log: Option<std::thread::JoinHandle<String>>,
-}
-
-impl Recorder {
-    /// Starts `profiler record ARGS` (without a duration: it runs until stopped) and waits until
-    /// its sampler is attached.
-    fn start(args: &[&str]) -> Recorder {
-        let mut child = Command::new(profiler_bin())
-            .arg("record")
-            .args(args)
-            .args(["--duration", "600"])
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start profiler");
-        let stderr = child.stderr.take().expect("stderr");
-        let (attached_tx, attached_rx) = mpsc::channel();
-        let log = std::thread::spawn(move || {
-            let mut text = String::new();
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if line.contains("sampler attached") {
-                    let _ = attached_tx.send(());
-                }
-                text.push_str(&line);
-                text.push('\n');
-            }
-            text
-        });
-        let mut recorder = Recorder {
-            child,
-            log: Some(log),
-        };
-        if attached_rx.recv_timeout(Duration::from_secs(60)).is_err() {
-            let log = recorder.stop();
-            panic!("the profiler did not attach:\n{log}");
-        }
-        recorder
-    }
-
-    /// SIGINT: the profiler writes its output and exits. Returns its log.
-    fn stop(&mut self) -> String {
-        send_signal(self.child.id(), SIGINT);
-        let status = self.child.wait().expect("profiler exits");
-        let log = self
-            .log
-            .take()
-            .map(|reader| reader.join().expect("log reader"))
-            .unwrap_or_default();
-        assert!(status.success(), "profiler failed ({status}):\n{log}");
-        log
-    }
-}
-
-impl Drop for Recorder {
-    fn drop(&mut self) {
-        if self.log.is_some() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
 /// A Python process that starts while the profiler runs gets Python frames within 2 seconds,
 /// on a shared libpython (pyenv 3.12), a static stripped executable (Debian's 3.11) and the
 /// `_Py_DebugOffsets` path (sid's 3.14).
@@ -774,7 +716,7 @@ fn python_process_started_after_the_profiler_gets_python_frames_within_two_secon
     let scratch = Scratch::new("python-late");
     let output = scratch.path("late.folded");
     let output_arg = output.to_str().expect("utf-8 path");
-    let mut recorder = Recorder::start(&["--format", "folded", "--output", output_arg]);
+    let recorder = Recording::until_stopped(&["--format", "folded", "--output", output_arg]);
     let mut fixtures = Vec::new();
     for interpreter in &interpreters {
         let started = Instant::now();
@@ -848,14 +790,6 @@ fn agent_run(pid: u32, scratch: &Scratch) -> (String, String, Vec<StackSample>) 
     (metrics, log, samples)
 }
 
-/// The value of an unlabelled metric on /metrics.
-fn metric(metrics: &str, name: &str) -> Option<f64> {
-    metrics.lines().find_map(|line| {
-        let (key, value) = line.split_once(' ')?;
-        (key == name).then(|| value.trim().parse().ok())?
-    })
-}
-
 const DISABLED_METRIC: &str = "profiler_python_processes_disabled_total";
 
 /// A free-threaded interpreter (3.13t, here a stand-in library with the real
@@ -899,7 +833,7 @@ fn free_threaded_python_is_reported_and_keeps_native_stacks() {
         "no free-threaded report in the log:\n{log}"
     );
     assert_eq!(
-        metric(&metrics, DISABLED_METRIC),
+        metric_value(&metrics, DISABLED_METRIC),
         Some(1.0),
         "{DISABLED_METRIC} on /metrics:\n{metrics}"
     );
@@ -989,11 +923,14 @@ fn a_layout_that_does_not_match_keeps_native_stacks() {
         fixture.pid()
     );
     assert_eq!(
-        metric(&metrics, DISABLED_METRIC),
+        metric_value(&metrics, DISABLED_METRIC),
         Some(1.0),
         "{DISABLED_METRIC} on /metrics:\n{metrics}"
     );
-    assert_eq!(metric(&metrics, "profiler_python_processes"), Some(0.0));
+    assert_eq!(
+        metric_value(&metrics, "profiler_python_processes"),
+        Some(0.0)
+    );
     let python_frames = samples
         .iter()
         .filter(|s| s.frames.iter().any(|f| f.contains("Worker.spin")))
@@ -1045,7 +982,7 @@ fn libpython_loaded_late_by_an_embedding_program_gets_python_frames() {
     let scratch = Scratch::new("python-embedded");
     let output = scratch.path("embedded.pb.gz");
     let pid = running.pid().to_string();
-    let mut recorder = Recorder::start(&[
+    let recorder = Recording::until_stopped(&[
         "--pid",
         &pid,
         "--output",
@@ -1133,18 +1070,7 @@ fn python_in_another_pid_namespace_gets_python_frames() {
     }
     let pids: Vec<String> = fixtures.iter().map(|(_, f)| f.pid().to_string()).collect();
     let output = scratch.path("pidns.pb.gz");
-    let run = run_profiler(&[
-        "record",
-        "--pid",
-        &pids.join(","),
-        "--duration",
-        "3",
-        "--output",
-        output.to_str().expect("utf-8 path"),
-    ]);
-    assert_success(&run);
-    let log = String::from_utf8_lossy(&run.stderr);
-    let stacks = thread_stacks(&decode_pprof(&output));
+    let (stacks, log) = record_threads(&pids.join(","), "3", &output);
     for (interpreter, fixture) in &fixtures {
         let pid = i64::from(fixture.pid());
         let dominant = stacks
@@ -1187,25 +1113,11 @@ fn the_main_thread_behind_300_thread_states_gets_python_frames() {
     let scratch = Scratch::new("python-threads");
     let output = scratch.path("threads.pb.gz");
     let pid = fixture.pid().to_string();
-    let run = run_profiler(&[
-        "record",
-        "--pid",
-        &pid,
-        "--duration",
-        "2",
-        "--output",
-        output.to_str().expect("utf-8 path"),
-    ]);
-    assert_success(&run);
-    let stacks = thread_stacks(&decode_pprof(&output));
+    let (stacks, log) = record_threads(&pid, "2", &output);
     let main = stacks
         .get(&(i64::from(fixture.pid()), i64::from(fixture.pid())))
         .expect("samples of the main thread");
     let (python, full, _) = dominant_stack(main);
-    check_mode(&interpreter, "chain", &python, &full).unwrap_or_else(|error| {
-        panic!(
-            "main thread: {error}\n{}",
-            String::from_utf8_lossy(&run.stderr)
-        )
-    });
+    check_mode(&interpreter, "chain", &python, &full)
+        .unwrap_or_else(|error| panic!("main thread: {error}\n{log}"));
 }
