@@ -33,6 +33,10 @@ const RETRY_PENDING: Duration = Duration::from_millis(200);
 const MAX_CACHED_ELF_FILES: usize = 4096;
 /// Frames whose code objects the self-check reads.
 const SELF_CHECK_FRAMES: usize = 16;
+/// Self-checks in a row whose frames must fail before the layout is judged wrong: frames read
+/// from a running interpreter can be half-built (a starting interpreter has one or two), while
+/// a wrong layout fails every time.
+const FRAME_CHECK_ATTEMPTS: u32 = 5;
 
 /// A CPython process the BPF walk is registered for: what symbolization needs to read its
 /// code objects.
@@ -126,6 +130,9 @@ enum CheckFailure {
     NotReady(String),
     /// The layout does not describe this process.
     Mismatch(String),
+    /// The frames read do not point at code objects: a wrong layout, or frames caught while
+    /// being built. Decided by [`FRAME_CHECK_ATTEMPTS`] checks in a row.
+    FramesMismatch(String),
 }
 
 /// Counters of Python tracking, for self-metrics.
@@ -149,6 +156,8 @@ enum State {
     Pending {
         runtime: Arc<PythonRuntime>,
         next_attempt: Instant,
+        /// Checks so far whose frames failed, in a row.
+        frame_failures: u32,
     },
     Active(Arc<PythonRuntime>),
     Disabled,
@@ -212,11 +221,12 @@ impl<M: PythonMaps> PythonTracker<M> {
             if let State::Pending {
                 runtime,
                 next_attempt,
+                frame_failures,
             } = &tracked.state
                 && Instant::now() >= *next_attempt
             {
-                let runtime = Arc::clone(runtime);
-                let state = self.activate(runtime);
+                let (runtime, frame_failures) = (Arc::clone(runtime), *frame_failures);
+                let state = self.activate(runtime, frame_failures);
                 if let Some(tracked) = self.processes.get_mut(&pid) {
                     tracked.state = state;
                 }
@@ -237,11 +247,14 @@ impl<M: PythonMaps> PythonTracker<M> {
                     }
                     Some(State::Disabled) => State::Disabled,
                     _ => match ProcMemory::open_in(&self.proc_root, pid) {
-                        Ok(memory) => self.activate(Arc::new(PythonRuntime {
-                            pid,
-                            process: python,
-                            memory,
-                        })),
+                        Ok(memory) => self.activate(
+                            Arc::new(PythonRuntime {
+                                pid,
+                                process: python,
+                                memory,
+                            }),
+                            0,
+                        ),
                         Err(error) => {
                             tracing::debug!(%pid, "cannot read the memory of Python process: {error}");
                             State::NotPython
@@ -364,7 +377,8 @@ impl<M: PythonMaps> PythonTracker<M> {
     }
 
     /// Self-checks the layout on the live process and registers it with BPF when it holds.
-    fn activate(&mut self, runtime: Arc<PythonRuntime>) -> State {
+    /// `frame_failures`: the checks before this one whose frames failed, in a row.
+    fn activate(&mut self, runtime: Arc<PythonRuntime>, frame_failures: u32) -> State {
         let pid = runtime.pid;
         match self_check(&runtime, &self.proc_root) {
             Ok(threads) => {
@@ -393,9 +407,20 @@ impl<M: PythonMaps> PythonTracker<M> {
                 State::Pending {
                     runtime,
                     next_attempt: Instant::now() + RETRY_PENDING,
+                    frame_failures: 0,
                 }
             }
-            Err(CheckFailure::Mismatch(reason)) => {
+            Err(CheckFailure::FramesMismatch(reason))
+                if frame_failures + 1 < FRAME_CHECK_ATTEMPTS =>
+            {
+                tracing::debug!(%pid, "Python frames not checkable yet: {reason}");
+                State::Pending {
+                    runtime,
+                    next_attempt: Instant::now() + RETRY_PENDING,
+                    frame_failures: frame_failures + 1,
+                }
+            }
+            Err(CheckFailure::Mismatch(reason) | CheckFailure::FramesMismatch(reason)) => {
                 self.stats.disabled += 1;
                 tracing::warn!(
                     %pid,
@@ -482,7 +507,7 @@ fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<CheckedThread
         }
     }
     if not_code > code_objects {
-        return Err(CheckFailure::Mismatch(format!(
+        return Err(CheckFailure::FramesMismatch(format!(
             "{not_code} of {} frames do not point at code objects",
             not_code + code_objects
         )));
@@ -573,14 +598,29 @@ mod tests {
     const EVAL_COLD: std::ops::Range<u64> = 0x20_000..0x20_400;
 
     fn tracker_with(layout: PyLayout) -> (PythonTracker<RecordingMaps>, Pid) {
+        let runtime = runtime_in_this_process(layout, 0x1000);
+        let pid = runtime.pid;
+        let mut tracker = PythonTracker::new(RecordingMaps::default(), "/proc".into(), true);
+        tracker.processes.insert(
+            pid,
+            Tracked {
+                snapshot: Weak::new(),
+                state: State::Active(Arc::new(runtime)),
+            },
+        );
+        (tracker, pid)
+    }
+
+    /// An interpreter "in" the test process: its `_PyRuntime` at `runtime_addr` of our memory.
+    fn runtime_in_this_process(layout: PyLayout, runtime_addr: u64) -> PythonRuntime {
         let pid = Pid(std::process::id());
-        let runtime = PythonRuntime {
+        PythonRuntime {
             pid,
             process: PythonProcess {
                 version: (layout.python.0, layout.python.1, 0),
                 version_source: VersionSource::FileName,
                 layout,
-                runtime_addr: 0x1000,
+                runtime_addr,
                 code_type_addr: 0x2000,
                 none_addr: None,
                 interpreter_file: Arc::new(MappedFile {
@@ -594,16 +634,71 @@ mod tests {
                 eval_frame_ranges: vec![EVAL, EVAL_COLD],
             },
             memory: ProcMemory::open(pid).expect("own memory"),
-        };
-        let mut tracker = PythonTracker::new(RecordingMaps::default(), "/proc".into(), true);
-        tracker.processes.insert(
-            pid,
-            Tracked {
-                snapshot: Weak::new(),
-                state: State::Active(Arc::new(runtime)),
-            },
+        }
+    }
+
+    /// A self-check whose frames fail is retried; only a failure that persists turns Python
+    /// frames off (a starting interpreter's one or two frames can be caught half-built).
+    #[test]
+    fn frames_that_fail_the_self_check_disable_only_when_the_failure_persists() {
+        let layout = PY312;
+        // Runtime, interpreter, thread state, cframe, frame and a non-code object, in one
+        // buffer of this process; the thread id is a word pointing at itself, as a thread
+        // pointer does.
+        let mut memory = vec![0u64; 0x1000];
+        let base = memory.as_ptr() as u64;
+        let (runtime, interp, tstate, cframe, frame, object, thread_pointer) = (
+            base,
+            base + 0x1000,
+            base + 0x2000,
+            base + 0x3000,
+            base + 0x4000,
+            base + 0x5000,
+            base + 0x6000,
         );
-        (tracker, pid)
+        let tid: u64 = std::fs::read_dir("/proc/self/task")
+            .expect("own tasks")
+            .find_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+            .expect("a task");
+        let mut write = |addr: u64, offset: u32, value: u64| {
+            memory[((addr - base) as usize + offset as usize) / 8] = value;
+        };
+        write(runtime, layout.runtime_interpreters_head, interp);
+        write(interp, layout.interp_threads_head, tstate);
+        write(tstate, layout.tstate_thread_id, thread_pointer);
+        write(
+            tstate,
+            layout.tstate_native_thread_id.expect("3.12 has it"),
+            tid,
+        );
+        let FrameAnchor::CFrame {
+            cframe: cframe_offset,
+            current_frame,
+        } = layout.tstate_frame
+        else {
+            panic!("3.12 reaches its frames through the cframe");
+        };
+        write(tstate, cframe_offset, cframe);
+        write(cframe, current_frame, frame);
+        write(frame, layout.frame_code, object);
+        write(object, layout.object_type, 0xdead);
+        write(thread_pointer, 0, thread_pointer);
+
+        let mut tracker = PythonTracker::new(RecordingMaps::default(), "/proc".into(), true);
+        let runtime = Arc::new(runtime_in_this_process(layout, runtime));
+        for failures in 0..FRAME_CHECK_ATTEMPTS - 1 {
+            let state = tracker.activate(Arc::clone(&runtime), failures);
+            assert!(
+                matches!(state, State::Pending { frame_failures, .. } if frame_failures == failures + 1),
+                "{state:?}"
+            );
+        }
+        assert_eq!(tracker.stats.disabled, 0);
+        let state = tracker.activate(Arc::clone(&runtime), FRAME_CHECK_ATTEMPTS - 1);
+        assert!(matches!(state, State::Disabled), "{state:?}");
+        assert_eq!(tracker.stats.disabled, 1);
+        assert!(tracker.maps.registered.is_empty());
+        drop(memory);
     }
 
     fn native(addr: u64) -> UnwoundFrame {
