@@ -461,6 +461,10 @@ fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<CheckedThread
         .iter()
         .filter_map(|&t| memory.read_u64(t + u64::from(layout.tstate_thread_id)).ok())
         .collect();
+    if thread_ids.iter().all(|&id| id == 0) {
+        // Created but not bound to a thread yet (a starting interpreter or thread).
+        return Err(CheckFailure::NotReady("thread states not bound yet".into()));
+    }
     let is_thread_pointer = |id: u64| id != 0 && memory.read_u64(id) == Ok(id);
     if !thread_ids.iter().any(|&id| is_thread_pointer(id)) {
         return Err(CheckFailure::Mismatch(format!(
@@ -638,7 +642,8 @@ mod tests {
     }
 
     /// A self-check whose frames fail is retried; only a failure that persists turns Python
-    /// frames off (a starting interpreter's one or two frames can be caught half-built).
+    /// frames off (a starting interpreter's one or two frames can be caught half-built). Thread
+    /// states not bound to a thread yet are waited for.
     #[test]
     fn frames_that_fail_the_self_check_disable_only_when_the_failure_persists() {
         let layout = PY312;
@@ -665,7 +670,6 @@ mod tests {
         };
         write(runtime, layout.runtime_interpreters_head, interp);
         write(interp, layout.interp_threads_head, tstate);
-        write(tstate, layout.tstate_thread_id, thread_pointer);
         write(
             tstate,
             layout.tstate_native_thread_id.expect("3.12 has it"),
@@ -686,6 +690,19 @@ mod tests {
 
         let mut tracker = PythonTracker::new(RecordingMaps::default(), "/proc".into(), true);
         let runtime = Arc::new(runtime_in_this_process(layout, runtime));
+        // A thread state not bound to its thread yet: not ready, not a mismatch.
+        let state = tracker.activate(Arc::clone(&runtime), 0);
+        assert!(
+            matches!(
+                state,
+                State::Pending {
+                    frame_failures: 0,
+                    ..
+                }
+            ),
+            "{state:?}"
+        );
+        write(tstate, layout.tstate_thread_id, thread_pointer);
         for failures in 0..FRAME_CHECK_ATTEMPTS - 1 {
             let state = tracker.activate(Arc::clone(&runtime), failures);
             assert!(
