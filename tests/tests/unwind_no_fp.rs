@@ -161,19 +161,25 @@ fn recursion_100_deep_is_complete() {
     );
 }
 
+/// `main_source` built without frame pointers and linked (with an rpath) against
+/// `lib<library>.so`, built from `lib<library>.c` without frame pointers too.
+fn program_using_library(main_source: &str, library: &str) -> std::path::PathBuf {
+    let shared = nofp_shared_library(&format!("lib{library}.c"));
+    let dir = shared.parent().expect("fixture dir").to_str().unwrap();
+    let rpath = format!("-Wl,-rpath,{dir}");
+    build_fixture(
+        &(main_source.trim_end_matches(".c").to_string() + "-nofp"),
+        "gcc",
+        NOFP_FLAGS,
+        &[main_source],
+        &["-L", dir, &format!("-l{library}"), &rpath],
+    )
+}
+
 #[test]
 fn call_through_the_plt_into_a_shared_library_without_frame_pointers() {
     let _guard = exclusive();
-    let library = nofp_shared_library("libnofp.c");
-    let dir = library.parent().expect("fixture dir").to_str().unwrap();
-    let rpath = format!("-Wl,-rpath,{dir}");
-    let fixture = build_fixture(
-        "plt_main-nofp",
-        "gcc",
-        NOFP_FLAGS,
-        &["plt_main.c"],
-        &["-L", dir, "-lnofp", &rpath],
-    );
+    let fixture = program_using_library("plt_main.c", "nofp");
     let running = spawn(&fixture, &["20"]);
     let samples = of_pid(&record(&[running.pid()], "2", "nofp-plt"), running.pid());
     assert_fraction(
@@ -183,6 +189,51 @@ fn call_through_the_plt_into_a_shared_library_without_frame_pointers() {
         "have the chain main;lib_outer;lib_inner (main calls lib_outer through the PLT)",
         |s| find_chain(&s.frames, &["main", "lib_outer", "lib_inner"]).is_some(),
     );
+}
+
+/// A library whose functions keep no frame at all (every CFI row `CFA = RSP + 8`) and still
+/// call each other: a return address in `frameless_outer` must be unwound by its row, not from
+/// RBP, which the callers use as an ordinary register. At two recursion depths, so neither a
+/// shallow nor a deep stack hides the cut.
+#[test]
+fn plt_call_into_a_library_whose_functions_keep_no_frame() {
+    let _guard = exclusive();
+    let fixture = program_using_library("frameless_main.c", "frameless");
+    for depth in [1usize, 40] {
+        let running = spawn(&fixture, &["20", &depth.to_string()]);
+        let samples = of_pid(
+            &record(&[running.pid()], "2", &format!("frameless-{depth}")),
+            running.pid(),
+        );
+        // Samples inside the library: the leaf, or frameless_outer itself.
+        let in_library: Vec<StackSample> = samples
+            .iter()
+            .filter(|s| {
+                s.frames
+                    .last()
+                    .is_some_and(|leaf| leaf.starts_with("frameless_"))
+            })
+            .cloned()
+            .collect();
+        let mut chain = vec!["main"];
+        chain.extend(std::iter::repeat_n("recurse", depth));
+        chain.extend(["burn", "frameless_outer"]);
+        assert_fraction(
+            &in_library,
+            0.95,
+            30,
+            &format!(
+                "have main;recurse×{depth};burn;frameless_outer and glibc's start frames \
+                 above main (burn calls frameless_outer through the PLT)"
+            ),
+            |s| {
+                find_chain(&s.frames, &chain).is_some()
+                    && position(&s.frames, "main")
+                        .is_some_and(|m| has_libc_start_above(&s.frames, m))
+                    && !s.frames.iter().any(|f| f == "[truncated]")
+            },
+        );
+    }
 }
 
 #[test]

@@ -29,7 +29,7 @@ use profiler_common::unwind::{CFA_PLT, CFA_RBP, CFA_RSP, RBP_AT_CFA, RBP_UNCHANG
 
 use super::{
     CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_ROWS, Rule, TableError, TableRow,
-    TableStats, UnwindTable,
+    TableStats, UnwindTable, call_sites::check_call_sites,
 };
 
 type Reader<'a> = EndianSlice<'a, LittleEndian>;
@@ -58,6 +58,15 @@ pub fn build_table(elf_bytes: &[u8]) -> Result<UnwindTable, TableError> {
     if file.architecture() != Architecture::X86_64 || !file.is_little_endian() {
         return Err(TableError::UnsupportedArchitecture(file.architecture()));
     }
+    let mut table = build_from_file(&file)?;
+    // Only a table that could qualify is worth decoding the code for.
+    if table.rows.len() > 1 && table.stats.signal_fdes == 0 {
+        table.stats.call_sites = check_call_sites(&file, &table.rows);
+    }
+    Ok(table)
+}
+
+fn build_from_file(file: &object::File<'_>) -> Result<UnwindTable, TableError> {
     let section_address = |name: &str| file.section_by_name(name).map(|s| s.address());
     let plt_ranges: Vec<Range<u64>> = PLT_SECTIONS
         .iter()
@@ -312,10 +321,6 @@ impl Collected {
                     }
                     previous_start = row_start;
                     let rule = map_rule(row, return_address, in_plt, section, &mut self.stats);
-                    // The PLT never holds a return address, whatever its rules.
-                    if !in_plt && !rule.keeps_standard_frame() {
-                        self.stats.frame_breaking_rows += 1;
-                    }
                     self.push_row(row_start, rule)?;
                 }
             }

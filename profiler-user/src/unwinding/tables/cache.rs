@@ -14,11 +14,13 @@ use std::io::{self, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{CfiSource, MAX_ROWS, Rule, TableError, TableRow, TableStats, UnwindTable};
+use super::{
+    CallSiteCheck, CfiSource, MAX_ROWS, Rule, TableError, TableRow, TableStats, UnwindTable,
+};
 
 const MAGIC: [u8; 8] = *b"PFUNWTAB";
-const FORMAT_VERSION: u32 = 2;
-const STATS_FIELDS: usize = 13;
+const FORMAT_VERSION: u32 = 3;
+const STATS_FIELDS: usize = 15;
 const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
 const ROW_BYTES: usize = 16;
 const CHECKSUM_BYTES: usize = 8;
@@ -131,7 +133,9 @@ fn stats_fields(stats: &TableStats) -> [u64; STATS_FIELDS] {
         stats.unsupported_cfa_registers,
         stats.offsets_out_of_range,
         stats.unsupported_rbp_rules,
-        stats.frame_breaking_rows,
+        stats.call_sites.code_bytes,
+        stats.call_sites.call_sites,
+        stats.call_sites.first_frame_breaking_call,
     ]
 }
 
@@ -155,7 +159,11 @@ fn stats_from_fields(fields: [u64; STATS_FIELDS]) -> Result<TableStats, TableErr
         unsupported_cfa_registers: fields[9],
         offsets_out_of_range: fields[10],
         unsupported_rbp_rules: fields[11],
-        frame_breaking_rows: fields[12],
+        call_sites: CallSiteCheck {
+            code_bytes: fields[12],
+            call_sites: fields[13],
+            first_frame_breaking_call: fields[14],
+        },
     })
 }
 

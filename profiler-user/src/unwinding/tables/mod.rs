@@ -13,6 +13,7 @@
 
 mod builder;
 mod cache;
+mod call_sites;
 mod pages;
 #[cfg(test)]
 mod tests;
@@ -26,6 +27,7 @@ use profiler_common::unwind::{
 
 pub use builder::build_table;
 pub use cache::{CacheError, TableCache};
+pub use call_sites::{CallSiteCheck, call_keeps_frame};
 pub use pages::{PagedRows, SliceRows};
 
 /// Upper bound on rows produced by FDE programs (before merging); more is hostile or broken.
@@ -118,9 +120,9 @@ pub struct TableStats {
     /// Program rows whose RBP rule is neither "unchanged" nor "saved at CFA+n" (kept as
     /// `RBP_UNCHANGED`).
     pub unsupported_rbp_rules: u64,
-    /// Program rows outside the PLT where a call could be made without the standard frame
-    /// (see [`Rule::keeps_standard_frame`]); 0 means frame pointers are reliable in the file.
-    pub frame_breaking_rows: u64,
+    /// The decoded call sites, checked against the rows: whether return addresses in the file
+    /// can be unwound from RBP alone (see `call_sites.rs`).
+    pub call_sites: CallSiteCheck,
 }
 
 /// A row's rules without its address.
@@ -166,23 +168,6 @@ impl Rule {
             rbp_kind: row.rbp_kind,
             cfa_offset: row.cfa_offset,
             rbp_offset: row.rbp_offset,
-        }
-    }
-
-    /// Whether a return address under this rule can be unwound from RBP alone, as if the code
-    /// had a frame pointer: CFA = RBP + 16 with RBP saved at CFA - 16 (the frame), CFA = RSP +
-    /// 16 with RBP saved at CFA - 16 (right after `push rbp`), or CFA = RSP + 8 (function entry
-    /// or after the epilogue, where the stack is misaligned for a call so no return address
-    /// points there), and the outermost frame and PLT rules, which are never return addresses.
-    /// A frameless function that moved RSP to call, an unsupported expression or a signal
-    /// trampoline needs the table.
-    pub const fn keeps_standard_frame(&self) -> bool {
-        let rbp_in_frame = self.rbp_kind == RBP_AT_CFA && self.rbp_offset == -16;
-        match self.cfa_kind {
-            CFA_END | CFA_PLT => true,
-            CFA_RSP => self.cfa_offset == 8 || (self.cfa_offset == 16 && rbp_in_frame),
-            CFA_RBP => self.cfa_offset == 16 && rbp_in_frame,
-            _ => false,
         }
     }
 
@@ -264,15 +249,15 @@ impl UnwindTable {
         paged.rows().len() * 8 + paged.page_count() * 8
     }
 
-    /// Whether every function of the file keeps the standard frame-pointer frame wherever it
-    /// can make a call, so a caller's frame is found from RBP alone (`push rbp; mov rbp, rsp`
-    /// code, as `-fno-omit-frame-pointer` builds). BPF then skips the row lookup for return
-    /// addresses in this file; the first frame (maybe in a prologue) still uses the table.
-    /// See [`Rule::keeps_standard_frame`]; signal trampolines need the table too.
+    /// Whether every call in the file's CFI-covered code is made from inside the standard
+    /// frame-pointer frame (`push rbp; mov rbp, rsp`, as `-fno-omit-frame-pointer` builds), as
+    /// decoding the code proved, so a caller's frame is found from RBP alone. BPF then skips
+    /// the row lookup for return addresses in this file; the first frame (maybe in a
+    /// prologue) still uses the table, and signal trampolines need it too.
     pub fn frame_pointers_reliable(&self) -> bool {
         self.stats.source != CfiSource::None
             && self.rows.len() > 1
-            && self.stats.frame_breaking_rows == 0
+            && self.stats.call_sites.proves_frame_pointers()
             && self.stats.signal_fdes == 0
     }
 

@@ -54,13 +54,32 @@ int main(int argc, char **argv) {
 }
 "#;
 
+/// A library without frame pointers whose exported function calls a local leaf without
+/// setting up any frame (GCC skips the stack alignment for a callee it knows needs none), so
+/// every CFI row of the file is `CFA = RSP + 8` and yet a return address lies in it.
+const FRAMELESS_CALLER_C: &str = r#"
+volatile unsigned long frameless_sink;
+static __attribute__((noinline, noclone)) unsigned long frameless_leaf(unsigned long n) {
+    unsigned long x = 1;
+    for (unsigned long i = 0; i < n; i++) x = x * 6364136223846793005UL + 1442695040888963407UL;
+    frameless_sink = x;
+    return x;
+}
+unsigned long frameless_outer(unsigned long n) {
+    unsigned long r = frameless_leaf(n);
+    return r ^ (r >> 7);
+}
+"#;
+
 /// The fixture programs: `main` (CFI in `.eh_frame`), `debug_frame_only` (fp.c compiled
-/// with `-g -fno-asynchronous-unwind-tables`, `.eh_frame` removed: CFI only in `.debug_frame`)
-/// and `all_frame_pointers` (every function built with frame pointers, leaves included).
+/// with `-g -fno-asynchronous-unwind-tables`, `.eh_frame` removed: CFI only in `.debug_frame`),
+/// `all_frame_pointers` (every function built with frame pointers, leaves included) and
+/// `frameless_caller` (a shared library, see [`FRAMELESS_CALLER_C`]).
 struct Fixtures {
     main: Vec<u8>,
     debug_frame_only: Vec<u8>,
     all_frame_pointers: Vec<u8>,
+    frameless_caller: Vec<u8>,
 }
 
 fn fixtures() -> Option<&'static Fixtures> {
@@ -91,6 +110,7 @@ fn build_fixtures() -> Result<Fixtures, String> {
     write("omit.c", OMIT_FRAME_POINTER_C)?;
     write("fp.c", FRAME_POINTER_C)?;
     write("fp_main.c", FRAME_POINTER_MAIN_C)?;
+    write("frameless.c", FRAMELESS_CALLER_C)?;
     let run = |program: &str, args: &[&str]| -> Result<(), String> {
         let output = Command::new(program)
             .current_dir(dir.path())
@@ -158,11 +178,22 @@ fn build_fixtures() -> Result<Fixtures, String> {
         "fp-all-fp.o",
         "fp_main-all-fp.o",
     ])?;
+    gcc(&[
+        "-O2",
+        "-fomit-frame-pointer",
+        "-fcf-protection=none",
+        "-shared",
+        "-fPIC",
+        "-o",
+        "libframeless.so",
+        "frameless.c",
+    ])?;
     let read = |name: &str| std::fs::read(dir.path().join(name)).map_err(|e| e.to_string());
     Ok(Fixtures {
         main: read("fixture")?,
         debug_frame_only: read("debug-frame-only")?,
         all_frame_pointers: read("all-fp")?,
+        frameless_caller: read("libframeless.so")?,
     })
 }
 
@@ -382,8 +413,46 @@ fn frame_pointers_are_reliable_only_when_every_caller_keeps_the_frame() {
         "a program built with frame pointers throughout (its lazy PLT included): {:?}",
         all_fp.stats()
     );
+    assert!(
+        all_fp.stats().call_sites.call_sites >= 2,
+        "{:?}",
+        all_fp.stats()
+    );
     // omit_function calls snprintf and puts from a frameless body (CFA = RSP + n).
     let mixed = build_table(&fixtures.main).expect("fixture table builds");
-    assert!(mixed.stats().frame_breaking_rows > 0, "{:?}", mixed.stats());
+    let (omit_start, omit_end) = symbol_range(&fixtures.main, "omit_function");
+    let (main_start, main_end) = symbol_range(&fixtures.main, "main");
+    let first = mixed.stats().call_sites.first_frame_breaking_call;
+    assert!(
+        (omit_start..omit_end).contains(&first) || (main_start..main_end).contains(&first),
+        "the first call outside a frame is in omit_function or main: {:?}",
+        mixed.stats()
+    );
     assert!(!mixed.frame_pointers_reliable());
+}
+
+/// Every row of this library keeps the "entry" rule `CFA = RSP + 8`, which row-based reasoning
+/// took for frame-pointer code; the call from `frameless_outer` proves otherwise.
+#[test]
+fn a_call_made_without_a_frame_makes_frame_pointers_unreliable() {
+    let Some(fixtures) = fixtures() else { return };
+    let elf = &fixtures.frameless_caller[..];
+    let table = build_table(elf).expect("library table builds");
+    assert_well_formed(&table);
+    let (outer_start, outer_end) = symbol_range(elf, "frameless_outer");
+    let outer_rows = rows_in(&table, (outer_start, outer_end));
+    assert!(
+        outer_rows
+            .iter()
+            .all(|row| row.rule.cfa_kind == CFA_RSP && row.rule.cfa_offset == 8),
+        "frameless_outer never moves RSP (GCC output changed?): {outer_rows:?}"
+    );
+    let first = table.stats().call_sites.first_frame_breaking_call;
+    assert!(
+        (outer_start..outer_end).contains(&first),
+        "the call in frameless_outer ({outer_start:#x}..{outer_end:#x}) breaks the frame chain, \
+         found {first:#x}: {:?}",
+        table.stats()
+    );
+    assert!(!table.frame_pointers_reliable());
 }
