@@ -74,6 +74,9 @@ pub enum Prerequisite {
     DeployValidators,
     /// promtool from Debian's prometheus package, unpacked under `.tools/` (no service).
     Promtool,
+    /// PyTorch from PyPI (with NVIDIA's CUDA libraries it depends on) in a virtual environment
+    /// under `.tools/`: the real large-library workload of the tests and the host benchmark.
+    Torch,
 }
 
 impl Prerequisite {
@@ -106,6 +109,11 @@ impl Prerequisite {
             Prerequisite::Promtool => format!(
                 "promtool from Debian's prometheus package, unpacked into {PROMETHEUS_DIR}/ (checks and \
                  unit-tests the alert rules)"
+            ),
+            Prerequisite::Torch => format!(
+                "torch {TORCH_VERSION} and numpy {NUMPY_VERSION} from PyPI into a virtual environment in \
+                 {TORCH_VENV_DIR}/ (about 3 GB with the CUDA libraries torch depends on; a real PyTorch \
+                 CPU workload for the unwinding tests and the host benchmark)"
             ),
         }
     }
@@ -161,7 +169,40 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
     if !workspace.join(PROMETHEUS_DIR).join(PROMTOOL).is_file() {
         missing.push(Prerequisite::Promtool);
     }
+    if !workspace.join(TORCH_VENV_DIR).join(TORCH_MARKER).is_file() {
+        missing.push(Prerequisite::Torch);
+    }
     missing
+}
+
+/// The virtual environment holding PyTorch; tests and the benchmark run `bin/python` there.
+pub const TORCH_VENV_DIR: &str = ".tools/torch-venv";
+pub const TORCH_VERSION: &str = "2.15.0";
+pub const NUMPY_VERSION: &str = "2.4.6";
+/// Written last into [`TORCH_VENV_DIR`], so a half-finished install counts as missing.
+const TORCH_MARKER: &str = "installed-torch-2.15.0";
+
+fn install_torch(workspace: &Path) -> Result<()> {
+    let python = python_with_pip("torch")?;
+    let dir = workspace.join(TORCH_VENV_DIR);
+    let _ = std::fs::remove_dir_all(&dir);
+    cmd::run(Command::new(python).args(["-m", "venv"]).arg(&dir))?;
+    cmd::run(
+        Command::new(dir.join("bin").join("python"))
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-warn-script-location",
+                "--only-binary",
+                ":all:",
+            ])
+            .arg(format!("torch=={TORCH_VERSION}"))
+            .arg(format!("numpy=={NUMPY_VERSION}")),
+    )?;
+    let marker = dir.join(TORCH_MARKER);
+    std::fs::write(&marker, "").with_context(|| format!("cannot write {}", marker.display()))
 }
 
 /// Where the deploy validators are installed; tests/tests/deploy.rs looks for them there.
@@ -444,6 +485,7 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
             Prerequisite::PyroscopeIo => install_pyroscope_io(workspace)?,
             Prerequisite::DeployValidators => install_deploy_validators(workspace)?,
             Prerequisite::Promtool => install_promtool(workspace)?,
+            Prerequisite::Torch => install_torch(workspace)?,
             Prerequisite::Apt { .. } => unreachable!("installed above"),
         }
     }
