@@ -59,12 +59,19 @@ pub struct SampleHeader {
     pub user_frames: u16,
     /// Number of valid entries in `RawSample::python`.
     pub python_frames: u16,
-    pub _pad: u16,
+    /// Index in `RawSample::user_ips` of the first frame whose caller the unwinder took from
+    /// the frame-pointer chain instead of the frame's unwind table ([`NO_FALLBACK_FRAME`]
+    /// when none): frames up to it are exact, callers beyond it may be guesses.
+    pub fallback_frame: u16,
     /// The thread's name (`task->comm`), NUL padded.
     pub comm: [u8; 16],
 }
 
 const _: () = assert!(core::mem::size_of::<SampleHeader>() == 48);
+
+/// `SampleHeader::fallback_frame` when every caller came from an unwind table (or from the
+/// frame-pointer chain of a file proven to keep frames).
+pub const NO_FALLBACK_FRAME: u16 = u16::MAX;
 
 /// The sample as the eBPF program builds it in its per-CPU scratch memory. Kernel frames are
 /// innermost first, as are user and Python frames.

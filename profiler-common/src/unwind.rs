@@ -29,11 +29,18 @@ pub const CFA_SIGNAL: u8 = 4;
 pub const CFA_END: u8 = 5;
 /// A CFA expression the unwinder cannot evaluate: fall back to the frame pointer.
 pub const CFA_UNSUPPORTED: u8 = 6;
+/// CFA = the word at RBP + cfa_offset: functions that realign their stack (GCC's "DRAP", for
+/// AVX locals) keep the pointer to their argument area, which is the CFA, in their frame
+/// (`DW_OP_breg6 n; DW_OP_deref`).
+pub const CFA_RBP_DEREF: u8 = 7;
 
 /// RBP keeps its value in the caller.
 pub const RBP_UNCHANGED: u8 = 0;
 /// The caller's RBP is saved at CFA + rbp_offset.
 pub const RBP_AT_CFA: u8 = 1;
+/// The caller's RBP is saved at RBP + rbp_offset (`DW_CFA_expression rbp: DW_OP_breg6 n`, the
+/// frame of a stack-realigning function).
+pub const RBP_AT_RBP: u8 = 2;
 
 /// Offset of `uc_mcontext.gregs` from RSP in the `__restore_rt` frame: the handler's `ret`
 /// popped `rt_sigframe.pretcode`, so RSP points at `struct ucontext`, whose mcontext starts at
@@ -174,16 +181,33 @@ pub struct Registers {
     pub rbp: u64,
 }
 
-/// The canonical frame address for `row` at `regs`, for the rules that compute one.
+/// The canonical frame address for `row` at `regs`, for the rules that compute one; `read`
+/// reads a word of the unwound thread's memory.
 #[inline(always)]
-pub fn cfa(row: &UnwindRow, regs: &Registers) -> Option<u64> {
+pub fn cfa(
+    row: &UnwindRow,
+    regs: &Registers,
+    read: impl FnOnce(u64) -> Option<u64>,
+) -> Option<u64> {
     match row.cfa_kind {
         CFA_RSP => Some(regs.rsp.wrapping_add(row.cfa_offset as i64 as u64)),
         CFA_RBP => Some(regs.rbp.wrapping_add(row.cfa_offset as i64 as u64)),
+        CFA_RBP_DEREF => read(regs.rbp.wrapping_add(row.cfa_offset as i64 as u64)),
         CFA_PLT => Some(
             regs.rsp
                 .wrapping_add(if regs.rip & 15 >= 11 { 16 } else { 8 }),
         ),
+        _ => None,
+    }
+}
+
+/// Where the caller's RBP is saved under `row`, given the frame's `cfa`; `None` when RBP keeps
+/// its value.
+#[inline(always)]
+pub fn saved_rbp_address(row: &UnwindRow, regs: &Registers, cfa: u64) -> Option<u64> {
+    match row.rbp_kind {
+        RBP_AT_CFA => Some(cfa.wrapping_add(row.rbp_offset as i64 as u64)),
+        RBP_AT_RBP => Some(regs.rbp.wrapping_add(row.rbp_offset as i64 as u64)),
         _ => None,
     }
 }
@@ -262,25 +286,54 @@ mod tests {
             rsp: 0x7ff0,
             rbp: 0x8000,
         };
+        let no_memory = |_| -> Option<u64> { panic!("no memory read expected") };
         let mut r = row(0, 24);
-        assert_eq!(cfa(&r, &regs), Some(0x7ff0 + 24));
+        assert_eq!(cfa(&r, &regs, no_memory), Some(0x7ff0 + 24));
         r.cfa_kind = CFA_RBP;
         r.cfa_offset = 16;
-        assert_eq!(cfa(&r, &regs), Some(0x8010));
+        assert_eq!(cfa(&r, &regs, no_memory), Some(0x8010));
         r.cfa_kind = CFA_PLT;
-        assert_eq!(cfa(&r, &regs), Some(0x7ff0 + 16), "rip & 15 == 11");
+        assert_eq!(
+            cfa(&r, &regs, no_memory),
+            Some(0x7ff0 + 16),
+            "rip & 15 == 11"
+        );
         assert_eq!(
             cfa(
                 &r,
                 &Registers {
                     rip: 0x10000,
                     ..regs
-                }
+                },
+                no_memory
             ),
             Some(0x7ff0 + 8)
         );
         r.cfa_kind = CFA_NONE;
-        assert_eq!(cfa(&r, &regs), None);
+        assert_eq!(cfa(&r, &regs, no_memory), None);
+        // A realigned frame: the CFA is the word stored at RBP - 40.
+        r.cfa_kind = CFA_RBP_DEREF;
+        r.cfa_offset = -40;
+        let read = |addr| (addr == 0x8000 - 40).then_some(0x9000);
+        assert_eq!(cfa(&r, &regs, read), Some(0x9000));
+        assert_eq!(cfa(&r, &regs, |_| None), None, "unreadable");
+    }
+
+    #[test]
+    fn finds_the_saved_rbp_per_rule() {
+        let regs = Registers {
+            rip: 0x1000,
+            rsp: 0x7ff0,
+            rbp: 0x8000,
+        };
+        let mut r = row(0, 16);
+        assert_eq!(saved_rbp_address(&r, &regs, 0x9000), None);
+        r.rbp_kind = RBP_AT_CFA;
+        r.rbp_offset = -16;
+        assert_eq!(saved_rbp_address(&r, &regs, 0x9000), Some(0x9000 - 16));
+        r.rbp_kind = RBP_AT_RBP;
+        r.rbp_offset = 0;
+        assert_eq!(saved_rbp_address(&r, &regs, 0x9000), Some(0x8000));
     }
 
     #[test]

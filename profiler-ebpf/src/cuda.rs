@@ -183,7 +183,6 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
             (*sample).header.cpu = bpf_get_smp_processor_id();
             (*sample).header.flags = 0;
             (*sample).header.kernel_frames = 0;
-            (*sample).header._pad = 0;
             (*sample).header.python_frames = 0;
             (*sample).header.comm = bpf_get_current_comm().unwrap_or([0; 16]);
             let fsbase_offset = CONFIG.get(0).map_or(0, |c| c.task_fsbase_offset);

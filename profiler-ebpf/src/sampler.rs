@@ -174,7 +174,6 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         header.pid = tgid;
         header.tid = tid;
         header.cpu = bpf_get_smp_processor_id();
-        header._pad = 0;
         header.python_frames = 0;
         header.comm = bpf_get_current_comm().unwrap_or([0; 16]);
         let mut flags = 0;

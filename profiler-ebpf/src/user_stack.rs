@@ -17,18 +17,18 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
 };
 use profiler_common::{
-    DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_UNWIND_PAGES, MAX_USER_FRAMES, RawSample,
-    SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
+    DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_UNWIND_PAGES, MAX_USER_FRAMES, NO_FALLBACK_FRAME,
+    RawSample, SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
     SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, STAT_UNWIND_BAD_FRAME,
     STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT, STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI,
     STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAME_POINTER_CODE,
     STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES,
     STAT_UNWIND_READ_ERROR, STAT_UNWIND_SIGNAL_FRAMES,
     unwind::{
-        CFA_END, CFA_PLT, CFA_RBP, CFA_RSP, CFA_SIGNAL, MAPPING_HAS_TABLE,
+        CFA_END, CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, CFA_SIGNAL, MAPPING_HAS_TABLE,
         MAPPING_RELIABLE_FRAME_POINTERS, MappingKey, MappingValue, PAGE_SHIFT, PageEntry, PageKey,
-        RBP_AT_CFA, ROWS_PER_CHUNK, RowChunk, RowSource, SIGNAL_GREG_RBP, SIGNAL_GREG_RIP,
-        SIGNAL_GREG_RSP, SIGNAL_MCONTEXT_OFFSET, UnwindRow, cfa, find_row,
+        ROWS_PER_CHUNK, RowChunk, RowSource, SIGNAL_GREG_RBP, SIGNAL_GREG_RIP, SIGNAL_GREG_RSP,
+        SIGNAL_MCONTEXT_OFFSET, UnwindRow, cfa, find_row, saved_rbp_address,
     },
 };
 
@@ -59,6 +59,8 @@ pub struct UnwindState {
     done: u32,
     /// Frames taken from RBP in files with reliable frame pointers (see `collect`).
     frame_pointer_frames: u32,
+    /// The first frame whose caller came from the frame-pointer fallback.
+    fallback_frame: u32,
     /// The last mapping found, so frames in the same file skip the trie.
     mapping: MappingValue,
     /// The last page found, so frames in the same 64 KiB of code skip the hash lookup.
@@ -120,7 +122,10 @@ pub fn collect(
 ) {
     // SAFETY: the caller's scratch sample for `slot`; only raw accesses, since the bpf_loop
     // callback writes it too.
-    unsafe { (*sample).header.user_frames = 0 };
+    unsafe {
+        (*sample).header.user_frames = 0;
+        (*sample).header.fallback_frame = NO_FALLBACK_FRAME;
+    }
     let Some(regs) = regs else {
         count(STAT_UNWIND_NO_USER_CONTEXT);
         return;
@@ -138,6 +143,7 @@ pub fn collect(
         (*state).exact_pc = u32::from(exact_pc);
         (*state).done = 0;
         (*state).frame_pointer_frames = 0;
+        (*state).fallback_frame = NO_FALLBACK_FRAME as u32;
         (*state).mapping = MappingValue::default();
         (*state).page_key = PageKey::default();
         bpf_loop(
@@ -157,6 +163,8 @@ pub fn collect(
             ptr::read_volatile(&raw const (*state).frame_pointer_frames) as u64,
         );
         (*sample).header.user_frames = frames as u16;
+        (*sample).header.fallback_frame =
+            ptr::read_volatile(&raw const (*state).fallback_frame) as u16;
         (*sample).header.flags |= ptr::read_volatile(&raw const (*state).flags);
     }
 }
@@ -250,11 +258,11 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     match row.cfa_kind {
         CFA_END => stop(state, STAT_UNWIND_COMPLETE, 0),
         CFA_SIGNAL => signal_step(state),
-        CFA_RSP | CFA_RBP | CFA_PLT => {
+        CFA_RSP | CFA_RBP | CFA_PLT | CFA_RBP_DEREF => {
             if row.cfa_kind == CFA_PLT {
                 count(STAT_UNWIND_PLT_FRAMES);
             }
-            let Some(cfa) = cfa(&row, &regs) else {
+            let Some(cfa) = cfa(&row, &regs, read_user) else {
                 return stop(state, STAT_UNWIND_BAD_FRAME, SAMPLE_USER_TRUNCATED);
             };
             let Some(return_address) = read_user(cfa.wrapping_sub(8)) else {
@@ -264,8 +272,8 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
                     SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
                 );
             };
-            let rbp = if row.rbp_kind == RBP_AT_CFA {
-                match read_user(cfa.wrapping_add(row.rbp_offset as i64 as u64)) {
+            let rbp = match saved_rbp_address(&row, &regs, cfa) {
+                Some(address) => match read_user(address) {
                     Some(rbp) => rbp,
                     None => {
                         return stop(
@@ -274,9 +282,8 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
                             SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
                         );
                     }
-                }
-            } else {
-                regs.rbp
+                },
+                None => regs.rbp,
             };
             advance(
                 state,
@@ -337,6 +344,10 @@ fn advance(state: &mut UnwindState, caller: Registers) -> i64 {
 #[inline(always)]
 fn frame_pointer_step(state: &mut UnwindState) -> i64 {
     state.flags |= SAMPLE_USER_FRAME_POINTERS;
+    if state.fallback_frame == NO_FALLBACK_FRAME as u32 {
+        // The frame just recorded is exact; its caller is the first guess.
+        state.fallback_frame = state.frames.wrapping_sub(1);
+    }
     if state.regs.rbp == 0 {
         // The ABI's marker of the outermost frame (`_start` clears RBP).
         return stop(state, STAT_UNWIND_FP_END, 0);

@@ -34,7 +34,10 @@ use crate::{
         },
         nvml::{GpuBoard, NvmlPoller},
     },
-    model::{Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid},
+    model::{
+        FileId, Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid, UnwoundFrame,
+        UnwoundStack,
+    },
     process::ProcessRegistry,
     runtimes::python::PythonTracker,
     sampling::SampleReader,
@@ -226,14 +229,50 @@ impl Pipeline {
             // The first sample of a process (or of a new snapshot after exec/dlopen) registers
             // its mappings, so BPF unwinds its next samples from the tables.
             self.native_tables.sync(process);
-            if sample.user_table_missing {
-                self.native_tables.reload_missing(process);
-            }
+            self.check_table_use(sample, &mut stack);
             self.python.sync(process);
         }
         self.python.interleave(sample, &mut stack);
         let frames = self.symbolizer.symbolize_stack(&stack);
         (frames, process, stack.truncated)
+    }
+
+    /// Tells the table manager which files this sample's frames ran in (up to the first frame
+    /// unwound without its table, beyond which the frames may be guesses) and asks for that
+    /// frame's table. When that frame's file has CFI (its table was only not in the maps yet),
+    /// the callers BPF found from RBP are guesses in code that does not keep frame pointers:
+    /// they are dropped and the stack is marked truncated, never shown as if complete.
+    fn check_table_use(&mut self, sample: &Sample, stack: &mut UnwoundStack) {
+        let kernel = sample.kernel_ips.len();
+        let user = stack.frames.get(kernel..).unwrap_or_default();
+        let exact = sample.fallback_frame.map_or(user.len(), |k| k + 1);
+        let mut previous: Option<FileId> = None;
+        for frame in user.iter().take(exact) {
+            if let UnwoundFrame::User { file, .. } = frame
+                && previous != Some(file.id)
+            {
+                previous = Some(file.id);
+                self.native_tables.touch(file);
+            }
+        }
+        let Some(k) = sample.fallback_frame else {
+            return;
+        };
+        let guessed = match user.get(k) {
+            Some(UnwoundFrame::User { file, .. }) => {
+                let file = file.clone();
+                self.native_tables.demand(&file);
+                self.native_tables.has_cfi(&file)
+            }
+            // A file mapped after the snapshot (dlopen): its table is unknown too.
+            Some(UnwoundFrame::UserUnmapped { name: None, .. }) => true,
+            _ => false,
+        };
+        if guessed && user.len() > k + 1 {
+            stack.frames.truncate(kernel + k + 1);
+            stack.truncated = true;
+            self.unwinder.stats.guessed_callers_dropped += 1;
+        }
     }
 
     /// Follows exits and execs, finds new CUDA libraries (attaching their probes) and turns the

@@ -42,6 +42,9 @@ pub struct Sample {
     pub user_unknown_mapping: bool,
     /// BPF met a registered mapping whose unwind table is not loaded.
     pub user_table_missing: bool,
+    /// The first user frame (index into `user_ips`) whose caller BPF took from the
+    /// frame-pointer chain rather than the frame's unwind table.
+    pub fallback_frame: Option<usize>,
     /// Python frames of the sampled thread, innermost first (empty for non-Python threads).
     pub python_frames: Vec<PythonFrameRef>,
     /// The Python stack was deeper than BPF records.

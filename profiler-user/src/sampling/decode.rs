@@ -2,7 +2,7 @@
 use std::sync::Arc;
 
 use profiler_common::{
-    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, PY_FRAME_ENTRY,
+    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, NO_FALLBACK_FRAME, PY_FRAME_ENTRY,
     PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC,
     SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_ERROR,
     SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
@@ -98,6 +98,8 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         user_stack_error: header.flags & SAMPLE_USER_STACK_ERROR != 0,
         user_unknown_mapping: header.flags & SAMPLE_USER_UNKNOWN_MAPPING != 0,
         user_table_missing: header.flags & SAMPLE_USER_TABLE_MISSING != 0,
+        fallback_frame: (header.fallback_frame != NO_FALLBACK_FRAME)
+            .then_some(header.fallback_frame as usize),
         python_truncated: header.flags & SAMPLE_PYTHON_TRUNCATED != 0,
         in_cuda_sync: header.flags & SAMPLE_IN_CUDA_SYNC != 0,
     })
@@ -140,7 +142,7 @@ mod tests {
                 kernel_frames: 2,
                 user_frames: 3,
                 python_frames: 2,
-                _pad: 0,
+                fallback_frame: NO_FALLBACK_FRAME,
                 comm,
             },
             kernel_ips: [0; MAX_KERNEL_FRAMES],

@@ -31,6 +31,7 @@ use crate::{
         FileId, FrameKind, FrameLine, MappedFile, MappingInfo, Pid, SymbolizedFrame, UnwoundFrame,
         UnwoundStack,
     },
+    process::maps::ANONYMOUS_NAME,
     runtimes::python::CodeCache,
 };
 
@@ -48,6 +49,9 @@ pub enum SymbolizationError {
         source: object::read::Error,
     },
 }
+
+/// The frame of an address in executable memory that no file backs (JIT-compiled code).
+pub const ANONYMOUS_CODE_FRAME: &str = "[anonymous code]";
 
 /// How the [`Symbolizer`] works.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -250,7 +254,10 @@ impl Symbolizer {
                 // Not cached: the address is all there is, and the frame is cheap to build.
                 self.stats.misses += 1;
                 let function = match name.as_deref() {
-                    None | Some("" | "[anon]") => Arc::clone(&self.unknown_name),
+                    None | Some("") => Arc::clone(&self.unknown_name),
+                    // Executable memory without a file: JIT-compiled code (oneDNN's kernels,
+                    // V8, the JVM), which has no symbols and no unwind tables.
+                    Some(ANONYMOUS_NAME) => self.strings.intern(ANONYMOUS_CODE_FRAME),
                     Some(name) => self.strings.intern(name),
                 };
                 Arc::new(SymbolizedFrame {

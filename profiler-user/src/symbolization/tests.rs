@@ -430,12 +430,17 @@ fn repeated_keys_share_frames_and_stats_count() -> TestResult {
         name: None,
     });
     assert_eq!(&*anonymous.lines[0].function, "[unknown]");
+    let jit = symbolizer.symbolize(&UnwoundFrame::UserUnmapped {
+        addr: 0x7f00_1234_5678,
+        name: Some(Arc::from("[anon]")),
+    });
+    assert_eq!(&*jit.lines[0].function, "[anonymous code]");
 
     let stats = symbolizer.stats();
     assert_eq!(stats.frames_symbolized, 2);
     assert_eq!(stats.cache_hits, 1);
     assert_eq!(stats.cache_entries, 2);
-    assert_eq!(stats.misses, 2);
+    assert_eq!(stats.misses, 3);
     assert_eq!(stats.errors, 0);
 
     // A stack keeps its length and order.

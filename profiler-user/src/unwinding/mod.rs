@@ -29,6 +29,9 @@ pub struct UnwindStats {
     pub unmapped_frames: u64,
     /// Samples of processes that were gone before their snapshot could be taken.
     pub unknown_processes: u64,
+    /// Stacks cut at a frame whose table was not loaded yet: the callers BPF took from the
+    /// frame-pointer chain there were guesses.
+    pub guessed_callers_dropped: u64,
 }
 
 #[derive(Debug, Default)]

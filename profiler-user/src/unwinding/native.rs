@@ -2,10 +2,15 @@
 //!
 //! One unwind table per ELF file (keyed by build id, else by file identity) is placed in the
 //! shared row array, so 100 processes of the same binary cost one table. Tables are built on
-//! first sight of a mapping (or loaded from the on-disk cache), evicted least-recently-used when
-//! the row array is full, and rebuilt when BPF reports a PC whose table is gone. Each process's
-//! executable mappings are registered in the LPM trie as (pid, address range) → (table, load
-//! bias); exits and pid reuse remove them.
+//! first sight of a mapping (or loaded from the on-disk cache) and placed while the row array
+//! has room. Room is given by use, not by mapping: a process maps many files it never runs (a
+//! CPU-only PyTorch maps a gigabyte of CUDA libraries), so the pipeline reports the files its
+//! samples' frames are in ([`NativeTables::touch`]) and the file whose missing table made BPF
+//! fall back to frame pointers ([`NativeTables::demand`]). A demanded table evicts tables no
+//! sample has used for [`MIN_RESIDENCY`]; a table nobody demands waits for free room. Each
+//! process's executable mappings are registered in the LPM trie as (pid, address range) →
+//! (table, load bias); exits and pid reuse remove them, and a table no registered process maps
+//! lets go of its file.
 use std::{
     collections::HashMap,
     ops::Range,
@@ -37,8 +42,13 @@ pub struct NativeTableStats {
     pub tables_failed: u64,
     /// Files whose table alone exceeds the memory budget: frame pointers.
     pub tables_too_large: u64,
-    /// Placements put off because the budget was full of recently used tables.
+    /// Placements put off because the budget was full (of tables samples use, or with nobody
+    /// asking for this one yet).
     pub tables_deferred: u64,
+    /// Tables asked for by a sample that fell back to frame pointers in their file.
+    pub tables_demanded: u64,
+    /// Files the manager knows (placed, built but waiting, building, unusable).
+    pub table_slots: u64,
     pub rows_in_use: u64,
     pub row_capacity: u64,
     pub processes_registered: u64,
@@ -100,7 +110,8 @@ enum SlotState {
     },
     /// Being built (or read from the cache) on the builder thread.
     Building,
-    /// Evicted to make room; rebuilt when BPF misses it.
+    /// Built but not in the maps (evicted, or never placed for lack of room): mappings point at
+    /// its id, BPF finds no page and reports the miss, and a demand reads it again.
     Evicted,
     /// No usable table: the mappings use frame pointers.
     Unusable,
@@ -114,13 +125,26 @@ struct TableSlot {
     /// The table says the file's frames can be walked with RBP alone.
     reliable_frame_pointers: bool,
     last_used: u64,
-    /// When the table was last placed or asked for: a table younger than the minimum
+    /// When a sample last had a frame in the file: a table sampled within the minimum
     /// residency is never evicted, so a budget too small for the working set degrades to
     /// frame pointers for some files instead of rebuilding tables in a loop.
-    used_at: Instant,
-    /// No rebuild before this (set when a table could not be placed).
+    sampled_at: Option<Instant>,
+    /// A sample asked for this table since it was last placed.
+    demanded: bool,
+    /// No rebuild before this (set when a demanded table could not be placed).
     retry_after: Option<Instant>,
+    /// Registered processes mapping the file.
+    registrations: u32,
+    /// The file to build from; dropped while no registered process maps it, so the file is
+    /// not held open for a table that may never be needed again.
     source: Option<Arc<MappedFile>>,
+}
+
+impl TableSlot {
+    /// Used by a sample within `window`.
+    fn is_hot(&self, window: Duration) -> bool {
+        self.sampled_at.is_some_and(|at| at.elapsed() < window)
+    }
 }
 
 #[derive(Debug)]
@@ -128,7 +152,8 @@ struct Registration {
     /// The snapshot registered (by address): a new snapshot means re-registering.
     snapshot: usize,
     prefixes: Vec<(u32, MappingKey)>,
-    last_reload: Option<Instant>,
+    /// The tables of the registered mappings (each counted in its slot's `registrations`).
+    tables: Vec<TableKey>,
     /// Tables this registration went without because they were still being built; when one
     /// is ready the process is registered again.
     waiting_for: Vec<TableKey>,
@@ -203,6 +228,8 @@ pub struct NativeTables<M: UnwindMaps> {
     builder: TableBuilder,
     allocator: ChunkAllocator,
     slots: HashMap<TableKey, TableSlot>,
+    /// Which table each mapped file uses (for [`Self::touch`] and [`Self::demand`]).
+    file_tables: HashMap<FileId, TableKey>,
     next_table_id: u32,
     tick: u64,
     processes: HashMap<Pid, Registration>,
@@ -211,8 +238,10 @@ pub struct NativeTables<M: UnwindMaps> {
     stats: NativeTableStats,
 }
 
-/// Default minimum time a placed table stays before it may be evicted.
+/// A table sampled within this time is not evicted for another one.
 pub const MIN_RESIDENCY: Duration = Duration::from_secs(10);
+/// Slots kept at most; beyond, those no registered process maps are forgotten.
+pub const MAX_TABLE_SLOTS: usize = 16_384;
 
 /// A table to build: the file (none for the vDSO).
 struct BuildRequest {
@@ -250,6 +279,8 @@ impl TableBuilder {
                         cache.as_ref(),
                         vdso.as_deref(),
                     );
+                    // Let go of the file before answering: the manager decides who holds it.
+                    drop(request.source);
                     let result = BuildResult {
                         key: request.key,
                         table,
@@ -285,9 +316,6 @@ impl Drop for TableBuilder {
     }
 }
 
-/// Minimum time between two reloads of evicted tables for one process.
-const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
-
 impl<M: UnwindMaps> NativeTables<M> {
     pub fn new(maps: M, cache_dir: Option<&Path>) -> Self {
         let capacity = maps.row_chunk_capacity();
@@ -298,6 +326,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             builder: TableBuilder::spawn(cache_dir.map(TableCache::new), vdso),
             allocator: ChunkAllocator::new(capacity),
             slots: HashMap::new(),
+            file_tables: HashMap::new(),
             next_table_id: 1,
             tick: 0,
             processes: HashMap::new(),
@@ -313,7 +342,56 @@ impl<M: UnwindMaps> NativeTables<M> {
         let mut stats = self.stats.clone();
         stats.rows_in_use = u64::from(self.allocator.in_use()) * ROWS_PER_CHUNK as u64;
         stats.processes_registered = self.processes.len() as u64;
+        stats.table_slots = self.slots.len() as u64;
         stats
+    }
+
+    /// A sample had a frame in `file` that its table unwound: keeps the table resident.
+    pub fn touch(&mut self, file: &MappedFile) {
+        if let Some(slot) = self
+            .file_tables
+            .get(&file.id)
+            .and_then(|key| self.slots.get_mut(key))
+        {
+            slot.sampled_at = Some(Instant::now());
+        }
+    }
+
+    /// Whether `file` has (or will have) an unwind table: its frames' callers are not to be
+    /// taken from the frame-pointer chain. False for files without CFI and unknown files.
+    pub fn has_cfi(&self, file: &MappedFile) -> bool {
+        self.file_tables
+            .get(&file.id)
+            .and_then(|key| self.slots.get(key))
+            .is_some_and(|slot| !matches!(slot.state, SlotState::Unusable))
+    }
+
+    /// BPF unwound a frame in `file` with frame pointers because the file's table was not in
+    /// the maps (still building, evicted, never placed): bring it in, evicting tables no
+    /// sample uses if the budget is full.
+    pub fn demand(&mut self, file: &Arc<MappedFile>) {
+        let Some(key) = self.file_tables.get(&file.id).cloned() else {
+            return;
+        };
+        let Some(slot) = self.slots.get_mut(&key) else {
+            return;
+        };
+        slot.sampled_at = Some(Instant::now());
+        match slot.state {
+            SlotState::Loaded { .. } | SlotState::Unusable => return,
+            SlotState::Building => {
+                slot.demanded = true;
+                return;
+            }
+            SlotState::Evicted if slot.retry_after.is_some_and(|at| Instant::now() < at) => {
+                return;
+            }
+            SlotState::Evicted => {}
+        }
+        slot.demanded = true;
+        self.stats.tables_demanded += 1;
+        self.tick += 1;
+        self.ensure_table(&key, Some(file.clone()));
     }
 
     /// Overrides [`MIN_RESIDENCY`].
@@ -346,12 +424,25 @@ impl<M: UnwindMaps> NativeTables<M> {
         if process.is_kernel_thread {
             return;
         }
-        self.unregister(process.pid);
+        // The old prefixes go first (the new ones may have the same keys); the old tables are
+        // released last, so a table both registrations use is never forgotten in between.
+        let previous = self.processes.remove(&process.pid);
+        if let Some(previous) = &previous {
+            self.remove_prefixes(previous);
+        }
         self.tick += 1;
         let mut prefixes = Vec::new();
+        let mut tables = Vec::new();
         let mut waiting_for = Vec::new();
         for mapping in &process.mappings {
-            let (value, waiting) = self.mapping_value(mapping);
+            let (value, key, waiting) = self.mapping_value(mapping);
+            if let Some(key) = key
+                && !tables.contains(&key)
+                && let Some(slot) = self.slots.get_mut(&key)
+            {
+                slot.registrations += 1;
+                tables.push(key);
+            }
             waiting_for.extend(waiting);
             for (bits, base) in address_prefixes(mapping.start, mapping.end) {
                 let key = MappingKey::new(process.pid.0, base);
@@ -371,10 +462,13 @@ impl<M: UnwindMaps> NativeTables<M> {
             Registration {
                 snapshot,
                 prefixes,
-                last_reload: None,
+                tables,
                 waiting_for,
             },
         );
+        if let Some(previous) = previous {
+            self.release_tables(previous.tables);
+        }
     }
 
     /// Like [`Self::sync`], but first waits (up to `timeout`) for the process's tables, so
@@ -413,6 +507,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             .as_ref()
             .map(|f| f.path.to_string())
             .unwrap_or_else(|| "[vdso]".into());
+        let demanded = slot.demanded || slot.is_hot(self.min_residency);
         let (state, segments, reliable_frame_pointers) = match result.table {
             Ok((table, segments)) => {
                 if result.from_cache {
@@ -421,7 +516,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                     self.stats.tables_built += 1;
                 }
                 let reliable = table.frame_pointers_reliable();
-                (self.place(id, &table, &name), segments, reliable)
+                (self.place(id, &table, &name, demanded), segments, reliable)
             }
             Err(message) => {
                 self.stats.tables_failed += 1;
@@ -430,9 +525,13 @@ impl<M: UnwindMaps> NativeTables<M> {
             }
         };
         if let Some(slot) = self.slots.get_mut(&result.key) {
-            slot.retry_after =
-                matches!(state, SlotState::Evicted).then(|| Instant::now() + self.min_residency);
-            slot.used_at = Instant::now();
+            // A demanded table that found no room backs off before it is read again; one
+            // nobody asked for simply waits to be demanded.
+            slot.retry_after = (demanded && matches!(state, SlotState::Evicted))
+                .then(|| Instant::now() + self.min_residency);
+            if !matches!(state, SlotState::Evicted) {
+                slot.demanded = false;
+            }
             slot.state = state;
             slot.segments = segments;
             slot.reliable_frame_pointers = reliable_frame_pointers;
@@ -441,46 +540,79 @@ impl<M: UnwindMaps> NativeTables<M> {
 
     /// Forgets a process (it exited, or its pid now belongs to another process).
     pub fn unregister(&mut self, pid: Pid) {
-        if let Some(registration) = self.processes.remove(&pid) {
-            self.stats.mapping_prefixes = self
-                .stats
-                .mapping_prefixes
-                .saturating_sub(registration.prefixes.len() as u64);
-            for (prefix_len, key) in registration.prefixes {
-                let _ = self.maps.remove_mapping(prefix_len, key);
-            }
-        }
-    }
-
-    /// BPF found no page for a PC of `process`: rebuild its evicted tables (at most once a
-    /// second per process, so an over-full budget cannot turn into a rebuild storm).
-    pub fn reload_missing(&mut self, process: &Arc<ProcessInfo>) {
-        let Some(registration) = self.processes.get_mut(&process.pid) else {
-            return self.sync(process);
-        };
-        if registration
-            .last_reload
-            .is_some_and(|at| at.elapsed() < RELOAD_INTERVAL)
-        {
+        let Some(registration) = self.processes.remove(&pid) else {
             return;
-        }
-        registration.last_reload = Some(Instant::now());
-        self.tick += 1;
-        for mapping in &process.mappings {
-            if let Some(file) = &mapping.file {
-                let key = table_key(file);
-                if matches!(
-                    self.slots.get(&key).map(|s| &s.state),
-                    Some(SlotState::Evicted)
-                ) {
-                    self.ensure_table(&key, Some(file.clone()));
-                }
-            }
+        };
+        self.remove_prefixes(&registration);
+        self.release_tables(registration.tables);
+    }
+
+    fn remove_prefixes(&mut self, registration: &Registration) {
+        self.stats.mapping_prefixes = self
+            .stats
+            .mapping_prefixes
+            .saturating_sub(registration.prefixes.len() as u64);
+        for &(prefix_len, key) in &registration.prefixes {
+            let _ = self.maps.remove_mapping(prefix_len, key);
         }
     }
 
-    /// The trie value for `mapping`, and the table it still waits for, if any.
-    fn mapping_value(&mut self, mapping: &Mapping) -> (MappingValue, Option<TableKey>) {
+    /// Drops one registration's hold on each of `tables`; a table no registration holds lets
+    /// go of its file, or is forgotten when it is not in the maps either.
+    fn release_tables(&mut self, tables: Vec<TableKey>) {
+        for key in tables {
+            let Some(slot) = self.slots.get_mut(&key) else {
+                continue;
+            };
+            slot.registrations = slot.registrations.saturating_sub(1);
+            if slot.registrations > 0 {
+                continue;
+            }
+            match slot.state {
+                // Kept for the next process of the same binary; its file is let go.
+                SlotState::Loaded { .. } | SlotState::Unusable => slot.source = None,
+                // A build in flight finishes first.
+                SlotState::Building => {}
+                SlotState::Evicted => self.forget_slot(&key),
+            }
+        }
+        if self.slots.len() > MAX_TABLE_SLOTS {
+            self.forget_unmapped_slots();
+        }
+    }
+
+    /// Drops a slot no registered process maps (its table is not in the maps).
+    fn forget_slot(&mut self, key: &TableKey) {
+        if let Some(slot) = self.slots.remove(key)
+            && let Some(source) = &slot.source
+        {
+            self.file_tables.remove(&source.id);
+        }
+        self.file_tables.retain(|_, table| table != key);
+    }
+
+    /// Over [`MAX_TABLE_SLOTS`]: forgets the unusable and evicted slots nothing maps.
+    fn forget_unmapped_slots(&mut self) {
+        let idle: Vec<TableKey> = self
+            .slots
+            .iter()
+            .filter(|(_, slot)| {
+                slot.registrations == 0
+                    && matches!(slot.state, SlotState::Unusable | SlotState::Evicted)
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in &idle {
+            self.slots.remove(key);
+        }
+        self.file_tables.retain(|_, key| !idle.contains(key));
+    }
+
+    /// The trie value for `mapping`, its table's key, and the table it still waits for.
+    fn mapping_value(
+        &mut self,
+        mapping: &Mapping,
+    ) -> (MappingValue, Option<TableKey>, Option<TableKey>) {
         let frame_pointers = MappingValue {
             table_id: 0,
             flags: MAPPING_FRAME_POINTERS,
@@ -489,22 +621,23 @@ impl<M: UnwindMaps> NativeTables<M> {
             end: mapping.end,
         };
         let (key, source) = match &mapping.file {
-            Some(file) => (table_key(file), Some(file.clone())),
+            Some(file) => {
+                let key = table_key(file);
+                self.file_tables.insert(file.id, key.clone());
+                (key, Some(file.clone()))
+            }
             None if &*mapping.name == "[vdso]" && self.has_vdso => (TableKey::Vdso, None),
-            None => return (frame_pointers, None),
+            None => return (frame_pointers, None, None),
         };
-        let Some(slot) = self.ensure_table(&key, source) else {
-            let building = matches!(
-                self.slots.get(&key).map(|s| &s.state),
-                Some(SlotState::Building)
-            );
-            return (frame_pointers, building.then_some(key));
+        self.ensure_table(&key, source);
+        let Some(slot) = self.slots.get(&key) else {
+            return (frame_pointers, None, None);
         };
-        let Some(load_bias) = slot.segments.load_bias(mapping.start, mapping.file_offset) else {
-            return (frame_pointers, None);
-        };
-        (
-            MappingValue {
+        let with_table = |slot: &TableSlot| {
+            let load_bias = slot
+                .segments
+                .load_bias(mapping.start, mapping.file_offset)?;
+            Some(MappingValue {
                 table_id: slot.id,
                 flags: if slot.reliable_frame_pointers {
                     MAPPING_HAS_TABLE | MAPPING_RELIABLE_FRAME_POINTERS
@@ -513,35 +646,40 @@ impl<M: UnwindMaps> NativeTables<M> {
                 },
                 load_bias,
                 ..frame_pointers
-            },
-            None,
-        )
+            })
+        };
+        match slot.state {
+            // Evicted tables are registered too: BPF finds no page, reports the miss, and the
+            // frame's file is demanded.
+            SlotState::Loaded { .. } | SlotState::Evicted => {
+                let value = with_table(slot).unwrap_or(frame_pointers);
+                (value, Some(key), None)
+            }
+            SlotState::Building => (frame_pointers, Some(key.clone()), Some(key)),
+            SlotState::Unusable => (frame_pointers, Some(key), None),
+        }
     }
 
-    /// The slot for `key` if its table is in the maps; otherwise requests it (once).
-    fn ensure_table(
-        &mut self,
-        key: &TableKey,
-        source: Option<Arc<MappedFile>>,
-    ) -> Option<&TableSlot> {
+    /// Requests the table for `key` unless it is placed, building, unusable or backing off.
+    fn ensure_table(&mut self, key: &TableKey, source: Option<Arc<MappedFile>>) {
         let tick = self.tick;
-        let request = match self.slots.get_mut(key) {
+        match self.slots.get_mut(key) {
             Some(slot) => {
                 slot.last_used = tick;
-                slot.used_at = Instant::now();
-                match slot.state {
-                    SlotState::Loaded { .. } => false,
-                    SlotState::Unusable | SlotState::Building => return None,
-                    SlotState::Evicted
-                        if slot.retry_after.is_some_and(|at| Instant::now() < at) =>
-                    {
-                        return None;
-                    }
-                    SlotState::Evicted => {
-                        slot.state = SlotState::Building;
-                        true
-                    }
+                if slot.source.is_none() {
+                    slot.source = source;
                 }
+                let request = match slot.state {
+                    SlotState::Loaded { .. } | SlotState::Unusable | SlotState::Building => false,
+                    // A table nobody demands waits for free room or a demand.
+                    SlotState::Evicted => {
+                        slot.demanded && slot.retry_after.is_none_or(|at| Instant::now() >= at)
+                    }
+                };
+                if !request {
+                    return;
+                }
+                slot.state = SlotState::Building;
             }
             None => {
                 let id = self.next_table_id;
@@ -554,29 +692,25 @@ impl<M: UnwindMaps> NativeTables<M> {
                         segments: Segments::default(),
                         reliable_frame_pointers: false,
                         last_used: tick,
-                        used_at: Instant::now(),
+                        sampled_at: None,
+                        demanded: false,
                         retry_after: None,
-                        source: source.clone(),
+                        registrations: 0,
+                        source,
                     },
                 );
-                true
             }
-        };
-        if request {
-            let source = source.or_else(|| self.slots.get(key).and_then(|s| s.source.clone()));
-            self.builder.submit(BuildRequest {
-                key: key.clone(),
-                source,
-            });
-            return None;
         }
-        self.slots
-            .get(key)
-            .filter(|slot| matches!(slot.state, SlotState::Loaded { .. }))
+        let source = self.slots.get(key).and_then(|s| s.source.clone());
+        self.builder.submit(BuildRequest {
+            key: key.clone(),
+            source,
+        });
     }
 
-    /// Writes `table` into free chunks, evicting least-recently-used tables as needed.
-    fn place(&mut self, id: u32, table: &UnwindTable, name: &str) -> SlotState {
+    /// Writes `table` into free chunks; for a `demanded` table, evicting tables no sample has
+    /// used lately as needed.
+    fn place(&mut self, id: u32, table: &UnwindTable, name: &str, demanded: bool) -> SlotState {
         let paged = table.paged();
         let total_rows = paged.rows().len();
         if total_rows == 0 {
@@ -598,14 +732,15 @@ impl<M: UnwindMaps> NativeTables<M> {
             if let Some(range) = self.allocator.allocate(chunks) {
                 break range;
             }
-            if !self.evict_least_recently_used() {
-                // Everything placed is in recent use: this file waits (frame pointers) and is
-                // retried later, rather than pushing out a table that is needed right now.
+            if !demanded || !self.evict_least_recently_used() {
+                // Nobody asked for it yet, or everything placed is in use: this file waits,
+                // rather than pushing out a table that is needed right now.
                 self.stats.tables_deferred += 1;
                 tracing::debug!(
                     file = name,
                     rows = total_rows,
-                    "unwind-table budget full of recently used tables; deferring"
+                    demanded,
+                    "unwind-table budget full; deferring"
                 );
                 return SlotState::Evicted;
             }
@@ -656,13 +791,15 @@ impl<M: UnwindMaps> NativeTables<M> {
         }
     }
 
+    /// Evicts the placed table samples used least recently (never-sampled ones first, then by
+    /// registration), unless every placed table was sampled within the minimum residency.
     fn evict_least_recently_used(&mut self) -> bool {
         let Some(key) = self
             .slots
             .iter()
             .filter(|(_, slot)| matches!(slot.state, SlotState::Loaded { .. }))
-            .filter(|(_, slot)| slot.used_at.elapsed() >= self.min_residency)
-            .min_by_key(|(_, slot)| slot.last_used)
+            .filter(|(_, slot)| !slot.is_hot(self.min_residency))
+            .min_by_key(|(_, slot)| (slot.sampled_at, slot.last_used))
             .map(|(key, _)| key.clone())
         else {
             return false;
@@ -680,6 +817,9 @@ impl<M: UnwindMaps> NativeTables<M> {
             self.allocator.release(chunks);
             self.stats.tables_evicted += 1;
             tracing::debug!(table = slot.id, "evicted an unwind table to make room");
+        }
+        if slot.registrations == 0 {
+            self.forget_slot(&key);
         }
         true
     }
@@ -903,70 +1043,134 @@ mod tests {
         assert!(tables.maps().mappings.is_empty());
     }
 
+    /// Polls the builder until `done` holds (or 30 s pass).
+    fn poll_until(
+        tables: &mut NativeTables<FakeMaps>,
+        done: impl Fn(&NativeTables<FakeMaps>) -> bool,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done(tables) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            tables.poll_builds();
+        }
+    }
+
+    fn placed(tables: &NativeTables<FakeMaps>, table_id: u32) -> bool {
+        tables.maps().pages.keys().any(|k| k.table_id == table_id)
+    }
+
+    fn table_id_of(tables: &NativeTables<FakeMaps>, pid: u32) -> u32 {
+        tables
+            .maps()
+            .mappings
+            .iter()
+            .find(|((_, key), _)| key[..4] == pid.to_be_bytes())
+            .map(|(_, value)| value.table_id)
+            .expect("registered")
+    }
+
     #[test]
-    fn full_budget_evicts_least_recently_used_and_reloads_on_demand() {
+    fn a_table_nobody_samples_waits_and_a_demanded_one_evicts_it() {
         // Room for one of the two tables at a time.
         let libc_chunks = chunks_needed(LIBC);
         let maps = FakeMaps {
             capacity: libc_chunks as u32 + 8,
             ..FakeMaps::default()
         };
-        let mut tables = NativeTables::new(maps, None).with_min_residency(Duration::ZERO);
+        let mut tables = NativeTables::new(maps, None);
         let (libc, libm) = (mapped(LIBC), mapped(LIBM));
-        let a = process(20, &[libc]);
-        tables.sync_waiting(&a, Duration::from_secs(30));
-        let libc_table = tables.maps().mappings.values().next().unwrap().table_id;
-        let b = process(21, &[libm]);
-        tables.sync_waiting(&b, Duration::from_secs(30));
+        tables.sync_waiting(
+            &process(20, std::slice::from_ref(&libc)),
+            Duration::from_secs(30),
+        );
+        let libc_table = table_id_of(&tables, 20);
+        assert!(placed(&tables, libc_table));
+        tables.sync_waiting(
+            &process(21, std::slice::from_ref(&libm)),
+            Duration::from_secs(30),
+        );
+        let libm_table = table_id_of(&tables, 21);
+        assert_ne!(libm_table, 0, "registered with its table id, pages absent");
+        assert!(
+            !placed(&tables, libm_table),
+            "nobody asked for libm's table yet"
+        );
+        assert_eq!(tables.stats().tables_deferred, 1);
+        // A sample fell back to frame pointers in libm: its table pushes out libc's, which no
+        // sample has used.
+        tables.demand(&libm);
+        poll_until(&mut tables, |t| placed(t, libm_table));
+        assert!(placed(&tables, libm_table));
+        assert!(!placed(&tables, libc_table));
         let stats = tables.stats();
-        assert_eq!(stats.tables_evicted, 1, "libc's table made room for libm's");
-        assert!(tables.maps().pages.keys().all(|k| k.table_id != libc_table));
-        // BPF reports libc's pages missing: the table comes back (evicting libm's).
-        tables.reload_missing(&a);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while tables.maps().pages.keys().all(|k| k.table_id != libc_table)
-            && Instant::now() < deadline
-        {
-            std::thread::sleep(Duration::from_millis(20));
-            tables.poll_builds();
-        }
-        assert!(tables.maps().pages.keys().any(|k| k.table_id == libc_table));
-        assert_eq!(tables.stats().tables_evicted, 2);
+        assert_eq!((stats.tables_demanded, stats.tables_evicted), (1, 1));
     }
 
     #[test]
-    fn recently_used_tables_are_not_evicted() {
+    fn recently_sampled_tables_are_not_evicted() {
         let libc_chunks = chunks_needed(LIBC);
         let maps = FakeMaps {
             capacity: libc_chunks as u32 + 8,
             ..FakeMaps::default()
         };
         let mut tables = NativeTables::new(maps, None);
-        tables.sync_waiting(&process(40, &[mapped(LIBC)]), Duration::from_secs(30));
-        let libc_table = tables.maps().mappings.values().next().unwrap().table_id;
-        let libm_process = process(41, &[mapped(LIBM)]);
-        tables.sync(&libm_process);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while tables.stats().tables_deferred == 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-            tables.poll_builds();
-        }
+        let (libc, libm) = (mapped(LIBC), mapped(LIBM));
+        tables.sync_waiting(
+            &process(40, std::slice::from_ref(&libc)),
+            Duration::from_secs(30),
+        );
+        let libc_table = table_id_of(&tables, 40);
+        tables.touch(&libc);
+        tables.sync_waiting(
+            &process(41, std::slice::from_ref(&libm)),
+            Duration::from_secs(30),
+        );
+        tables.demand(&libm);
+        poll_until(&mut tables, |t| t.stats().tables_deferred >= 2);
         let stats = tables.stats();
         assert_eq!(
             (stats.tables_deferred, stats.tables_evicted),
-            (1, 0),
+            (2, 0),
             "libc stays, libm waits"
         );
-        assert!(tables.maps().pages.keys().any(|k| k.table_id == libc_table));
-        // Asking again right away does not rebuild: the deferral backs off.
-        tables.reload_missing(&libm_process);
+        assert!(placed(&tables, libc_table));
+        // Asking again right away does not read the table again: the deferral backs off.
+        tables.demand(&libm);
         std::thread::sleep(Duration::from_millis(200));
         tables.poll_builds();
         assert_eq!(
             tables.stats().tables_built,
-            2,
+            3,
             "no rebuild during the back-off"
         );
+    }
+
+    #[test]
+    fn a_table_no_process_maps_lets_go_of_its_file() {
+        let maps = FakeMaps {
+            capacity: 4096,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let libc = mapped(LIBC);
+        tables.sync_waiting(
+            &process(50, std::slice::from_ref(&libc)),
+            Duration::from_secs(30),
+        );
+        assert_eq!(Arc::strong_count(&libc), 2, "the test and the slot");
+        tables.unregister(Pid(50));
+        // The placed table no longer holds the file.
+        assert_eq!(Arc::strong_count(&libc), 1);
+        assert_eq!(
+            tables.stats().table_slots,
+            1,
+            "the placed table stays for the next process"
+        );
+        tables.sync_waiting(
+            &process(51, std::slice::from_ref(&libc)),
+            Duration::from_secs(30),
+        );
+        assert_eq!(tables.stats().tables_loaded, 1, "reused, not rebuilt");
     }
 
     #[test]

@@ -4,9 +4,12 @@
 //! - return-address register (the CIE's, 16 on x86_64) `Undefined` → `CFA_END`;
 //! - CFA `rsp + n` → `CFA_RSP`, `rbp + n` → `CFA_RBP`; any other register → `CFA_UNSUPPORTED`;
 //! - CFA expression in an FDE lying inside `.plt`/`.plt.sec`/`.plt.got`, or exactly ld's PLT
-//!   expression → `CFA_PLT`; any other expression → `CFA_UNSUPPORTED`;
-//! - RBP `Offset(n)` → `RBP_AT_CFA` n; unspecified, `SameValue` or `Undefined` →
-//!   `RBP_UNCHANGED`; other RBP rules → `RBP_UNCHANGED`, counted;
+//!   expression → `CFA_PLT`; `DW_OP_breg6 n; DW_OP_deref` (a stack-realigning function's
+//!   frame) → `CFA_RBP_DEREF` n; any other expression → `CFA_UNSUPPORTED`;
+//! - RBP `Offset(n)` → `RBP_AT_CFA` n; `Expression(DW_OP_breg6 n)` → `RBP_AT_RBP` n;
+//!   unspecified, `SameValue` or `Undefined` → `RBP_UNCHANGED`; other RBP rules →
+//!   `RBP_UNCHANGED`, counted (the return address is still right; a caller that needs RBP
+//!   will find it wrong);
 //! - a CFA or RBP offset outside `i16` → `CFA_UNSUPPORTED`;
 //! - an FDE whose CIE has the `S` augmentation → one `CFA_SIGNAL` row for its whole range.
 //!
@@ -25,7 +28,9 @@ use gimli::{
     UnwindTableRow,
 };
 use object::{Architecture, Object, ObjectSection};
-use profiler_common::unwind::{CFA_PLT, CFA_RBP, CFA_RSP, RBP_AT_CFA, RBP_UNCHANGED};
+use profiler_common::unwind::{
+    CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED,
+};
 
 use super::{
     CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_ROWS, Rule, TableError, TableRow,
@@ -371,16 +376,16 @@ fn map_rule<'a, S: UnwindSection<Reader<'a>>>(
             (kind, offset)
         }
         CfaRule::Expression(expression) => {
-            let is_plt = in_plt
-                || expression
-                    .get(section)
-                    .is_ok_and(|bytes| is_plt_expression(bytes.0.slice()));
-            if !is_plt {
+            let bytes = expression.get(section).ok().map(|e| e.0.slice());
+            if in_plt || bytes.is_some_and(is_plt_expression) {
+                stats.plt_rows += 1;
+                (CFA_PLT, 0)
+            } else if let Some(offset) = bytes.and_then(rbp_deref_offset) {
+                (CFA_RBP_DEREF, offset)
+            } else {
                 stats.unsupported_cfa_expressions += 1;
                 return Rule::UNSUPPORTED;
             }
-            stats.plt_rows += 1;
-            (CFA_PLT, 0)
         }
     };
     let (rbp_kind, rbp_offset) = match row.register(RBP) {
@@ -392,6 +397,19 @@ fn map_rule<'a, S: UnwindSection<Reader<'a>>>(
                 return Rule::UNSUPPORTED;
             }
         },
+        Some(RegisterRule::Expression(expression)) => {
+            match expression
+                .get(section)
+                .ok()
+                .and_then(|e| rbp_offset_address(e.0.slice()))
+            {
+                Some(offset) => (RBP_AT_RBP, offset),
+                None => {
+                    stats.unsupported_rbp_rules += 1;
+                    (RBP_UNCHANGED, 0)
+                }
+            }
+        }
         Some(_) => {
             stats.unsupported_rbp_rules += 1;
             (RBP_UNCHANGED, 0)
@@ -402,6 +420,53 @@ fn map_rule<'a, S: UnwindSection<Reader<'a>>>(
         rbp_kind,
         cfa_offset,
         rbp_offset,
+    }
+}
+
+/// The operations of a DWARF expression, or `None` if any does not parse.
+fn operations(bytes: &[u8]) -> Option<Vec<gimli::Operation<Reader<'_>>>> {
+    let mut reader = EndianSlice::new(bytes, LittleEndian);
+    let encoding = gimli::Encoding {
+        address_size: 8,
+        format: gimli::Format::Dwarf32,
+        version: 4,
+    };
+    let mut operations = Vec::new();
+    while !gimli::Reader::is_empty(&reader) {
+        operations.push(gimli::Operation::parse(&mut reader, encoding).ok()?);
+        if operations.len() > 2 {
+            return None;
+        }
+    }
+    Some(operations)
+}
+
+/// `n` of the expression `DW_OP_breg6 n` (RBP + n) alone.
+fn rbp_offset_address(bytes: &[u8]) -> Option<i16> {
+    match operations(bytes)?.as_slice() {
+        [
+            gimli::Operation::RegisterOffset {
+                register, offset, ..
+            },
+        ] if *register == RBP => i16::try_from(*offset).ok(),
+        _ => None,
+    }
+}
+
+/// `n` of the CFA expression `DW_OP_breg6 n; DW_OP_deref` (the word at RBP + n).
+fn rbp_deref_offset(bytes: &[u8]) -> Option<i16> {
+    match operations(bytes)?.as_slice() {
+        [
+            gimli::Operation::RegisterOffset {
+                register, offset, ..
+            },
+            gimli::Operation::Deref {
+                size: 8,
+                space: false,
+                ..
+            },
+        ] if *register == RBP => i16::try_from(*offset).ok(),
+        _ => None,
     }
 }
 

@@ -19,7 +19,7 @@ use super::{
 };
 
 const MAGIC: [u8; 8] = *b"PFUNWTAB";
-const FORMAT_VERSION: u32 = 3;
+const FORMAT_VERSION: u32 = 4;
 const STATS_FIELDS: usize = 15;
 const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
 const ROW_BYTES: usize = 16;

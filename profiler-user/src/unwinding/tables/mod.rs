@@ -21,8 +21,8 @@ mod tests;
 use std::sync::OnceLock;
 
 use profiler_common::unwind::{
-    CFA_END, CFA_NONE, CFA_PLT, CFA_RBP, CFA_RSP, CFA_SIGNAL, CFA_UNSUPPORTED, PAGE_SHIFT,
-    RBP_AT_CFA, RBP_UNCHANGED, UnwindRow,
+    CFA_END, CFA_NONE, CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, CFA_SIGNAL, CFA_UNSUPPORTED,
+    PAGE_SHIFT, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED, UnwindRow,
 };
 
 pub use builder::build_table;
@@ -117,8 +117,8 @@ pub struct TableStats {
     pub unsupported_cfa_registers: u64,
     /// Program rows with a CFA or RBP offset outside `i16` (`CFA_UNSUPPORTED`).
     pub offsets_out_of_range: u64,
-    /// Program rows whose RBP rule is neither "unchanged" nor "saved at CFA+n" (kept as
-    /// `RBP_UNCHANGED`).
+    /// Program rows whose RBP rule is none of "unchanged", "saved at CFA+n" and "saved at
+    /// RBP+n" (kept as `RBP_UNCHANGED`).
     pub unsupported_rbp_rules: u64,
     /// The decoded call sites, checked against the rows: whether return addresses in the file
     /// can be unwound from RBP alone (see `call_sites.rs`).
@@ -175,8 +175,15 @@ impl Rule {
     pub const fn is_valid(&self) -> bool {
         matches!(
             self.cfa_kind,
-            CFA_NONE | CFA_RSP | CFA_RBP | CFA_PLT | CFA_SIGNAL | CFA_END | CFA_UNSUPPORTED
-        ) && matches!(self.rbp_kind, RBP_UNCHANGED | RBP_AT_CFA)
+            CFA_NONE
+                | CFA_RSP
+                | CFA_RBP
+                | CFA_PLT
+                | CFA_SIGNAL
+                | CFA_END
+                | CFA_UNSUPPORTED
+                | CFA_RBP_DEREF
+        ) && matches!(self.rbp_kind, RBP_UNCHANGED | RBP_AT_CFA | RBP_AT_RBP)
     }
 }
 

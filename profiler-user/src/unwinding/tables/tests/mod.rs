@@ -23,7 +23,8 @@ use gimli::{
 };
 use object::{Object, ObjectSection};
 use profiler_common::unwind::{
-    CFA_NONE, CFA_PLT, CFA_RBP, CFA_RSP, RBP_AT_CFA, RBP_UNCHANGED, UnwindRow,
+    CFA_NONE, CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED,
+    UnwindRow,
 };
 
 use super::{Rule, UnwindTable};
@@ -150,7 +151,19 @@ fn oracle_rule(
         },
         CfaRule::Expression(expression) => {
             let bytes = expression.get(eh_frame).expect("expression").0.slice();
-            (in_plt || PLT_EXPRESSIONS.iter().any(|plt| plt == bytes)).then_some((CFA_PLT, 0))
+            if in_plt || PLT_EXPRESSIONS.iter().any(|plt| plt == bytes) {
+                Some((CFA_PLT, 0))
+            } else {
+                // The word at RBP + n: evaluated by gimli with RBP = 0x1000 and memory that
+                // answers `address + 1`, which only that expression turns into 0x1001 + n.
+                evaluate(bytes, 0x1000, |address| address + 1)
+                    .and_then(|value| i16::try_from(value.wrapping_sub(0x1001) as i64).ok())
+                    .filter(|n| {
+                        evaluate(bytes, 0x2000, |address| address + 1)
+                            == Some(0x2001u64.wrapping_add(*n as i64 as u64))
+                    })
+                    .map(|n| (CFA_RBP_DEREF, n))
+            }
         }
     };
     let Some((cfa_kind, cfa_offset)) = cfa else {
@@ -161,6 +174,20 @@ fn oracle_rule(
             Ok(offset) => (RBP_AT_CFA, offset),
             Err(_) => return Rule::UNSUPPORTED,
         },
+        Some(RegisterRule::Expression(expression)) => {
+            let bytes = expression.get(eh_frame).expect("expression").0.slice();
+            // An address RBP + n: the same n for two values of RBP, and no memory read.
+            let at = |rbp: u64| evaluate(bytes, rbp, |_| u64::MAX);
+            match (at(0x1000), at(0x2000)) {
+                (Some(a), Some(b)) if b.wrapping_sub(a) == 0x1000 => {
+                    match i16::try_from(a.wrapping_sub(0x1000) as i64) {
+                        Ok(n) => (RBP_AT_RBP, n),
+                        Err(_) => return Rule::UNSUPPORTED,
+                    }
+                }
+                _ => (RBP_UNCHANGED, 0),
+            }
+        }
         _ => (RBP_UNCHANGED, 0),
     };
     Rule {
@@ -169,6 +196,45 @@ fn oracle_rule(
         cfa_offset,
         rbp_offset,
     }
+}
+
+/// Evaluates a DWARF expression with gimli, RBP = `rbp` (any other register stops it) and
+/// memory answered by `memory`; `None` if it needs anything else.
+fn evaluate(bytes: &[u8], rbp: u64, memory: impl Fn(u64) -> u64) -> Option<u64> {
+    let encoding = gimli::Encoding {
+        address_size: 8,
+        format: gimli::Format::Dwarf32,
+        version: 4,
+    };
+    let expression = gimli::Expression(EndianSlice::new(bytes, LittleEndian));
+    let mut evaluation = expression.evaluation(encoding);
+    let mut result = evaluation.evaluate().ok()?;
+    for _ in 0..8 {
+        result = match result {
+            gimli::EvaluationResult::Complete => {
+                let pieces = evaluation.result();
+                return match pieces.as_slice() {
+                    [
+                        gimli::Piece {
+                            location: gimli::Location::Address { address },
+                            ..
+                        },
+                    ] => Some(*address),
+                    _ => None,
+                };
+            }
+            gimli::EvaluationResult::RequiresRegister { register, .. } if register.0 == 6 => {
+                evaluation
+                    .resume_with_register(gimli::Value::Generic(rbp))
+                    .ok()?
+            }
+            gimli::EvaluationResult::RequiresMemory { address, .. } => evaluation
+                .resume_with_memory(gimli::Value::Generic(memory(address)))
+                .ok()?,
+            _ => return None,
+        };
+    }
+    None
 }
 
 #[derive(Debug, Default)]
