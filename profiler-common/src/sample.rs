@@ -37,8 +37,41 @@ pub const SAMPLE_PYTHON_ERROR: u32 = 1 << 9;
 /// `SampleHeader::flags`: the thread was inside a CUDA synchronization call (a CPU sample of
 /// it is time spent waiting for the GPU, often spinning).
 pub const SAMPLE_IN_CUDA_SYNC: u32 = 1 << 10;
+/// `SampleHeader::flags`: the user walk stopped at its last recorded frame because going on
+/// would have meant guessing (the process is not registered yet, or the frame's file has CFI
+/// whose table is not loaded yet). The record ends with a [`StackCopyHeader`] and that many
+/// bytes of the user stack from the frame's RSP, and the agent finishes the walk.
+pub const SAMPLE_USER_STACK_COPY: u32 = 1 << 11;
 /// All flags this ABI version defines; anything else means the two sides disagree.
-pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 11) - 1;
+pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 12) - 1;
+
+/// Most bytes of user stack a record carries (from the stopping frame's RSP upward).
+pub const STACK_COPY_BYTES: usize = 16 << 10;
+/// Extra room after the copy buffer: the copy is read a page at a time, and a read of up to
+/// a page at any offset below [`STACK_COPY_BYTES`] must stay inside the buffer for the verifier.
+pub const STACK_COPY_SLACK: usize = 4 << 10;
+
+/// `StackCopyHeader::flags`: `rip` is the interrupted instruction itself (the first frame, or
+/// the one after a signal frame), not a return address.
+pub const STACK_COPY_EXACT_PC: u32 = 1 << 0;
+
+/// The registers of the frame the walk stopped at (the last user frame recorded) and the length
+/// of the stack copy that follows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackCopyHeader {
+    pub rip: u64,
+    pub rsp: u64,
+    pub rbp: u64,
+    /// `STACK_COPY_*` bits.
+    pub flags: u32,
+    /// Bytes copied from `rsp` upward (at most [`STACK_COPY_BYTES`]; 0 when even the first
+    /// page could not be read).
+    pub bytes: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<StackCopyHeader>() == 32);
+pub const STACK_COPY_HEADER_BYTES: usize = core::mem::size_of::<StackCopyHeader>();
 
 /// Fixed part of a sample. Frames follow in [`RawSample`].
 #[repr(C)]
@@ -84,6 +117,9 @@ pub struct RawSample {
     pub kernel_ips: [u64; MAX_KERNEL_FRAMES],
     pub user_ips: [u64; MAX_USER_FRAMES],
     pub python: [PyFrameRecord; MAX_PYTHON_FRAMES],
+    /// Valid when `SAMPLE_USER_STACK_COPY` is set.
+    pub copy: StackCopyHeader,
+    pub stack: [u8; STACK_COPY_BYTES + STACK_COPY_SLACK],
 }
 
 pub const SAMPLE_HEADER_BYTES: usize = core::mem::size_of::<SampleHeader>();
@@ -94,7 +130,8 @@ const _: () = assert!(core::mem::offset_of!(RawSample, kernel_ips) == SAMPLE_HEA
 ///
 /// The record is the header, then `user_frames` user addresses, then `kernel_frames` kernel
 /// addresses (8 bytes each), then `python_frames` [`PyFrameRecord`]s: only what was collected,
-/// since at 100 Hz every byte copied is a cold cache line in the sampling interrupt.
+/// since at 100 Hz every byte copied is a cold cache line in the sampling interrupt. With
+/// `SAMPLE_USER_STACK_COPY`, [`stack_copy_record_bytes`] more follow.
 pub const fn sample_record_bytes(
     kernel_frames: usize,
     user_frames: usize,
@@ -103,6 +140,11 @@ pub const fn sample_record_bytes(
     SAMPLE_HEADER_BYTES
         + 8 * (user_frames + kernel_frames)
         + core::mem::size_of::<PyFrameRecord>() * python_frames
+}
+
+/// Bytes the stack copy adds to a record: its header and the bytes copied.
+pub const fn stack_copy_record_bytes(copied: usize) -> usize {
+    STACK_COPY_HEADER_BYTES + copied
 }
 
 #[cfg(feature = "user")]

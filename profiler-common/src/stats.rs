@@ -79,6 +79,11 @@ pub const STAT_CUDA_UNREADABLE_RESULTS: u32 = 35;
 /// Return addresses unwound from RBP alone in files whose table shows reliable frame pointers
 /// (`MAPPING_RELIABLE_FRAME_POINTERS`), not a fallback.
 pub const STAT_UNWIND_FRAME_POINTER_CODE: u32 = 36;
+/// Walks stopped for the agent to finish, with a copy of the stack (`SAMPLE_USER_STACK_COPY`):
+/// the process was not registered yet, or a frame's table was not loaded.
+pub const STAT_UNWIND_STACK_COPIES: u32 = 37;
+/// Of those, copies whose first page could not be read (no bytes to finish the walk with).
+pub const STAT_UNWIND_STACK_COPY_EMPTY: u32 = 38;
 /// Number of slots in `STATS`.
 pub const STAT_COUNT: u32 = 40;
 
@@ -102,7 +107,7 @@ impl Default for StatCounters {
 unsafe impl aya::Pod for StatCounters {}
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 37] = [
+pub const STAT_NAMES: [&str; 39] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -140,6 +145,8 @@ pub const STAT_NAMES: [&str; 37] = [
     "cuda_unmatched_returns",
     "cuda_unreadable_results",
     "unwind_frame_pointer_code",
+    "unwind_stack_copies",
+    "unwind_stack_copy_empty",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -121,6 +121,13 @@ pub const MAPPING_FRAME_POINTERS: u32 = 1 << 1;
 /// (see the agent's `UnwindTable::frame_pointers_reliable`): return addresses in it are unwound
 /// from RBP without a row lookup. Only set together with `MAPPING_HAS_TABLE`.
 pub const MAPPING_RELIABLE_FRAME_POINTERS: u32 = 1 << 2;
+/// The file has CFI but its table is still being built: BPF stops there and sends a copy of
+/// the stack for the agent to finish the walk, rather than guess from RBP.
+pub const MAPPING_TABLE_PENDING: u32 = 1 << 3;
+/// The per-process marker (prefix length 32, the pid alone): the process is registered, so an
+/// address that finds only this entry is in no mapping the agent knows (JIT code made since,
+/// a library loaded since). Its `start` and `end` are 0.
+pub const MAPPING_PROCESS_MARKER: u32 = 1 << 4;
 
 /// Value of the `PROCESS_MAPPINGS` LPM trie.
 #[repr(C)]
@@ -199,6 +206,78 @@ pub fn cfa(
         ),
         _ => None,
     }
+}
+
+/// One step of the walk: what the rules say about the caller of the frame at `regs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// The caller's registers.
+    Caller(Registers),
+    /// The outermost frame: the stack is complete.
+    Outermost,
+    /// Memory the rule needs could not be read.
+    Unreadable,
+    /// The row computes no caller (`CFA_NONE`, `CFA_UNSUPPORTED`, `CFA_SIGNAL`): the caller
+    /// decides (frame pointers, the signal frame).
+    NoRule,
+}
+
+/// The caller of the frame at `regs` under `row` (the row in effect at its PC, or at its
+/// return address - 1). BPF and the agent's late unwinder run exactly this.
+#[inline(always)]
+pub fn step(row: &UnwindRow, regs: &Registers, read: impl Fn(u64) -> Option<u64>) -> Step {
+    match row.cfa_kind {
+        CFA_END => Step::Outermost,
+        CFA_RSP | CFA_RBP | CFA_PLT | CFA_RBP_DEREF => {
+            let Some(cfa) = cfa(row, regs, &read) else {
+                return Step::Unreadable;
+            };
+            let Some(return_address) = read(cfa.wrapping_sub(8)) else {
+                return Step::Unreadable;
+            };
+            let rbp = match saved_rbp_address(row, regs, cfa) {
+                Some(address) => match read(address) {
+                    Some(rbp) => rbp,
+                    None => return Step::Unreadable,
+                },
+                None => regs.rbp,
+            };
+            Step::Caller(Registers {
+                rip: return_address,
+                rsp: cfa,
+                rbp,
+            })
+        }
+        _ => Step::NoRule,
+    }
+}
+
+/// The caller by the frame-pointer chain: the saved RBP and the return address sit at RBP and
+/// RBP + 8. `None` when they cannot be read.
+#[inline(always)]
+pub fn frame_pointer_caller(
+    regs: &Registers,
+    read: impl Fn(u64) -> Option<u64>,
+) -> Option<Registers> {
+    let saved_rbp = read(regs.rbp)?;
+    let return_address = read(regs.rbp.wrapping_add(8))?;
+    Some(Registers {
+        rip: return_address,
+        rsp: regs.rbp.wrapping_add(16),
+        rbp: saved_rbp,
+    })
+}
+
+/// The interrupted context of a signal frame (`__restore_rt`, RSP at its `ucontext`): its RIP
+/// is the interrupted instruction itself, not a return address.
+#[inline(always)]
+pub fn signal_registers(regs: &Registers, read: impl Fn(u64) -> Option<u64>) -> Option<Registers> {
+    let gregs = regs.rsp.wrapping_add(SIGNAL_MCONTEXT_OFFSET);
+    Some(Registers {
+        rbp: read(gregs + SIGNAL_GREG_RBP * 8)?,
+        rsp: read(gregs + SIGNAL_GREG_RSP * 8)?,
+        rip: read(gregs + SIGNAL_GREG_RIP * 8)?,
+    })
 }
 
 /// Where the caller's RBP is saved under `row`, given the frame's `cfa`; `None` when RBP keeps

@@ -19,10 +19,11 @@ use profiler_common::{
     EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS,
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, ProcessEvent, PyFrameRecord, RawSample,
     SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
-    SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
-    STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
-    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord,
-    StatCounters, sample_record_bytes,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLE_USER_STACK_COPY, SAMPLES_RING_BYTES, STACK_COPY_BYTES,
+    STACK_COPY_HEADER_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
+    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
+    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord, StatCounters,
+    sample_record_bytes, stack_copy_record_bytes,
 };
 
 use crate::{cuda, python, user_stack};
@@ -111,8 +112,23 @@ pub(crate) unsafe fn output_sample<T>(
         let user_bytes = user * 8;
         let kernel_bytes = kernel * 8;
         let python_bytes = python * size_of::<PyFrameRecord>() as u32;
+        let has_copy =
+            ptr::read_volatile(&raw const (*sample).header.flags) & SAMPLE_USER_STACK_COPY != 0;
+        let mut copied = 0;
+        if has_copy {
+            copied = ptr::read_volatile(&raw const (*sample).copy.bytes);
+            if copied > STACK_COPY_BYTES as u32 {
+                copied = STACK_COPY_BYTES as u32;
+            }
+        }
+        let copy_bytes = if has_copy {
+            stack_copy_record_bytes(copied as usize) as u32
+        } else {
+            0
+        };
         let size = prefix_len
-            + sample_record_bytes(kernel as usize, user as usize, python as usize) as u32;
+            + sample_record_bytes(kernel as usize, user as usize, python as usize) as u32
+            + copy_bytes;
 
         let mut record = MaybeUninit::<bpf_dynptr>::uninit();
         let record = record.as_mut_ptr();
@@ -140,6 +156,25 @@ pub(crate) unsafe fn output_sample<T>(
         for (source, length) in parts {
             bpf_dynptr_write(record, offset, source.cast_mut().cast(), length, 0);
             offset += length;
+        }
+        if has_copy {
+            bpf_dynptr_write(
+                record,
+                offset,
+                (&raw const (*sample).copy).cast_mut().cast(),
+                STACK_COPY_HEADER_BYTES as u32,
+                0,
+            );
+            offset += STACK_COPY_HEADER_BYTES as u32;
+            if copied > 0 {
+                bpf_dynptr_write(
+                    record,
+                    offset,
+                    (&raw const (*sample).stack).cast_mut().cast(),
+                    copied,
+                    0,
+                );
+            }
         }
         // No wakeup per sample: the agent drains the buffer on a timer, which costs it a few
         // wakeups a second instead of one per sample.

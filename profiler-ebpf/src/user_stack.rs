@@ -11,24 +11,29 @@ use aya_ebpf::bindings::{BPF_F_NO_PREALLOC, pt_regs};
 use aya_ebpf::{
     helpers::{
         bpf_probe_read_kernel, bpf_probe_read_user,
-        generated::{bpf_get_current_task_btf, bpf_loop, bpf_task_pt_regs},
+        generated::{
+            bpf_get_current_task_btf, bpf_loop, bpf_probe_read_user as bpf_probe_read_user_raw,
+            bpf_task_pt_regs,
+        },
     },
     macros::map,
     maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
 };
 use profiler_common::{
     DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_UNWIND_PAGES, MAX_USER_FRAMES, NO_FALLBACK_FRAME,
-    RawSample, SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
-    SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, STAT_UNWIND_BAD_FRAME,
+    RawSample, SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_COPY, SAMPLE_USER_STACK_ERROR,
+    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING,
+    STACK_COPY_BYTES, STACK_COPY_EXACT_PC, STACK_COPY_SLACK, STAT_UNWIND_BAD_FRAME,
     STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT, STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI,
     STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAME_POINTER_CODE,
     STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES,
-    STAT_UNWIND_READ_ERROR, STAT_UNWIND_SIGNAL_FRAMES,
+    STAT_UNWIND_READ_ERROR, STAT_UNWIND_SIGNAL_FRAMES, STAT_UNWIND_STACK_COPIES,
+    STAT_UNWIND_STACK_COPY_EMPTY, StackCopyHeader,
     unwind::{
-        CFA_END, CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, CFA_SIGNAL, MAPPING_HAS_TABLE,
-        MAPPING_RELIABLE_FRAME_POINTERS, MappingKey, MappingValue, PAGE_SHIFT, PageEntry, PageKey,
-        ROWS_PER_CHUNK, RowChunk, RowSource, SIGNAL_GREG_RBP, SIGNAL_GREG_RIP, SIGNAL_GREG_RSP,
-        SIGNAL_MCONTEXT_OFFSET, UnwindRow, cfa, find_row, saved_rbp_address,
+        CFA_PLT, CFA_SIGNAL, MAPPING_HAS_TABLE, MAPPING_PROCESS_MARKER,
+        MAPPING_RELIABLE_FRAME_POINTERS, MAPPING_TABLE_PENDING, MappingKey, MappingValue,
+        PAGE_SHIFT, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk, RowSource, Step, UnwindRow,
+        find_row, frame_pointer_caller, signal_registers, step,
     },
 };
 
@@ -61,6 +66,11 @@ pub struct UnwindState {
     frame_pointer_frames: u32,
     /// The first frame whose caller came from the frame-pointer fallback.
     fallback_frame: u32,
+    /// Non-zero when the walk stopped for the agent to finish it from a stack copy;
+    /// `copy_regs` are then the last recorded frame's registers.
+    copy_requested: u32,
+    copy_exact_pc: u32,
+    copy_regs: Registers,
     /// The last mapping found, so frames in the same file skip the trie.
     mapping: MappingValue,
     /// The last page found, so frames in the same 64 KiB of code skip the hash lookup.
@@ -144,6 +154,7 @@ pub fn collect(
         (*state).done = 0;
         (*state).frame_pointer_frames = 0;
         (*state).fallback_frame = NO_FALLBACK_FRAME as u32;
+        (*state).copy_requested = 0;
         (*state).mapping = MappingValue::default();
         (*state).page_key = PageKey::default();
         bpf_loop(
@@ -166,7 +177,71 @@ pub fn collect(
         (*sample).header.fallback_frame =
             ptr::read_volatile(&raw const (*state).fallback_frame) as u16;
         (*sample).header.flags |= ptr::read_volatile(&raw const (*state).flags);
+        if ptr::read_volatile(&raw const (*state).copy_requested) != 0 {
+            let regs = (*state).copy_regs;
+            let exact = ptr::read_volatile(&raw const (*state).copy_exact_pc) != 0;
+            copy_stack(sample, &regs, exact);
+        }
     }
+}
+
+/// Copies the user stack from `regs.rsp` upward, a page at a time, until
+/// `STACK_COPY_BYTES` or the first unreadable page, and records `regs` with it.
+#[inline(always)]
+fn copy_stack(sample: *mut RawSample, regs: &Registers, exact_pc: bool) {
+    const PAGE: u32 = 4096;
+    const LIMIT: u32 = STACK_COPY_BYTES as u32;
+    const _: () = assert!(STACK_COPY_BYTES.is_power_of_two() && STACK_COPY_SLACK >= 4096);
+    let mut copied: u32 = 0;
+    // SAFETY: this slot's scratch sample; each read stays inside `stack`: the offset is below
+    // LIMIT and the length at most a page, and the buffer has a page of slack.
+    unsafe {
+        let buffer = (&raw mut (*sample).stack).cast::<u8>();
+        for _ in 0..(LIMIT / PAGE + 1) {
+            if copied >= LIMIT {
+                break;
+            }
+            let from = regs.rsp.wrapping_add(copied as u64);
+            let mut length = PAGE - (from & (PAGE as u64 - 1)) as u32;
+            if length > LIMIT - copied {
+                length = LIMIT - copied;
+            }
+            if length > PAGE {
+                length = PAGE;
+            }
+            let offset = (copied & (LIMIT - 1)) as usize;
+            if bpf_probe_read_user_raw(buffer.add(offset).cast(), length, from as *const c_void)
+                != 0
+            {
+                break;
+            }
+            copied += length;
+        }
+        (*sample).copy = StackCopyHeader {
+            rip: regs.rip,
+            rsp: regs.rsp,
+            rbp: regs.rbp,
+            flags: if exact_pc { STACK_COPY_EXACT_PC } else { 0 },
+            bytes: copied,
+        };
+        (*sample).header.flags |= SAMPLE_USER_STACK_COPY;
+    }
+    count(STAT_UNWIND_STACK_COPIES);
+    if copied == 0 {
+        count(STAT_UNWIND_STACK_COPY_EMPTY);
+    }
+}
+
+/// Ends the walk at the frame just recorded (whose registers are `state.regs`): the agent
+/// finishes it from a copy of the stack once it knows the process and the frame's table.
+#[inline(always)]
+fn stop_for_copy(state: &mut UnwindState, exact_pc: bool, flags: u32) -> i64 {
+    state.copy_requested = 1;
+    state.copy_exact_pc = u32::from(exact_pc);
+    state.copy_regs = state.regs;
+    state.done = 1;
+    state.flags |= flags;
+    1
 }
 
 /// Ends the walk; `stat` says why.
@@ -215,15 +290,22 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     if !(m.start <= lookup_pc && lookup_pc < m.end) {
         let key = Key::new(32 + 64, MappingKey::new(state.pid, lookup_pc));
         match PROCESS_MAPPINGS.get(&key) {
-            Some(found) => state.mapping = *found,
-            None => {
+            // Only the process's marker: a registered process, an address it did not have
+            // mapped when registered (JIT code, a library loaded since).
+            Some(found) if found.flags & MAPPING_PROCESS_MARKER != 0 => {
                 count(STAT_UNWIND_FP_NO_MAPPING);
                 state.flags |= SAMPLE_USER_UNKNOWN_MAPPING;
                 return frame_pointer_step(state);
             }
+            Some(found) => state.mapping = *found,
+            // Not registered yet: the agent has not seen this process's mappings.
+            None => return stop_for_copy(state, exact_pc, SAMPLE_USER_UNKNOWN_MAPPING),
         }
     }
     let mapping = state.mapping;
+    if mapping.flags & MAPPING_TABLE_PENDING != 0 {
+        return stop_for_copy(state, exact_pc, SAMPLE_USER_TABLE_MISSING);
+    }
     if mapping.flags & MAPPING_HAS_TABLE == 0 {
         count(STAT_UNWIND_FP_NO_CFI);
         return frame_pointer_step(state);
@@ -242,9 +324,9 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     // Table ids start at 1, so the zeroed key of a fresh walk never matches.
     if state.page_key != page_key {
         let Some(page) = (unsafe { UNWIND_PAGES.get(&page_key) }).copied() else {
+            // The table was evicted (or never placed): the agent reads it again and finishes.
             count(STAT_UNWIND_FP_NO_TABLE);
-            state.flags |= SAMPLE_USER_TABLE_MISSING;
-            return frame_pointer_step(state);
+            return stop_for_copy(state, exact_pc, SAMPLE_USER_TABLE_MISSING);
         };
         state.page_key = page_key;
         state.page = page;
@@ -252,49 +334,21 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
     let page = state.page;
     let Some(row) = find_row(&Rows, page.first_row, page.row_count, file_pc as u16) else {
         count(STAT_UNWIND_FP_NO_TABLE);
-        state.flags |= SAMPLE_USER_TABLE_MISSING;
-        return frame_pointer_step(state);
+        return stop_for_copy(state, exact_pc, SAMPLE_USER_TABLE_MISSING);
     };
-    match row.cfa_kind {
-        CFA_END => stop(state, STAT_UNWIND_COMPLETE, 0),
-        CFA_SIGNAL => signal_step(state),
-        CFA_RSP | CFA_RBP | CFA_PLT | CFA_RBP_DEREF => {
-            if row.cfa_kind == CFA_PLT {
-                count(STAT_UNWIND_PLT_FRAMES);
-            }
-            let Some(cfa) = cfa(&row, &regs, read_user) else {
-                return stop(state, STAT_UNWIND_BAD_FRAME, SAMPLE_USER_TRUNCATED);
-            };
-            let Some(return_address) = read_user(cfa.wrapping_sub(8)) else {
-                return stop(
-                    state,
-                    STAT_UNWIND_READ_ERROR,
-                    SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
-                );
-            };
-            let rbp = match saved_rbp_address(&row, &regs, cfa) {
-                Some(address) => match read_user(address) {
-                    Some(rbp) => rbp,
-                    None => {
-                        return stop(
-                            state,
-                            STAT_UNWIND_READ_ERROR,
-                            SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
-                        );
-                    }
-                },
-                None => regs.rbp,
-            };
-            advance(
-                state,
-                Registers {
-                    rip: return_address,
-                    rsp: cfa,
-                    rbp,
-                },
-            )
-        }
-        _ => {
+    if row.cfa_kind == CFA_PLT {
+        count(STAT_UNWIND_PLT_FRAMES);
+    }
+    match step(&row, &regs, read_user) {
+        Step::Caller(caller) => advance(state, caller),
+        Step::Outermost => stop(state, STAT_UNWIND_COMPLETE, 0),
+        Step::Unreadable => stop(
+            state,
+            STAT_UNWIND_READ_ERROR,
+            SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
+        ),
+        Step::NoRule if row.cfa_kind == CFA_SIGNAL => signal_step(state),
+        Step::NoRule => {
             count(STAT_UNWIND_FP_NO_CFI);
             frame_pointer_step(state)
         }
@@ -358,30 +412,21 @@ fn frame_pointer_step(state: &mut UnwindState) -> i64 {
 /// The classic walk: the saved RBP and return address sit at RBP and RBP + 8.
 #[inline(always)]
 fn frame_chain_step(state: &mut UnwindState) -> i64 {
-    let rbp = state.regs.rbp;
-    if rbp == 0 {
+    if state.regs.rbp == 0 {
         // In code with reliable frame pointers RBP is only 0 above `_start`, which clears it.
         return stop(state, STAT_UNWIND_COMPLETE, 0);
     }
-    let (Some(saved_rbp), Some(return_address)) = (read_user(rbp), read_user(rbp.wrapping_add(8)))
-    else {
+    let Some(caller) = frame_pointer_caller(&state.regs, read_user) else {
         return stop(
             state,
             STAT_UNWIND_READ_ERROR,
             SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
         );
     };
-    if return_address == 0 {
+    if caller.rip == 0 {
         return stop(state, STAT_UNWIND_FP_END, SAMPLE_USER_TRUNCATED);
     }
-    advance(
-        state,
-        Registers {
-            rip: return_address,
-            rsp: rbp.wrapping_add(16),
-            rbp: saved_rbp,
-        },
-    )
+    advance(state, caller)
 }
 
 /// `__restore_rt`: the interrupted context's registers are in the `ucontext` on the stack, and
@@ -389,24 +434,19 @@ fn frame_chain_step(state: &mut UnwindState) -> i64 {
 #[inline(always)]
 fn signal_step(state: &mut UnwindState) -> i64 {
     count(STAT_UNWIND_SIGNAL_FRAMES);
-    let gregs = state.regs.rsp.wrapping_add(SIGNAL_MCONTEXT_OFFSET);
-    let (Some(rbp), Some(rsp), Some(rip)) = (
-        read_user(gregs + SIGNAL_GREG_RBP * 8),
-        read_user(gregs + SIGNAL_GREG_RSP * 8),
-        read_user(gregs + SIGNAL_GREG_RIP * 8),
-    ) else {
+    let Some(interrupted) = signal_registers(&state.regs, read_user) else {
         return stop(
             state,
             STAT_UNWIND_READ_ERROR,
             SAMPLE_USER_STACK_ERROR | SAMPLE_USER_TRUNCATED,
         );
     };
-    if rip == 0 {
+    if interrupted.rip == 0 {
         return stop(state, STAT_UNWIND_COMPLETE, 0);
     }
     // The interrupted code may have been deeper in the stack than the handler's frame, so the
     // usual "moves up" check does not apply here.
-    state.regs = Registers { rip, rsp, rbp };
+    state.regs = interrupted;
     state.exact_pc = 1;
     0
 }

@@ -45,7 +45,12 @@ use crate::{
     server::serve::{ServeError, Serving},
     store::sink::StoreSink,
     symbolization::{Symbolizer, SymbolizerOptions},
-    unwinding::{ProcessSource, Unwinder, native::NativeTables, resolve_address},
+    unwinding::{
+        ProcessSource, Unwinder,
+        late::{LateWalkStats, Patience, Walk, finish_walk},
+        native::NativeTables,
+        resolve_address,
+    },
 };
 
 /// The frame added to CPU samples taken inside a CUDA synchronization call.
@@ -104,6 +109,63 @@ struct Pipeline {
     cuda: Option<CudaAttribution>,
     /// Synthetic frames by name, shared so the aggregators dedupe them (they key by pointer).
     synthetic: std::collections::HashMap<String, Arc<SymbolizedFrame>>,
+    /// Samples whose user walk waits for a table (see `unwinding::late`).
+    late: LateSamples,
+}
+
+/// How long a sample waits for the tables its late walk needs before it is cut there.
+const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);
+/// Bytes of stack copies held at most; beyond, a new sample is finished as far as it goes.
+const LATE_WALK_BYTES: usize = 16 << 20;
+
+/// Samples held for their late walk, oldest first, bounded by the bytes of their copies.
+#[derive(Default)]
+struct LateSamples {
+    queue: std::collections::VecDeque<(Instant, Sample)>,
+    bytes: usize,
+    stats: LateWalkStats,
+}
+
+impl LateSamples {
+    fn copy_bytes(sample: &Sample) -> usize {
+        sample
+            .stack_copy
+            .as_ref()
+            .map_or(0, |copy| copy.bytes.len())
+    }
+
+    fn hold(&mut self, sample: Sample) {
+        self.hold_since(Instant::now(), sample);
+    }
+
+    fn hold_since(&mut self, since: Instant, mut sample: Sample) {
+        let bytes = Self::copy_bytes(&sample);
+        if self.bytes + bytes > LATE_WALK_BYTES {
+            // Over the bound the stack is cut at the stop frame rather than memory grown.
+            self.stats.over_bound += 1;
+            sample.stack_copy = None;
+            sample.user_truncated = true;
+            // Still counted: the sample goes on without its copy.
+            self.queue
+                .push_back((Instant::now() - LATE_WALK_PATIENCE, sample));
+            return;
+        }
+        self.bytes += bytes;
+        self.queue.push_back((since, sample));
+    }
+
+    fn take(&mut self) -> Vec<(Instant, Sample)> {
+        self.bytes = 0;
+        self.queue.drain(..).collect()
+    }
+
+    fn stats(&self) -> LateWalkStats {
+        LateWalkStats {
+            held: self.queue.len() as u64,
+            held_bytes: self.bytes as u64,
+            ..self.stats
+        }
+    }
 }
 
 /// The BPF maps and rings the pipeline reads and writes.
@@ -193,6 +255,7 @@ impl Pipeline {
             samples_processed: 0,
             cuda,
             synthetic: std::collections::HashMap::new(),
+            late: LateSamples::default(),
         }
     }
 
@@ -208,7 +271,56 @@ impl Pipeline {
         frame
     }
 
-    fn handle(&mut self, sample: &Sample) {
+    /// A CPU sample from the ring buffer. One whose user walk BPF left to the agent is finished
+    /// first, or held until the tables it needs are in.
+    fn handle(&mut self, mut sample: Sample) {
+        if sample.stack_copy.is_some() {
+            match self.finish_late_walk(&mut sample, Patience::Wait) {
+                Walk::Done => {}
+                Walk::Pending => return self.late.hold(sample),
+            }
+        }
+        self.handle_unwound(&sample);
+    }
+
+    /// Finishes the walk of a sample BPF stopped: registers its process (so BPF unwinds the
+    /// next samples itself) and goes on from the stack copy.
+    fn finish_late_walk(&mut self, sample: &mut Sample, patience: Patience) -> Walk {
+        let Some(process) = self.processes.lookup(sample.pid) else {
+            // Gone before its mappings were read: nothing to unwind against.
+            sample.stack_copy = None;
+            sample.user_truncated = true;
+            self.late.stats.no_process += 1;
+            return Walk::Done;
+        };
+        self.native_tables.sync(&process);
+        let walk = finish_walk(sample, &process, &mut self.native_tables, patience);
+        if walk == Walk::Done {
+            self.late.stats.finished += 1;
+            if patience == Patience::GiveUp && sample.user_truncated {
+                self.late.stats.gave_up += 1;
+            }
+        }
+        walk
+    }
+
+    /// Retries the held samples (their tables may be in now); those held past
+    /// [`LATE_WALK_PATIENCE`], or all of them with `give_up`, are finished as far as they go.
+    fn retry_late_walks(&mut self, give_up: bool) {
+        for (held_since, mut sample) in self.late.take() {
+            let patience = if give_up || held_since.elapsed() >= LATE_WALK_PATIENCE {
+                Patience::GiveUp
+            } else {
+                Patience::Wait
+            };
+            match self.finish_late_walk(&mut sample, patience) {
+                Walk::Done => self.handle_unwound(&sample),
+                Walk::Pending => self.late.hold_since(held_since, sample),
+            }
+        }
+    }
+
+    fn handle_unwound(&mut self, sample: &Sample) {
         let (frames, process, truncated) = self.symbolized_stack(sample);
         let mut frames = frames;
         if sample.in_cuda_sync {
@@ -284,6 +396,7 @@ impl Pipeline {
     /// forgotten.
     fn poll(&mut self, sampler: Option<&mut Sampler>) {
         self.native_tables.poll_builds();
+        self.retry_late_walks(false);
         let lifecycle = self.events.drain();
         self.poll_cuda(sampler, &lifecycle);
         for event in lifecycle {
@@ -387,7 +500,11 @@ impl Pipeline {
         };
         let pid = Pid(header.pid);
         let (mut frames, process, truncated, sample) = match stack {
-            Some(sample) => {
+            Some(mut sample) => {
+                // The call is counted now, with the stack as far as it can be unwound now.
+                if sample.stack_copy.is_some() {
+                    self.finish_late_walk(&mut sample, Patience::GiveUp);
+                }
                 let (frames, process, truncated) = self.symbolized_stack(&sample);
                 (frames, process, truncated, sample)
             }
@@ -548,6 +665,8 @@ impl Pipeline {
                 .as_ref()
                 .map(|c| c.allocations.stats())
                 .unwrap_or_default(),
+            late_walks: self.late.stats(),
+            guessed_callers_dropped: self.unwinder.stats.guessed_callers_dropped,
             ..SelfMetrics::default()
         };
         if let Some(sampler) = sampler {
@@ -665,10 +784,10 @@ fn pump(
     loop {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(sample) => {
-                pipeline.handle(&sample);
+                pipeline.handle(sample);
                 // Drain whatever else is queued before checking the clock again.
                 for sample in rx.try_iter().take(4096) {
-                    pipeline.handle(&sample);
+                    pipeline.handle(sample);
                 }
             }
             Err(RecvTimeoutError::Timeout) => {}
@@ -713,9 +832,10 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let reader_stats = reader.stats.clone();
     reader.stop();
     for sample in rx.try_iter() {
-        pipeline.handle(&sample);
+        pipeline.handle(sample);
     }
     pipeline.poll(None);
+    pipeline.retry_late_walks(true);
     let all_profiles = pipeline.flush(start_unix_ns + duration_ns);
     let (mut profiles, cuda_profiles): (Vec<Profile>, Vec<Profile>) = all_profiles
         .into_iter()
@@ -935,9 +1055,10 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let reader_stats = reader.stats.clone();
     reader.stop();
     for sample in rx.try_iter() {
-        pipeline.handle(&sample);
+        pipeline.handle(sample);
     }
     pipeline.poll(None);
+    pipeline.retry_late_walks(true);
     exporter.submit(pipeline.flush(unix_now_ns()));
     exporter.finish();
     let mut metrics = pipeline.metrics(None, None);

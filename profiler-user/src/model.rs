@@ -51,6 +51,30 @@ pub struct Sample {
     pub python_truncated: bool,
     /// The thread was inside a CUDA synchronization call (waiting for the GPU).
     pub in_cuda_sync: bool,
+    /// BPF stopped the user walk at the last frame of `user_ips` rather than guess, and sent
+    /// the stack from there for the agent to finish the walk.
+    pub stack_copy: Option<Box<StackCopy>>,
+}
+
+/// A copy of a thread's user stack, from the registers of the frame the BPF walk stopped at.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StackCopy {
+    pub rip: u64,
+    pub rsp: u64,
+    pub rbp: u64,
+    /// `rip` is the interrupted instruction, not a return address.
+    pub exact_pc: bool,
+    /// The stack from `rsp` upward.
+    pub bytes: Vec<u8>,
+}
+
+impl StackCopy {
+    /// The word at `address`, if the copy holds all of it.
+    pub fn read(&self, address: u64) -> Option<u64> {
+        let offset = usize::try_from(address.checked_sub(self.rsp)?).ok()?;
+        let word = self.bytes.get(offset..offset.checked_add(8)?)?;
+        Some(u64::from_le_bytes(word.try_into().ok()?))
+    }
 }
 
 /// A Python frame as the BPF walk recorded it: enough to find and fingerprint the code object.

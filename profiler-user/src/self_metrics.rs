@@ -3,7 +3,11 @@
 //! /metrics endpoint only has to render [`SelfMetrics::values`].
 use std::time::Duration;
 
-use crate::{bpf::BpfStats, runtimes::python::PythonStats, unwinding::native::NativeTableStats};
+use crate::{
+    bpf::BpfStats,
+    runtimes::python::PythonStats,
+    unwinding::{late::LateWalkStats, native::NativeTableStats},
+};
 
 /// One metric value with its Prometheus-style name and help text.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +61,10 @@ pub struct SelfMetrics {
     pub push_queue_bytes: u64,
     pub spool_bytes: u64,
     pub native_tables: NativeTableStats,
+    /// User walks BPF left to the agent rather than guess (see `unwinding::late`).
+    pub late_walks: LateWalkStats,
+    /// Stacks cut where a frame's table was not loaded and BPF had guessed the callers.
+    pub guessed_callers_dropped: u64,
     pub python: PythonStats,
     /// CUDA library discovery.
     pub cuda: crate::gpu::discovery::DiscoveryStats,
@@ -408,6 +416,114 @@ impl SelfMetrics {
                 "Bytes of profiles waiting in the disk spool",
                 self.spool_bytes,
                 "gauge",
+            ),
+        ] {
+            push(name, help, value as f64, kind);
+        }
+        let tables = &self.native_tables;
+        let late = &self.late_walks;
+        for (name, help, value, kind) in [
+            (
+                "unwind_table_slots",
+                "Files the unwind-table manager knows (bounded; placed, waiting, building, unusable)",
+                tables.table_slots,
+                "gauge",
+            ),
+            (
+                "unwind_table_rows",
+                "Rows of unwind tables in the BPF row array",
+                tables.rows_in_use,
+                "gauge",
+            ),
+            (
+                "unwind_table_row_capacity",
+                "Capacity of the BPF row array (--unwind-table-memory)",
+                tables.row_capacity,
+                "gauge",
+            ),
+            (
+                "unwind_tables_placed_total",
+                "Unwind tables written into the BPF maps",
+                tables.tables_loaded,
+                "counter",
+            ),
+            (
+                "unwind_tables_evicted_total",
+                "Unwind tables evicted from the BPF maps to make room",
+                tables.tables_evicted,
+                "counter",
+            ),
+            (
+                "unwind_tables_deferred_total",
+                "Unwind-table placements put off for lack of room",
+                tables.tables_deferred,
+                "counter",
+            ),
+            (
+                "unwind_tables_demanded_total",
+                "Unwind tables asked for by a sample that needed them",
+                tables.tables_demanded,
+                "counter",
+            ),
+            (
+                "unwind_tables_failed_total",
+                "Files whose unwind table could not be built (frame pointers used)",
+                tables.tables_failed,
+                "counter",
+            ),
+            (
+                "unwind_tables_too_large_total",
+                "Files whose unwind table alone exceeds the budget (frame pointers used)",
+                tables.tables_too_large,
+                "counter",
+            ),
+            (
+                "processes_registered",
+                "Processes whose mappings BPF unwinds with",
+                tables.processes_registered,
+                "gauge",
+            ),
+            (
+                "late_walks_total",
+                "User stacks BPF left to the agent to finish from a stack copy",
+                late.finished,
+                "counter",
+            ),
+            (
+                "late_walks_cut_total",
+                "Late walks cut where a table was still missing after the wait",
+                late.gave_up,
+                "counter",
+            ),
+            (
+                "late_walks_without_process_total",
+                "Late walks impossible: the process was gone before its mappings were read",
+                late.no_process,
+                "counter",
+            ),
+            (
+                "late_walks_over_bound_total",
+                "Late walks cut because the held stack copies reached their bound",
+                late.over_bound,
+                "counter",
+            ),
+            (
+                "late_walks_held",
+                "Samples waiting for a table to finish their walk",
+                late.held,
+                "gauge",
+            ),
+            (
+                "late_walks_held_bytes",
+                "Bytes of stack copies held (bounded)",
+                late.held_bytes,
+                "gauge",
+            ),
+            (
+                "guessed_callers_dropped_total",
+                "Stacks cut at a frame whose table was not loaded (frame-pointer guesses dropped)",
+                self.guessed_callers_dropped,
+                "counter",
             ),
         ] {
             push(name, help, value as f64, kind);

@@ -286,6 +286,8 @@ pub fn decode_pprof(path: &Path) -> proto::Profile {
 pub struct ReadableSample {
     /// Function names, innermost first (inlined functions expanded innermost first).
     pub functions: Vec<String>,
+    /// The source file of each function in `functions` (empty when unknown).
+    pub files: Vec<String>,
     pub values: Vec<i64>,
     pub str_labels: HashMap<String, String>,
     pub num_labels: HashMap<String, i64>,
@@ -311,6 +313,7 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
         .iter()
         .map(|s| {
             let mut names = Vec::new();
+            let mut files = Vec::new();
             let mut user_frames = 0;
             for id in &s.location_id {
                 let location = locations.get(id).expect("location exists");
@@ -318,12 +321,9 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
                     user_frames += 1;
                 }
                 for line in &location.line {
-                    names.push(string(
-                        functions
-                            .get(&line.function_id)
-                            .expect("function exists")
-                            .name,
-                    ));
+                    let function = functions.get(&line.function_id).expect("function exists");
+                    names.push(string(function.name));
+                    files.push(string(function.filename));
                 }
             }
             let mut str_labels = HashMap::new();
@@ -337,6 +337,7 @@ pub fn readable_samples(profile: &proto::Profile) -> Vec<ReadableSample> {
             }
             ReadableSample {
                 functions: names,
+                files,
                 values: s.value.clone(),
                 str_labels,
                 num_labels,
@@ -381,6 +382,8 @@ pub struct StackSample {
     /// Function names from the root (the synthetic process-name frame) to the leaf, inlined
     /// functions expanded.
     pub frames: Vec<String>,
+    /// The source file of each frame (empty when unknown): Python frames name their `.py`.
+    pub files: Vec<String>,
     /// How many user-space locations (unwound frames, not counting inlined functions) the
     /// stack has.
     pub user_frames: usize,
@@ -412,6 +415,7 @@ fn samples_counting_value(profile: &proto::Profile, index: usize) -> Vec<StackSa
         .map(|s| StackSample {
             // pprof lists functions leaf first; these tests read stacks root first.
             frames: s.functions.into_iter().rev().collect(),
+            files: s.files.into_iter().rev().collect(),
             user_frames: s.user_frames,
             count: s.values[index],
             pid: s.num_labels.get("pid").copied(),

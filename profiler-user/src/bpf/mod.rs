@@ -94,6 +94,10 @@ pub trait UnwindMaps {
         value: MappingValue,
     ) -> Result<(), BpfError>;
     fn remove_mapping(&mut self, prefix_len: u32, key: MappingKey) -> Result<(), BpfError>;
+    /// A page entry as placed (`None` when the page is not in the map). The agent's late
+    /// unwinder reads the rows BPF would have used.
+    fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError>;
+    fn read_row_chunk(&self, index: u32) -> Result<RowChunk, BpfError>;
 }
 
 /// The unwinder's maps in the kernel.
@@ -149,6 +153,20 @@ impl UnwindMaps for KernelUnwindMaps {
         self.mappings
             .remove(&Key::new(prefix_len, key))
             .map_err(map_error(names::MAP_PROCESS_MAPPINGS))
+    }
+
+    fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError> {
+        match self.pages.get(&key, 0) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(err) => Err(map_error(names::MAP_UNWIND_PAGES)(err)),
+        }
+    }
+
+    fn read_row_chunk(&self, index: u32) -> Result<RowChunk, BpfError> {
+        self.rows
+            .get(&index, 0)
+            .map_err(map_error(names::MAP_UNWIND_ROWS))
     }
 }
 

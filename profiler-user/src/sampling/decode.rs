@@ -4,12 +4,13 @@ use std::sync::Arc;
 use profiler_common::{
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, NO_FALLBACK_FRAME, PY_FRAME_ENTRY,
     PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC,
-    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_ERROR,
-    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, SampleHeader,
-    sample_record_bytes,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_COPY,
+    SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
+    SAMPLE_USER_UNKNOWN_MAPPING, STACK_COPY_BYTES, STACK_COPY_EXACT_PC, STACK_COPY_HEADER_BYTES,
+    SampleHeader, StackCopyHeader, sample_record_bytes, stack_copy_record_bytes,
 };
 
-use crate::model::{Pid, PythonFrameRef, Sample, Tid};
+use crate::model::{Pid, PythonFrameRef, Sample, StackCopy, Tid};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
@@ -21,6 +22,8 @@ pub enum DecodeError {
         "sample claims {kernel} kernel, {user} user and {python} Python frames (limits {MAX_KERNEL_FRAMES}/{MAX_USER_FRAMES}/{MAX_PYTHON_FRAMES})"
     )]
     TooManyFrames { kernel: u16, user: u16, python: u16 },
+    #[error("sample claims a stack copy of {0} bytes (limit {STACK_COPY_BYTES})")]
+    StackCopyTooLarge(u32),
 }
 
 /// Decodes one record: the header, then the user, kernel and Python frames it counts
@@ -51,7 +54,27 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
             python: header.python_frames,
         });
     }
-    let expected = sample_record_bytes(kernel, user, python);
+    let frames_end = sample_record_bytes(kernel, user, python);
+    let has_copy = header.flags & SAMPLE_USER_STACK_COPY != 0;
+    let copy_header = if has_copy {
+        let header_bytes = bytes
+            .get(frames_end..frames_end + STACK_COPY_HEADER_BYTES)
+            .ok_or(DecodeError::WrongSize {
+                actual: bytes.len(),
+                expected: frames_end + STACK_COPY_HEADER_BYTES,
+            })?;
+        // SAFETY: exactly the header's bytes; plain old data read unaligned.
+        let copy: StackCopyHeader =
+            unsafe { std::ptr::read_unaligned(header_bytes.as_ptr().cast()) };
+        if copy.bytes as usize > STACK_COPY_BYTES {
+            return Err(DecodeError::StackCopyTooLarge(copy.bytes));
+        }
+        Some(copy)
+    } else {
+        None
+    };
+    let expected =
+        frames_end + copy_header.map_or(0, |copy| stack_copy_record_bytes(copy.bytes as usize));
     if bytes.len() != expected {
         return Err(DecodeError::WrongSize {
             actual: bytes.len(),
@@ -79,7 +102,7 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         comm: Arc::from(String::from_utf8_lossy(&header.comm[..comm_len]).as_ref()),
         kernel_ips: words(kernel_offset, kernel).collect(),
         user_ips: words(user_offset, user).take_while(|&ip| ip != 0).collect(),
-        python_frames: bytes[python_offset..]
+        python_frames: bytes[python_offset..frames_end]
             .chunks_exact(size_of::<PyFrameRecord>())
             .map(|record| {
                 // SAFETY: exactly one record's bytes; plain old data read unaligned.
@@ -102,6 +125,16 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
             .then_some(header.fallback_frame as usize),
         python_truncated: header.flags & SAMPLE_PYTHON_TRUNCATED != 0,
         in_cuda_sync: header.flags & SAMPLE_IN_CUDA_SYNC != 0,
+        stack_copy: copy_header.map(|copy| {
+            let start = frames_end + STACK_COPY_HEADER_BYTES;
+            Box::new(StackCopy {
+                rip: copy.rip,
+                rsp: copy.rsp,
+                rbp: copy.rbp,
+                exact_pc: copy.flags & STACK_COPY_EXACT_PC != 0,
+                bytes: bytes[start..start + copy.bytes as usize].to_vec(),
+            })
+        }),
     })
 }
 
@@ -126,6 +159,10 @@ mod tests {
         bytes.extend_from_slice(bytes_of(&raw.user_ips[..user]));
         bytes.extend_from_slice(bytes_of(&raw.kernel_ips[..kernel]));
         bytes.extend_from_slice(bytes_of(&raw.python[..python]));
+        if h.flags & SAMPLE_USER_STACK_COPY != 0 {
+            bytes.extend_from_slice(bytes_of(std::slice::from_ref(&raw.copy)));
+            bytes.extend_from_slice(&raw.stack[..raw.copy.bytes as usize]);
+        }
         bytes
     }
 
@@ -148,6 +185,8 @@ mod tests {
             kernel_ips: [0; MAX_KERNEL_FRAMES],
             user_ips: [0; MAX_USER_FRAMES],
             python: [PyFrameRecord::default(); MAX_PYTHON_FRAMES],
+            copy: StackCopyHeader::default(),
+            stack: [0; STACK_COPY_BYTES + profiler_common::STACK_COPY_SLACK],
         };
         raw.python[0] = PyFrameRecord {
             code: 0x7f00_0000_1000,
@@ -192,6 +231,58 @@ mod tests {
                     entry: true
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn round_trips_a_stack_copy() {
+        let mut raw = raw_sample();
+        raw.header.flags |= SAMPLE_USER_STACK_COPY;
+        raw.copy = StackCopyHeader {
+            rip: 0x401200,
+            rsp: 0x7ffc_0000_1000,
+            rbp: 0x7ffc_0000_1100,
+            flags: STACK_COPY_EXACT_PC,
+            bytes: 24,
+        };
+        raw.stack[..24].copy_from_slice(bytes_of(&[1u64, 0x401300, 3]));
+        let sample = decode_sample(&encode(&raw)).unwrap();
+        assert_eq!(sample.user_ips, vec![0x401000, 0x401100, 0x401200]);
+        assert_eq!(
+            sample.python_frames.len(),
+            2,
+            "the copy is not read as Python frames"
+        );
+        let copy = sample.stack_copy.expect("copy decoded");
+        assert_eq!(
+            (copy.rip, copy.rsp, copy.exact_pc),
+            (0x401200, 0x7ffc_0000_1000, true)
+        );
+        assert_eq!(copy.read(0x7ffc_0000_1008), Some(0x401300));
+        assert_eq!(
+            copy.read(0x7ffc_0000_1011),
+            None,
+            "the last word is not whole"
+        );
+        assert_eq!(copy.read(0x7ffc_0000_0ff8), None, "below the copy");
+        // Lengths that disagree with the copy header, and a header claiming too much.
+        let mut bytes = encode(&raw);
+        bytes.pop();
+        assert!(matches!(
+            decode_sample(&bytes),
+            Err(DecodeError::WrongSize { .. })
+        ));
+        raw.copy.bytes = STACK_COPY_BYTES as u32 + 8;
+        let mut bytes = encode(&{
+            let mut shorter = raw;
+            shorter.copy.bytes = 0;
+            shorter
+        });
+        let at = bytes.len() - STACK_COPY_HEADER_BYTES + 28;
+        bytes[at..at + 4].copy_from_slice(&(STACK_COPY_BYTES as u32 + 8).to_le_bytes());
+        assert_eq!(
+            decode_sample(&bytes),
+            Err(DecodeError::StackCopyTooLarge(STACK_COPY_BYTES as u32 + 8))
         );
     }
 

@@ -5,6 +5,7 @@
 //! process exits. Return addresses are looked up at `ip - 1` so that a call at the very end of
 //! a function (e.g. to a `noreturn` callee) is attributed to the caller, not to the next
 //! function. The native user stack itself is collected in BPF (frame pointers for now).
+pub mod late;
 pub mod native;
 pub mod tables;
 

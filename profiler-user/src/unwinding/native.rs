@@ -21,8 +21,9 @@ use std::{
 
 use object::{Object, ObjectSegment};
 use profiler_common::unwind::{
-    MAPPING_FRAME_POINTERS, MAPPING_HAS_TABLE, MAPPING_RELIABLE_FRAME_POINTERS, MappingKey,
-    MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk, UnwindRow,
+    MAPPING_FRAME_POINTERS, MAPPING_HAS_TABLE, MAPPING_PROCESS_MARKER,
+    MAPPING_RELIABLE_FRAME_POINTERS, MAPPING_TABLE_PENDING, MappingKey, MappingValue, PAGE_SHIFT,
+    PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk, RowSource, UnwindRow, find_row,
 };
 
 use super::tables::{TableCache, UnwindTable, build_table};
@@ -243,6 +244,38 @@ pub const MIN_RESIDENCY: Duration = Duration::from_secs(10);
 /// Slots kept at most; beyond, those no registered process maps are forgotten.
 pub const MAX_TABLE_SLOTS: usize = 16_384;
 
+/// What [`NativeTables::row_at`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowLookup {
+    Row(UnwindRow),
+    /// The file has no table (no CFI, anonymous code): frame pointers are all there is.
+    NoTable,
+    /// The table is being built or read again (it has now been asked for): try later.
+    Pending,
+    /// The table has no row for the address (outside its FDEs).
+    NoRow,
+}
+
+/// The row array as the maps hold it, a chunk read at a time.
+struct MapRows<'a, M: UnwindMaps> {
+    maps: &'a M,
+    /// The last chunk read: a binary search stays in one or two chunks.
+    chunk: std::cell::RefCell<Option<(u32, RowChunk)>>,
+}
+
+impl<M: UnwindMaps> RowSource for MapRows<'_, M> {
+    fn row(&self, index: u32) -> Option<UnwindRow> {
+        let chunk_index = index / ROWS_PER_CHUNK as u32;
+        let mut cached = self.chunk.borrow_mut();
+        if cached.as_ref().is_none_or(|(i, _)| *i != chunk_index) {
+            *cached = Some((chunk_index, self.maps.read_row_chunk(chunk_index).ok()?));
+        }
+        cached
+            .as_ref()
+            .map(|(_, chunk)| chunk.rows[index as usize % ROWS_PER_CHUNK])
+    }
+}
+
 /// A table to build: the file (none for the vDSO).
 struct BuildRequest {
     key: TableKey,
@@ -357,6 +390,57 @@ impl<M: UnwindMaps> NativeTables<M> {
         }
     }
 
+    /// The row the BPF unwinder would use at `pc` in `mapping` (a PC of the process, already
+    /// `- 1` for return addresses), read back from the maps, for the agent's late unwinder.
+    pub fn row_at(&mut self, mapping: &Mapping, pc: u64) -> RowLookup {
+        let key = match &mapping.file {
+            Some(file) => match self.file_tables.get(&file.id) {
+                Some(key) => key.clone(),
+                None => return RowLookup::NoTable,
+            },
+            None if &*mapping.name == "[vdso]" && self.has_vdso => TableKey::Vdso,
+            None => return RowLookup::NoTable,
+        };
+        let Some(slot) = self.slots.get(&key) else {
+            return RowLookup::NoTable;
+        };
+        match slot.state {
+            SlotState::Loaded { .. } => {}
+            SlotState::Unusable => return RowLookup::NoTable,
+            SlotState::Building | SlotState::Evicted => {
+                if let Some(file) = &mapping.file {
+                    let file = file.clone();
+                    self.demand(&file);
+                }
+                return RowLookup::Pending;
+            }
+        }
+        let Some(load_bias) = slot.segments.load_bias(mapping.start, mapping.file_offset) else {
+            return RowLookup::NoTable;
+        };
+        let file_pc = pc.wrapping_sub(load_bias);
+        let page_key = PageKey {
+            table_id: slot.id,
+            page: (file_pc >> PAGE_SHIFT) as u32,
+        };
+        let page = match self.maps.read_page(page_key) {
+            Ok(Some(page)) => page,
+            Ok(None) => return RowLookup::NoRow,
+            Err(_) => {
+                self.stats.map_errors += 1;
+                return RowLookup::NoRow;
+            }
+        };
+        let rows = MapRows {
+            maps: &self.maps,
+            chunk: std::cell::RefCell::new(None),
+        };
+        match find_row(&rows, page.first_row, page.row_count, file_pc as u16) {
+            Some(row) => RowLookup::Row(row),
+            None => RowLookup::NoRow,
+        }
+    }
+
     /// Whether `file` has (or will have) an unwind table: its frames' callers are not to be
     /// taken from the frame-pointer chain. False for files without CFI and unknown files.
     pub fn has_cfi(&self, file: &MappedFile) -> bool {
@@ -454,6 +538,20 @@ impl<M: UnwindMaps> NativeTables<M> {
                         tracing::debug!(pid = process.pid.0, "cannot register a mapping: {err}");
                     }
                 }
+            }
+        }
+        // The marker last: until it is there BPF takes the process for unregistered and sends
+        // stack copies instead of taking a missing mapping for JIT code.
+        let marker = (32, MappingKey::new(process.pid.0, 0));
+        let marker_value = MappingValue {
+            flags: MAPPING_PROCESS_MARKER,
+            ..MappingValue::default()
+        };
+        match self.maps.insert_mapping(marker.0, marker.1, marker_value) {
+            Ok(()) => prefixes.push(marker),
+            Err(err) => {
+                self.stats.map_errors += 1;
+                tracing::debug!(pid = process.pid.0, "cannot register a process: {err}");
             }
         }
         self.stats.mapping_prefixes += prefixes.len() as u64;
@@ -655,7 +753,15 @@ impl<M: UnwindMaps> NativeTables<M> {
                 let value = with_table(slot).unwrap_or(frame_pointers);
                 (value, Some(key), None)
             }
-            SlotState::Building => (frame_pointers, Some(key.clone()), Some(key)),
+            // BPF stops there and sends the stack, which the agent unwinds once the table is in.
+            SlotState::Building => (
+                MappingValue {
+                    flags: MAPPING_TABLE_PENDING,
+                    ..frame_pointers
+                },
+                Some(key.clone()),
+                Some(key),
+            ),
             SlotState::Unusable => (frame_pointers, Some(key), None),
         }
     }
@@ -910,7 +1016,7 @@ mod tests {
     use std::{collections::BTreeMap, os::unix::fs::MetadataExt, path::PathBuf};
 
     use super::*;
-    use crate::{bpf::BpfError, model::ProcessLabels};
+    use crate::{bpf::BpfError, model::ProcessLabels, unwinding::tables::Rule};
 
     /// The maps as plain collections, so registration logic is tested without a kernel.
     #[derive(Default)]
@@ -950,6 +1056,14 @@ mod tests {
         fn remove_mapping(&mut self, len: u32, key: MappingKey) -> Result<(), BpfError> {
             self.mappings.remove(&(len, key.bytes));
             Ok(())
+        }
+        fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError> {
+            Ok(self.pages.get(&key).copied())
+        }
+        fn read_row_chunk(&self, index: u32) -> Result<RowChunk, BpfError> {
+            Ok(self.chunks.get(&index).copied().unwrap_or(RowChunk {
+                rows: [UnwindRow::default(); ROWS_PER_CHUNK],
+            }))
         }
     }
 
@@ -1015,12 +1129,19 @@ mod tests {
         let stats = tables.stats();
         assert_eq!(stats.tables_loaded, 1, "two processes, one table");
         assert_eq!(stats.processes_registered, 2);
-        let values: Vec<_> = tables.maps().mappings.values().collect();
+        let values = mapping_values(&tables);
         assert!(
             values
                 .iter()
                 .all(|v| v.flags == MAPPING_HAS_TABLE && v.table_id == values[0].table_id)
         );
+        let markers: Vec<_> = tables
+            .maps()
+            .mappings
+            .iter()
+            .filter(|((len, _), v)| *len == 32 && v.flags == MAPPING_PROCESS_MARKER)
+            .collect();
+        assert_eq!(markers.len(), 2, "one marker per registered process");
         assert!(!tables.maps().pages.is_empty());
         // Every page entry points inside the rows written.
         let rows_written = tables.maps().chunks.len() * ROWS_PER_CHUNK;
@@ -1064,9 +1185,22 @@ mod tests {
             .maps()
             .mappings
             .iter()
-            .find(|((_, key), _)| key[..4] == pid.to_be_bytes())
+            .find(|((_, key), value)| {
+                key[..4] == pid.to_be_bytes() && value.flags & MAPPING_PROCESS_MARKER == 0
+            })
             .map(|(_, value)| value.table_id)
             .expect("registered")
+    }
+
+    /// The registered mappings' values, without the per-process markers.
+    fn mapping_values(tables: &NativeTables<FakeMaps>) -> Vec<MappingValue> {
+        tables
+            .maps()
+            .mappings
+            .values()
+            .filter(|v| v.flags & MAPPING_PROCESS_MARKER == 0)
+            .copied()
+            .collect()
     }
 
     #[test]
@@ -1145,6 +1279,50 @@ mod tests {
         );
     }
 
+    /// The late unwinder reads back from the maps exactly the rows the table has.
+    #[test]
+    fn rows_read_back_from_the_maps_match_the_table() {
+        let maps = FakeMaps {
+            capacity: 4096,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let libc = mapped(LIBC);
+        let p = process(60, std::slice::from_ref(&libc));
+        tables.sync_waiting(&p, Duration::from_secs(30));
+        let table = build_table(&std::fs::read(LIBC).unwrap()).unwrap();
+        let elf_bytes = std::fs::read(LIBC).unwrap();
+        let elf = object::File::parse(&elf_bytes[..]).unwrap();
+        let mapping = &p.mappings[0];
+        let bias = Segments::of(&elf)
+            .load_bias(mapping.start, mapping.file_offset)
+            .unwrap();
+        let mut compared = 0;
+        for row in table.rows().iter().step_by(97) {
+            let pc = row.address + bias;
+            if !mapping.contains(pc) {
+                continue;
+            }
+            let expected = table.lookup(row.address).map(|r| Rule::of(&r));
+            match tables.row_at(mapping, pc) {
+                RowLookup::Row(found) => assert_eq!(Some(Rule::of(&found)), expected, "{pc:#x}"),
+                other => panic!("{pc:#x}: {other:?}"),
+            }
+            compared += 1;
+        }
+        assert!(compared > 100, "compared {compared} rows");
+        // A process's own marker is registered last, after its mappings.
+        let marker = MappingKey::new(60, 0);
+        assert_eq!(
+            tables
+                .maps()
+                .mappings
+                .get(&(32, marker.bytes))
+                .map(|v| v.flags),
+            Some(MAPPING_PROCESS_MARKER)
+        );
+    }
+
     #[test]
     fn a_table_no_process_maps_lets_go_of_its_file() {
         let maps = FakeMaps {
@@ -1184,10 +1362,8 @@ mod tests {
         tables.sync_waiting(&p, Duration::from_secs(30));
         assert_eq!(tables.stats().tables_too_large, 1);
         assert!(
-            tables
-                .maps()
-                .mappings
-                .values()
+            mapping_values(&tables)
+                .iter()
                 .all(|v| v.flags == MAPPING_FRAME_POINTERS)
         );
         assert!(tables.maps().pages.is_empty());
