@@ -3,6 +3,7 @@
 //! `service_name` is decided in this order; the first rule that yields a non-empty name wins:
 //!
 //! 1. **Explicit configuration in the process's own environment**: `OTEL_SERVICE_NAME`, else
+//!    `service.name` in `OTEL_RESOURCE_ATTRIBUTES` (OpenTelemetry's own precedence), else
 //!    `PYROSCOPE_APPLICATION_NAME` with a Pyroscope-style `{tag=value,...}` suffix removed.
 //! 2. **Where it runs**:
 //!    - in a Kubernetes pod (a pod uid in its cgroup): `<namespace>/<container>` when both are
@@ -19,8 +20,9 @@
 //! 3. **What it runs**: for interpreters, the script or module (`python3 -m uvicorn app:api` →
 //!    `uvicorn`, `python3 /srv/app/main.py` → `main`, `node server.js` → `server`, likewise ruby,
 //!    perl, php and shells; `java -jar foo.jar` → `foo`, a Java main class → its last dotted
-//!    component); inline code (`python3 -c ...`, `node -e ...`, `bash -c ...`) or stdin gives the
-//!    interpreter's name. Otherwise the basename of the executable (for a program run from a
+//!    component); inline code (`python3 -c ...`, `node -e ...`, `bash -c ...`), stdin or a
+//!    script read from a file descriptor (`bash <(...)` runs `/dev/fd/63`) gives the
+//!    interpreter's name (of its executable: `dash` for `/bin/sh`). Otherwise the basename of the executable (for a program run from a
 //!    memfd, which has no file name, argv[0]), else the process name (comm).
 //!
 //! Kernel threads are always `kernel`.
@@ -35,6 +37,7 @@ pub const PF_KTHREAD: u64 = 0x0020_0000;
 /// The environment variables labels are derived from; everything else is not kept.
 pub const LABEL_ENV_VARS: &[&str] = &[
     "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
     "PYROSCOPE_APPLICATION_NAME",
     "HOSTNAME",
     // KUBERNETES_ENV_VARS, spelled out because const slices cannot be concatenated (a test
@@ -140,6 +143,12 @@ fn configured_name(env: &BTreeMap<String, String>) -> Option<String> {
     if let Some(name) = env.get("OTEL_SERVICE_NAME").and_then(|v| non_empty(v)) {
         return Some(name.to_owned());
     }
+    if let Some(name) = env
+        .get("OTEL_RESOURCE_ATTRIBUTES")
+        .and_then(|attributes| resource_attribute(attributes, "service.name"))
+    {
+        return Some(name);
+    }
     let pyroscope = env.get("PYROSCOPE_APPLICATION_NAME")?;
     // "app{env=prod,region=eu}" → "app"
     let name = match pyroscope.find('{') {
@@ -147,6 +156,43 @@ fn configured_name(env: &BTreeMap<String, String>) -> Option<String> {
         _ => pyroscope.as_str(),
     };
     non_empty(name).map(str::to_owned)
+}
+
+/// The value of `key` in an `OTEL_RESOURCE_ATTRIBUTES` list (`k1=v1,k2=v2`, values
+/// percent-encoded); the last occurrence wins, as in the OpenTelemetry SDKs.
+fn resource_attribute(attributes: &str, key: &str) -> Option<String> {
+    let value = attributes
+        .split(',')
+        .filter_map(|pair| pair.split_once('='))
+        .filter(|(k, _)| k.trim() == key)
+        .map(|(_, v)| v.trim())
+        .next_back()?;
+    non_empty(&percent_decode(value)).map(str::to_owned)
+}
+
+/// `%XX` escapes decoded; an invalid escape or a non-UTF-8 result is kept as written.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                out.push((high * 16 + low) as u8);
+                i += 3;
+            }
+            (byte, _, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap_or_else(|_| text.to_owned())
 }
 
 fn placement_name(inputs: &LabelInputs<'_>) -> Option<String> {
@@ -336,7 +382,7 @@ fn what_it_runs(interpreter: Interpreter, args: &[String]) -> Runs<'_> {
             return args.next().map_or(Runs::Itself, Runs::Script);
         }
         if arg == "-" || (!arg.starts_with('-') && !arg.starts_with('+')) {
-            return if arg == "-" {
+            return if arg == "-" || is_file_descriptor(arg) {
                 Runs::Itself
             } else {
                 Runs::Script(arg)
@@ -379,6 +425,18 @@ fn what_it_runs(interpreter: Interpreter, args: &[String]) -> Runs<'_> {
         // Any other option (flags, `-Dkey=value`, `-Xmx1g`, `-u`, `-XX:+UseG1GC`) is skipped.
     }
     Runs::Itself
+}
+
+/// A script path that names an open file descriptor, not a file: `bash <(...)` runs
+/// `/dev/fd/63`, `python3 /dev/stdin`.
+fn is_file_descriptor(path: &str) -> bool {
+    let fd_number = |rest: &str| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit());
+    path.strip_prefix("/dev/fd/").is_some_and(fd_number)
+        || matches!(path, "/dev/stdin" | "/proc/self/fd/0")
+        || path
+            .strip_prefix("/proc/")
+            .and_then(|rest| rest.split_once("/fd/"))
+            .is_some_and(|(_, fd)| fd_number(fd))
 }
 
 fn program_name(inputs: &LabelInputs<'_>) -> Option<String> {
@@ -506,6 +564,26 @@ mod tests {
         };
         assert_eq!(name(&environment), "checkout");
         environment.insert("OTEL_SERVICE_NAME".into(), "  ".into());
+        environment.insert(
+            "OTEL_RESOURCE_ATTRIBUTES".into(),
+            "deployment.environment=prod,service.name=cart%20api, team=x".into(),
+        );
+        assert_eq!(name(&environment), "cart api", "percent-decoded");
+        environment.insert(
+            "OTEL_RESOURCE_ATTRIBUTES".into(),
+            "service.name=a,service.name=b".into(),
+        );
+        assert_eq!(name(&environment), "b", "the last one wins");
+        environment.insert(
+            "OTEL_RESOURCE_ATTRIBUTES".into(),
+            "service.name=,x=%zz".into(),
+        );
+        assert_eq!(
+            name(&environment),
+            "pyro",
+            "an empty service.name is no name"
+        );
+        environment.remove("OTEL_RESOURCE_ATTRIBUTES");
         assert_eq!(name(&environment), "pyro");
         environment.insert("PYROSCOPE_APPLICATION_NAME".into(), "plain.cpu".into());
         assert_eq!(name(&environment), "plain.cpu");
@@ -682,6 +760,21 @@ mod tests {
             "python3.11"
         );
         assert_eq!(program("/usr/bin/python3.11", "python3 -- run.py"), "run");
+        // A script read from a file descriptor is no name: the interpreter is.
+        assert_eq!(program("/usr/bin/bash", "bash /dev/fd/63"), "bash");
+        assert_eq!(
+            program("/usr/bin/bash", "bash -x /proc/self/fd/3 arg"),
+            "bash"
+        );
+        assert_eq!(
+            program("/usr/bin/python3.11", "python3 /dev/stdin"),
+            "python3.11"
+        );
+        assert_eq!(
+            program("/usr/bin/bash", "bash /dev/fdx/3"),
+            "3",
+            "not a descriptor path"
+        );
         // Console scripts: the interpreter runs the wrapper script.
         assert_eq!(
             program(
