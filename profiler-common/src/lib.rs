@@ -28,6 +28,8 @@ pub mod names {
     pub const TRACEPOINT_PROCESS_EXIT: &str = "sched_process_exit";
     pub const PROGRAM_PROCESS_EXEC: &str = "process_exec";
     pub const TRACEPOINT_PROCESS_EXEC: &str = "sched_process_exec";
+    pub const PROGRAM_PROCESS_FORK: &str = "process_fork";
+    pub const TRACEPOINT_PROCESS_FORK: &str = "sched_process_fork";
     pub const MAP_EVENTS: &str = "EVENTS";
     pub const MAP_UNWIND_ROWS: &str = "UNWIND_ROWS";
     pub const MAP_UNWIND_PAGES: &str = "UNWIND_PAGES";
@@ -66,14 +68,39 @@ pub struct SamplerConfig {
     /// Non-zero once the CUDA probes are loaded: only then can a thread be inside a CUDA
     /// synchronization, so samples skip that lookup before.
     pub cuda_probes: u32,
+    /// Offsets the exec and fork events read (0 when the BTF lacks one; that part is left 0).
+    pub identity: IdentityOffsets,
 }
 
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 24);
+/// Kernel struct offsets (from the BTF) behind the exec and fork events.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IdentityOffsets {
+    pub binprm_filename: u32,
+    pub binprm_file: u32,
+    pub file_inode: u32,
+    pub inode_ino: u32,
+    pub inode_sb: u32,
+    pub sb_dev: u32,
+    pub task_mm: u32,
+    pub task_pid: u32,
+    pub task_tgid: u32,
+    pub mm_start_code: u32,
+    pub mm_end_code: u32,
+    pub mm_arg_start: u32,
+    pub mm_arg_end: u32,
+    /// Non-zero when every offset above was found.
+    pub complete: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<IdentityOffsets>() == 56);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 80);
 
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
     unsafe impl aya::Pod for SamplerConfig {}
+    unsafe impl aya::Pod for IdentityOffsets {}
     unsafe impl aya::Pod for unwind::UnwindRow {}
     unsafe impl aya::Pod for unwind::RowChunk {}
     unsafe impl aya::Pod for unwind::PageKey {}

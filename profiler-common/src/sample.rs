@@ -7,7 +7,7 @@ pub const MAX_KERNEL_FRAMES: usize = 127;
 /// Deepest user stack recorded (a power of two: the unwinder masks indexes with it).
 pub const MAX_USER_FRAMES: usize = 256;
 /// Size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page size).
-pub const SAMPLES_RING_BYTES: u32 = 4 << 20;
+pub const SAMPLES_RING_BYTES: u32 = 8 << 20;
 /// Entries of the `PID_FILTER` hash map.
 pub const MAX_FILTERED_PIDS: u32 = 1024;
 
@@ -170,8 +170,69 @@ pub struct ProcessEvent {
 
 const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 16);
 
-/// Size of the `EVENTS` ring buffer in bytes.
-pub const EVENTS_RING_BYTES: u32 = 256 << 10;
+/// `ProcessEvent::kind`: a new process (not a thread) was forked; a [`ForkDetails`] follows.
+pub const EVENT_PROCESS_FORK: u32 = 3;
+
+/// Bytes of the exec'ed path kept (`linux_binprm.filename`, NUL-terminated).
+pub const EXEC_FILENAME_BYTES: usize = 256;
+/// Bytes of the new program's argument strings kept (NUL-separated, as /proc/PID/cmdline).
+pub const EXEC_ARGS_BYTES: usize = 512;
+
+/// Follows an `EVENT_PROCESS_EXEC` header: who the process became, read at the exec itself,
+/// so a process that exits before the agent looks at /proc keeps its name, program, cgroup and
+/// the range of its main executable's code. A field whose kernel offsets are unknown is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExecDetails {
+    /// `bpf_get_current_cgroup_id()`: the cgroup v2 id (the inode of its cgroupfs directory).
+    pub cgroup_id: u64,
+    /// The executable's inode number and device (the kernel's `dev_t`: major << 20 | minor).
+    pub exe_ino: u64,
+    pub exe_dev: u32,
+    /// Bytes of `filename` and `args` that are valid.
+    pub filename_len: u16,
+    pub args_len: u16,
+    /// `mm->start_code` and `mm->end_code`: the main executable's code, as mapped.
+    pub start_code: u64,
+    pub end_code: u64,
+    /// The new `comm` (the executable's base name, 15 bytes at most).
+    pub comm: [u8; 16],
+    pub filename: [u8; EXEC_FILENAME_BYTES],
+    pub args: [u8; EXEC_ARGS_BYTES],
+}
+
+const _: () =
+    assert!(core::mem::size_of::<ExecDetails>() == 56 + EXEC_FILENAME_BYTES + EXEC_ARGS_BYTES);
+
+/// An exec event as the ring carries it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ExecEvent {
+    pub header: ProcessEvent,
+    pub details: ExecDetails,
+}
+
+/// Follows an `EVENT_PROCESS_FORK` header (whose `pid` is the child).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForkDetails {
+    pub parent_pid: u32,
+    pub _pad: u32,
+}
+
+/// A fork event as the ring carries it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForkEvent {
+    pub header: ProcessEvent,
+    pub details: ForkDetails,
+}
+
+const _: () = assert!(core::mem::size_of::<ForkEvent>() == 24);
+
+/// Size of the `EVENTS` ring buffer in bytes (an exec event is under 1 KiB; a busy host execs
+/// a few hundred times a second and the agent drains the ring every 100 ms).
+pub const EVENTS_RING_BYTES: u32 = 1 << 20;
 
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for ProcessEvent {}

@@ -84,6 +84,9 @@ pub const STAT_UNWIND_FRAME_POINTER_CODE: u32 = 36;
 pub const STAT_UNWIND_STACK_COPIES: u32 = 37;
 /// Of those, copies whose first page could not be read (no bytes to finish the walk with).
 pub const STAT_UNWIND_STACK_COPY_EMPTY: u32 = 38;
+/// Walks that stopped for a copy while the ring was over half full: no copy was sent, the
+/// stack ends at the last proven frame (marked truncated).
+pub const STAT_UNWIND_STACK_COPY_SHED: u32 = 39;
 /// Number of slots in `STATS`.
 pub const STAT_COUNT: u32 = 40;
 
@@ -107,7 +110,7 @@ impl Default for StatCounters {
 unsafe impl aya::Pod for StatCounters {}
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 39] = [
+pub const STAT_NAMES: [&str; 40] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -147,6 +150,7 @@ pub const STAT_NAMES: [&str; 39] = [
     "unwind_frame_pointer_code",
     "unwind_stack_copies",
     "unwind_stack_copy_empty",
+    "unwind_stack_copy_shed",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -7,8 +7,9 @@ use aya_ebpf::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
         bpf_probe_read_kernel,
         generated::{
-            bpf_dynptr_write, bpf_get_current_task, bpf_get_stack, bpf_ringbuf_discard_dynptr,
-            bpf_ringbuf_reserve_dynptr, bpf_ringbuf_submit_dynptr,
+            bpf_dynptr_write, bpf_get_current_cgroup_id, bpf_get_current_task, bpf_get_stack,
+            bpf_probe_read_kernel_str, bpf_probe_read_user as bpf_probe_read_user_raw,
+            bpf_ringbuf_discard_dynptr, bpf_ringbuf_reserve_dynptr, bpf_ringbuf_submit_dynptr,
         },
     },
     macros::{map, perf_event, raw_tracepoint},
@@ -16,14 +17,15 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext},
 };
 use profiler_common::{
-    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENTS_RING_BYTES, MAX_FILTERED_PIDS,
-    MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, ProcessEvent, PyFrameRecord, RawSample,
-    SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
-    SAMPLE_KERNEL_TRUNCATED, SAMPLE_USER_STACK_COPY, SAMPLES_RING_BYTES, STACK_COPY_BYTES,
-    STACK_COPY_HEADER_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
-    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
-    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord, StatCounters,
-    sample_record_bytes, stack_copy_record_bytes,
+    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, EVENTS_RING_BYTES, EXEC_ARGS_BYTES,
+    EXEC_FILENAME_BYTES, ExecDetails, ExecEvent, ForkDetails, ForkEvent, IdentityOffsets,
+    MAX_FILTERED_PIDS, MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, ProcessEvent,
+    PyFrameRecord, RawSample, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE,
+    SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED, SAMPLE_USER_STACK_COPY, SAMPLES_RING_BYTES,
+    STACK_COPY_BYTES, STACK_COPY_HEADER_BYTES, STAT_COUNT, STAT_EVENTS_LOST, STAT_FILTERED,
+    STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
+    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig, ScratchRecord,
+    StatCounters, sample_record_bytes, stack_copy_record_bytes,
 };
 
 use crate::{cuda, python, user_stack};
@@ -254,7 +256,11 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         } else {
             user_stack::task_user_registers()
         };
-        user_stack::collect(SLOT_SAMPLER, tgid, regs, true, sample);
+        // Stack copies only while the ring is less than half full: under pressure the small
+        // records go on, the large ones are shed.
+        let copy_allowed =
+            SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < (SAMPLES_RING_BYTES / 2) as u64;
+        user_stack::collect(SLOT_SAMPLER, tgid, regs, true, copy_allowed, sample);
         python::collect(SLOT_SAMPLER, tgid, tid, config.task_fsbase_offset, sample);
 
         if !output_sample(&SAMPLES, ptr::null::<u8>(), 0, sample) {
@@ -319,11 +325,144 @@ fn live_threads(config: &SamplerConfig) -> Option<i32> {
     }
 }
 
-/// Tells the agent a process exec'ed: its old mappings (and their tables) no longer apply.
+/// Tells the agent a process exec'ed: its old mappings (and their tables) no longer apply. The
+/// event says who the process became (path, arguments, cgroup, executable and its code range),
+/// read now, so a process that exits before the agent looks at /proc keeps its identity.
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
-pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+pub fn process_exec(ctx: RawTracePointContext) -> i32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    send_event(EVENT_PROCESS_EXEC, tgid);
+    let config = CONFIG.get(0).copied().unwrap_or_default();
+    let Some(mut entry) = EVENTS.reserve::<ExecEvent>(0) else {
+        count(STAT_EVENTS_LOST);
+        return 0;
+    };
+    // SAFETY: the reserved record is ours until submitted; every field is written below
+    // (the strings up to the lengths recorded); kernel and user memory is read with the
+    // probe-read helpers, which fail cleanly.
+    unsafe {
+        let event = entry.as_mut_ptr();
+        (*event).header = ProcessEvent {
+            ktime_ns: bpf_ktime_get_ns(),
+            kind: EVENT_PROCESS_EXEC,
+            pid: tgid,
+        };
+        let details = &raw mut (*event).details;
+        (*details).cgroup_id = bpf_get_current_cgroup_id();
+        (*details).exe_ino = 0;
+        (*details).exe_dev = 0;
+        (*details).filename_len = 0;
+        (*details).args_len = 0;
+        (*details).start_code = 0;
+        (*details).end_code = 0;
+        (*details).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        let offsets = config.identity;
+        if offsets.complete != 0 {
+            // sched_process_exec(struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)
+            let bprm = *(ctx.as_ptr() as *const u64).add(2);
+            read_exec_details(details, bprm, &offsets);
+        }
+    }
+    entry.submit(BPF_RB_NO_WAKEUP as u64);
+    0
+}
+
+#[inline(always)]
+unsafe fn read_kernel_u64(address: u64) -> u64 {
+    unsafe { bpf_probe_read_kernel(address as *const u64).unwrap_or(0) }
+}
+
+#[inline(always)]
+unsafe fn read_exec_details(details: *mut ExecDetails, bprm: u64, offsets: &IdentityOffsets) {
+    unsafe {
+        let filename = read_kernel_u64(bprm + offsets.binprm_filename as u64);
+        if filename != 0 {
+            let copied = bpf_probe_read_kernel_str(
+                (&raw mut (*details).filename).cast(),
+                EXEC_FILENAME_BYTES as u32,
+                filename as *const c_void,
+            );
+            if copied > 0 {
+                (*details).filename_len = copied as u16;
+            }
+        }
+        let file = read_kernel_u64(bprm + offsets.binprm_file as u64);
+        if file != 0 {
+            let inode = read_kernel_u64(file + offsets.file_inode as u64);
+            if inode != 0 {
+                (*details).exe_ino = read_kernel_u64(inode + offsets.inode_ino as u64);
+                let sb = read_kernel_u64(inode + offsets.inode_sb as u64);
+                if sb != 0 {
+                    (*details).exe_dev =
+                        bpf_probe_read_kernel((sb + offsets.sb_dev as u64) as *const u32)
+                            .unwrap_or(0);
+                }
+            }
+        }
+        let mm = read_kernel_u64(bpf_get_current_task() + offsets.task_mm as u64);
+        if mm == 0 {
+            return;
+        }
+        (*details).start_code = read_kernel_u64(mm + offsets.mm_start_code as u64);
+        (*details).end_code = read_kernel_u64(mm + offsets.mm_end_code as u64);
+        let arg_start = read_kernel_u64(mm + offsets.mm_arg_start as u64);
+        let arg_end = read_kernel_u64(mm + offsets.mm_arg_end as u64);
+        let mut length = arg_end.wrapping_sub(arg_start);
+        if arg_start == 0 || length == 0 || length > (1 << 30) {
+            return;
+        }
+        if length > EXEC_ARGS_BYTES as u64 {
+            length = EXEC_ARGS_BYTES as u64;
+        }
+        // The new program's argument strings, in its own (now current) address space.
+        if bpf_probe_read_user_raw(
+            (&raw mut (*details).args).cast(),
+            length as u32,
+            arg_start as *const c_void,
+        ) == 0
+        {
+            (*details).args_len = length as u16;
+        }
+    }
+}
+
+/// Tells the agent a new process was forked (a thread is not a process): a child that exits
+/// without exec'ing is its parent's program, whose snapshot and service it takes.
+#[raw_tracepoint(tracepoint = "sched_process_fork")]
+pub fn process_fork(ctx: RawTracePointContext) -> i32 {
+    let config = CONFIG.get(0).copied().unwrap_or_default();
+    let offsets = config.identity;
+    if offsets.complete == 0 {
+        return 0;
+    }
+    // SAFETY: sched_process_fork(struct task_struct *parent, struct task_struct *child); the
+    // child's ids are read with the probe-read helper.
+    unsafe {
+        let child = *(ctx.as_ptr() as *const u64).add(1);
+        let pid: i32 =
+            bpf_probe_read_kernel((child + offsets.task_pid as u64) as *const i32).unwrap_or(0);
+        let tgid: i32 =
+            bpf_probe_read_kernel((child + offsets.task_tgid as u64) as *const i32).unwrap_or(-1);
+        if pid != tgid || pid <= 0 {
+            return 0;
+        }
+        let event = ForkEvent {
+            header: ProcessEvent {
+                ktime_ns: bpf_ktime_get_ns(),
+                kind: EVENT_PROCESS_FORK,
+                pid: tgid as u32,
+            },
+            details: ForkDetails {
+                parent_pid: (bpf_get_current_pid_tgid() >> 32) as u32,
+                _pad: 0,
+            },
+        };
+        if EVENTS
+            .output::<ForkEvent>(&event, BPF_RB_NO_WAKEUP as u64)
+            .is_err()
+        {
+            count(STAT_EVENTS_LOST);
+        }
+    }
     0
 }
 

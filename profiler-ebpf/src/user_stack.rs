@@ -28,7 +28,7 @@ use profiler_common::{
     STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAME_POINTER_CODE,
     STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES,
     STAT_UNWIND_READ_ERROR, STAT_UNWIND_SIGNAL_FRAMES, STAT_UNWIND_STACK_COPIES,
-    STAT_UNWIND_STACK_COPY_EMPTY, StackCopyHeader,
+    STAT_UNWIND_STACK_COPY_EMPTY, STAT_UNWIND_STACK_COPY_SHED, StackCopyHeader,
     unwind::{
         CFA_PLT, CFA_SIGNAL, MAPPING_HAS_TABLE, MAPPING_PROCESS_MARKER,
         MAPPING_RELIABLE_FRAME_POINTERS, MAPPING_TABLE_PENDING, MappingKey, MappingValue,
@@ -122,12 +122,15 @@ pub fn task_user_registers() -> Option<Registers> {
 /// `slot` picks this CPU's scratch state (the sampler's or the CUDA probes', so a sample taken
 /// while a probe runs cannot overwrite the probe's walk); `sample` must be that slot's sample.
 /// `exact_pc` says `regs.rip` is the current instruction rather than a return address.
+/// `copy_allowed` is false when the record's ring is too full for a stack copy: a walk that
+/// would stop for one is cut there instead (and counted).
 #[inline(always)]
 pub fn collect(
     slot: u32,
     pid: u32,
     regs: Option<Registers>,
     exact_pc: bool,
+    copy_allowed: bool,
     sample: *mut RawSample,
 ) {
     // SAFETY: the caller's scratch sample for `slot`; only raw accesses, since the bpf_loop
@@ -178,9 +181,15 @@ pub fn collect(
             ptr::read_volatile(&raw const (*state).fallback_frame) as u16;
         (*sample).header.flags |= ptr::read_volatile(&raw const (*state).flags);
         if ptr::read_volatile(&raw const (*state).copy_requested) != 0 {
-            let regs = (*state).copy_regs;
-            let exact = ptr::read_volatile(&raw const (*state).copy_exact_pc) != 0;
-            copy_stack(sample, &regs, exact);
+            if copy_allowed {
+                let regs = (*state).copy_regs;
+                let exact = ptr::read_volatile(&raw const (*state).copy_exact_pc) != 0;
+                copy_stack(sample, &regs, exact);
+            } else {
+                // Shed under pressure: the stack ends at the last proven frame, marked.
+                (*sample).header.flags |= SAMPLE_USER_TRUNCATED;
+                count(STAT_UNWIND_STACK_COPY_SHED);
+            }
         }
     }
 }

@@ -111,6 +111,32 @@ struct Pipeline {
     synthetic: std::collections::HashMap<String, Arc<SymbolizedFrame>>,
     /// Samples whose user walk waits for a table (see `unwinding::late`).
     late: LateSamples,
+    /// Lifecycle events drained but not applied yet (oldest first), and the time of the
+    /// newest sample handled: events apply in sample-time order.
+    pending_lifecycle: std::collections::VecDeque<LifecycleEvent>,
+    newest_sample_ns: u64,
+    /// Events drained since the last poll, for the CUDA side (names, allocations).
+    drained_since_poll: Vec<LifecycleEvent>,
+    /// No sample is waiting in the queue (set by the pump before each poll).
+    idle: bool,
+}
+
+/// How long after an event, with no sample waiting, it is taken to be past.
+const LIFECYCLE_SETTLE_NS: u64 = 200_000_000;
+
+/// CLOCK_MONOTONIC in nanoseconds, the clock of `bpf_ktime_get_ns`.
+fn monotonic_now_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) } != 0 {
+        return 0;
+    }
+    (now.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(now.tv_nsec as u64)
 }
 
 /// How long a sample waits for the tables its late walk needs before it is cut there.
@@ -118,10 +144,26 @@ const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);
 /// Bytes of stack copies held at most; beyond, a new sample is finished as far as it goes.
 const LATE_WALK_BYTES: usize = 16 << 20;
 
+/// The one snapshot a late walk was finished against, for the rest of its sample's way.
+struct Pinned(Arc<ProcessInfo>);
+
+impl ProcessSource for Pinned {
+    fn lookup(&mut self, _pid: Pid) -> Option<Arc<ProcessInfo>> {
+        Some(Arc::clone(&self.0))
+    }
+
+    fn refresh_for_address(&mut self, _pid: Pid, _addr: u64) -> Option<Arc<ProcessInfo>> {
+        Some(Arc::clone(&self.0))
+    }
+}
+
+/// A sample waiting for its late walk: since when, and the snapshot it is walked against.
+type Held = (Instant, Sample, Arc<ProcessInfo>);
+
 /// Samples held for their late walk, oldest first, bounded by the bytes of their copies.
 #[derive(Default)]
 struct LateSamples {
-    queue: std::collections::VecDeque<(Instant, Sample)>,
+    queue: std::collections::VecDeque<Held>,
     bytes: usize,
     stats: LateWalkStats,
 }
@@ -134,27 +176,26 @@ impl LateSamples {
             .map_or(0, |copy| copy.bytes.len())
     }
 
-    fn hold(&mut self, sample: Sample) {
-        self.hold_since(Instant::now(), sample);
+    fn hold(&mut self, sample: Sample, process: Arc<ProcessInfo>) {
+        self.hold_since(Instant::now(), sample, process);
     }
 
-    fn hold_since(&mut self, since: Instant, mut sample: Sample) {
+    fn hold_since(&mut self, since: Instant, mut sample: Sample, process: Arc<ProcessInfo>) {
         let bytes = Self::copy_bytes(&sample);
         if self.bytes + bytes > LATE_WALK_BYTES {
-            // Over the bound the stack is cut at the stop frame rather than memory grown.
+            // Over the bound the stack is cut at the stop frame rather than memory grown; the
+            // sample is still counted, at the next retry.
             self.stats.over_bound += 1;
             sample.stack_copy = None;
             sample.user_truncated = true;
-            // Still counted: the sample goes on without its copy.
-            self.queue
-                .push_back((Instant::now() - LATE_WALK_PATIENCE, sample));
+            self.queue.push_back((since, sample, process));
             return;
         }
         self.bytes += bytes;
-        self.queue.push_back((since, sample));
+        self.queue.push_back((since, sample, process));
     }
 
-    fn take(&mut self) -> Vec<(Instant, Sample)> {
+    fn take(&mut self) -> Vec<Held> {
         self.bytes = 0;
         self.queue.drain(..).collect()
     }
@@ -256,6 +297,10 @@ impl Pipeline {
             cuda,
             synthetic: std::collections::HashMap::new(),
             late: LateSamples::default(),
+            pending_lifecycle: std::collections::VecDeque::new(),
+            newest_sample_ns: 0,
+            drained_since_poll: Vec::new(),
+            idle: false,
         }
     }
 
@@ -274,27 +319,36 @@ impl Pipeline {
     /// A CPU sample from the ring buffer. One whose user walk BPF left to the agent is finished
     /// first, or held until the tables it needs are in.
     fn handle(&mut self, mut sample: Sample) {
-        if sample.stack_copy.is_some() {
-            match self.finish_late_walk(&mut sample, Patience::Wait) {
-                Walk::Done => {}
-                Walk::Pending => return self.late.hold(sample),
-            }
+        self.newest_sample_ns = self.newest_sample_ns.max(sample.ktime_ns);
+        self.apply_lifecycle(sample.ktime_ns);
+        if sample.stack_copy.is_none() {
+            return self.handle_unwound(&sample, None);
         }
-        self.handle_unwound(&sample);
-    }
-
-    /// Finishes the walk of a sample BPF stopped: registers its process (so BPF unwinds the
-    /// next samples itself) and goes on from the stack copy.
-    fn finish_late_walk(&mut self, sample: &mut Sample, patience: Patience) -> Walk {
         let Some(process) = self.processes.lookup(sample.pid) else {
             // Gone before its mappings were read: nothing to unwind against.
             sample.stack_copy = None;
             sample.user_truncated = true;
             self.late.stats.no_process += 1;
-            return Walk::Done;
+            return self.handle_unwound(&sample, None);
         };
-        self.native_tables.sync(&process);
-        let walk = finish_walk(sample, &process, &mut self.native_tables, patience);
+        match self.finish_late_walk(&mut sample, &process, Patience::Wait) {
+            Walk::Done => self.handle_unwound(&sample, Some(process)),
+            // The snapshot goes with it: by the time the walk finishes the process may have
+            // exec'ed another program.
+            Walk::Pending => self.late.hold(sample, process),
+        }
+    }
+
+    /// Finishes the walk of a sample BPF stopped against `process`: registers it (so BPF
+    /// unwinds its next samples itself) and goes on from the stack copy.
+    fn finish_late_walk(
+        &mut self,
+        sample: &mut Sample,
+        process: &Arc<ProcessInfo>,
+        patience: Patience,
+    ) -> Walk {
+        self.native_tables.sync(process);
+        let walk = finish_walk(sample, process, &mut self.native_tables, patience);
         if walk == Walk::Done {
             self.late.stats.finished += 1;
             if patience == Patience::GiveUp && sample.user_truncated {
@@ -307,21 +361,23 @@ impl Pipeline {
     /// Retries the held samples (their tables may be in now); those held past
     /// [`LATE_WALK_PATIENCE`], or all of them with `give_up`, are finished as far as they go.
     fn retry_late_walks(&mut self, give_up: bool) {
-        for (held_since, mut sample) in self.late.take() {
+        for (held_since, mut sample, process) in self.late.take() {
             let patience = if give_up || held_since.elapsed() >= LATE_WALK_PATIENCE {
                 Patience::GiveUp
             } else {
                 Patience::Wait
             };
-            match self.finish_late_walk(&mut sample, patience) {
-                Walk::Done => self.handle_unwound(&sample),
-                Walk::Pending => self.late.hold_since(held_since, sample),
+            match self.finish_late_walk(&mut sample, &process, patience) {
+                Walk::Done => self.handle_unwound(&sample, Some(process)),
+                Walk::Pending => self.late.hold_since(held_since, sample, process),
             }
         }
     }
 
-    fn handle_unwound(&mut self, sample: &Sample) {
-        let (frames, process, truncated) = self.symbolized_stack(sample);
+    /// Aggregates a sample whose user walk is final; `process` is the snapshot it was
+    /// unwound against, if it was pinned (a late walk).
+    fn handle_unwound(&mut self, sample: &Sample, process: Option<Arc<ProcessInfo>>) {
+        let (frames, process, truncated) = self.symbolized_stack(sample, process);
         let mut frames = frames;
         if sample.in_cuda_sync {
             frames.insert(0, self.synthetic(CUDA_SYNC_FRAME));
@@ -335,8 +391,12 @@ impl Pipeline {
     fn symbolized_stack(
         &mut self,
         sample: &Sample,
+        pinned: Option<Arc<ProcessInfo>>,
     ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool) {
-        let (mut stack, process) = self.unwinder.unwind(sample, &mut self.processes);
+        let (mut stack, process) = match pinned {
+            Some(process) => self.unwinder.unwind(sample, &mut Pinned(process)),
+            None => self.unwinder.unwind(sample, &mut self.processes),
+        };
         if let Some(process) = &process {
             // The first sample of a process (or of a new snapshot after exec/dlopen) registers
             // its mappings, so BPF unwinds its next samples from the tables.
@@ -394,30 +454,75 @@ impl Pipeline {
     /// before its exit (or exec) is, so every record it made before is then in this batch and
     /// is handled, with the process's kernel names and mappings, before the process is
     /// forgotten.
+    ///
+    /// The other stages see a lifecycle event only once the samples taken before it are
+    /// handled ([`Self::apply_lifecycle`]): a process's last samples are still its program's,
+    /// and its exec or fork event is known before its first samples are.
     fn poll(&mut self, sampler: Option<&mut Sampler>) {
         self.native_tables.poll_builds();
         self.retry_late_walks(false);
-        let lifecycle = self.events.drain();
+        self.drain_events();
+        let lifecycle = std::mem::take(&mut self.drained_since_poll);
         self.poll_cuda(sampler, &lifecycle);
-        for event in lifecycle {
+        for event in &lifecycle {
             // Whatever a process allocated before it exited or exec'ed, the driver released.
-            if let Some(cuda) = &mut self.cuda {
-                let (LifecycleEvent::Exited { pid, ktime_ns }
-                | LifecycleEvent::Execed { pid, ktime_ns }) = event;
-                cuda.allocations.release_process(Pid(pid), ktime_ns);
+            if let Some(cuda) = &mut self.cuda
+                && !matches!(event, LifecycleEvent::Forked { .. })
+            {
+                cuda.allocations
+                    .release_process(Pid(event.pid()), event.ktime_ns());
             }
+        }
+        // With no sample waiting, everything up to a moment ago is past.
+        let horizon = if self.idle {
+            monotonic_now_ns().saturating_sub(LIFECYCLE_SETTLE_NS)
+        } else {
+            0
+        };
+        self.apply_lifecycle(horizon.max(self.newest_sample_ns));
+    }
+
+    /// Takes the lifecycle events out of their ring. Called before each batch of samples: every
+    /// event that happened before a sample was read is then known when the sample is handled.
+    fn drain_events(&mut self) {
+        let drained = self.events.drain();
+        if drained.is_empty() {
+            return;
+        }
+        if self.cuda.is_some() {
+            self.drained_since_poll.extend(drained.iter().cloned());
+        }
+        self.pending_lifecycle.extend(drained);
+    }
+
+    /// Applies the lifecycle events that happened before `until_ns` (`bpf_ktime_get_ns` time).
+    fn apply_lifecycle(&mut self, until_ns: u64) {
+        while self
+            .pending_lifecycle
+            .front()
+            .is_some_and(|event| event.ktime_ns() <= until_ns)
+        {
+            let Some(event) = self.pending_lifecycle.pop_front() else {
+                break;
+            };
             match event {
                 LifecycleEvent::Exited { pid, .. } => {
                     self.native_tables.unregister(Pid(pid));
                     self.python.forget(Pid(pid));
                     self.symbolizer.forget_process(Pid(pid));
                 }
-                LifecycleEvent::Execed { pid, .. } => {
+                LifecycleEvent::Execed { pid, program, .. } => {
                     // A new program: its next sample takes a new snapshot and registration.
                     self.native_tables.unregister(Pid(pid));
                     self.python.forget(Pid(pid));
                     self.symbolizer.forget_process(Pid(pid));
                     self.processes.forget(Pid(pid));
+                    if let Some(program) = program {
+                        self.processes.record_exec(Pid(pid), program);
+                    }
+                }
+                LifecycleEvent::Forked { pid, parent, .. } => {
+                    self.processes.record_fork(Pid(pid), Pid(parent));
                 }
             }
         }
@@ -502,10 +607,22 @@ impl Pipeline {
         let (mut frames, process, truncated, sample) = match stack {
             Some(mut sample) => {
                 // The call is counted now, with the stack as far as it can be unwound now.
-                if sample.stack_copy.is_some() {
-                    self.finish_late_walk(&mut sample, Patience::GiveUp);
-                }
-                let (frames, process, truncated) = self.symbolized_stack(&sample);
+                let pinned = if sample.stack_copy.is_some() {
+                    let process = self.processes.lookup(sample.pid);
+                    match &process {
+                        Some(process) => {
+                            self.finish_late_walk(&mut sample, process, Patience::GiveUp);
+                        }
+                        None => {
+                            sample.stack_copy = None;
+                            sample.user_truncated = true;
+                        }
+                    }
+                    process
+                } else {
+                    None
+                };
+                let (frames, process, truncated) = self.symbolized_stack(&sample, pinned);
                 (frames, process, truncated, sample)
             }
             None => {
@@ -644,6 +761,8 @@ impl Pipeline {
             symbol_cache_entries: symbols.cache_entries as u64,
             processes_tracked: self.processes.len() as u64,
             open_files: registry.open_files,
+            process_snapshots_from_events: registry.snapshots_from_events,
+            process_identities: registry.identities,
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,
             agent_peak_rss_bytes: peak,
@@ -784,6 +903,7 @@ fn pump(
     loop {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(sample) => {
+                pipeline.drain_events();
                 pipeline.handle(sample);
                 // Drain whatever else is queued before checking the clock again.
                 for sample in rx.try_iter().take(4096) {
@@ -793,6 +913,7 @@ fn pump(
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
+        pipeline.idle = rx.is_empty();
         if until(pipeline) {
             return;
         }
@@ -831,6 +952,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();
+    pipeline.drain_events();
     for sample in rx.try_iter() {
         pipeline.handle(sample);
     }
@@ -1054,6 +1176,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();
+    pipeline.drain_events();
     for sample in rx.try_iter() {
         pipeline.handle(sample);
     }

@@ -56,6 +56,24 @@ pub struct Sample {
     pub stack_copy: Option<Box<StackCopy>>,
 }
 
+/// Who a process became at an exec, as the kernel saw it then (the exec event): enough to name
+/// a process that exits before its /proc entry is read, and to symbolize its main executable.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExecRecord {
+    /// The path given to execve (may be relative, or a symlink).
+    pub filename: String,
+    /// The argument strings (at most the first 512 bytes of them).
+    pub args: Vec<String>,
+    /// The new process name (the executable's base name, truncated to 15 bytes).
+    pub comm: String,
+    /// The cgroup v2 id (the inode of the cgroup's directory in cgroupfs), 0 when unknown.
+    pub cgroup_id: u64,
+    /// The executable's identity, when the kernel's BTF gave the offsets.
+    pub exe: Option<FileId>,
+    /// The main executable's code as mapped (`mm->start_code..end_code`).
+    pub code: Option<(u64, u64)>,
+}
+
 /// A copy of a thread's user stack, from the registers of the frame the BPF walk stopped at.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StackCopy {

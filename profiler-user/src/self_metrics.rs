@@ -40,6 +40,9 @@ pub struct SelfMetrics {
     pub symbol_cache_entries: u64,
     pub processes_tracked: u64,
     pub open_files: u64,
+    /// Snapshots built from exec and fork events (/proc was gone), and identities held.
+    pub process_snapshots_from_events: u64,
+    pub process_identities: u64,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
     pub profiles_written: u64,
@@ -481,6 +484,18 @@ impl SelfMetrics {
                 "processes_registered",
                 "Processes whose mappings BPF unwinds with",
                 tables.processes_registered,
+                "gauge",
+            ),
+            (
+                "process_snapshots_from_events_total",
+                "Snapshots of processes gone from /proc, built from their exec or fork event",
+                self.process_snapshots_from_events,
+                "counter",
+            ),
+            (
+                "process_identities",
+                "Exec and fork identities held for processes that may exit unseen (bounded)",
+                self.process_identities,
                 "gauge",
             ),
             (

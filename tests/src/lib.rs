@@ -593,6 +593,10 @@ impl Agent {
     pub fn stop(&mut self) -> (ExitStatus, String) {
         self.process.stop()
     }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
 }
 
 /// A `profiler` subcommand (`record`, or `agent` run like one) in the background with

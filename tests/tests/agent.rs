@@ -234,3 +234,114 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
     let (status, stderr) = agent.stop();
     assert!(status.success(), "{stderr}");
 }
+
+/// Every profile file in `dir`, decoded, by the service its name starts with.
+fn all_profiles(dir: &std::path::Path) -> Vec<(String, proto::Profile)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("profiles dir") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        // `<service>-<unix seconds>[-N].pb.gz`: the service is what precedes the timestamp.
+        let service = name
+            .rsplit_once(".pb.gz")
+            .map(|(stem, _)| stem)
+            .and_then(|stem| {
+                let parts: Vec<&str> = stem.split('-').collect();
+                let time = parts
+                    .iter()
+                    .rposition(|p| p.len() >= 9 && p.bytes().all(|b| b.is_ascii_digit()))?;
+                Some(parts[..time].join("-"))
+            })
+            .unwrap_or(name.clone());
+        out.push((service, decode_pprof(&path)));
+    }
+    out
+}
+
+/// Processes that live for tens of milliseconds and rename their thread (as a compiler's
+/// workers or a test helper do), exec'ed or forked without exec, all gone before the agent
+/// reads /proc (it is stopped meanwhile; BPF keeps sampling into the ring): each is named
+/// after its program, never its thread, and its own code is symbolized.
+#[test]
+fn short_lived_processes_keep_their_program_name() {
+    let _guard = exclusive();
+    let fixture = nofp_fixture("short_lived.c");
+    let program = fixture.file_name().unwrap().to_string_lossy().into_owned();
+    let scratch = Scratch::new("short-lived");
+    let dir = scratch.path("profiles");
+    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
+    agent.wait_for_intervals(2, Duration::from_secs(30));
+    // SIGSTOP freezes every thread of the agent; the kernel side goes on sampling and
+    // recording exec and fork events into the rings until SIGCONT.
+    unsafe { libc_kill(agent.pid() as i32, 19) };
+    let mut children_cpu_ms = 0;
+    for mode in ["exec", "fork"] {
+        let output = Command::new(&fixture)
+            .args([mode, "12", "30"])
+            .output()
+            .expect("run the fixture");
+        assert!(output.status.success(), "{mode}: {}", output.status);
+        children_cpu_ms += String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .strip_prefix("children_cpu_ms=")
+            .and_then(|ms| ms.parse::<i64>().ok())
+            .expect("the fixture reports its children's CPU time");
+    }
+    unsafe { libc_kill(agent.pid() as i32, 18) };
+    std::thread::sleep(Duration::from_millis(2500));
+    let (status, log) = agent.stop();
+    assert!(status.success(), "agent failed with {status}:\n{log}");
+
+    let mut burn_samples_by_service: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut executables = std::collections::BTreeSet::new();
+    let mut complete = 0;
+    for (service, profile) in all_profiles(&dir) {
+        for sample in readable_samples(&profile) {
+            if !sample.functions.iter().any(|f| f == "short_burn") {
+                continue;
+            }
+            let count = sample.values[0];
+            *burn_samples_by_service.entry(service.clone()).or_default() += count;
+            if let Some(executable) = sample.str_labels.get("executable") {
+                executables.insert(executable.clone());
+            }
+            // Innermost first: short_burn called by short_work.
+            let burn = sample
+                .functions
+                .iter()
+                .position(|f| f == "short_burn")
+                .unwrap();
+            if sample
+                .functions
+                .get(burn + 1)
+                .is_some_and(|f| f == "short_work")
+            {
+                complete += count;
+            }
+        }
+    }
+    let total: i64 = burn_samples_by_service.values().sum();
+    // 100 Hz of the CPU the children really got (most of it in short_burn).
+    let expected = children_cpu_ms / 10;
+    assert!(
+        total * 2 >= expected && total >= 5,
+        "too few samples in short_burn for {children_cpu_ms} ms of the children's CPU: \
+         {burn_samples_by_service:?}"
+    );
+    let named = burn_samples_by_service.get(&program).copied().unwrap_or(0);
+    assert!(
+        named as f64 >= 0.97 * total as f64,
+        "short-lived processes named after their thread or anything but {program}: \
+         {burn_samples_by_service:?}"
+    );
+    assert!(
+        complete as f64 >= 0.95 * total as f64,
+        "only {complete} of {total} samples have short_work -> short_burn symbolized"
+    );
+    if !executables.is_empty() {
+        assert!(
+            executables.iter().all(|e| e.ends_with(&program)),
+            "executable labels: {executables:?}"
+        );
+    }
+}

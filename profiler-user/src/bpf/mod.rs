@@ -8,8 +8,10 @@ use std::{
     collections::BTreeMap,
     os::fd::{AsFd, AsRawFd, BorrowedFd},
     path::PathBuf,
+    sync::Arc,
 };
 
+use crate::model::{ExecRecord, FileId};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
@@ -24,9 +26,9 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    CudaConfig, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, MAX_FILTERED_PIDS, ProcessEvent,
-    PyProcInfo, STAT_COUNT, STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters,
-    names,
+    CudaConfig, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, ExecDetails, ExecEvent,
+    ForkEvent, IdentityOffsets, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT,
+    STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -188,10 +190,29 @@ impl EventRing {
                         pid: event.pid,
                         ktime_ns: event.ktime_ns,
                     }),
-                    EVENT_PROCESS_EXEC => events.push(LifecycleEvent::Execed {
-                        pid: event.pid,
-                        ktime_ns: event.ktime_ns,
-                    }),
+                    EVENT_PROCESS_EXEC => {
+                        let program = (item.len() >= std::mem::size_of::<ExecEvent>()).then(|| {
+                            // SAFETY: length checked; ExecEvent is plain old data.
+                            let exec: ExecEvent =
+                                unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                            Arc::new(exec_record(&exec.details))
+                        });
+                        events.push(LifecycleEvent::Execed {
+                            pid: event.pid,
+                            ktime_ns: event.ktime_ns,
+                            program,
+                        });
+                    }
+                    EVENT_PROCESS_FORK if item.len() >= std::mem::size_of::<ForkEvent>() => {
+                        // SAFETY: length checked; ForkEvent is plain old data.
+                        let fork: ForkEvent =
+                            unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                        events.push(LifecycleEvent::Forked {
+                            pid: event.pid,
+                            parent: fork.details.parent_pid,
+                            ktime_ns: event.ktime_ns,
+                        });
+                    }
                     _ => {}
                 }
             }
@@ -235,6 +256,8 @@ struct TaskOffsets {
     /// `task_struct.signal` and `signal_struct.live`: the exit tracepoint tells the last thread
     /// of a process from its leader.
     signal_live: Result<(u32, u32), String>,
+    /// What the exec and fork events read.
+    identity: Result<IdentityOffsets, String>,
 }
 
 fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
@@ -248,16 +271,97 @@ fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
         fsbase: offset("task_struct", &["thread", "fsbase"]),
         signal_live: offset("task_struct", &["signal"])
             .and_then(|signal| Ok((signal, offset("signal_struct", &["live"])?))),
+        identity: (|| {
+            Ok(IdentityOffsets {
+                binprm_filename: offset("linux_binprm", &["filename"])?,
+                binprm_file: offset("linux_binprm", &["file"])?,
+                file_inode: offset("file", &["f_inode"])?,
+                inode_ino: offset("inode", &["i_ino"])?,
+                inode_sb: offset("inode", &["i_sb"])?,
+                sb_dev: offset("super_block", &["s_dev"])?,
+                task_mm: offset("task_struct", &["mm"])?,
+                task_pid: offset("task_struct", &["pid"])?,
+                task_tgid: offset("task_struct", &["tgid"])?,
+                mm_start_code: offset("mm_struct", &["start_code"])?,
+                mm_end_code: offset("mm_struct", &["end_code"])?,
+                mm_arg_start: offset("mm_struct", &["arg_start"])?,
+                mm_arg_end: offset("mm_struct", &["arg_end"])?,
+                complete: 1,
+            })
+        })(),
     })
 }
 
 /// A process lifecycle event, with its `bpf_ktime_get_ns()` time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LifecycleEvent {
     /// The process's last thread exited.
     Exited { pid: u32, ktime_ns: u64 },
     /// The process replaced its program: everything before `ktime_ns` was the old one's.
-    Execed { pid: u32, ktime_ns: u64 },
+    /// `program` says who it became (`None` when the kernel's BTF lacked the offsets).
+    Execed {
+        pid: u32,
+        ktime_ns: u64,
+        program: Option<Arc<ExecRecord>>,
+    },
+    /// A new process forked from `parent` (it runs the parent's program until it execs).
+    Forked {
+        pid: u32,
+        parent: u32,
+        ktime_ns: u64,
+    },
+}
+
+impl LifecycleEvent {
+    pub fn pid(&self) -> u32 {
+        match self {
+            Self::Exited { pid, .. } | Self::Execed { pid, .. } | Self::Forked { pid, .. } => *pid,
+        }
+    }
+
+    pub fn ktime_ns(&self) -> u64 {
+        match self {
+            Self::Exited { ktime_ns, .. }
+            | Self::Execed { ktime_ns, .. }
+            | Self::Forked { ktime_ns, .. } => *ktime_ns,
+        }
+    }
+}
+
+/// The exec event's details as the agent keeps them. `exe_dev` is the kernel's `dev_t`
+/// (major << 20 | minor), converted to the encoding `stat` reports.
+pub fn exec_record(details: &ExecDetails) -> ExecRecord {
+    let text = |bytes: &[u8], len: usize| {
+        let bytes = &bytes[..len.min(bytes.len())];
+        let bytes = bytes.split(|&b| b == 0).next().unwrap_or_default();
+        String::from_utf8_lossy(bytes).into_owned()
+    };
+    let args_bytes = &details.args[..(details.args_len as usize).min(details.args.len())];
+    let args_bytes = args_bytes.strip_suffix(&[0]).unwrap_or(args_bytes);
+    let args = if args_bytes.is_empty() {
+        Vec::new()
+    } else {
+        args_bytes
+            .split(|&b| b == 0)
+            .map(|arg| String::from_utf8_lossy(arg).into_owned())
+            .collect()
+    };
+    let (major, minor) = (
+        u64::from(details.exe_dev >> 20),
+        u64::from(details.exe_dev & 0xf_ffff),
+    );
+    ExecRecord {
+        filename: text(&details.filename, details.filename_len as usize),
+        args,
+        comm: text(&details.comm, details.comm.len()),
+        cgroup_id: details.cgroup_id,
+        exe: (details.exe_ino != 0).then(|| FileId {
+            dev: libc::makedev(major as u32, minor as u32),
+            ino: details.exe_ino,
+        }),
+        code: (details.start_code != 0 && details.end_code > details.start_code)
+            .then_some((details.start_code, details.end_code)),
+    }
 }
 
 /// Records of the CUDA probes (`profiler_common::gpu`), drained by the agent's pipeline.
@@ -415,7 +519,8 @@ impl Sampler {
             .unwrap_or_else(|_| Err("reading the kernel's BTF panicked".into()))
             .unwrap_or_else(|reason| TaskOffsets {
                 fsbase: Err(reason.clone()),
-                signal_live: Err(reason),
+                signal_live: Err(reason.clone()),
+                identity: Err(reason),
             });
         let task_fsbase_offset = offsets.fsbase.unwrap_or_else(|reason| {
             tracing::warn!(
@@ -430,6 +535,13 @@ impl Sampler {
                 );
                 (0, 0)
             });
+        let identity = offsets.identity.unwrap_or_else(|reason| {
+            tracing::info!(
+                "processes that exit before the agent reads /proc are named by their thread: \
+                 cannot find the exec details in the kernel's BTF ({reason})"
+            );
+            IdentityOffsets::default()
+        });
         let config = SamplerConfig {
             filter_pids: u32::from(!settings.pids.is_empty()),
             keep_idle: 0,
@@ -437,6 +549,7 @@ impl Sampler {
             task_signal_offset,
             signal_live_offset,
             cuda_probes: 0,
+            identity,
         };
         // Borrowed, not taken: the CUDA programs, loaded later, refer to these maps by the file
         // descriptors the object holds.
@@ -468,6 +581,7 @@ impl Sampler {
         for (program, tracepoint) in [
             (names::PROGRAM_PROCESS_EXIT, names::TRACEPOINT_PROCESS_EXIT),
             (names::PROGRAM_PROCESS_EXEC, names::TRACEPOINT_PROCESS_EXEC),
+            (names::PROGRAM_PROCESS_FORK, names::TRACEPOINT_PROCESS_FORK),
         ] {
             let lifecycle: &mut RawTracePoint = program_mut(&mut ebpf, program)?;
             lifecycle

@@ -241,8 +241,10 @@ impl KernelNames {
     /// this batch, before the event).
     pub fn begin_batch(&mut self, lifecycle: &[LifecycleEvent], now: Instant) {
         for event in lifecycle {
-            let (LifecycleEvent::Exited { pid, ktime_ns }
-            | LifecycleEvent::Execed { pid, ktime_ns }) = *event;
+            if matches!(event, LifecycleEvent::Forked { .. }) {
+                continue;
+            }
+            let (pid, ktime_ns) = (event.pid(), event.ktime_ns());
             let process = self.processes.entry(Pid(pid)).or_default();
             let names = std::mem::take(&mut process.current);
             process.ended.push(EndedProgram {
@@ -467,6 +469,7 @@ mod tests {
         let exec = LifecycleEvent::Execed {
             pid: 7,
             ktime_ns: 500,
+            program: None,
         };
         // The batch holds the exec, a launch of the old program, and the new program naming
         // the same handle value and launching it.

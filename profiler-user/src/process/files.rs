@@ -43,6 +43,19 @@ impl FileCache {
         self.len() == 0
     }
 
+    /// The executable an exec event named, with the file offset its code starts at: from the
+    /// cache when that file is open already, else opened by `path` if it is still the file
+    /// exec'ed (same identity).
+    pub fn executable(&mut self, path: &str, id: FileId) -> Option<(Arc<MappedFile>, u64)> {
+        if let Some(file) = self.files.get_mut(&id) {
+            let offset = super::identity::code_file_offset(file.handle.as_ref()?)?;
+            return Some((Arc::clone(file), offset));
+        }
+        let (file, offset) = super::identity::executable_file(path, id, read_build_id)?;
+        self.files.insert(id, Arc::clone(&file));
+        Some((file, offset))
+    }
+
     /// The file behind a file-backed mapping, opened as the process sees it: through
     /// /proc/PID/map_files (works for deleted files and other mount namespaces), else through
     /// /proc/PID/root. `None` when neither names the mapped file.

@@ -69,12 +69,13 @@ pub struct LabelInputs<'a> {
     pub is_kernel_thread: bool,
 }
 
-/// A process is a kernel thread when the kernel says so (`PF_KTHREAD`), or when it has neither a
-/// command line nor an executable (what kernel threads look like without their stat flags).
+/// A process is a kernel thread when the kernel says so (`PF_KTHREAD`). Only without its stat
+/// flags is having neither a command line nor an executable taken as the sign: an exiting user
+/// process has neither either.
 pub fn is_kernel_thread(stat_flags: Option<u64>, cmdline_is_empty: bool, has_exe: bool) -> bool {
     match stat_flags {
-        Some(flags) if flags & PF_KTHREAD != 0 => true,
-        _ => cmdline_is_empty && !has_exe,
+        Some(flags) => flags & PF_KTHREAD != 0,
+        None => cmdline_is_empty && !has_exe,
     }
 }
 
@@ -887,8 +888,9 @@ mod tests {
         assert!(!is_kernel_thread(Some(0x0040_0100), false, true));
         assert!(is_kernel_thread(None, true, false));
         assert!(!is_kernel_thread(None, true, true));
-        // Either signal is enough.
-        assert!(is_kernel_thread(Some(0), true, false));
+        // With the flags known they decide: an exiting user process has no command line and
+        // no executable either.
+        assert!(!is_kernel_thread(Some(0x0040_0104), true, false));
     }
 
     #[test]

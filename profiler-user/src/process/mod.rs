@@ -8,6 +8,7 @@
 //! snapshot has been unused for a whole interval.
 pub mod cgroup;
 pub mod files;
+pub mod identity;
 pub mod kubernetes;
 pub mod labels;
 mod lru;
@@ -26,12 +27,13 @@ use tracing::debug;
 use self::{
     cgroup::parse_cgroup,
     files::FileCache,
+    identity::{CgroupPaths, Identities, Identity, executable_path, forked_snapshot},
     kubernetes::{KubernetesNames, KubernetesSources, kubernetes_names},
     labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
     lru::Lru,
     maps::executable_mappings,
 };
-use crate::model::{Pid, ProcessInfo};
+use crate::model::{ExecRecord, Mapping, Pid, ProcessInfo};
 
 /// Why a process could not be read.
 #[derive(Debug, Error)]
@@ -44,6 +46,8 @@ pub enum ProcessError {
     },
     #[error("malformed {path}")]
     MalformedStat { path: PathBuf },
+    #[error("process {pid} is exiting (a zombie): nothing left to read")]
+    Exiting { pid: Pid },
 }
 
 /// The fields of /proc/PID/stat the registry uses.
@@ -51,6 +55,8 @@ pub enum ProcessError {
 pub struct StatFields {
     /// The name in parentheses (field 2).
     pub comm: String,
+    /// Field 3: `R`, `S`, `Z` (zombie: exited, not reaped yet), `X` (dead), ...
+    pub state: char,
     /// Field 9.
     pub flags: u64,
     /// Field 22, clock ticks since boot.
@@ -68,6 +74,7 @@ pub fn parse_stat(text: &str) -> Option<StatFields> {
     let field = |number: usize| fields.get(number.checked_sub(3)?)?.parse::<u64>().ok();
     Some(StatFields {
         comm,
+        state: fields.first()?.chars().next()?,
         flags: field(9)?,
         start_time: field(22)?,
     })
@@ -106,6 +113,10 @@ pub struct RegistryStats {
     pub pid_reuse: u64,
     /// Lookups of pids with no /proc entry.
     pub lookups_failed: u64,
+    /// Snapshots built from the exec or fork event because /proc was gone already.
+    pub snapshots_from_events: u64,
+    /// Identities from exec and fork events held (bounded).
+    pub identities: u64,
     /// Files currently held open by the file cache.
     pub open_files: u64,
 }
@@ -132,6 +143,9 @@ pub struct ProcessRegistry {
     /// Incremented by each [`Self::evict_exited`].
     interval: u64,
     stats: RegistryStats,
+    /// Who processes became at exec, or were forked from (see [`identity`]).
+    identities: Identities,
+    cgroups: CgroupPaths,
 }
 
 impl ProcessRegistry {
@@ -150,6 +164,8 @@ impl ProcessRegistry {
             config,
             interval: 0,
             stats: RegistryStats::default(),
+            identities: Identities::default(),
+            cgroups: CgroupPaths::new(),
         }
     }
 
@@ -160,8 +176,30 @@ impl ProcessRegistry {
     pub fn stats(&self) -> RegistryStats {
         RegistryStats {
             open_files: self.files.len() as u64,
+            identities: self.identities.len() as u64,
             ..self.stats
         }
+    }
+
+    /// The process exec'ed `record` (from the exec event).
+    pub fn record_exec(&mut self, pid: Pid, record: Arc<ExecRecord>) {
+        self.identities.record(pid, Identity::Exec(record));
+    }
+
+    /// The process was forked from `parent` (from the fork event): until it execs, it is the
+    /// parent's program, whose snapshot (if the registry holds one) is kept for it.
+    pub fn record_fork(&mut self, pid: Pid, parent: Pid) {
+        let parent_info = self
+            .processes
+            .get_mut(&parent)
+            .map(|entry| Arc::clone(&entry.info));
+        self.identities.record(
+            pid,
+            Identity::Fork {
+                parent,
+                parent_info,
+            },
+        );
     }
 
     /// Number of snapshots held.
@@ -213,8 +251,95 @@ impl ProcessRegistry {
                 // Reused and gone again: the old snapshot describes another process.
                 self.processes.remove(&pid);
                 self.stats.lookups_failed += 1;
-                None
+                self.snapshot_from_events(pid, now, 0)
             }
+        }
+    }
+
+    /// A snapshot of a process gone from /proc, built from its exec or fork event.
+    fn snapshot_from_events(
+        &mut self,
+        pid: Pid,
+        now: Instant,
+        depth: usize,
+    ) -> Option<Arc<ProcessInfo>> {
+        let info = match self.identities.get(pid)? {
+            Identity::Exec(record) => self.exec_snapshot(pid, &record),
+            Identity::Fork {
+                parent,
+                parent_info,
+            } => {
+                // A parent not snapshotted at the fork: now, from /proc or its own events (a
+                // fork of a fork, a few levels at most).
+                let parent_info = match parent_info {
+                    Some(info) => info,
+                    None if depth < 4 => match self.processes.get_mut(&parent) {
+                        Some(entry) => Arc::clone(&entry.info),
+                        None => self
+                            .take_snapshot(parent, now)
+                            .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
+                    },
+                    None => return None,
+                };
+                forked_snapshot(pid, &parent_info)
+            }
+        };
+        self.stats.snapshots_from_events += 1;
+        let info = Arc::new(info);
+        let entry = Entry {
+            info: Arc::clone(&info),
+            start_checked_at: now,
+            refreshed_at: now,
+            used_in_interval: self.interval,
+            provisional: false,
+        };
+        self.processes.insert(pid, entry);
+        debug!(%pid, service_name = %info.labels.service_name, "snapshot from events");
+        Some(info)
+    }
+
+    /// What an exec event says of the program: its labels, and its main executable's code
+    /// as the one mapping known.
+    fn exec_snapshot(&mut self, pid: Pid, record: &ExecRecord) -> ProcessInfo {
+        let exe = executable_path(record);
+        let cgroup = self
+            .cgroups
+            .path(record.cgroup_id)
+            .map(|path| parse_cgroup(&format!("0::{path}")))
+            .unwrap_or_default();
+        let labels = derive_labels(&LabelInputs {
+            cmdline: &record.args,
+            env: &Default::default(),
+            exe: Some(&exe),
+            comm: &record.comm,
+            cgroup: &cgroup,
+            kubernetes: &KubernetesNames::default(),
+            host: &self.host,
+            is_kernel_thread: false,
+        });
+        let mappings = match (record.exe, record.code) {
+            (Some(id), Some((start, end))) => self
+                .files
+                .executable(&exe, id)
+                .map(|(file, file_offset)| {
+                    vec![Mapping {
+                        start,
+                        end,
+                        file_offset,
+                        name: Arc::clone(&file.path),
+                        file: Some(file),
+                    }]
+                })
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        ProcessInfo {
+            pid,
+            start_time: 0,
+            comm: Arc::from(record.comm.as_str()),
+            labels,
+            mappings,
+            is_kernel_thread: false,
         }
     }
 
@@ -318,6 +443,10 @@ pub fn read_process(
         source,
     })?;
     let stat = parse_stat(&stat_text).ok_or(ProcessError::MalformedStat { path: stat_path })?;
+    // Its memory and command line are gone already; the exec or fork event says who it was.
+    if matches!(stat.state, 'Z' | 'X') {
+        return Err(ProcessError::Exiting { pid });
+    }
 
     let comm = fs::read_to_string(process_dir.join("comm"))
         .ok()

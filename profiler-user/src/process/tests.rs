@@ -10,7 +10,7 @@ use std::{
 };
 
 use super::*;
-use crate::model::{FileId, Pid};
+use crate::model::{ExecRecord, FileId, Pid};
 
 const CONTAINER_ID: &str = "4d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
 
@@ -151,6 +151,103 @@ fn lookup_of_missing_pid_fails() {
     assert!(registry.lookup(Pid(4242)).is_none());
     assert_eq!(registry.stats().lookups_failed, 1);
     assert!(registry.is_empty());
+}
+
+/// A process gone from /proc before its first lookup, known only from its exec event: named
+/// after its program (not its thread), with its executable and the code range mapped.
+#[test]
+fn exec_event_names_a_process_gone_before_its_snapshot() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let sleep = fs::canonicalize("/bin/sleep").expect("sleep");
+    let metadata = fs::metadata(&sleep).expect("sleep metadata");
+    let record = ExecRecord {
+        filename: "/bin/sleep".into(),
+        args: vec!["sleep".into(), "0.01".into()],
+        comm: "sleep".into(),
+        cgroup_id: 0,
+        exe: Some(FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        }),
+        code: Some((0x5555_0000_2000, 0x5555_0000_9000)),
+    };
+    registry.record_exec(Pid(500), Arc::new(record));
+    let info = registry
+        .lookup(Pid(500))
+        .expect("a snapshot from the event");
+    assert_eq!(info.labels.service_name, "sleep");
+    assert_eq!(info.labels.executable, sleep.to_string_lossy());
+    assert_eq!(&*info.comm, "sleep");
+    assert_eq!(info.mappings.len(), 1, "the main executable's code");
+    let mapping = &info.mappings[0];
+    assert_eq!(
+        (mapping.start, mapping.end),
+        (0x5555_0000_2000, 0x5555_0000_9000)
+    );
+    assert!(
+        mapping
+            .file
+            .as_ref()
+            .is_some_and(|f| f.id.ino == metadata.ino())
+    );
+    assert_eq!(registry.stats().snapshots_from_events, 1);
+    // Later lookups reuse it.
+    assert!(Arc::ptr_eq(
+        &info,
+        &registry.lookup(Pid(500)).expect("kept")
+    ));
+
+    // The same event for a file replaced on disk since: no mapping, still the name.
+    let replaced = ExecRecord {
+        exe: Some(FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino() + 1,
+        }),
+        ..registry_record("sleep")
+    };
+    registry.record_exec(Pid(501), Arc::new(replaced));
+    let info = registry.lookup(Pid(501)).expect("named anyway");
+    assert!(info.mappings.is_empty());
+    assert_eq!(info.labels.service_name, "sleep");
+}
+
+fn registry_record(program: &str) -> ExecRecord {
+    ExecRecord {
+        filename: format!("/bin/{program}"),
+        args: vec![program.into()],
+        comm: program.into(),
+        code: Some((0x1000, 0x2000)),
+        ..ExecRecord::default()
+    }
+}
+
+/// A child forked without exec that exits before its lookup is its parent's program: the
+/// parent's name and mappings under the child's pid, whatever the child named its thread.
+#[test]
+fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let maps = "00400000-00452000 r-xp 00000000 00:00 0 
+";
+    write_fake_process(root.path(), 600, 77, maps);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let parent = registry.lookup(Pid(600)).expect("parent");
+    registry.record_fork(Pid(601), Pid(600));
+    // A child whose parent the registry had not seen at the fork: read then.
+    write_fake_process(root.path(), 700, 78, maps);
+    registry.record_fork(Pid(701), Pid(700));
+    for (child, parent_pid) in [(601, 600), (701, 700)] {
+        let info = registry.lookup(Pid(child)).expect("the parent's snapshot");
+        assert_eq!(info.pid, Pid(child));
+        assert_eq!(
+            info.labels.service_name, parent.labels.service_name,
+            "{parent_pid}"
+        );
+        assert_eq!(info.mappings.len(), 1);
+    }
+    // A fork with no known parent at all: nothing to build from.
+    registry.record_fork(Pid(801), Pid(800));
+    assert!(registry.lookup(Pid(801)).is_none());
 }
 
 #[test]

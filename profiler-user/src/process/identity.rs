@@ -1,0 +1,312 @@
+//! Who a process is when /proc can no longer say: the exec and fork events.
+//!
+//! A process that exits before the agent reads /proc/PID (a compiler, a `sh -c`, a test
+//! helper, a worker forked for a moment) would otherwise be named by its sample's thread name
+//! (`lto cgu.1`, `ctrl-c`), with no `executable` label and no mappings. The BPF exec event
+//! carries the path, the arguments, the cgroup, the executable's inode and the range of its
+//! code; the fork event carries the parent. From them the registry builds a snapshot:
+//!
+//! - after an exec: the labels of the program it became (the same rules as /proc gives them,
+//!   without the environment, which the event does not carry), the cgroup's labels from its
+//!   path, and one mapping, the main executable's code, when the file on disk is still the one
+//!   that was exec'ed (same inode);
+//! - after a fork without exec: the parent's snapshot (the child runs the parent's program,
+//!   mapped at the same addresses), under the child's pid.
+
+use std::{
+    collections::HashMap,
+    fs,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
+
+use super::lru::Lru;
+use crate::model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo};
+
+/// Identities kept at most (the oldest are forgotten first).
+pub const MAX_IDENTITIES: usize = 16_384;
+
+/// What the events say about a process.
+#[derive(Clone, Debug)]
+pub enum Identity {
+    /// It exec'ed this program.
+    Exec(Arc<ExecRecord>),
+    /// It was forked from `parent` and has not exec'ed; the parent's snapshot at the fork.
+    Fork {
+        parent: Pid,
+        parent_info: Option<Arc<ProcessInfo>>,
+    },
+}
+
+/// The latest identity per pid, bounded.
+#[derive(Debug)]
+pub struct Identities {
+    entries: Lru<Pid, Identity>,
+}
+
+impl Default for Identities {
+    fn default() -> Self {
+        Identities {
+            entries: Lru::new(MAX_IDENTITIES),
+        }
+    }
+}
+
+impl Identities {
+    pub fn record(&mut self, pid: Pid, identity: Identity) {
+        self.entries.insert(pid, identity);
+    }
+
+    pub fn get(&mut self, pid: Pid) -> Option<Identity> {
+        self.entries.get_mut(&pid).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The executable path an exec event names, as /proc/PID/exe would: symbolic links resolved
+/// when the path still names the exec'ed file.
+pub fn executable_path(record: &ExecRecord) -> String {
+    let path = Path::new(&record.filename);
+    if path.is_absolute()
+        && let Ok(real) = fs::canonicalize(path)
+        && record
+            .exe
+            .is_none_or(|id| fs::metadata(&real).is_ok_and(|m| file_id(&m) == id))
+    {
+        return real.to_string_lossy().into_owned();
+    }
+    record.filename.clone()
+}
+
+fn file_id(metadata: &fs::Metadata) -> FileId {
+    FileId {
+        dev: metadata.dev(),
+        ino: metadata.ino(),
+    }
+}
+
+/// Where the main executable's code starts in the file: `mm->start_code` is the load address
+/// of the lowest executable segment, whose file offset this is.
+pub fn code_file_offset(file: &fs::File) -> Option<u64> {
+    let cache = ReadCache::new(file);
+    let elf = object::File::parse(&cache).ok()?;
+    elf.segments()
+        .filter(|segment| match segment.flags() {
+            SegmentFlags::Elf { p_flags } => p_flags & object::elf::PF_X != 0,
+            _ => false,
+        })
+        .min_by_key(|segment| segment.address())
+        .map(|segment| segment.file_range().0)
+}
+
+/// The exec'ed file when it is still on disk as it was exec'ed (same inode).
+pub fn open_executable(path: &str, expected: FileId) -> Option<(fs::File, PathBuf)> {
+    let file = fs::File::open(path).ok()?;
+    (file_id(&file.metadata().ok()?) == expected).then(|| (file, PathBuf::from(path)))
+}
+
+/// The cgroup v2 path of a cgroup id: ids are the inode numbers of the cgroup directories, so
+/// the cgroup2 mount is walked and remembered, and walked again (at most once a second) when
+/// an id is not known yet.
+#[derive(Debug)]
+pub struct CgroupPaths {
+    root: Option<PathBuf>,
+    paths: HashMap<u64, String>,
+    walked_at: Option<Instant>,
+}
+
+/// Cgroup directories remembered at most.
+const MAX_CGROUPS: usize = 65_536;
+
+impl CgroupPaths {
+    /// Finds the cgroup2 mount in the agent's mount table.
+    pub fn new() -> Self {
+        let root = fs::read_to_string("/proc/self/mountinfo")
+            .ok()
+            .and_then(|text| cgroup2_mount(&text));
+        Self::with_root(root)
+    }
+
+    pub fn with_root(root: Option<PathBuf>) -> Self {
+        CgroupPaths {
+            root,
+            paths: HashMap::new(),
+            walked_at: None,
+        }
+    }
+
+    /// The path of cgroup `id` relative to the cgroup2 root (`/system.slice/x.service`).
+    pub fn path(&mut self, id: u64) -> Option<String> {
+        if id == 0 {
+            return None;
+        }
+        if let Some(path) = self.paths.get(&id) {
+            return Some(path.clone());
+        }
+        let root = self.root.clone()?;
+        if self
+            .walked_at
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        {
+            return None;
+        }
+        self.walked_at = Some(Instant::now());
+        self.paths.clear();
+        self.walk(&root, &root);
+        self.paths.get(&id).cloned()
+    }
+
+    fn walk(&mut self, root: &Path, dir: &Path) {
+        if self.paths.len() >= MAX_CGROUPS {
+            return;
+        }
+        let Ok(metadata) = fs::metadata(dir) else {
+            return;
+        };
+        let relative = dir.strip_prefix(root).unwrap_or(dir);
+        self.paths.insert(
+            metadata.ino(),
+            format!("/{}", relative.to_string_lossy()).replace("//", "/"),
+        );
+        let Ok(entries) = fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                self.walk(root, &entry.path());
+            }
+        }
+    }
+}
+
+impl Default for CgroupPaths {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The mount point of the cgroup2 file system in a /proc/PID/mountinfo text.
+fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        // ... mount-point ... - fstype source options
+        let (fields, rest) = line.split_once(" - ")?;
+        let fstype = rest.split_whitespace().next()?;
+        let mount_point = fields.split_whitespace().nth(4)?;
+        (fstype == "cgroup2").then(|| PathBuf::from(mount_point))
+    })
+}
+
+/// A snapshot of a fork child that never exec'ed: its parent's, under its own pid.
+pub fn forked_snapshot(pid: Pid, parent: &ProcessInfo) -> ProcessInfo {
+    ProcessInfo {
+        pid,
+        start_time: 0,
+        comm: Arc::clone(&parent.comm),
+        labels: parent.labels.clone(),
+        mappings: parent.mappings.clone(),
+        is_kernel_thread: false,
+    }
+}
+
+/// The main executable as a mapped file, for a snapshot built from an exec event.
+pub fn executable_file(
+    path: &str,
+    expected: FileId,
+    build_id: impl FnOnce(&fs::File) -> Option<String>,
+) -> Option<(Arc<MappedFile>, u64)> {
+    let (handle, open_path) = open_executable(path, expected)?;
+    let offset = code_file_offset(&handle)?;
+    let file = MappedFile {
+        id: expected,
+        path: Arc::from(path),
+        open_path,
+        build_id: build_id(&handle).map(Arc::from),
+        handle: Some(handle),
+    };
+    Some((Arc::new(file), offset))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_cgroup2_mount() {
+        let hybrid = "\
+25 20 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate
+27 25 0:24 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu
+";
+        assert_eq!(
+            cgroup2_mount(hybrid),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        let unified = "30 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup2_mount(unified),
+            Some(PathBuf::from("/sys/fs/cgroup"))
+        );
+        assert_eq!(cgroup2_mount("garbage\n1 2 3\n"), None);
+    }
+
+    #[test]
+    fn cgroup_ids_are_directory_inodes() {
+        let dir = tempfile::tempdir().unwrap();
+        let unit = dir.path().join("system.slice").join("web.service");
+        fs::create_dir_all(&unit).unwrap();
+        let id = fs::metadata(&unit).unwrap().ino();
+        let mut paths = CgroupPaths::with_root(Some(dir.path().to_path_buf()));
+        assert_eq!(paths.path(id), Some("/system.slice/web.service".into()));
+        assert_eq!(
+            paths.path(fs::metadata(dir.path()).unwrap().ino()),
+            Some("/".into())
+        );
+        // An unknown id walks again only after a second.
+        let later = dir.path().join("late.service");
+        fs::create_dir(&later).unwrap();
+        assert_eq!(paths.path(fs::metadata(&later).unwrap().ino()), None);
+        assert_eq!(paths.path(0), None);
+    }
+
+    #[test]
+    fn the_executable_is_taken_only_while_it_is_the_file_exec_ed() {
+        let sleep = fs::metadata("/bin/sleep").unwrap();
+        let id = file_id(&sleep);
+        let (file, offset) = executable_file("/bin/sleep", id, |_| None).expect("opened");
+        assert_eq!(file.id, id);
+        assert!(offset > 0, "the code segment follows the ELF headers");
+        let other = FileId {
+            dev: id.dev,
+            ino: id.ino + 1,
+        };
+        assert!(executable_file("/bin/sleep", other, |_| None).is_none());
+        let record = ExecRecord {
+            filename: "/bin/sh".into(),
+            exe: Some(file_id(
+                &fs::metadata(fs::canonicalize("/bin/sh").unwrap()).unwrap(),
+            )),
+            ..ExecRecord::default()
+        };
+        assert_eq!(
+            executable_path(&record),
+            fs::canonicalize("/bin/sh").unwrap().to_string_lossy(),
+            "a symbolic link is resolved as /proc/PID/exe shows it"
+        );
+        let relative = ExecRecord {
+            filename: "./run.sh".into(),
+            ..ExecRecord::default()
+        };
+        assert_eq!(executable_path(&relative), "./run.sh");
+    }
+}
