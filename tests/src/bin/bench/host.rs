@@ -287,6 +287,8 @@ pub struct HostRun {
     /// Other samplers and benchmarks seen during the run (`pid: command line` → polls that saw
     /// it): they disturb every figure.
     pub foreign: BTreeMap<String, usize>,
+    /// CPU seconds of processes outside the bench's tree, by process name (a lower bound).
+    pub outsiders: BTreeMap<String, f64>,
     /// From the agent's start until it logged `agent running`.
     pub ready_s: f64,
     pub polls: Vec<Poll>,
@@ -636,42 +638,118 @@ fn read_load() -> Option<[f64; 3]> {
     Some([values.next()??, values.next()??, values.next()??])
 }
 
-/// Other `profiler`, `bench` and `perf` processes than `own`: another sampler or benchmark on
-/// the machine disturbs every figure, and the report says so.
-fn foreign_samplers(own: &[u32]) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut found = Vec::new();
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if own.contains(&pid) {
-            continue;
-        }
-        let Ok(exe) = std::fs::read_link(entry.path().join("exe")) else {
-            continue;
-        };
-        let name = exe.to_string_lossy();
-        let name = name.strip_suffix(" (deleted)").unwrap_or(&name);
-        if !matches!(name.rsplit('/').next(), Some("profiler" | "bench" | "perf")) {
-            continue;
-        }
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let cmdline: String = String::from_utf8_lossy(&cmdline)
+/// `PF_KTHREAD` in the flags field of /proc/PID/stat.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// One process as /proc/PID/stat shows it.
+struct ProcStat {
+    pid: u32,
+    ppid: u32,
+    comm: String,
+    flags: u64,
+    cpu_s: f64,
+    start: u64,
+}
+
+fn parse_proc_stat(pid: u32, text: &str) -> Option<ProcStat> {
+    let open = text.find('(')?;
+    let (comm, rest) = text[open + 1..].rsplit_once(')')?;
+    // After the name: state, ppid, pgrp, session, tty, tpgid, flags, ..., utime (11), stime
+    // (12), ..., starttime (19).
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let number = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some(ProcStat {
+        pid,
+        ppid: u32::try_from(number(1)?).ok()?,
+        comm: comm.to_string(),
+        flags: number(6)?,
+        cpu_s: (number(11)? + number(12)?) as f64 / ticks,
+        start: number(19)?,
+    })
+}
+
+/// What runs on the machine besides the suite (processes that are not the bench's
+/// descendants): another build, test or sampler disturbs every figure, and the report says so.
+#[derive(Default)]
+struct Outsiders {
+    /// pid → (start time, CPU seconds) at the previous poll.
+    last: std::collections::HashMap<u32, (u64, f64)>,
+    /// CPU seconds by process name between polls. Processes that start and end between two
+    /// polls are missed, so this is a lower bound.
+    by_name: BTreeMap<String, f64>,
+    /// Other `profiler`, `bench` and `perf` processes (`pid: command line`) → polls that saw
+    /// them.
+    samplers: BTreeMap<String, usize>,
+}
+
+/// Whether `pid` runs a `profiler`, `bench` or `perf` binary; its command line if so.
+fn sampler_command(pid: u32) -> Option<String> {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+    let exe = exe.to_string_lossy();
+    let exe = exe.strip_suffix(" (deleted)").unwrap_or(&exe);
+    if !matches!(exe.rsplit('/').next(), Some("profiler" | "bench" | "perf")) {
+        return None;
+    }
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    Some(
+        String::from_utf8_lossy(&cmdline)
             .replace('\0', " ")
             .trim()
             .chars()
             .take(160)
+            .collect(),
+    )
+}
+
+impl Outsiders {
+    fn poll(&mut self, bench: u32) {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        let stats: Vec<ProcStat> = entries
+            .flatten()
+            .filter_map(|entry| {
+                let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+                let text = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+                parse_proc_stat(pid, &text)
+            })
             .collect();
-        found.push(format!("{pid}: {cmdline}"));
+        let mut children: std::collections::HashMap<u32, Vec<u32>> = Default::default();
+        for stat in &stats {
+            children.entry(stat.ppid).or_default().push(stat.pid);
+        }
+        let mut ours = std::collections::HashSet::from([bench]);
+        let mut queue = vec![bench];
+        while let Some(pid) = queue.pop() {
+            for &child in children.get(&pid).into_iter().flatten() {
+                if ours.insert(child) {
+                    queue.push(child);
+                }
+            }
+        }
+        let mut now = std::collections::HashMap::new();
+        for stat in stats {
+            if ours.contains(&stat.pid) || stat.flags & PF_KTHREAD != 0 || stat.pid == 1 {
+                continue;
+            }
+            if let Some(command) = sampler_command(stat.pid) {
+                *self
+                    .samplers
+                    .entry(format!("{}: {command}", stat.pid))
+                    .or_default() += 1;
+            }
+            if let Some(&(start, cpu)) = self.last.get(&stat.pid)
+                && start == stat.start
+                && stat.cpu_s > cpu
+            {
+                *self.by_name.entry(stat.comm.clone()).or_default() += stat.cpu_s - cpu;
+            }
+            now.insert(stat.pid, (stat.start, stat.cpu_s));
+        }
+        self.last = now;
     }
-    found
 }
 
 fn read_forks() -> Option<u64> {
@@ -745,7 +823,8 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
     let agent_log = logs.join("agent.log");
     let mut log = LogReader::new(agent_log.clone());
     let load_before = read_load();
-    let mut foreign: BTreeMap<String, usize> = BTreeMap::new();
+    let mut outsiders = Outsiders::default();
+    outsiders.poll(std::process::id());
     let started_ms = unix_now_ms();
     let t0 = Instant::now();
     let mut agent = Group::spawn(
@@ -815,9 +894,7 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
                 interval: log.log.last_interval.clone(),
                 bpf: bpf_prog_stats(pid),
             });
-            for other in foreign_samplers(&[pid, std::process::id()]) {
-                *foreign.entry(other).or_default() += 1;
-            }
+            outsiders.poll(std::process::id());
             for part in &mut parts {
                 if part.report.exited.is_none()
                     && let Some(status) = part.group.exited()?
@@ -885,7 +962,8 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
     Ok(HostRun {
         seconds,
         load_before,
-        foreign,
+        foreign: outsiders.samplers,
+        outsiders: outsiders.by_name,
         ready_s,
         polls,
         metric_failures,
@@ -910,6 +988,17 @@ mod tests {
         assert_eq!(metrics.get("profiler_a_total"), Some(&12.0));
         assert_eq!(metrics.get("profiler_c"), Some(&1500.0));
         assert!(!metrics.contains_key("profiler_b{gpu=\"0\"}"));
+    }
+
+    #[test]
+    fn proc_stat_line() {
+        let line = "4242 (a (weird) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 123456 1000 10";
+        let stat = parse_proc_stat(4242, line).unwrap();
+        assert_eq!(stat.ppid, 1);
+        assert_eq!(stat.comm, "a (weird) name");
+        assert_eq!(stat.flags, 4194560);
+        assert_eq!(stat.start, 123456);
+        assert!(stat.cpu_s > 0.0);
     }
 
     #[test]

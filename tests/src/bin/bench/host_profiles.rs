@@ -128,6 +128,12 @@ pub fn suspicious(name: &str) -> Option<&'static str> {
     }
 }
 
+/// Process names (comm) of this workload's user programs: under `kernel` they mean user
+/// processes labelled as kernel threads.
+const USER_PROGRAMS: &[&str] = &[
+    "true", "echo", "bash", "sh", "cat", "tr", "cc1", "as", "gcc", "make", "python",
+];
+
 /// One service's samples over the run.
 #[derive(Clone, Debug, Default)]
 pub struct ServiceStats {
@@ -140,6 +146,23 @@ pub struct ServiceStats {
     pub truncated: i64,
     /// The most frequent root frames (the process names, comm) with their counts.
     pub roots: Vec<(String, i64)>,
+}
+
+impl ServiceStats {
+    /// Why this service's name looks wrong, if it does: [`suspicious`], or user programs of
+    /// the workload among the root frames of `kernel`.
+    pub fn flag(&self) -> Option<&'static str> {
+        let user_roots = self.roots.iter().any(|(root, _)| {
+            root.starts_with("host_")
+                || root.starts_with("python")
+                || USER_PROGRAMS.contains(&root.as_str())
+        });
+        if self.name == "kernel" && user_roots {
+            Some("user processes (see their names) labelled as kernel threads")
+        } else {
+            suspicious(&self.name)
+        }
+    }
 }
 
 /// A fixture's completeness.

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use crate::{
     host::{AGENT_RUST_LOG, HostRun, POLL_S, Poll, warm_up_s},
-    host_profiles::{ProfileAnalysis, ServiceStats, suspicious},
+    host_profiles::{ProfileAnalysis, ServiceStats},
     host_workload::{self, progress_value},
     parse::median,
 };
@@ -29,6 +29,13 @@ fn shorten(text: &str, chars: usize) -> String {
         shown.push('…');
     }
     shown
+}
+
+/// Online CPUs.
+fn cpus() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    online.max(1) as f64
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -228,6 +235,27 @@ pub fn render(run: &HostRun) -> String {
             "{:.1}, {:.1}, {:.1}",
             l[0], l[1], l[2]
         ))
+    );
+    let outside: f64 = run.outsiders.values().sum();
+    let capacity = run.seconds as f64 * cpus();
+    let mut busiest: Vec<(&String, &f64)> = run.outsiders.iter().collect();
+    busiest.sort_by(|a, b| b.1.total_cmp(a.1));
+    let _ = writeln!(
+        out,
+        "- {}CPU of processes outside the suite (not the bench's descendants; read every {POLL_S} s, so a lower bound): {outside:.1} CPU-seconds, {:.1} % of the machine over the run{}{}",
+        if outside > 0.05 * capacity {
+            "**not a quiet run**: "
+        } else {
+            ""
+        },
+        outside * 100.0 / capacity,
+        if busiest.is_empty() { "" } else { "; most: " },
+        busiest
+            .iter()
+            .take(6)
+            .map(|(name, s)| format!("{name} {s:.1} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     if run.foreign.is_empty() {
         let _ = writeln!(
@@ -690,7 +718,7 @@ fn render_services(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) 
     let flagged: Vec<&ServiceStats> = analysis
         .services
         .iter()
-        .filter(|s| suspicious(&s.name).is_some())
+        .filter(|s| s.flag().is_some())
         .collect();
     let _ = writeln!(
         out,
@@ -719,7 +747,7 @@ fn render_services(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) 
             s.samples,
             pct(s.samples, total),
             roots.join(", "),
-            suspicious(&s.name).unwrap_or("")
+            s.flag().unwrap_or("")
         );
     };
     for s in analysis.services.iter().take(TOP_SERVICES) {
@@ -729,7 +757,7 @@ fn render_services(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) 
         .services
         .iter()
         .skip(TOP_SERVICES)
-        .filter(|s| suspicious(&s.name).is_some())
+        .filter(|s| s.flag().is_some())
     {
         row(out, s);
     }
@@ -737,7 +765,7 @@ fn render_services(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) 
         .services
         .iter()
         .skip(TOP_SERVICES)
-        .filter(|s| suspicious(&s.name).is_none())
+        .filter(|s| s.flag().is_none())
         .collect();
     if !rest.is_empty() {
         let _ = writeln!(
@@ -757,8 +785,9 @@ fn render_workload(out: &mut String, run: &HostRun) {
     let b = &run.build;
     let _ = writeln!(
         out,
-        "| parallel build | `make -j4` of {} generated C files (gcc -O2 -g), clean + rebuild in a loop | 1 | {} builds, {} failed{} | mean {} s per build |",
+        "| parallel build | `make -j4` of {} generated C files (gcc -O2 -g), clean + rebuild in a loop | 1 | {} files compiled, {} complete builds, {} failed{} | mean {} s per build |",
         host_workload::BUILD_FILES,
+        b.objects,
         b.builds,
         b.failures,
         b.last_error

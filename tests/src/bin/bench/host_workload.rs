@@ -136,8 +136,8 @@ pub fn build_fixtures() -> Result<Fixtures> {
 }
 
 /// Writes `files` generated C files, a `main.c` calling them and a Makefile into `dir`. The files
-/// are small to medium (12-24 functions of loops, switches, libm and libc calls, 150-300 lines;
-/// about 0.15 s each for gcc -O2 -g on an idle CPU), so a parallel build starts compilers all
+/// are small to medium (8-14 functions of loops, switches, libm and libc calls, 100-180 lines;
+/// about 0.1 s each for gcc -O2 -g on an idle CPU), so a parallel build starts compilers all
 /// the time.
 pub fn generate_build_tree(dir: &Path, files: usize) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -179,7 +179,7 @@ fn generated_unit(unit: usize, rng: &mut SplitMix) -> String {
          const struct u{unit}_rec *x = a, *y = b;\n    \
          return (x->weight > y->weight) - (x->weight < y->weight);\n}}\n"
     );
-    let functions = 12 + (rng.below(13) as usize);
+    let functions = 8 + (rng.below(7) as usize);
     for f in 0..functions {
         let (k1, k2, k3, k4) = (rng.below(97), rng.below(13), rng.below(1000), rng.below(7));
         match f % 3 {
@@ -365,6 +365,8 @@ impl Drop for Group {
 pub struct BuildStats {
     /// Complete `make clean` + `make -j4` cycles.
     pub builds: u32,
+    /// Object files compiled (each one gcc → cc1 → as), the unfinished build included.
+    pub objects: u64,
     pub failures: u32,
     /// Seconds of each complete build (the `make -j4` part).
     pub build_seconds: Vec<f64>,
@@ -408,6 +410,15 @@ impl Drop for BuildLoop {
     }
 }
 
+fn count_objects(dir: &Path) -> u64 {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|ext| ext == "o"))
+            .count() as u64
+    })
+}
+
 fn build_loop(dir: &Path, log: &Path, stop: &AtomicBool) -> BuildStats {
     let mut stats = BuildStats::default();
     // Runs one make; None when stopped meanwhile (the make's group is then killed on drop).
@@ -447,8 +458,10 @@ fn build_loop(dir: &Path, log: &Path, stop: &AtomicBool) -> BuildStats {
         };
         let started = Instant::now();
         let Some(built) = make(&["-s", "-j4", "app"], &mut stats) else {
+            stats.objects += count_objects(dir);
             return stats;
         };
+        stats.objects += count_objects(dir);
         if cleaned && built {
             stats.builds += 1;
             stats.build_seconds.push(started.elapsed().as_secs_f64());
