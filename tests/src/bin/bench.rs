@@ -4,11 +4,20 @@
 //! `depth` (BPF cost and stack completeness at 10-128 frames without frame pointers), `tables`
 //! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes),
 //! and `store` (the embedded store behind the HTTP server: ingest throughput, 24-hour merge
-//! latency, bytes per service per day).
+//! latency, bytes per service per day), and `host` (the whole-host agent on a reproduced busy
+//! host: memory over time, CPU per sample, stack quality, service names).
 //! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
 #[path = "bench/gpu.rs"]
 mod gpu;
+#[path = "bench/host.rs"]
+mod host;
+#[path = "bench/host_profiles.rs"]
+mod host_profiles;
+#[path = "bench/host_report.rs"]
+mod host_report;
+#[path = "bench/host_workload.rs"]
+mod host_workload;
 #[path = "bench/parse.rs"]
 mod parse;
 #[path = "bench/procs.rs"]
@@ -38,14 +47,16 @@ use procs::{Finished, Proc, Usage};
 
 const USAGE: &str = "\
 usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-seconds N]
-             [--store-intervals N] [--output FILE] [--no-build]
+             [--store-intervals N] [--host-seconds N] [--output FILE] [--no-build]
 
   --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
-                       store, gpu, unwind (= depth,tables,shared), all (default: all)
+                       store, gpu, host, unwind (= depth,tables,shared), all (default: all,
+                       which leaves out host)
   --seconds N          overhead suite: length of each scenario in seconds (default 20)
   --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
   --shared-seconds N   shared suite: recording per variant in seconds (default 10)
   --store-intervals N  store suite: 15 s intervals of 50 services to ingest (default 12)
+  --host-seconds N     host suite: length of the run in seconds (default 300, at least 60)
   --output FILE        also write the markdown report to FILE
   --no-build           do not run `cargo build --release -p profiler-user` first
 
@@ -64,7 +75,11 @@ Needs root. Suites:
             service's 2,000-stack profiles (bytes per service per day), its 24-hour merge
             (latency), 50 services' intervals through Connect Push (profiles per second)
   gpu       cost per probed CUDA call (stand-in runtime) and the slowdown of a loop making
-            100,000 launches/s";
+            100,000 launches/s
+  host      a busy host reproduced here (parallel build, exec storm, named threads, Python
+            services, PyTorch, known-stack fixtures) under `profiler agent` with its defaults:
+            agent RSS over time, CPU per sample, caches, stack quality, service names,
+            fixture completeness (not in `all`: it takes --host-seconds and loads the machine)";
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Suites {
@@ -75,6 +90,7 @@ struct Suites {
     python: bool,
     store: bool,
     gpu: bool,
+    host: bool,
 }
 
 impl Suites {
@@ -91,6 +107,8 @@ impl Suites {
                         python: true,
                         store: true,
                         gpu: true,
+                        // Five minutes of a saturated machine: only when asked for.
+                        host: false,
                     }
                 }
                 "overhead" => suites.overhead = true,
@@ -105,8 +123,9 @@ impl Suites {
                 "python" => suites.python = true,
                 "store" => suites.store = true,
                 "gpu" => suites.gpu = true,
+                "host" => suites.host = true,
                 other => bail!(
-                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, gpu, unwind or all"
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, gpu, host, unwind or all"
                 ),
             }
         }
@@ -115,7 +134,7 @@ impl Suites {
 
     /// Whether a suite needs the BPF program (root, the release profiler, the sysctl).
     fn needs_bpf(&self) -> bool {
-        self.overhead || self.depth || self.shared || self.python || self.gpu
+        self.overhead || self.depth || self.shared || self.python || self.gpu || self.host
     }
 }
 
@@ -125,6 +144,7 @@ struct Options {
     depth_seconds: u64,
     shared_seconds: u64,
     store_intervals: u64,
+    host_seconds: u64,
     output: Option<PathBuf>,
     build: bool,
 }
@@ -144,6 +164,7 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
         depth_seconds: 8,
         shared_seconds: 10,
         store_intervals: 12,
+        host_seconds: host::DEFAULT_SECONDS,
         output: None,
         build: true,
     };
@@ -165,6 +186,9 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
             "--depth-seconds" => options.depth_seconds = parse_seconds(flag, &value()?, 3)?,
             "--shared-seconds" => options.shared_seconds = parse_seconds(flag, &value()?, 2)?,
             "--store-intervals" => options.store_intervals = parse_seconds(flag, &value()?, 1)?,
+            "--host-seconds" => {
+                options.host_seconds = parse_seconds(flag, &value()?, host::MIN_SECONDS)?
+            }
             "--suite" => options.suites = Suites::parse(&value()?)?,
             "--output" => options.output = Some(PathBuf::from(value()?)),
             "--no-build" => options.build = false,
@@ -363,6 +387,15 @@ fn run(args: &[String]) -> Result<()> {
     if let (true, Some(profiler)) = (suites.gpu, &profiler) {
         let results = gpu::run(profiler, &scratch)?;
         markdown.push_str(&gpu::render(&results));
+        settle()?;
+    }
+    if let (true, Some(profiler)) = (suites.host, &profiler) {
+        eprintln!(
+            "bench: [host] a busy host for {} s under `profiler agent`",
+            options.host_seconds
+        );
+        let run = host::run(profiler, &scratch, options.host_seconds)?;
+        markdown.push_str(&host_report::render(&run));
         settle()?;
     }
     let mut table_results = None;
