@@ -1,24 +1,34 @@
+fn rss() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let f = |k: &str| {
+        s.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            / 1024
+    };
+    f("VmHWM:")
+}
 fn main() {
     for path in std::env::args().skip(1) {
-        let data = std::fs::read(&path).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let data = unsafe { memmap2::Mmap::map(&file).unwrap() };
+        let before = rss();
         let t = std::time::Instant::now();
-        match profiler::unwinding::tables::build_table(&data) {
-            Ok(table) => {
-                let s = table.stats();
-                println!(
-                    "{path}: rows={} reliable={} sig={} code={} calls={} first_break={:#x} unsup_expr={} unsup_reg={} {:?}",
-                    table.row_count(),
-                    table.frame_pointers_reliable(),
-                    s.signal_fdes,
-                    s.call_sites.code_bytes,
-                    s.call_sites.call_sites,
-                    s.call_sites.first_frame_breaking_call,
-                    s.unsupported_cfa_expressions,
-                    s.unsupported_cfa_registers,
-                    t.elapsed()
-                );
-            }
-            Err(e) => println!("{path}: error {e}"),
-        }
+        let table = profiler::unwinding::tables::build_table(&data).unwrap();
+        let built = rss();
+        let s = table.stats();
+        let _ = table.paged();
+        let paged = rss();
+        println!(
+            "{path}: rows={} before_merge={} fdes={} reliable={} {:?} hwm MiB: start {before} built {built} paged {paged}",
+            table.row_count(),
+            s.rows_before_merge,
+            s.fdes,
+            table.frame_pointers_reliable(),
+            t.elapsed()
+        );
     }
 }

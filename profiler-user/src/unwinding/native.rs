@@ -50,6 +50,9 @@ pub struct NativeTableStats {
     pub tables_demanded: u64,
     /// Files the manager knows (placed, built but waiting, building, unusable).
     pub table_slots: u64,
+    /// Processes whose registration was put off at their first sample (most are never
+    /// sampled again).
+    pub registrations_put_off: u64,
     pub rows_in_use: u64,
     pub row_capacity: u64,
     pub processes_registered: u64,
@@ -106,7 +109,8 @@ impl Segments {
 #[derive(Debug)]
 enum SlotState {
     Loaded {
-        chunks: Range<u32>,
+        /// The chunk ranges holding the table (several when it was split between free ranges).
+        chunks: Vec<Range<u32>>,
         pages: Vec<u32>,
     },
     /// Being built (or read from the cache) on the builder thread.
@@ -136,6 +140,8 @@ struct TableSlot {
     retry_after: Option<Instant>,
     /// Registered processes mapping the file.
     registrations: u32,
+    /// The files (several copies of one build id) that use this table.
+    files: Vec<FileId>,
     /// The file to build from; dropped while no registered process maps it, so the file is
     /// not held open for a table that may never be needed again.
     source: Option<Arc<MappedFile>>,
@@ -160,6 +166,14 @@ struct Registration {
     waiting_for: Vec<TableKey>,
 }
 
+/// Part of a table placed in one contiguous chunk range: pages `pages` (indexes into the
+/// table's pages), their rows packed from the range's first chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Extent {
+    chunks: Range<u32>,
+    pages: Range<usize>,
+}
+
 /// First-fit allocator of contiguous chunk ranges in the row array.
 #[derive(Debug)]
 struct ChunkAllocator {
@@ -175,6 +189,7 @@ impl ChunkAllocator {
         }
     }
 
+    #[cfg(test)]
     fn allocate(&mut self, chunks: u32) -> Option<Range<u32>> {
         let index = self.free.iter().position(|r| r.len() as u32 >= chunks)?;
         let range = &mut self.free[index];
@@ -184,6 +199,69 @@ impl ChunkAllocator {
             self.free.remove(index);
         }
         Some(allocated)
+    }
+
+    /// Room for a table whose pages have `page_rows` rows each: its pages in order, packed
+    /// into free ranges first fit, split only between pages. `None` (nothing allocated) when
+    /// the pages do not fit.
+    fn allocate_pages(&mut self, page_rows: &[u32]) -> Option<Vec<Extent>> {
+        let rows_per_chunk = ROWS_PER_CHUNK as u64;
+        let mut extents = Vec::new();
+        let mut free = self.free.clone().into_iter();
+        let mut range = free.next()?;
+        let mut page = 0;
+        while page < page_rows.len() {
+            // Whole pages from `page` on that fit in what is left of `range`.
+            let capacity = u64::from(range.end - range.start) * rows_per_chunk;
+            let mut rows = 0u64;
+            let mut end = page;
+            while end < page_rows.len() && rows + u64::from(page_rows[end]) <= capacity {
+                rows += u64::from(page_rows[end]);
+                end += 1;
+            }
+            if end == page {
+                // Not even this page fits here: the next free range.
+                range = free.next()?;
+                continue;
+            }
+            let chunks = rows.div_ceil(rows_per_chunk) as u32;
+            extents.push(Extent {
+                chunks: range.start..range.start + chunks,
+                pages: page..end,
+            });
+            range.start += chunks;
+            page = end;
+            if range.start == range.end {
+                match free.next() {
+                    Some(next) => range = next,
+                    None if page < page_rows.len() => return None,
+                    None => break,
+                }
+            }
+        }
+        for extent in &extents {
+            self.take(extent.chunks.clone());
+        }
+        Some(extents)
+    }
+
+    /// Removes `chunks` (inside one free range) from the free list.
+    fn take(&mut self, chunks: Range<u32>) {
+        let Some(index) = self
+            .free
+            .iter()
+            .position(|free| free.start <= chunks.start && chunks.end <= free.end)
+        else {
+            return;
+        };
+        let free = self.free.remove(index);
+        let mut at = index;
+        for piece in [free.start..chunks.start, chunks.end..free.end] {
+            if !piece.is_empty() {
+                self.free.insert(at, piece);
+                at += 1;
+            }
+        }
     }
 
     fn release(&mut self, chunks: Range<u32>) {
@@ -234,6 +312,8 @@ pub struct NativeTables<M: UnwindMaps> {
     next_table_id: u32,
     tick: u64,
     processes: HashMap<Pid, Registration>,
+    /// Processes sampled once and not registered yet (see [`Self::sync`]).
+    seen_once: HashMap<Pid, Instant>,
     has_vdso: bool,
     min_residency: Duration,
     stats: NativeTableStats,
@@ -241,6 +321,9 @@ pub struct NativeTables<M: UnwindMaps> {
 
 /// A table sampled within this time is not evicted for another one.
 pub const MIN_RESIDENCY: Duration = Duration::from_secs(10);
+/// Processes remembered as seen once (not registered yet) at most.
+const MAX_SEEN_ONCE: usize = 8192;
+
 /// Slots kept at most; beyond, those no registered process maps are forgotten.
 pub const MAX_TABLE_SLOTS: usize = 16_384;
 
@@ -363,6 +446,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             next_table_id: 1,
             tick: 0,
             processes: HashMap::new(),
+            seen_once: HashMap::new(),
             min_residency: MIN_RESIDENCY,
             stats: NativeTableStats {
                 row_capacity: u64::from(capacity) * ROWS_PER_CHUNK as u64,
@@ -396,9 +480,18 @@ impl<M: UnwindMaps> NativeTables<M> {
         let key = match &mapping.file {
             Some(file) => match self.file_tables.get(&file.id) {
                 Some(key) => key.clone(),
-                None => return RowLookup::NoTable,
+                // A process not registered (yet): its file's table is asked for now.
+                None => {
+                    let key = table_key(file);
+                    self.ensure_table(&key, Some(file.clone()));
+                    self.link_file(file.id, &key);
+                    key
+                }
             },
-            None if &*mapping.name == "[vdso]" && self.has_vdso => TableKey::Vdso,
+            None if &*mapping.name == "[vdso]" && self.has_vdso => {
+                self.ensure_table(&TableKey::Vdso, None);
+                TableKey::Vdso
+            }
             None => return RowLookup::NoTable,
         };
         let Some(slot) = self.slots.get(&key) else {
@@ -489,9 +582,38 @@ impl<M: UnwindMaps> NativeTables<M> {
     }
 
     /// Makes BPF unwind `process` with its current snapshot; cheap when already done. Tables
-    /// not built yet are requested; until they are ready those mappings use frame pointers and
-    /// the process is registered again once they are.
+    /// not built yet are requested; until they are ready BPF stops at those mappings (the
+    /// agent finishes from a stack copy) and the process is registered again once they are.
+    ///
+    /// A process is registered at its second sample, not its first: registering costs a few
+    /// hundred map updates (and as many again at its exit), while most processes on a busy
+    /// host are sampled once in their life, and the late walk unwinds that sample anyway.
     pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
+        if !self.processes.contains_key(&process.pid)
+            && !process.is_kernel_thread
+            && self.seen_once.remove(&process.pid).is_none()
+        {
+            self.note_first_sight(process.pid);
+            return;
+        }
+        self.register(process);
+    }
+
+    /// Remembers a process seen once and not registered (bounded: old entries go first).
+    fn note_first_sight(&mut self, pid: Pid) {
+        if self.seen_once.len() >= MAX_SEEN_ONCE {
+            let now = Instant::now();
+            self.seen_once
+                .retain(|_, at| now.duration_since(*at) < Duration::from_secs(10));
+            if self.seen_once.len() >= MAX_SEEN_ONCE {
+                self.seen_once.clear();
+            }
+        }
+        self.seen_once.insert(pid, Instant::now());
+        self.stats.registrations_put_off += 1;
+    }
+
+    fn register(&mut self, process: &Arc<ProcessInfo>) {
         self.poll_builds();
         let snapshot = Arc::as_ptr(process) as usize;
         if let Some(registration) = self.processes.get(&process.pid)
@@ -572,7 +694,7 @@ impl<M: UnwindMaps> NativeTables<M> {
     /// Like [`Self::sync`], but first waits (up to `timeout`) for the process's tables, so
     /// even its first samples unwind from them. Used before sampling starts.
     pub fn sync_waiting(&mut self, process: &Arc<ProcessInfo>, timeout: Duration) {
-        self.sync(process);
+        self.register(process);
         let deadline = Instant::now() + timeout;
         while self
             .processes
@@ -584,7 +706,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                 Ok(result) => self.finish_build(result),
                 Err(_) => break,
             }
-            self.sync(process);
+            self.register(process);
         }
     }
 
@@ -638,6 +760,7 @@ impl<M: UnwindMaps> NativeTables<M> {
 
     /// Forgets a process (it exited, or its pid now belongs to another process).
     pub fn unregister(&mut self, pid: Pid) {
+        self.seen_once.remove(&pid);
         let Some(registration) = self.processes.remove(&pid) else {
             return;
         };
@@ -681,12 +804,27 @@ impl<M: UnwindMaps> NativeTables<M> {
 
     /// Drops a slot no registered process maps (its table is not in the maps).
     fn forget_slot(&mut self, key: &TableKey) {
-        if let Some(slot) = self.slots.remove(key)
-            && let Some(source) = &slot.source
-        {
-            self.file_tables.remove(&source.id);
+        if let Some(slot) = self.slots.remove(key) {
+            self.unlink_files(key, &slot.files);
         }
-        self.file_tables.retain(|_, table| table != key);
+    }
+
+    /// Files map to their table both ways: `file_tables`, and each slot's `files`.
+    fn link_file(&mut self, id: FileId, key: &TableKey) {
+        if let Some(slot) = self.slots.get_mut(key) {
+            if !slot.files.contains(&id) {
+                slot.files.push(id);
+            }
+            self.file_tables.insert(id, key.clone());
+        }
+    }
+
+    fn unlink_files(&mut self, key: &TableKey, files: &[FileId]) {
+        for id in files {
+            if self.file_tables.get(id) == Some(key) {
+                self.file_tables.remove(id);
+            }
+        }
     }
 
     /// Over [`MAX_TABLE_SLOTS`]: forgets the unusable and evicted slots nothing maps.
@@ -701,9 +839,10 @@ impl<M: UnwindMaps> NativeTables<M> {
             .map(|(key, _)| key.clone())
             .collect();
         for key in &idle {
-            self.slots.remove(key);
+            if let Some(slot) = self.slots.remove(key) {
+                self.unlink_files(key, &slot.files);
+            }
         }
-        self.file_tables.retain(|_, key| !idle.contains(key));
     }
 
     /// The trie value for `mapping`, its table's key, and the table it still waits for.
@@ -719,15 +858,14 @@ impl<M: UnwindMaps> NativeTables<M> {
             end: mapping.end,
         };
         let (key, source) = match &mapping.file {
-            Some(file) => {
-                let key = table_key(file);
-                self.file_tables.insert(file.id, key.clone());
-                (key, Some(file.clone()))
-            }
+            Some(file) => (table_key(file), Some(file.clone())),
             None if &*mapping.name == "[vdso]" && self.has_vdso => (TableKey::Vdso, None),
             None => return (frame_pointers, None, None),
         };
         self.ensure_table(&key, source);
+        if let Some(file) = &mapping.file {
+            self.link_file(file.id, &key);
+        }
         let Some(slot) = self.slots.get(&key) else {
             return (frame_pointers, None, None);
         };
@@ -802,6 +940,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                         demanded: false,
                         retry_after: None,
                         registrations: 0,
+                        files: Vec::new(),
                         source,
                     },
                 );
@@ -815,7 +954,9 @@ impl<M: UnwindMaps> NativeTables<M> {
     }
 
     /// Writes `table` into free chunks; for a `demanded` table, evicting tables no sample has
-    /// used lately as needed.
+    /// used lately as needed. A table may be split between free ranges at page boundaries
+    /// (each page's rows stay contiguous, which is all a lookup needs), so free room scattered
+    /// by evictions is used rather than evicting more.
     fn place(&mut self, id: u32, table: &UnwindTable, name: &str, demanded: bool) -> SlotState {
         let paged = table.paged();
         let total_rows = paged.rows().len();
@@ -823,8 +964,14 @@ impl<M: UnwindMaps> NativeTables<M> {
             self.stats.tables_failed += 1;
             return SlotState::Unusable;
         }
+        let page_rows: Vec<u32> = paged.page_entries().map(|(_, e)| e.row_count).collect();
         let chunks = total_rows.div_ceil(ROWS_PER_CHUNK) as u32;
-        if chunks > self.allocator.capacity {
+        let largest_page = page_rows
+            .iter()
+            .map(|&rows| (rows as usize).div_ceil(ROWS_PER_CHUNK) as u32)
+            .max()
+            .unwrap_or(0);
+        if chunks > self.allocator.capacity || largest_page > self.allocator.capacity {
             self.stats.tables_too_large += 1;
             tracing::warn!(
                 file = name,
@@ -834,9 +981,9 @@ impl<M: UnwindMaps> NativeTables<M> {
             );
             return SlotState::Unusable;
         }
-        let range = loop {
-            if let Some(range) = self.allocator.allocate(chunks) {
-                break range;
+        let extents = loop {
+            if let Some(extents) = self.allocator.allocate_pages(&page_rows) {
+                break extents;
             }
             if !demanded || !self.evict_least_recently_used() {
                 // Nobody asked for it yet, or everything placed is in use: this file waits,
@@ -851,34 +998,42 @@ impl<M: UnwindMaps> NativeTables<M> {
                 return SlotState::Evicted;
             }
         };
-        let first_row = range.start * ROWS_PER_CHUNK as u32;
-        let mut page_numbers = Vec::with_capacity(paged.page_count());
-        let page_entries: Vec<_> = paged
-            .page_entries()
-            .map(|(page, entry)| {
+        let entries: Vec<(u32, PageEntry)> = paged.page_entries().collect();
+        let mut page_numbers = Vec::with_capacity(entries.len());
+        let mut failed = false;
+        for extent in &extents {
+            let pages = &entries[extent.pages.clone()];
+            let (Some(&(_, first)), Some(&(_, last))) = (pages.first(), pages.last()) else {
+                continue;
+            };
+            let from = first.first_row as usize;
+            let to = (last.first_row + last.row_count) as usize;
+            // Chunk by chunk from the table's own rows (no copy of a large table), the last
+            // one padded.
+            for (i, chunk_rows) in paged.rows()[from..to].chunks(ROWS_PER_CHUNK).enumerate() {
+                let mut chunk = RowChunk {
+                    rows: [UnwindRow::default(); ROWS_PER_CHUNK],
+                };
+                chunk.rows[..chunk_rows.len()].copy_from_slice(chunk_rows);
+                failed |= self
+                    .maps
+                    .write_row_chunk(extent.chunks.start + i as u32, &chunk)
+                    .is_err();
+            }
+            let base_row = extent.chunks.start * ROWS_PER_CHUNK as u32;
+            for &(page, entry) in pages {
                 page_numbers.push(page);
                 let entry = PageEntry {
-                    first_row: first_row + entry.first_row,
+                    first_row: base_row + (entry.first_row - first.first_row),
                     ..entry
                 };
-                (PageKey { table_id: id, page }, entry)
-            })
-            .collect();
-        let mut rows = paged.rows().to_vec();
-        rows.resize(chunks as usize * ROWS_PER_CHUNK, UnwindRow::default());
-        let mut failed = false;
-        for (i, chunk_rows) in rows.chunks_exact(ROWS_PER_CHUNK).enumerate() {
-            let chunk = RowChunk {
-                rows: chunk_rows.try_into().expect("exact chunk"),
-            };
-            failed |= self
-                .maps
-                .write_row_chunk(range.start + i as u32, &chunk)
-                .is_err();
+                failed |= self
+                    .maps
+                    .insert_page(PageKey { table_id: id, page }, entry)
+                    .is_err();
+            }
         }
-        for (key, entry) in page_entries {
-            failed |= self.maps.insert_page(key, entry).is_err();
-        }
+        let chunk_ranges: Vec<Range<u32>> = extents.into_iter().map(|e| e.chunks).collect();
         if failed {
             self.stats.map_errors += 1;
             for page in &page_numbers {
@@ -887,12 +1042,14 @@ impl<M: UnwindMaps> NativeTables<M> {
                     page: *page,
                 });
             }
-            self.allocator.release(range);
+            for range in chunk_ranges {
+                self.allocator.release(range);
+            }
             return SlotState::Unusable;
         }
         self.stats.tables_loaded += 1;
         SlotState::Loaded {
-            chunks: range,
+            chunks: chunk_ranges,
             pages: page_numbers,
         }
     }
@@ -920,7 +1077,9 @@ impl<M: UnwindMaps> NativeTables<M> {
                     page,
                 });
             }
-            self.allocator.release(chunks);
+            for range in chunks {
+                self.allocator.release(range);
+            }
             self.stats.tables_evicted += 1;
             tracing::debug!(table = slot.id, "evicted an unwind table to make room");
         }
@@ -1279,6 +1438,31 @@ mod tests {
         );
     }
 
+    /// Most processes on a busy host are sampled once: registering them (hundreds of map
+    /// updates) waits for their second sample.
+    #[test]
+    fn a_process_is_registered_at_its_second_sample() {
+        let maps = FakeMaps {
+            capacity: 4096,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let p = process(70, &[mapped(LIBC)]);
+        tables.sync(&p);
+        assert!(
+            tables.maps().mappings.is_empty(),
+            "not after the first sample"
+        );
+        assert_eq!(tables.stats().registrations_put_off, 1);
+        tables.sync(&p);
+        assert_eq!(tables.stats().processes_registered, 1);
+        assert!(!tables.maps().mappings.is_empty());
+        // Unregistered at its exit; a new process with the same pid starts over.
+        tables.unregister(Pid(70));
+        tables.sync(&p);
+        assert!(tables.maps().mappings.is_empty());
+    }
+
     /// The late unwinder reads back from the maps exactly the rows the table has.
     #[test]
     fn rows_read_back_from_the_maps_match_the_table() {
@@ -1406,6 +1590,43 @@ mod tests {
             Some(0..10),
             "freed neighbours merge back into one range"
         );
+    }
+
+    #[test]
+    fn a_table_is_split_between_free_ranges_at_page_boundaries() {
+        let rows = ROWS_PER_CHUNK as u32;
+        let mut a = ChunkAllocator::new(10);
+        let (x, y, z) = (
+            a.allocate(3).unwrap(),
+            a.allocate(3).unwrap(),
+            a.allocate(4).unwrap(),
+        );
+        a.release(x);
+        a.release(z);
+        // Free: 0..3 and 6..10. Pages of 2, 1 and 3 chunks fit only split: the first two in
+        // 0..3, the third in 6..9.
+        let extents = a
+            .allocate_pages(&[2 * rows, rows, 3 * rows - 10])
+            .expect("fits in pieces");
+        assert_eq!(
+            extents,
+            vec![
+                Extent {
+                    chunks: 0..3,
+                    pages: 0..2
+                },
+                Extent {
+                    chunks: 6..9,
+                    pages: 2..3
+                },
+            ]
+        );
+        assert_eq!(a.in_use(), 3 + 3 + 3);
+        // A page larger than every free range does not fit, and nothing is taken.
+        assert!(a.allocate_pages(&[2 * rows]).is_none());
+        assert_eq!(a.in_use(), 9);
+        a.release(y);
+        assert_eq!(a.allocate_pages(&[rows, rows]).map(|e| e.len()), Some(1));
     }
 
     #[test]

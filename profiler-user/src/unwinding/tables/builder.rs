@@ -34,7 +34,7 @@ use profiler_common::unwind::{
 
 use super::{
     CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_ROWS, Rule, TableError, TableRow,
-    TableStats, UnwindTable, call_sites::check_call_sites,
+    TableStats, UnwindTable, call_sites::check_call_sites, pages::PagedBuilder,
 };
 
 type Reader<'a> = EndianSlice<'a, LittleEndian>;
@@ -65,8 +65,8 @@ pub fn build_table(elf_bytes: &[u8]) -> Result<UnwindTable, TableError> {
     }
     let mut table = build_from_file(&file)?;
     // Only a table that could qualify is worth decoding the code for.
-    if table.rows.len() > 1 && table.stats.signal_fdes == 0 {
-        table.stats.call_sites = check_call_sites(&file, &table.rows);
+    if table.row_count() > 1 && table.stats.signal_fdes == 0 {
+        table.stats.call_sites = check_call_sites(&file, table.paged.table_rows());
     }
     Ok(table)
 }
@@ -138,14 +138,17 @@ impl CfiSection<'_> {
 }
 
 /// The table of one CFI section (`.eh_frame` or `.debug_frame` bytes).
+///
+/// Two passes keep the memory to the merged table: the first reads only the FDE headers (start,
+/// length, where the FDE is), the second runs the FDE programs in address order and merges their
+/// rows as it goes, instead of holding every FDE's rows before merging (tens of MiB for a large
+/// library such as libtorch_cpu).
 pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableError> {
-    let mut collected = Collected::default();
-    collected.stats.source = cfi.source;
     match cfi.source {
         CfiSource::DebugFrame => {
             let mut section = DebugFrame::new(cfi.data, LittleEndian);
             section.set_address_size(8);
-            collected.collect(&section, &BaseAddresses::default(), cfi)?;
+            build_from_section(&section, &BaseAddresses::default(), cfi)
         }
         CfiSource::EhFrame | CfiSource::None => {
             let mut section = EhFrame::new(cfi.data, LittleEndian);
@@ -157,126 +160,62 @@ pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableE
             if let Some(got) = cfi.got_address {
                 bases = bases.set_got(got);
             }
-            collected.collect(&section, &bases, cfi)?;
+            build_from_section(&section, &bases, cfi)
         }
     }
-    let Collected {
-        rows,
-        mut spans,
-        mut stats,
-    } = collected;
-
-    // Stable: FDEs with the same start stay in section order.
-    spans.sort_by_key(|span| span.start);
-    let mut merged = Vec::with_capacity(rows.len() + 1);
-    let mut covered_end: Option<u64> = None;
-    for span in &spans {
-        let span_rows = &rows[span.first_row..span.first_row + span.row_count];
-        if span_rows.is_empty() {
-            continue;
-        }
-        match covered_end {
-            Some(end) if span.end <= end => {
-                stats.overlapping_fdes += 1;
-                continue;
-            }
-            Some(end) if span.start < end => {
-                stats.overlapping_fdes += 1;
-                // The row in effect at `end` continues from there.
-                let beyond = span_rows.partition_point(|row| row.address <= end);
-                if let Some(in_effect) = beyond.checked_sub(1).map(|index| span_rows[index]) {
-                    push_merged(&mut merged, end, in_effect.rule);
-                }
-                for row in &span_rows[beyond..] {
-                    push_merged(&mut merged, row.address, row.rule);
-                }
-            }
-            previous => {
-                if let Some(end) = previous.filter(|&end| end < span.start) {
-                    push_merged(&mut merged, end, Rule::NONE);
-                }
-                for row in span_rows {
-                    push_merged(&mut merged, row.address, row.rule);
-                }
-            }
-        }
-        covered_end = Some(span.end);
-    }
-    if let Some(end) = covered_end {
-        push_merged(&mut merged, end, Rule::NONE);
-    }
-    stats.rows_after_merge = merged.len() as u64;
-    // Checks the invariants again, including the page span (TooManyPages).
-    UnwindTable::from_rows(merged, stats)
 }
 
-/// Appends a row, dropping it if it repeats the previous rule; a row at the same address
-/// replaces the previous (empty) one.
-fn push_merged(rows: &mut Vec<TableRow>, address: u64, rule: Rule) {
-    if rows.last().is_some_and(|last| last.address == address) {
-        rows.pop();
-    }
-    if rows.last().is_some_and(|last| last.rule == rule) {
-        return;
-    }
-    rows.push(TableRow { address, rule });
-}
-
-/// One FDE's address range and its rows in [`Collected::rows`].
-struct FdeSpan {
+/// An FDE found by the first pass.
+struct FdeRef {
     start: u64,
     end: u64,
-    first_row: usize,
-    row_count: usize,
+    /// Where the FDE is in the section.
+    offset: usize,
 }
 
-#[derive(Default)]
-struct Collected {
-    rows: Vec<TableRow>,
-    spans: Vec<FdeSpan>,
-    stats: TableStats,
-}
+fn build_from_section<'a, S>(
+    section: &S,
+    bases: &BaseAddresses,
+    cfi: &CfiSection<'a>,
+) -> Result<UnwindTable, TableError>
+where
+    S: UnwindSection<Reader<'a>>,
+    S::Offset: UnwindOffset<usize>,
+{
+    let name = cfi.name();
+    let mut stats = TableStats {
+        source: cfi.source,
+        ..TableStats::default()
+    };
+    let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
+    let mut fdes = index_fdes(section, bases, name, &mut cies, &mut stats)?;
+    // Stable: FDEs with the same start stay in section order (the first one wins).
+    fdes.sort_by_key(|fde| fde.start);
 
-impl Collected {
-    fn collect<'a, S>(
-        &mut self,
-        section: &S,
-        bases: &BaseAddresses,
-        cfi: &CfiSection<'a>,
-    ) -> Result<(), TableError>
-    where
-        S: UnwindSection<Reader<'a>>,
-        S::Offset: UnwindOffset<usize>,
-    {
-        let name = cfi.name();
-        let section_error = |source| TableError::MalformedSection {
+    let mut merged = PagedBuilder::new(true);
+    // One FDE's rows, reused.
+    let mut fde_rows: Vec<TableRow> = Vec::new();
+    // Allocated once and reused by every FDE program.
+    let mut context = UnwindContext::new();
+    let mut covered_end: Option<u64> = None;
+    for fde_ref in &fdes {
+        let (start, end) = (fde_ref.start, fde_ref.end);
+        if covered_end.is_some_and(|covered| end <= covered) {
+            // Wholly inside an FDE that starts earlier.
+            stats.overlapping_fdes += 1;
+            continue;
+        }
+        let offset = fde_ref.offset;
+        let fde_error = |source| TableError::MalformedFde {
             section: name,
+            offset,
             source,
         };
-        let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
-        // Allocated once and reused by every FDE program.
-        let mut context = UnwindContext::new();
-        let mut entries = section.entries(bases);
-        while let Some(entry) = entries.next().map_err(section_error)? {
-            let partial = match entry {
-                CieOrFde::Cie(cie) => {
-                    cies.insert(cie.offset(), cie);
-                    continue;
-                }
-                CieOrFde::Fde(partial) => partial,
-            };
-            self.stats.fdes += 1;
-            if self.stats.fdes > MAX_FDES as u64 {
-                return Err(TableError::TooManyFdes);
-            }
-            let offset = partial.offset();
-            let fde_error = |source| TableError::MalformedFde {
-                section: name,
-                offset,
-                source,
-            };
-            let fde = partial
-                .parse(|section, bases, cie_offset| {
+        let fde = section
+            .fde_from_offset(
+                bases,
+                S::Offset::from(offset),
+                |section, bases, cie_offset| {
                     let key = UnwindOffset::into(cie_offset);
                     if let Some(cie) = cies.get(&key) {
                         return Ok(cie.clone());
@@ -284,69 +223,151 @@ impl Collected {
                     let cie = section.cie_from_offset(bases, cie_offset)?;
                     cies.insert(key, cie.clone());
                     Ok(cie)
-                })
-                .map_err(fde_error)?;
-            if fde.entry_len() > MAX_FDE_BYTES {
-                return Err(TableError::FdeTooLong {
-                    section: name,
-                    offset,
-                    length: fde.entry_len(),
+                },
+            )
+            .map_err(fde_error)?;
+        fde_rows.clear();
+        if fde.is_signal_trampoline() {
+            fde_rows.push(TableRow {
+                address: start,
+                rule: Rule::SIGNAL,
+            });
+        } else {
+            let return_address = fde.cie().return_address_register();
+            let in_plt = cfi
+                .plt_ranges
+                .iter()
+                .any(|plt| plt.start <= start && end <= plt.end);
+            let mut table = fde.rows(section, bases, &mut context).map_err(fde_error)?;
+            let mut previous_start = start;
+            while let Some(row) = table.next_row().map_err(fde_error)? {
+                let row_start = row.start_address();
+                // Empty rows (advance by 0) and rows past the FDE's end cover nothing.
+                if row_start >= row.end_address() || row_start >= end {
+                    continue;
+                }
+                if row_start < previous_start {
+                    return Err(fde_error(gimli::Error::InvalidCfiSetLoc(row_start)));
+                }
+                previous_start = row_start;
+                let rule = map_rule(row, return_address, in_plt, section, &mut stats);
+                fde_rows.push(TableRow {
+                    address: row_start,
+                    rule,
                 });
             }
-            let start = fde.initial_address();
-            let length = fde.len();
-            if length == 0 {
-                self.stats.empty_fdes += 1;
-                continue;
-            }
-            let end = start
-                .checked_add(length)
-                .filter(|&end| end <= MAX_ADDRESS)
-                .ok_or(TableError::AddressOutOfRange { start, length })?;
-            let first_row = self.rows.len();
-            if fde.is_signal_trampoline() {
-                self.stats.signal_fdes += 1;
-                self.push_row(start, Rule::SIGNAL)?;
-            } else {
-                let return_address = fde.cie().return_address_register();
-                let in_plt = cfi
-                    .plt_ranges
-                    .iter()
-                    .any(|plt| plt.start <= start && end <= plt.end);
-                let mut table = fde.rows(section, bases, &mut context).map_err(fde_error)?;
-                let mut previous_start = start;
-                while let Some(row) = table.next_row().map_err(fde_error)? {
-                    let row_start = row.start_address();
-                    // Empty rows (advance by 0) and rows past the FDE's end cover nothing.
-                    if row_start >= row.end_address() || row_start >= end {
-                        continue;
-                    }
-                    if row_start < previous_start {
-                        return Err(fde_error(gimli::Error::InvalidCfiSetLoc(row_start)));
-                    }
-                    previous_start = row_start;
-                    let rule = map_rule(row, return_address, in_plt, section, &mut self.stats);
-                    self.push_row(row_start, rule)?;
-                }
-            }
-            self.spans.push(FdeSpan {
-                start,
-                end,
-                first_row,
-                row_count: self.rows.len() - first_row,
-            });
         }
-        Ok(())
-    }
-
-    fn push_row(&mut self, address: u64, rule: Rule) -> Result<(), TableError> {
-        if self.rows.len() >= MAX_ROWS {
+        stats.rows_before_merge += fde_rows.len() as u64;
+        if stats.rows_before_merge > MAX_ROWS as u64 {
             return Err(TableError::TooManyRows);
         }
-        self.stats.rows_before_merge += 1;
-        self.rows.push(TableRow { address, rule });
-        Ok(())
+        if fde_rows.is_empty() {
+            continue;
+        }
+        match covered_end {
+            Some(covered) if start < covered => {
+                stats.overlapping_fdes += 1;
+                // Only the part beyond the earlier FDE: the row in effect at its end goes on.
+                let beyond = fde_rows.partition_point(|row| row.address <= covered);
+                if let Some(in_effect) = beyond.checked_sub(1).map(|index| fde_rows[index]) {
+                    merged.push(covered, in_effect.rule)?;
+                }
+                for row in &fde_rows[beyond..] {
+                    merged.push(row.address, row.rule)?;
+                }
+            }
+            previous => {
+                if let Some(covered) = previous.filter(|&covered| covered < start) {
+                    merged.push(covered, Rule::NONE)?;
+                }
+                for row in &fde_rows {
+                    merged.push(row.address, row.rule)?;
+                }
+            }
+        }
+        covered_end = Some(end);
     }
+    if let Some(end) = covered_end {
+        merged.push(end, Rule::NONE)?;
+    }
+    // The merged rows are written into their pages as they come, with the table's invariants
+    // (the page span among them) checked on the way.
+    let mut table = UnwindTable::from_paged(merged, stats)?;
+    table.stats.rows_after_merge = table.row_count() as u64;
+    Ok(table)
+}
+
+/// The first pass: every FDE's range and place, checked against the limits; CIEs are cached
+/// for the second.
+fn index_fdes<'a, S>(
+    section: &S,
+    bases: &BaseAddresses,
+    name: &'static str,
+    cies: &mut HashMap<usize, CommonInformationEntry<Reader<'a>>>,
+    stats: &mut TableStats,
+) -> Result<Vec<FdeRef>, TableError>
+where
+    S: UnwindSection<Reader<'a>>,
+    S::Offset: UnwindOffset<usize>,
+{
+    let section_error = |source| TableError::MalformedSection {
+        section: name,
+        source,
+    };
+    let mut fdes = Vec::new();
+    let mut entries = section.entries(bases);
+    while let Some(entry) = entries.next().map_err(section_error)? {
+        let partial = match entry {
+            CieOrFde::Cie(cie) => {
+                cies.insert(cie.offset(), cie);
+                continue;
+            }
+            CieOrFde::Fde(partial) => partial,
+        };
+        stats.fdes += 1;
+        if stats.fdes > MAX_FDES as u64 {
+            return Err(TableError::TooManyFdes);
+        }
+        let offset = partial.offset();
+        let fde_error = |source| TableError::MalformedFde {
+            section: name,
+            offset,
+            source,
+        };
+        let fde = partial
+            .parse(|section, bases, cie_offset| {
+                let key = UnwindOffset::into(cie_offset);
+                if let Some(cie) = cies.get(&key) {
+                    return Ok(cie.clone());
+                }
+                let cie = section.cie_from_offset(bases, cie_offset)?;
+                cies.insert(key, cie.clone());
+                Ok(cie)
+            })
+            .map_err(fde_error)?;
+        if fde.entry_len() > MAX_FDE_BYTES {
+            return Err(TableError::FdeTooLong {
+                section: name,
+                offset,
+                length: fde.entry_len(),
+            });
+        }
+        let start = fde.initial_address();
+        let length = fde.len();
+        if length == 0 {
+            stats.empty_fdes += 1;
+            continue;
+        }
+        let end = start
+            .checked_add(length)
+            .filter(|&end| end <= MAX_ADDRESS)
+            .ok_or(TableError::AddressOutOfRange { start, length })?;
+        if fde.is_signal_trampoline() {
+            stats.signal_fdes += 1;
+        }
+        fdes.push(FdeRef { start, end, offset });
+    }
+    Ok(fdes)
 }
 
 fn map_rule<'a, S: UnwindSection<Reader<'a>>>(

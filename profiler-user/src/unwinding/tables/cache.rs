@@ -19,7 +19,7 @@ use super::{
 };
 
 const MAGIC: [u8; 8] = *b"PFUNWTAB";
-const FORMAT_VERSION: u32 = 4;
+const FORMAT_VERSION: u32 = 5;
 const STATS_FIELDS: usize = 15;
 const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
 const ROW_BYTES: usize = 16;
@@ -65,7 +65,14 @@ impl TableCache {
         let decoded = if size > MAX_FILE_BYTES {
             Err(TableError::InvalidRows("cache file too large"))
         } else {
-            match fs::read(&path) {
+            // Mapped, not read into memory: a large library's entry is tens of MiB, and its
+            // pages are only the page cache's.
+            let mapped = fs::File::open(&path).and_then(|file| {
+                // SAFETY: a private read-only mapping; a file truncated under it would fault,
+                // which entries renamed into place complete are not.
+                unsafe { memmap2::Mmap::map(&file) }
+            });
+            match mapped {
                 Ok(bytes) => decode(&bytes),
                 Err(error) => {
                     tracing::debug!(path = %path.display(), %error, "unreadable unwind-table cache entry");
@@ -94,8 +101,9 @@ impl TableCache {
         ));
         let write = || -> io::Result<()> {
             fs::create_dir_all(&self.dir)?;
-            let mut file = fs::File::create(&temp)?;
-            file.write_all(&encode(table))?;
+            let mut file = io::BufWriter::new(fs::File::create(&temp)?);
+            encode(table, &mut file)?;
+            let file = file.into_inner().map_err(io::IntoInnerError::into_error)?;
             file.sync_all()?;
             fs::rename(&temp, &path)
         };
@@ -167,27 +175,48 @@ fn stats_from_fields(fields: [u64; STATS_FIELDS]) -> Result<TableStats, TableErr
     })
 }
 
-fn encode(table: &UnwindTable) -> Vec<u8> {
-    let rows = table.rows();
-    let mut bytes = Vec::with_capacity(HEADER_BYTES + rows.len() * ROW_BYTES + CHECKSUM_BYTES);
-    bytes.extend_from_slice(&MAGIC);
-    bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    bytes.extend_from_slice(&0u32.to_le_bytes());
+/// Writes the entry to `out` as it goes (a large table is never held twice in memory).
+fn encode(table: &UnwindTable, out: &mut impl Write) -> io::Result<()> {
+    let mut out = Checksummed {
+        out,
+        hasher: crc32fast::Hasher::new(),
+    };
+    out.write_all(&MAGIC)?;
+    out.write_all(&FORMAT_VERSION.to_le_bytes())?;
+    out.write_all(&0u32.to_le_bytes())?;
     for field in stats_fields(table.stats()) {
-        bytes.extend_from_slice(&field.to_le_bytes());
+        out.write_all(&field.to_le_bytes())?;
     }
-    bytes.extend_from_slice(&(rows.len() as u64).to_le_bytes());
-    for row in rows {
-        bytes.extend_from_slice(&row.address.to_le_bytes());
-        bytes.push(row.rule.cfa_kind);
-        bytes.push(row.rule.rbp_kind);
-        bytes.extend_from_slice(&row.rule.cfa_offset.to_le_bytes());
-        bytes.extend_from_slice(&row.rule.rbp_offset.to_le_bytes());
-        bytes.extend_from_slice(&[0, 0]);
+    out.write_all(&(table.row_count() as u64).to_le_bytes())?;
+    for row in table.paged().table_rows() {
+        let mut bytes = [0u8; ROW_BYTES];
+        bytes[..8].copy_from_slice(&row.address.to_le_bytes());
+        bytes[8] = row.rule.cfa_kind;
+        bytes[9] = row.rule.rbp_kind;
+        bytes[10..12].copy_from_slice(&row.rule.cfa_offset.to_le_bytes());
+        bytes[12..14].copy_from_slice(&row.rule.rbp_offset.to_le_bytes());
+        out.write_all(&bytes)?;
     }
-    let checksum = fnv1a(&bytes);
-    bytes.extend_from_slice(&checksum.to_le_bytes());
-    bytes
+    let checksum = u64::from(out.hasher.clone().finalize());
+    out.out.write_all(&checksum.to_le_bytes())
+}
+
+/// A writer that checksums what goes through it.
+struct Checksummed<'a, W: Write> {
+    out: &'a mut W,
+    hasher: crc32fast::Hasher,
+}
+
+impl<W: Write> Write for Checksummed<'_, W> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        let written = self.out.write(bytes)?;
+        self.hasher.update(&bytes[..written]);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
 }
 
 /// Reads little-endian fields from a byte slice, failing instead of panicking at the end.
@@ -212,7 +241,7 @@ fn decode(bytes: &[u8]) -> Result<UnwindTable, TableError> {
     let (content, checksum) = bytes
         .split_last_chunk::<CHECKSUM_BYTES>()
         .ok_or(TableError::InvalidRows("cache file truncated"))?;
-    if fnv1a(content) != u64::from_le_bytes(*checksum) {
+    if u64::from(crc32fast::hash(content)) != u64::from_le_bytes(*checksum) {
         return Err(TableError::InvalidRows("cache checksum mismatch"));
     }
     let mut fields = Fields(content);
@@ -236,25 +265,15 @@ fn decode(bytes: &[u8]) -> Result<UnwindTable, TableError> {
     if expected_len != Some(fields.0.len()) || stats.rows_after_merge != row_count {
         return Err(TableError::InvalidRows("cache row count does not match"));
     }
-    let rows = fields
-        .0
-        .chunks_exact(ROW_BYTES)
-        .map(|row| {
-            let address = u64::from_le_bytes(std::array::from_fn(|index| row[index]));
-            let rule = Rule {
-                cfa_kind: row[8],
-                rbp_kind: row[9],
-                cfa_offset: i16::from_le_bytes([row[10], row[11]]),
-                rbp_offset: i16::from_le_bytes([row[12], row[13]]),
-            };
-            TableRow { address, rule }
-        })
-        .collect();
+    let rows = fields.0.chunks_exact(ROW_BYTES).map(|row| {
+        let address = u64::from_le_bytes(std::array::from_fn(|index| row[index]));
+        let rule = Rule {
+            cfa_kind: row[8],
+            rbp_kind: row[9],
+            cfa_offset: i16::from_le_bytes([row[10], row[11]]),
+            rbp_offset: i16::from_le_bytes([row[12], row[13]]),
+        };
+        TableRow { address, rule }
+    });
     UnwindTable::from_rows(rows, stats)
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
-    })
 }

@@ -53,7 +53,10 @@ pub const fn call_keeps_frame(rule: &Rule) -> bool {
 
 /// Decodes the code covered by `rows` (except PLT rows and gaps, which the shortcut and the
 /// table treat alike) and checks each call against its row.
-pub fn check_call_sites(file: &object::File<'_>, rows: &[TableRow]) -> CallSiteCheck {
+pub fn check_call_sites(
+    file: &object::File<'_>,
+    rows: impl Iterator<Item = TableRow>,
+) -> CallSiteCheck {
     let code: Vec<(Range<u64>, &[u8])> = file
         .sections()
         .filter(|section| match section.flags() {
@@ -68,8 +71,11 @@ pub fn check_call_sites(file: &object::File<'_>, rows: &[TableRow]) -> CallSiteC
         .collect();
     let mut check = CallSiteCheck::default();
     let mut instruction = Instruction::default();
-    for pair in rows.windows(2) {
-        let (row, end) = (pair[0], pair[1].address);
+    let mut rows = rows.peekable();
+    while let Some(row) = rows.next() {
+        let Some(end) = rows.peek().map(|next| next.address) else {
+            break;
+        };
         if matches!(row.rule.cfa_kind, CFA_NONE | CFA_PLT) {
             continue;
         }

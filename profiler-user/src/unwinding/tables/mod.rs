@@ -18,8 +18,6 @@ mod pages;
 #[cfg(test)]
 mod tests;
 
-use std::sync::OnceLock;
-
 use profiler_common::unwind::{
     CFA_END, CFA_NONE, CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, CFA_SIGNAL, CFA_UNSUPPORTED,
     PAGE_SHIFT, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED, UnwindRow,
@@ -28,6 +26,7 @@ use profiler_common::unwind::{
 pub use builder::build_table;
 pub use cache::{CacheError, TableCache};
 pub use call_sites::{CallSiteCheck, call_keeps_frame};
+use pages::PagedBuilder;
 pub use pages::{PagedRows, SliceRows};
 
 /// Upper bound on rows produced by FDE programs (before merging); more is hostile or broken.
@@ -194,27 +193,37 @@ pub struct TableRow {
     pub rule: Rule,
 }
 
-/// One ELF file's unwind table: merged rows by address; the BPF pages are derived on demand.
+/// One ELF file's unwind table, held in the paged form the BPF maps take (8 bytes a row); the
+/// merged rows by address are read back from it.
 #[derive(Debug)]
 pub struct UnwindTable {
-    rows: Vec<TableRow>,
+    paged: PagedRows,
     stats: TableStats,
-    paged: OnceLock<PagedRows>,
 }
 
 impl UnwindTable {
     /// A table from rows that must satisfy the invariants in the module documentation.
-    pub fn from_rows(rows: Vec<TableRow>, stats: TableStats) -> Result<UnwindTable, TableError> {
-        validate_rows(&rows)?;
+    pub fn from_rows(
+        rows: impl IntoIterator<Item = TableRow>,
+        stats: TableStats,
+    ) -> Result<UnwindTable, TableError> {
+        let mut builder = PagedBuilder::new(false);
+        for row in rows {
+            builder.push(row.address, row.rule)?;
+        }
+        UnwindTable::from_paged(builder, stats)
+    }
+
+    fn from_paged(builder: PagedBuilder, stats: TableStats) -> Result<UnwindTable, TableError> {
         Ok(UnwindTable {
-            rows,
+            paged: builder.finish()?,
             stats,
-            paged: OnceLock::new(),
         })
     }
 
-    pub fn rows(&self) -> &[TableRow] {
-        &self.rows
+    /// The merged rows by address, `CFA_NONE` markers included.
+    pub fn rows(&self) -> Vec<TableRow> {
+        self.paged.table_rows().collect()
     }
 
     pub fn stats(&self) -> &TableStats {
@@ -223,12 +232,12 @@ impl UnwindTable {
 
     /// Merged rows, including the `CFA_NONE` markers.
     pub fn row_count(&self) -> usize {
-        self.rows.len()
+        self.paged.row_count()
     }
 
-    /// The rows split into 64 KiB pages, as loaded into the BPF maps (built on first use).
+    /// The rows split into 64 KiB pages, as loaded into the BPF maps.
     pub fn paged(&self) -> &PagedRows {
-        self.paged.get_or_init(|| PagedRows::from_rows(&self.rows))
+        &self.paged
     }
 
     /// Each page (file virtual address >> `PAGE_SHIFT`) with its rows; the first row of every
@@ -263,7 +272,7 @@ impl UnwindTable {
     /// prologue) still uses the table, and signal trampolines need it too.
     pub fn frame_pointers_reliable(&self) -> bool {
         self.stats.source != CfiSource::None
-            && self.rows.len() > 1
+            && self.row_count() > 1
             && self.stats.call_sites.proves_frame_pointers()
             && self.stats.signal_fdes == 0
     }
@@ -272,49 +281,5 @@ impl UnwindTable {
     /// when no page covers `addr` (before the first FDE's page or after the last FDE's end).
     pub fn lookup(&self, addr: u64) -> Option<UnwindRow> {
         self.paged().lookup(addr)
-    }
-}
-
-fn validate_rows(rows: &[TableRow]) -> Result<(), TableError> {
-    let Some(last) = rows.last() else {
-        return Ok(());
-    };
-    if rows.len() == 1 {
-        return Err(TableError::InvalidRows(
-            "an end marker without covered rows",
-        ));
-    }
-    if last.rule != Rule::NONE {
-        return Err(TableError::InvalidRows("the last row is not CFA_NONE"));
-    }
-    if last.address > MAX_ADDRESS {
-        return Err(TableError::InvalidRows("address beyond the 48-bit range"));
-    }
-    for pair in rows.windows(2) {
-        if pair[0].address >= pair[1].address {
-            return Err(TableError::InvalidRows("addresses not strictly increasing"));
-        }
-        if pair[0].rule == pair[1].rule {
-            return Err(TableError::InvalidRows("neighbours with the same rule"));
-        }
-    }
-    if rows.iter().any(|row| !row.rule.is_valid()) {
-        return Err(TableError::InvalidRows("unknown rule kind"));
-    }
-    let pages = page_span(rows);
-    if pages > MAX_PAGES {
-        return Err(TableError::TooManyPages { pages });
-    }
-    Ok(())
-}
-
-/// Pages from the first row's page to the page of the last covered byte (the last row, a
-/// `CFA_NONE` marker, starts right after it).
-fn page_span(rows: &[TableRow]) -> u64 {
-    match (rows.first(), rows.last()) {
-        (Some(first), Some(last)) if rows.len() > 1 => {
-            ((last.address - 1) >> PAGE_SHIFT) - (first.address >> PAGE_SHIFT) + 1
-        }
-        _ => 0,
     }
 }

@@ -2,7 +2,7 @@
 
 use profiler_common::unwind::{PAGE_SHIFT, PageEntry, RowSource, UnwindRow, find_row};
 
-use super::{Rule, TableRow};
+use super::{MAX_ADDRESS, MAX_PAGES, Rule, TableError, TableRow};
 
 const PAGE_SIZE: u64 = 1 << PAGE_SHIFT;
 const PAGE_OFFSET_MASK: u64 = PAGE_SIZE - 1;
@@ -21,57 +21,189 @@ impl RowSource for SliceRows<'_> {
 /// where its rows are. Every page starts with a row at `pc_low` 0 holding the rule in effect at
 /// the page start, so a lookup never needs the previous page. `first_row` in the page entries
 /// indexes this table's row array; the loader adds where that array starts in the BPF one.
+///
+/// It is the only form a table is kept in: the merged rows by address ([`Self::table_rows`])
+/// are read back from it, so a large library's table is held once, at 8 bytes a row.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PagedRows {
     first_page: u32,
     rows: Vec<UnwindRow>,
     /// Entry `i` is page `first_page + i`.
     entries: Vec<PageEntry>,
+    /// The address of the end marker (the last `CFA_NONE` row), 0 for an empty table, and
+    /// whether it is written in a page (it is not when it falls on a page boundary).
+    end: u64,
+    end_written: bool,
+    /// Rows of the merged table, the end marker included.
+    row_count: usize,
+}
+
+/// Builds [`PagedRows`] from rows given in address order, checking the table invariants as
+/// they come (so a hostile table fails before it is held whole).
+#[derive(Debug, Default)]
+pub(super) struct PagedBuilder {
+    paged: PagedRows,
+    /// The page whose rows are being written (valid once a row was written).
+    page: u64,
+    in_effect: Rule,
+    /// The last row given, not written yet: a later row at the same address replaces it.
+    pending: Option<TableRow>,
+    /// When set, rows are merged as given (same address: replaced; same rule as the previous
+    /// row: dropped); otherwise either is an error.
+    merge: bool,
+}
+
+impl PagedBuilder {
+    /// `merge`: see the field.
+    pub(super) fn new(merge: bool) -> Self {
+        PagedBuilder {
+            merge,
+            in_effect: Rule::NONE,
+            ..PagedBuilder::default()
+        }
+    }
+
+    pub(super) fn push(&mut self, address: u64, rule: Rule) -> Result<(), TableError> {
+        if !rule.is_valid() {
+            return Err(TableError::InvalidRows("unknown rule kind"));
+        }
+        if address > MAX_ADDRESS {
+            return Err(TableError::InvalidRows("address beyond the 48-bit range"));
+        }
+        if let Some(pending) = self.pending {
+            if address < pending.address || (address == pending.address && !self.merge) {
+                return Err(TableError::InvalidRows("addresses not strictly increasing"));
+            }
+            self.pending = None;
+            if address != pending.address {
+                self.write(pending)?;
+            }
+        }
+        if self.paged.row_count > 0 && self.in_effect == rule {
+            if self.merge {
+                return Ok(());
+            }
+            return Err(TableError::InvalidRows("neighbours with the same rule"));
+        }
+        self.pending = Some(TableRow { address, rule });
+        Ok(())
+    }
+
+    /// Writes a merged row into its page, opening the pages up to it.
+    fn write(&mut self, row: TableRow) -> Result<(), TableError> {
+        let page = row.address >> PAGE_SHIFT;
+        if self.paged.row_count == 0 {
+            self.paged.first_page = page as u32;
+            self.page = page;
+            self.open_page(row.address);
+        }
+        self.open_pages_through(page, row.address)?;
+        self.paged.rows.push(
+            row.rule
+                .with_pc_low((row.address & PAGE_OFFSET_MASK) as u16),
+        );
+        self.in_effect = row.rule;
+        self.paged.row_count += 1;
+        Ok(())
+    }
+
+    /// Opens the pages after the current one up to `page`, checking the span first (a hostile
+    /// table's gap must not be filled page by page before it fails).
+    fn open_pages_through(&mut self, page: u64, next_address: u64) -> Result<(), TableError> {
+        let span = page.saturating_sub(u64::from(self.paged.first_page)) + 1;
+        if span > MAX_PAGES {
+            return Err(TableError::TooManyPages { pages: span });
+        }
+        while page > self.page {
+            self.close_page();
+            self.page += 1;
+            self.open_page(next_address);
+        }
+        Ok(())
+    }
+
+    /// Starts page `self.page` with the rule in effect, unless `next_address` (the row about
+    /// to be written) is exactly its start.
+    fn open_page(&mut self, next_address: u64) {
+        let page_start = self.page << PAGE_SHIFT;
+        self.paged.entries.push(PageEntry {
+            first_row: self.paged.rows.len() as u32,
+            row_count: 0,
+        });
+        if next_address != page_start {
+            self.paged.rows.push(self.in_effect.with_pc_low(0));
+        }
+    }
+
+    fn close_page(&mut self) {
+        if let Some(entry) = self.paged.entries.last_mut() {
+            entry.row_count = self.paged.rows.len() as u32 - entry.first_row;
+        }
+    }
+
+    /// The table; its last row must be the `CFA_NONE` end marker.
+    pub(super) fn finish(mut self) -> Result<PagedRows, TableError> {
+        let Some(last) = self.pending.take() else {
+            return Ok(PagedRows::default());
+        };
+        if self.paged.row_count == 0 {
+            return Err(TableError::InvalidRows(
+                "an end marker without covered rows",
+            ));
+        }
+        if last.rule != Rule::NONE {
+            return Err(TableError::InvalidRows("the last row is not CFA_NONE"));
+        }
+        // The end marker is written only when it falls inside the last covered page; one on
+        // a page boundary opens no page.
+        if last.address & PAGE_OFFSET_MASK != 0 {
+            self.write(last)?;
+            self.paged.end_written = true;
+        } else {
+            // The last covered byte's page still holds rows (the rule in effect).
+            self.open_pages_through((last.address - 1) >> PAGE_SHIFT, last.address)?;
+            self.paged.row_count += 1;
+        }
+        self.close_page();
+        self.paged.end = last.address;
+        self.paged.rows.shrink_to_fit();
+        self.paged.entries.shrink_to_fit();
+        Ok(self.paged)
+    }
 }
 
 impl PagedRows {
-    /// `rows` must satisfy the table invariants (sorted, last row `CFA_NONE`, bounded span).
-    pub(super) fn from_rows(rows: &[TableRow]) -> PagedRows {
-        let (Some(first), Some(last)) = (rows.first(), rows.last()) else {
-            return PagedRows::default();
-        };
-        if rows.len() < 2 {
-            return PagedRows::default();
-        }
-        let first_page = first.address >> PAGE_SHIFT;
-        // The last row is the end marker; the last covered byte is just before it.
-        let last_page = (last.address - 1) >> PAGE_SHIFT;
-        let page_count = (last_page - first_page + 1) as usize;
-        let mut paged_rows = Vec::with_capacity(rows.len() + page_count);
-        let mut entries = Vec::with_capacity(page_count);
-        let mut next = 0;
-        let mut in_effect = Rule::NONE;
-        for page in first_page..=last_page {
-            let page_start = page << PAGE_SHIFT;
-            let page_end = page_start + PAGE_SIZE;
-            let first_row = paged_rows.len();
-            if rows.get(next).is_none_or(|row| row.address != page_start) {
-                paged_rows.push(in_effect.with_pc_low(0));
-            }
-            while let Some(row) = rows.get(next).filter(|row| row.address < page_end) {
-                paged_rows.push(
-                    row.rule
-                        .with_pc_low((row.address & PAGE_OFFSET_MASK) as u16),
-                );
-                in_effect = row.rule;
-                next += 1;
-            }
-            entries.push(PageEntry {
-                first_row: first_row as u32,
-                row_count: (paged_rows.len() - first_row) as u32,
+    /// The merged rows by address, as the builder made them (the page start rows left out).
+    pub fn table_rows(&self) -> impl Iterator<Item = TableRow> + '_ {
+        let mut previous = Rule::NONE;
+        let written = self
+            .page_entries()
+            .flat_map(move |(page, entry)| {
+                let first = entry.first_row as usize;
+                self.rows[first..first + entry.row_count as usize]
+                    .iter()
+                    .map(move |row| TableRow {
+                        address: (u64::from(page) << PAGE_SHIFT) | u64::from(row.pc_low),
+                        rule: Rule::of(row),
+                    })
+            })
+            .filter(move |row| {
+                // A page start row repeats the rule in effect; merged rows never do.
+                let keep = row.rule != previous;
+                previous = row.rule;
+                keep
             });
-        }
-        PagedRows {
-            // Addresses are below MAX_ADDRESS, so pages fit u32.
-            first_page: first_page as u32,
-            rows: paged_rows,
-            entries,
-        }
+        // An end marker on a page boundary is in no page.
+        let end = (self.row_count > 0 && !self.end_written).then_some(TableRow {
+            address: self.end,
+            rule: Rule::NONE,
+        });
+        written.chain(end)
+    }
+
+    /// Rows of the merged table (the end marker included).
+    pub fn row_count(&self) -> usize {
+        self.row_count
     }
 
     /// The row array (all pages' rows, page after page).
