@@ -38,6 +38,11 @@ pub struct SelfMetrics {
     pub symbolization_misses: u64,
     pub symbolization_errors: u64,
     pub symbol_cache_entries: u64,
+    /// Files whose parsed symbol tables are held, their estimated bytes (bounded), and how many
+    /// were dropped for the bound.
+    pub symbol_files: u64,
+    pub symbol_file_bytes: u64,
+    pub symbol_files_dropped: u64,
     pub processes_tracked: u64,
     pub open_files: u64,
     /// Snapshots built from exec and fork events (/proc was gone), and identities held.
@@ -485,6 +490,24 @@ impl SelfMetrics {
                 "Processes whose mappings BPF unwinds with",
                 tables.processes_registered,
                 "gauge",
+            ),
+            (
+                "symbol_files",
+                "Files whose parsed symbol tables the symbolizer holds",
+                self.symbol_files,
+                "gauge",
+            ),
+            (
+                "symbol_file_bytes",
+                "Estimated bytes of the parsed symbol tables held (bounded)",
+                self.symbol_file_bytes,
+                "gauge",
+            ),
+            (
+                "symbol_files_dropped_total",
+                "Parsed symbol tables dropped to stay within their bound (read again when needed)",
+                self.symbol_files_dropped,
+                "counter",
             ),
             (
                 "process_snapshots_from_events_total",

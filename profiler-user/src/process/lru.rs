@@ -1,9 +1,9 @@
 //! A small least-recently-used map: a hash map plus an ordered index of use ticks, so both lookup
 //! and eviction of the oldest entry are cheap even with tens of thousands of entries.
-use std::{
-    collections::{BTreeMap, HashMap},
-    hash::Hash,
-};
+use std::{collections::BTreeMap, hash::Hash};
+
+// Looked up for every sample (process snapshots, open files): a fast hash.
+use foldhash::{HashMap, HashMapExt};
 
 #[derive(Debug)]
 pub(crate) struct Lru<K, V> {

@@ -66,6 +66,11 @@ pub struct SymbolizerOptions {
     pub kallsyms_path: PathBuf,
     /// When the frame cache grows beyond this many entries, all caches are dropped.
     pub max_cached_frames: usize,
+    /// What the files' parsed symbol tables may cost together (estimated from their sizes);
+    /// beyond, the least recently used files' are dropped and read again when needed.
+    pub max_resolver_bytes: u64,
+    /// Files whose symbol source is remembered at most.
+    pub max_files: usize,
     /// Read DWARF for source files, lines and inlined functions. Costs memory and CPU for
     /// every binary with debug info; without it names come from the ELF symbol tables.
     pub source_lines: bool,
@@ -79,6 +84,8 @@ impl Default for SymbolizerOptions {
             debug_dirs: vec![PathBuf::from("/usr/lib/debug")],
             kallsyms_path: PathBuf::from("/proc/kallsyms"),
             max_cached_frames: 200_000,
+            max_resolver_bytes: 48 << 20,
+            max_files: 4096,
             source_lines: true,
         }
     }
@@ -99,6 +106,11 @@ pub struct SymbolizerStats {
     pub errors: u64,
     /// How many times the caches were dropped for exceeding `max_cached_frames`.
     pub cache_resets: u64,
+    /// Files whose parsed symbol tables are held, and their estimated bytes (bounded by
+    /// `max_resolver_bytes`); files dropped for that bound so far.
+    pub resolvers: usize,
+    pub resolver_bytes: u64,
+    pub resolvers_dropped: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -140,7 +152,12 @@ impl StringInterner {
 /// Turns unwound frames into symbolized frames, caching the results.
 pub struct Symbolizer {
     options: SymbolizerOptions,
+    /// For kernel frames; each file has its own (`native::FileState::resolver`).
     resolver: bz::Symbolizer,
+    /// Estimated bytes of the file resolvers held, and the lookup tick (for least recently
+    /// used eviction).
+    resolver_bytes: u64,
+    tick: u64,
     frames: HashMap<FrameKey, Arc<SymbolizedFrame>>,
     mappings: HashMap<(FileId, u64), Arc<MappingInfo>>,
     files: HashMap<FileId, native::FileState>,
@@ -159,6 +176,8 @@ impl Symbolizer {
         Self {
             options,
             resolver,
+            resolver_bytes: 0,
+            tick: 0,
             frames: HashMap::new(),
             mappings: HashMap::new(),
             files: HashMap::new(),
@@ -179,6 +198,8 @@ impl Symbolizer {
     pub fn stats(&self) -> SymbolizerStats {
         SymbolizerStats {
             cache_entries: self.frames.len(),
+            resolvers: self.files.values().filter(|f| f.resolver.is_some()).count(),
+            resolver_bytes: self.resolver_bytes,
             ..self.stats
         }
     }
@@ -307,10 +328,43 @@ impl Symbolizer {
         self.frames.clear();
         self.mappings.clear();
         self.files.clear();
+        self.resolver_bytes = 0;
         self.strings.clear();
         self.kernel.clear();
         self.resolver = build_resolver(&self.options);
         self.stats.cache_resets += 1;
+    }
+
+    /// Drops the parsed tables of the least recently used files until their estimated cost is
+    /// within `max_resolver_bytes` (`keep`, just used, stays).
+    fn bound_resolvers(&mut self, keep: FileId) {
+        while self.resolver_bytes > self.options.max_resolver_bytes {
+            let Some((&id, _)) = self
+                .files
+                .iter()
+                .filter(|(id, state)| **id != keep && state.resolver.is_some())
+                .min_by_key(|(_, state)| state.used)
+            else {
+                break;
+            };
+            if let Some(state) = self.files.get_mut(&id) {
+                state.resolver = None;
+                self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
+                self.stats.resolvers_dropped += 1;
+            }
+        }
+    }
+
+    /// Forgets the least recently used file altogether (over `max_files`).
+    fn forget_least_recent_file(&mut self) {
+        let Some((&id, _)) = self.files.iter().min_by_key(|(_, state)| state.used) else {
+            return;
+        };
+        if let Some(state) = self.files.remove(&id)
+            && state.resolver.is_some()
+        {
+            self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
+        }
     }
 
     fn mapping_info(
@@ -339,17 +393,28 @@ impl Symbolizer {
         file_offset: u64,
         mapping: Arc<MappingInfo>,
     ) -> SymbolizedFrame {
-        let state = self
-            .files
-            .entry(file.id)
-            .or_insert_with(|| native::FileState::new(file, &self.options.debug_dirs));
+        if !self.files.contains_key(&file.id) && self.files.len() >= self.options.max_files {
+            self.forget_least_recent_file();
+        }
+        self.tick += 1;
+        let state = self.files.entry(file.id).or_insert_with(|| {
+            native::FileState::new(file, &self.options.debug_dirs, self.options.source_lines)
+        });
+        state.used = self.tick;
+        let had_resolver = state.resolver.is_some();
         let mut ctx = native::LookupContext {
-            resolver: &self.resolver,
             strings: &mut self.strings,
+            debug_dirs: &self.options.debug_dirs,
+            inline_frames: self.options.inline_frames,
             demangle: self.options.demangle,
             debug_info: self.options.source_lines,
         };
-        let lines = match native::lookup_user(&mut ctx, state, file, file_offset) {
+        let lookup = native::lookup_user(&mut ctx, state, file, file_offset);
+        if !had_resolver && state.resolver.is_some() {
+            self.resolver_bytes += state.cost;
+            self.bound_resolvers(file.id);
+        }
+        let lines = match lookup {
             native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
             native::UserLookup::Found(_) | native::UserLookup::NotFound => None,
             native::UserLookup::Failed => {

@@ -24,6 +24,9 @@ use tracing::{debug, warn};
 use super::{StringInterner, demangle::demangle};
 use crate::model::{FrameLine, MappedFile};
 
+/// What a file's resolver costs besides its tables' size (blazesym's own structures).
+const RESOLVER_OVERHEAD_BYTES: u64 = 64 << 10;
+
 /// After this many consecutive failures, a file is given up on (its frames stay unsymbolized).
 const MAX_CONSECUTIVE_ERRORS_PER_FILE: u32 = 16;
 
@@ -42,6 +45,10 @@ pub(super) struct ElfLayout {
     has_dwarf: bool,
     build_id: Option<String>,
     debuglink: Option<String>,
+    /// Bytes of the symbol and string tables (and of the DWARF sections), what symbolizing
+    /// the file makes blazesym read and index.
+    symbol_bytes: u64,
+    debug_bytes: u64,
 }
 
 impl ElfLayout {
@@ -77,11 +84,20 @@ impl ElfLayout {
             .ok()
             .flatten()
             .map(|(name, _crc)| String::from_utf8_lossy(name).into_owned());
+        let size_of = |names: &[&str]| {
+            names
+                .iter()
+                .filter_map(|name| elf.section_by_name(name))
+                .map(|section| section.size())
+                .sum::<u64>()
+        };
         Ok(Self {
             loads,
             has_dwarf,
             build_id,
             debuglink,
+            symbol_bytes: size_of(&[".symtab", ".strtab", ".dynsym", ".dynstr"]),
+            debug_bytes: size_of(&[".debug_info", ".debug_line", ".debug_str", ".debug_abbrev"]),
         })
     }
 
@@ -111,9 +127,16 @@ pub(super) enum SymbolSource {
 }
 
 /// Per-file state, created the first time a file is seen.
-#[derive(Debug)]
 pub(super) struct FileState {
     pub(super) source: SymbolSource,
+    /// The file's own blazesym symbolizer, which caches what it parsed of the file (and of its
+    /// debug file): dropped, and its memory with it, when the file has not been used for a
+    /// while and the budget is needed (see `Symbolizer`).
+    pub(super) resolver: Option<bz::Symbolizer>,
+    /// What holding the resolver is estimated to cost, in bytes.
+    pub(super) cost: u64,
+    /// When the file was last looked up (the symbolizer's tick).
+    pub(super) used: u64,
     /// Whether a warning was logged for this file already (one per file).
     warned: bool,
     consecutive_errors: u32,
@@ -122,8 +145,18 @@ pub(super) struct FileState {
 }
 
 impl FileState {
-    pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf]) -> Self {
-        let source = match ElfLayout::read(&file.open_path) {
+    pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf], debug_info: bool) -> Self {
+        let layout = ElfLayout::read(&file.open_path);
+        let cost = match &layout {
+            // The index blazesym builds is about the size of the tables it reads.
+            Ok(layout) => {
+                RESOLVER_OVERHEAD_BYTES
+                    + layout.symbol_bytes
+                    + if debug_info { layout.debug_bytes } else { 0 }
+            }
+            Err(_) => RESOLVER_OVERHEAD_BYTES,
+        };
+        let source = match layout {
             Ok(layout) if !layout.has_dwarf => {
                 match find_separate_debug_file(file, &layout, debug_dirs) {
                     Some(debug_path) => {
@@ -142,6 +175,9 @@ impl FileState {
         };
         Self {
             source,
+            resolver: None,
+            cost,
+            used: 0,
             warned: false,
             consecutive_errors: 0,
             failed: false,
@@ -231,11 +267,28 @@ pub(super) enum UserLookup {
 }
 
 pub(super) struct LookupContext<'a> {
-    pub(super) resolver: &'a bz::Symbolizer,
     pub(super) strings: &'a mut StringInterner,
+    /// For a file's resolver, made on its first lookup.
+    pub(super) debug_dirs: &'a [PathBuf],
+    pub(super) inline_frames: bool,
     pub(super) demangle: bool,
     /// Use DWARF (source lines, inlined functions) rather than only ELF symbol tables.
     pub(super) debug_info: bool,
+}
+
+/// A blazesym symbolizer for one file (and its separate debug file).
+pub(super) fn resolver(
+    debug_info: bool,
+    inline_frames: bool,
+    debug_dirs: &[PathBuf],
+) -> bz::Symbolizer {
+    bz::Symbolizer::builder()
+        // Demangling is ours, so the raw name stays available as `system_name`.
+        .enable_demangling(false)
+        .enable_code_info(debug_info)
+        .enable_inlined_fns(debug_info && inline_frames)
+        .set_debug_dirs(Some(debug_dirs))
+        .build()
 }
 
 fn elf_source(path: &std::path::Path, debug_info: bool) -> Source<'static> {
@@ -254,16 +307,29 @@ pub(super) fn lookup_user(
     if state.failed {
         return UserLookup::NotFound;
     }
+    let resolver = state
+        .resolver
+        .take()
+        .unwrap_or_else(|| resolver(ctx.debug_info, ctx.inline_frames, ctx.debug_dirs));
+    let lookup = lookup_with(ctx, state, &resolver, file, file_offset);
+    state.resolver = Some(resolver);
+    lookup
+}
+
+fn lookup_with(
+    ctx: &mut LookupContext<'_>,
+    state: &mut FileState,
+    resolver: &bz::Symbolizer,
+    file: &MappedFile,
+    file_offset: u64,
+) -> UserLookup {
     let mut failed = false;
 
     if let SymbolSource::SeparateDebugFile { debug_path, layout } = &state.source
         && let Some(vaddr) = layout.file_offset_to_vaddr(file_offset)
     {
         let source = elf_source(debug_path, ctx.debug_info);
-        match ctx
-            .resolver
-            .symbolize_single(&source, Input::VirtOffset(vaddr))
-        {
+        match resolver.symbolize_single(&source, Input::VirtOffset(vaddr)) {
             Ok(Symbolized::Sym(sym)) => {
                 state.consecutive_errors = 0;
                 return UserLookup::Found(frame_lines(ctx, &sym, &file.path));
@@ -283,10 +349,7 @@ pub(super) fn lookup_user(
     }
 
     let source = elf_source(&file.open_path, ctx.debug_info);
-    match ctx
-        .resolver
-        .symbolize_single(&source, Input::FileOffset(file_offset))
-    {
+    match resolver.symbolize_single(&source, Input::FileOffset(file_offset)) {
         Ok(Symbolized::Sym(sym)) => {
             state.consecutive_errors = 0;
             UserLookup::Found(frame_lines(ctx, &sym, &file.path))

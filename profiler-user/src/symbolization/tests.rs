@@ -485,6 +485,42 @@ fn cache_is_reset_when_full() -> TestResult {
     Ok(())
 }
 
+/// The parsed symbol tables of files are bounded by an estimate of their size: a file not
+/// used lately gives its tables up, and is read again when a frame needs it.
+#[test]
+fn parsed_files_are_bounded_least_recently_used_first() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let (a, b) = (
+        build_c(&dir, "c_bound_a", &["-O0"])?,
+        build_c(&dir, "c_bound_b", &["-O0"])?,
+    );
+    let (file_a, file_b) = (mapped_file(&a)?, mapped_file(&b)?);
+    let (alpha_a, alpha_b) = (
+        symbol_named(&a, "fixture_alpha")?,
+        symbol_named(&b, "fixture_alpha")?,
+    );
+    // Room for one file's tables only.
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions {
+        max_resolver_bytes: 1,
+        ..isolated_options(dir.path())
+    });
+    let first = symbolizer.symbolize(&user_frame(&file_a, alpha_a.file_offset));
+    assert_eq!(symbolizer.stats().resolvers, 1);
+    symbolizer.symbolize(&user_frame(&file_b, alpha_b.file_offset));
+    let stats = symbolizer.stats();
+    assert_eq!(
+        (stats.resolvers, stats.resolvers_dropped),
+        (1, 1),
+        "a's tables dropped for b's"
+    );
+    assert!(stats.resolver_bytes > 0);
+    // a again, at an address not cached: read again, same symbol.
+    let again = symbolizer.symbolize(&user_frame(&file_a, alpha_a.file_offset + 1));
+    assert_eq!(outer_line(&again).function, outer_line(&first).function);
+    assert_eq!(symbolizer.stats().resolvers_dropped, 2);
+    Ok(())
+}
+
 #[test]
 fn unreadable_and_malformed_files_stay_unsymbolized() -> TestResult {
     let dir = FixtureDir::new()?;

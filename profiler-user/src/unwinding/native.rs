@@ -11,8 +11,9 @@
 //! process's executable mappings are registered in the LPM trie as (pid, address range) →
 //! (table, load bias); exits and pid reuse remove them, and a table no registered process maps
 //! lets go of its file.
+// Looked up for every sample's frames: a fast hash (keys come from our own snapshots).
+use foldhash::{HashMap, HashMapExt};
 use std::{
-    collections::HashMap,
     ops::Range,
     path::Path,
     sync::Arc,

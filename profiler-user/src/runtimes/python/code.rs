@@ -361,6 +361,9 @@ pub struct CodeCacheStats {
 pub struct CodeCache {
     young: HashMap<CacheKey, Arc<CodeObject>>,
     old: HashMap<CacheKey, Arc<CodeObject>>,
+    /// The processes with entries, so the exit of every other process (hundreds a second on a
+    /// busy host) costs a set lookup rather than a pass over the cache.
+    pids: std::collections::HashSet<Pid>,
     capacity: usize,
     stats: CodeCacheStats,
 }
@@ -370,6 +373,7 @@ impl CodeCache {
         Self {
             young: HashMap::new(),
             old: HashMap::new(),
+            pids: std::collections::HashSet::new(),
             capacity: capacity.max(2),
             stats: CodeCacheStats::default(),
         }
@@ -425,13 +429,18 @@ impl CodeCache {
         };
         if self.young.len() >= self.capacity / 2 {
             self.old = std::mem::take(&mut self.young);
+            self.pids = self.old.keys().map(|key| key.pid).collect();
         }
         self.young.insert(key, Arc::clone(&code));
+        self.pids.insert(pid);
         Ok(code)
     }
 
     /// Drops every entry of `pid` (process exited or exec'ed).
     pub fn forget_process(&mut self, pid: Pid) {
+        if !self.pids.remove(&pid) {
+            return;
+        }
         self.young.retain(|key, _| key.pid != pid);
         self.old.retain(|key, _| key.pid != pid);
     }
