@@ -126,7 +126,7 @@ pub const CUDA_EVENT_KNOWN_FLAGS: u32 = (1 << 3) - 1;
 /// Bytes of a kernel name read from the process (longer names are cut).
 pub const KERNEL_NAME_BYTES: usize = 256;
 /// Size of the `CUDA_EVENTS` ring buffer in bytes.
-pub const CUDA_EVENTS_RING_BYTES: u32 = 8 << 20;
+pub const CUDA_EVENTS_RING_BYTES: u32 = 4 << 20;
 /// Entries of the per-thread `CUDA_THREADS` LRU map.
 pub const MAX_CUDA_THREADS: u32 = 16_384;
 

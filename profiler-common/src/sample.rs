@@ -7,7 +7,7 @@ pub const MAX_KERNEL_FRAMES: usize = 127;
 /// Deepest user stack recorded (a power of two: the unwinder masks indexes with it).
 pub const MAX_USER_FRAMES: usize = 256;
 /// Size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page size).
-pub const SAMPLES_RING_BYTES: u32 = 8 << 20;
+pub const SAMPLES_RING_BYTES: u32 = 4 << 20;
 /// Entries of the `PID_FILTER` hash map.
 pub const MAX_FILTERED_PIDS: u32 = 1024;
 

@@ -79,6 +79,18 @@ pub enum AgentError {
     Push(#[from] PushError),
 }
 
+/// Sets glibc's allocator up for an agent that lives for months: a fixed threshold of 1 MiB
+/// above which allocations are mapped (and given back when freed), instead of the dynamic
+/// one that, once a large table was built, keeps such blocks in the heap for good; and two
+/// arenas rather than one per thread. Call before any thread starts.
+pub fn tune_allocator() {
+    // SAFETY: mallopt only changes allocator parameters; it is called before other threads.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
 /// What a finished recording produced.
 #[derive(Debug)]
 pub struct RecordSummary {
@@ -1077,6 +1089,7 @@ fn flush_interval(
 ) -> SelfMetrics {
     exporter.submit(pipeline.flush(unix_now_ns()));
     pipeline.processes.evict_exited();
+    pipeline.symbolizer.release_file_pages();
     let mut metrics = pipeline.metrics(sampler, reader);
     exporter.add_to(&mut metrics);
     metrics.log("interval");

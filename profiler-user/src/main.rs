@@ -6,6 +6,7 @@ use profiler::cli::{Cli, Command, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() {
+    profiler::agent::tune_allocator();
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let stop = Arc::new(AtomicBool::new(false));

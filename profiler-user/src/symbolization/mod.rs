@@ -335,6 +335,47 @@ impl Symbolizer {
         self.stats.cache_resets += 1;
     }
 
+    /// Gives back the pages of the files blazesym maps to read symbol names (a large C++
+    /// library's string table is tens of MiB, all of it resident after a while): its private,
+    /// read-only file mappings are told `MADV_DONTNEED`, so the next lookups fault the few
+    /// pages they need in again from the page cache. Called once per interval. Returns the
+    /// bytes released.
+    pub fn release_file_pages(&self) -> u64 {
+        let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+            return 0;
+        };
+        let own = std::fs::read_link("/proc/self/exe").ok();
+        let mut released = 0;
+        for line in maps.lines() {
+            let Some(entry) = crate::process::maps::parse_maps_line(line) else {
+                continue;
+            };
+            let length = entry.end - entry.start;
+            // Only mappings of data files (r--p), not code, not the agent itself, and only
+            // large ones: small ones are the agent's own libraries' read-only data.
+            if entry.perms != "r--p"
+                || length < (1 << 20)
+                || !entry.pathname.starts_with('/')
+                || own.as_deref() == Some(std::path::Path::new(entry.pathname))
+            {
+                continue;
+            }
+            // SAFETY: a private read-only file mapping; MADV_DONTNEED only drops its pages
+            // from this process (they are read again from the file on the next access).
+            if unsafe {
+                libc::madvise(
+                    entry.start as *mut libc::c_void,
+                    length as usize,
+                    libc::MADV_DONTNEED,
+                )
+            } == 0
+            {
+                released += length;
+            }
+        }
+        released
+    }
+
     /// Drops the parsed tables of the least recently used files until their estimated cost is
     /// within `max_resolver_bytes` (`keep`, just used, stays).
     fn bound_resolvers(&mut self, keep: FileId) {
