@@ -43,11 +43,15 @@ pub struct SelfMetrics {
     pub symbol_files: u64,
     pub symbol_file_bytes: u64,
     pub symbol_files_dropped: u64,
+    /// Python code objects cached (bounded).
+    pub python_code_objects: u64,
     pub processes_tracked: u64,
     pub open_files: u64,
     /// Snapshots built from exec and fork events (/proc was gone), and identities held.
     pub process_snapshots_from_events: u64,
     pub process_identities: u64,
+    /// Cgroup directory names remembered (bounded).
+    pub cgroup_paths: u64,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
     pub profiles_written: u64,
@@ -504,6 +508,12 @@ impl SelfMetrics {
                 "gauge",
             ),
             (
+                "python_code_objects",
+                "Python code objects cached (names, files, line tables; bounded)",
+                self.python_code_objects,
+                "gauge",
+            ),
+            (
                 "symbol_files_dropped_total",
                 "Parsed symbol tables dropped to stay within their bound (read again when needed)",
                 self.symbol_files_dropped,
@@ -519,6 +529,12 @@ impl SelfMetrics {
                 "process_identities",
                 "Exec and fork identities held for processes that may exit unseen (bounded)",
                 self.process_identities,
+                "gauge",
+            ),
+            (
+                "cgroup_paths",
+                "Cgroup directory names remembered for service labels (bounded)",
+                self.cgroup_paths,
                 "gauge",
             ),
             (

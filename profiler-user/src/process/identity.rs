@@ -146,6 +146,15 @@ impl CgroupPaths {
         }
     }
 
+    /// Cgroup directories remembered (bounded by `MAX_CGROUPS`).
+    pub fn len(&self) -> usize {
+        self.paths.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.paths.is_empty()
+    }
+
     /// The path of cgroup `id` relative to the cgroup2 root (`/system.slice/x.service`).
     pub fn path(&mut self, id: u64) -> Option<String> {
         if id == 0 {

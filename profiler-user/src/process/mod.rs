@@ -95,7 +95,7 @@ pub struct RegistryConfig {
 impl Default for RegistryConfig {
     fn default() -> Self {
         Self {
-            max_processes: 65_536,
+            max_processes: 16_384,
             max_open_files: 4096,
             recheck_interval: Duration::from_secs(1),
         }
@@ -117,6 +117,8 @@ pub struct RegistryStats {
     pub snapshots_from_events: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,
+    /// Cgroup directory names remembered (bounded).
+    pub cgroup_paths: u64,
     /// Files currently held open by the file cache.
     pub open_files: u64,
 }
@@ -177,6 +179,7 @@ impl ProcessRegistry {
         RegistryStats {
             open_files: self.files.len() as u64,
             identities: self.identities.len() as u64,
+            cgroup_paths: self.cgroups.len() as u64,
             ..self.stats
         }
     }

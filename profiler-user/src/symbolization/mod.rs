@@ -111,6 +111,8 @@ pub struct SymbolizerStats {
     pub resolvers: usize,
     pub resolver_bytes: u64,
     pub resolvers_dropped: u64,
+    /// Python code objects cached (bounded by `python::CODE_CACHE_ENTRIES`).
+    pub python_code_entries: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -200,6 +202,7 @@ impl Symbolizer {
             cache_entries: self.frames.len(),
             resolvers: self.files.values().filter(|f| f.resolver.is_some()).count(),
             resolver_bytes: self.resolver_bytes,
+            python_code_entries: self.python_code.len(),
             ..self.stats
         }
     }
