@@ -38,7 +38,7 @@ use crate::{
         FileId, Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid, UnwoundFrame,
         UnwoundStack,
     },
-    process::ProcessRegistry,
+    process::{ProcessRegistry, mmap_events::MmapEvents},
     runtimes::python::PythonTracker,
     sampling::SampleReader,
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
@@ -177,6 +177,8 @@ type Held = (Instant, Sample, Arc<ProcessInfo>);
 struct LateSamples {
     queue: std::collections::VecDeque<Held>,
     bytes: usize,
+    /// [`NativeTables::builds_finished`] when the held samples were last walked.
+    tables_placed_at_last_try: u64,
     stats: LateWalkStats,
 }
 
@@ -210,6 +212,22 @@ impl LateSamples {
     fn take(&mut self) -> Vec<Held> {
         self.bytes = 0;
         self.queue.drain(..).collect()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Worth walking again: a table was placed since the last try, or the oldest sample's
+    /// patience ran out (retrying on every batch would walk each held sample hundreds of
+    /// times a second).
+    fn due(&self, tables_placed: u64) -> bool {
+        !self.queue.is_empty()
+            && (tables_placed != self.tables_placed_at_last_try
+                || self
+                    .queue
+                    .front()
+                    .is_some_and(|(since, ..)| since.elapsed() >= LATE_WALK_PATIENCE))
     }
 
     fn stats(&self) -> LateWalkStats {
@@ -294,8 +312,19 @@ impl Pipeline {
                 .collect(),
             decode_errors: 0,
         });
+        let mut processes = ProcessRegistry::new("/proc".into(), host.clone());
+        match aya::util::online_cpus()
+            .map_err(|(_, error)| error)
+            .and_then(|cpus| MmapEvents::open(&cpus))
+        {
+            Ok(events) => processes.watch_mmaps(events),
+            Err(error) => tracing::warn!(
+                "the kernel's mmap announcements are unavailable ({error}): the libraries of \
+                 processes that exit before /proc is read stay [unknown]"
+            ),
+        }
         Pipeline {
-            processes: ProcessRegistry::new("/proc".into(), host.clone()),
+            processes,
             unwinder: Unwinder::default(),
             native_tables: NativeTables::new(unwind_maps, sampling.cache_dir.as_deref()),
             python: PythonTracker::new(python_maps, "/proc".into(), sampling.python_frames),
@@ -370,9 +399,34 @@ impl Pipeline {
         walk
     }
 
+    /// At the end: the tables held samples wait for are awaited (for at most
+    /// [`LATE_WALK_PATIENCE`]) before every walk is finished as far as it goes, so the last
+    /// seconds of a short run are not cut where a busy builder was slow.
+    fn settle_late_walks(&mut self) {
+        let deadline = Instant::now() + LATE_WALK_PATIENCE;
+        loop {
+            self.retry_late_walks(false);
+            if self.late.is_empty() || !self.native_tables.building() {
+                break;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            if !self.native_tables.wait_for_build(left) {
+                break;
+            }
+        }
+        self.retry_late_walks(true);
+    }
+
     /// Retries the held samples (their tables may be in now); those held past
     /// [`LATE_WALK_PATIENCE`], or all of them with `give_up`, are finished as far as they go.
     fn retry_late_walks(&mut self, give_up: bool) {
+        let builds_finished = self.native_tables.builds_finished();
+        if !give_up && !self.late.due(builds_finished) {
+            return;
+        }
+        self.late.tables_placed_at_last_try = builds_finished;
         for (held_since, mut sample, process) in self.late.take() {
             let patience = if give_up || held_since.elapsed() >= LATE_WALK_PATIENCE {
                 Patience::GiveUp
@@ -497,6 +551,7 @@ impl Pipeline {
     /// Takes the lifecycle events out of their ring. Called before each batch of samples: every
     /// event that happened before a sample was read is then known when the sample is handled.
     fn drain_events(&mut self) {
+        self.processes.drain_mmaps();
         let drained = self.events.drain();
         if drained.is_empty() {
             return;
@@ -780,6 +835,8 @@ impl Pipeline {
             process_snapshots_from_events: registry.snapshots_from_events,
             process_identities: registry.identities,
             cgroup_paths: registry.cgroup_paths,
+            process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
+            announced_mmaps: self.processes.mmap_stats().unwrap_or_default(),
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,
             agent_peak_rss_bytes: peak,
@@ -974,7 +1031,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         pipeline.handle(sample);
     }
     pipeline.poll(None);
-    pipeline.retry_late_walks(true);
+    pipeline.settle_late_walks();
     let all_profiles = pipeline.flush(start_unix_ns + duration_ns);
     let (mut profiles, cuda_profiles): (Vec<Profile>, Vec<Profile>) = all_profiles
         .into_iter()
@@ -1199,7 +1256,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         pipeline.handle(sample);
     }
     pipeline.poll(None);
-    pipeline.retry_late_walks(true);
+    pipeline.settle_late_walks();
     exporter.submit(pipeline.flush(unix_now_ns()));
     exporter.finish();
     let mut metrics = pipeline.metrics(None, None);

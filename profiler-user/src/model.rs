@@ -72,6 +72,8 @@ pub struct ExecRecord {
     pub exe: Option<FileId>,
     /// The main executable's code as mapped (`mm->start_code..end_code`).
     pub code: Option<(u64, u64)>,
+    /// When the exec happened (CLOCK_MONOTONIC ns, the BPF event's time).
+    pub exec_ns: u64,
 }
 
 /// A copy of a thread's user stack, from the registers of the frame the BPF walk stopped at.

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::{
     bpf::BpfStats,
+    process::mmap_events::MmapLogStats,
     runtimes::python::PythonStats,
     unwinding::{late::LateWalkStats, native::NativeTableStats},
 };
@@ -52,6 +53,9 @@ pub struct SelfMetrics {
     pub process_identities: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
+    /// Snapshots from events whose libraries came from the kernel's mmap announcements.
+    pub process_snapshots_from_announced_mmaps: u64,
+    pub announced_mmaps: MmapLogStats,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
     pub profiles_written: u64,
@@ -530,6 +534,30 @@ impl SelfMetrics {
                 "Exec and fork identities held for processes that may exit unseen (bounded)",
                 self.process_identities,
                 "gauge",
+            ),
+            (
+                "process_snapshots_from_announced_mmaps_total",
+                "Snapshots of processes gone from /proc whose libraries came from mmap announcements",
+                self.process_snapshots_from_announced_mmaps,
+                "counter",
+            ),
+            (
+                "announced_mmap_processes",
+                "Processes whose announced executable mmaps are held (bounded)",
+                self.announced_mmaps.processes,
+                "gauge",
+            ),
+            (
+                "announced_mmaps",
+                "Announced executable mmaps held (bounded)",
+                self.announced_mmaps.mappings,
+                "gauge",
+            ),
+            (
+                "announced_mmaps_lost_total",
+                "mmap announcements the kernel dropped because the ring was full",
+                self.announced_mmaps.records_lost,
+                "counter",
             ),
             (
                 "cgroup_paths",

@@ -179,6 +179,30 @@ impl Running {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Waits for the process to exit; returns its status and the CPU time it got (all
+    /// threads; read every 20 ms until it exits, so at most that much short).
+    pub fn wait_measuring_cpu(&mut self) -> (ExitStatus, Duration) {
+        let pid = self.pid();
+        let mut cpu = Duration::ZERO;
+        loop {
+            if let Some(now) = cpu_time_so_far(pid) {
+                cpu = cpu.max(now);
+            }
+            if let Some(status) = self.child.try_wait().expect("wait for the fixture") {
+                return (status, cpu);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// How many samples a test needs before it judges stack shapes: `wanted`, or fewer when the
+/// fixture got less CPU time than that takes (a busy machine), but never under 10. `share` is
+/// the part of `cpu` the samples cover (a recording window shorter than the measurement).
+pub fn sample_floor(wanted: i64, cpu: Duration, share: f64) -> i64 {
+    let at_100_hz = cpu.as_secs_f64() * 100.0 * share;
+    wanted.min(at_100_hz as i64).max(wanted.min(10))
 }
 
 impl Drop for Running {

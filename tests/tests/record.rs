@@ -68,9 +68,18 @@ fn frame_pointer_chain_is_complete_and_sample_count_matches_frequency() {
     // One busy thread at 100 Hz of the CPU time it got in the recorded duration (all of it on
     // a quiet machine; less when other work shares the CPUs).
     let expected = profile.duration_nanos as f64 / 1e9 * 100.0 * cpu_share;
+    // A thread that has a CPU to itself is sampled at every tick (10 %: start and stop of the
+    // window). One sharing CPUs is running at a given tick by chance, so the count is binomial
+    // and the share was measured over a longer window: three standard deviations.
+    let tolerance = if cpu_share > 0.9 {
+        0.10 * expected
+    } else {
+        (0.10 * expected).max(3.0 * expected.sqrt())
+    };
     assert!(
-        (total as f64 - expected).abs() <= 0.10 * expected,
-        "{total} samples, expected {expected:.0} ± 10% (the fixture had {:.0}% of a CPU)",
+        (total as f64 - expected).abs() <= tolerance,
+        "{total} samples, expected {expected:.0} ± {tolerance:.0} (the fixture had {:.0}% of a \
+         CPU)",
         cpu_share * 100.0
     );
     // Every sample is the fixture's: --pid filters.

@@ -195,7 +195,7 @@ impl EventRing {
                             // SAFETY: length checked; ExecEvent is plain old data.
                             let exec: ExecEvent =
                                 unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-                            Arc::new(exec_record(&exec.details))
+                            Arc::new(exec_record(&exec.details, event.ktime_ns))
                         });
                         events.push(LifecycleEvent::Execed {
                             pid: event.pid,
@@ -330,7 +330,7 @@ impl LifecycleEvent {
 
 /// The exec event's details as the agent keeps them. `exe_dev` is the kernel's `dev_t`
 /// (major << 20 | minor), converted to the encoding `stat` reports.
-pub fn exec_record(details: &ExecDetails) -> ExecRecord {
+pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
     let text = |bytes: &[u8], len: usize| {
         let bytes = &bytes[..len.min(bytes.len())];
         let bytes = bytes.split(|&b| b == 0).next().unwrap_or_default();
@@ -361,6 +361,7 @@ pub fn exec_record(details: &ExecDetails) -> ExecRecord {
         }),
         code: (details.start_code != 0 && details.end_code > details.start_code)
             .then_some((details.start_code, details.end_code)),
+        exec_ns,
     }
 }
 

@@ -56,6 +56,26 @@ impl FileCache {
         Some((file, offset))
     }
 
+    /// A file announced by an mmap record of a process that may be gone: from the cache, else
+    /// opened by `path` in the agent's namespace if that is still the file mapped (same
+    /// identity). Without an identity to check, only a cached file of that path would do, so
+    /// `None`.
+    pub fn announced(&mut self, path: &str, id: FileId) -> Option<Arc<MappedFile>> {
+        if let Some(file) = self.files.get_mut(&id) {
+            return Some(Arc::clone(file));
+        }
+        let (handle, open_path) = super::identity::open_executable(path, id)?;
+        let file = Arc::new(MappedFile {
+            id,
+            path: Arc::from(path),
+            open_path,
+            build_id: read_build_id(&handle).map(Arc::from),
+            handle: Some(handle),
+        });
+        self.files.insert(id, Arc::clone(&file));
+        Some(file)
+    }
+
     /// The file behind a file-backed mapping, opened as the process sees it: through
     /// /proc/PID/map_files (works for deleted files and other mount namespaces), else through
     /// /proc/PID/root. `None` when neither names the mapped file.

@@ -13,6 +13,7 @@ pub mod kubernetes;
 pub mod labels;
 mod lru;
 pub mod maps;
+pub mod mmap_events;
 
 use std::{
     fs,
@@ -32,6 +33,7 @@ use self::{
     labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
     lru::Lru,
     maps::executable_mappings,
+    mmap_events::{MmapEvents, MmapLogStats},
 };
 use crate::model::{ExecRecord, Mapping, Pid, ProcessInfo};
 
@@ -117,6 +119,8 @@ pub struct RegistryStats {
     pub snapshots_from_events: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,
+    /// Snapshots from events whose mappings came from the kernel's mmap announcements.
+    pub snapshots_from_announced_mmaps: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
     /// Files currently held open by the file cache.
@@ -148,6 +152,8 @@ pub struct ProcessRegistry {
     /// Who processes became at exec, or were forked from (see [`identity`]).
     identities: Identities,
     cgroups: CgroupPaths,
+    /// The kernel's announcements of executable mmaps, when they could be opened.
+    mmaps: Option<MmapEvents>,
 }
 
 impl ProcessRegistry {
@@ -168,7 +174,25 @@ impl ProcessRegistry {
             stats: RegistryStats::default(),
             identities: Identities::default(),
             cgroups: CgroupPaths::new(),
+            mmaps: None,
         }
+    }
+
+    /// Uses the kernel's mmap announcements for processes gone from /proc (their libraries).
+    pub fn watch_mmaps(&mut self, events: MmapEvents) {
+        self.mmaps = Some(events);
+    }
+
+    /// Reads the mmap announcements waiting; call before each batch of samples, so the
+    /// mappings of a process sampled before the batch are known when its sample is handled.
+    pub fn drain_mmaps(&mut self) {
+        if let Some(events) = &mut self.mmaps {
+            events.drain();
+        }
+    }
+
+    pub fn mmap_stats(&self) -> Option<MmapLogStats> {
+        self.mmaps.as_ref().map(|events| events.log.stats())
     }
 
     pub fn host(&self) -> &str {
@@ -320,8 +344,11 @@ impl ProcessRegistry {
             host: &self.host,
             is_kernel_thread: false,
         });
-        let mappings = match (record.exe, record.code) {
-            (Some(id), Some((start, end))) => self
+        // All its libraries when the kernel announced its mmaps, else its main executable.
+        let announced = self.announced_mappings(pid, record);
+        let mappings = match (announced, record.exe, record.code) {
+            (Some(mappings), ..) => mappings,
+            (None, Some(id), Some((start, end))) => self
                 .files
                 .executable(&exe, id)
                 .map(|(file, file_offset)| {
@@ -344,6 +371,34 @@ impl ProcessRegistry {
             mappings,
             is_kernel_thread: false,
         }
+    }
+
+    /// The executable mappings the kernel announced for the program `record` started: all its
+    /// libraries, not only its main executable. `None` when that exec was not announced.
+    fn announced_mappings(&mut self, pid: Pid, record: &ExecRecord) -> Option<Vec<Mapping>> {
+        let announced = self.mmaps.as_mut()?.log.mappings_at(pid, record.exec_ns)?;
+        if announced.is_empty() {
+            return None;
+        }
+        let mappings = announced
+            .into_iter()
+            .map(|mapping| {
+                let file = mapping
+                    .file
+                    .and_then(|id| self.files.announced(&mapping.path, id));
+                Mapping {
+                    start: mapping.start,
+                    end: mapping.end,
+                    file_offset: mapping.file_offset,
+                    name: file
+                        .as_ref()
+                        .map_or_else(|| Arc::clone(&mapping.path), |f| Arc::clone(&f.path)),
+                    file,
+                }
+            })
+            .collect();
+        self.stats.snapshots_from_announced_mmaps += 1;
+        Some(mappings)
     }
 
     /// Retakes the snapshot of `pid` because `addr` is in none of its mappings (a library

@@ -171,6 +171,7 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
             ino: metadata.ino(),
         }),
         code: Some((0x5555_0000_2000, 0x5555_0000_9000)),
+        exec_ns: 1,
     };
     registry.record_exec(Pid(500), Arc::new(record));
     let info = registry

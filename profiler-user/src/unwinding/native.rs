@@ -14,6 +14,7 @@
 // Looked up for every sample's frames: a fast hash (keys come from our own snapshots).
 use foldhash::{HashMap, HashMapExt};
 use std::{
+    collections::HashSet,
     ops::Range,
     path::Path,
     sync::Arc,
@@ -146,6 +147,8 @@ struct TableSlot {
     /// The file to build from; dropped while no registered process maps it, so the file is
     /// not held open for a table that may never be needed again.
     source: Option<Arc<MappedFile>>,
+    /// Its build was asked for at the front of the line (a held sample waits for it).
+    urgent: bool,
 }
 
 impl TableSlot {
@@ -313,6 +316,7 @@ pub struct NativeTables<M: UnwindMaps> {
     next_table_id: u32,
     tick: u64,
     processes: HashMap<Pid, Registration>,
+    builds_finished: u64,
     /// Processes sampled once and not registered yet (see [`Self::sync`]).
     seen_once: HashMap<Pid, Instant>,
     has_vdso: bool,
@@ -374,8 +378,10 @@ struct BuildResult {
 }
 
 /// Builds tables on its own thread, so a large library (or hundreds of processes appearing at
-/// once) never holds up sample processing.
+/// once) never holds up sample processing. Two lines: tables a held sample waits for go before
+/// those registrations asked for, which on a busy host can be hundreds of files long.
 struct TableBuilder {
+    urgent: Option<crossbeam_channel::Sender<BuildRequest>>,
     requests: Option<crossbeam_channel::Sender<BuildRequest>>,
     results: crossbeam_channel::Receiver<BuildResult>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -384,11 +390,31 @@ struct TableBuilder {
 impl TableBuilder {
     fn spawn(cache: Option<TableCache>, vdso: Option<Arc<[u8]>>) -> TableBuilder {
         let (requests, incoming) = crossbeam_channel::unbounded::<BuildRequest>();
+        let (urgent, incoming_urgent) = crossbeam_channel::unbounded::<BuildRequest>();
         let (outgoing, results) = crossbeam_channel::unbounded();
         let thread = std::thread::Builder::new()
             .name("unwind-tables".into())
             .spawn(move || {
-                for request in incoming {
+                // Built from the urgent line while also waiting in the other: built once.
+                let mut built_early: HashSet<TableKey> = HashSet::new();
+                loop {
+                    let request = crossbeam_channel::select_biased! {
+                        recv(incoming_urgent) -> request => match request {
+                            Ok(request) => {
+                                built_early.insert(request.key.clone());
+                                request
+                            }
+                            Err(_) => break,
+                        },
+                        recv(incoming) -> request => match request {
+                            Ok(request) if built_early.remove(&request.key) => continue,
+                            Ok(request) => request,
+                            Err(_) => break,
+                        },
+                    };
+                    if incoming.is_empty() {
+                        built_early.clear();
+                    }
                     let started = Instant::now();
                     let (table, from_cache) = read_table(
                         &request.key,
@@ -411,21 +437,24 @@ impl TableBuilder {
             })
             .expect("spawning the unwind-table builder thread");
         TableBuilder {
+            urgent: Some(urgent),
             requests: Some(requests),
             results,
             thread: Some(thread),
         }
     }
 
-    fn submit(&self, request: BuildRequest) {
-        if let Some(requests) = &self.requests {
-            let _ = requests.send(request);
+    fn submit(&self, request: BuildRequest, urgent: bool) {
+        let line = if urgent { &self.urgent } else { &self.requests };
+        if let Some(line) = line {
+            let _ = line.send(request);
         }
     }
 }
 
 impl Drop for TableBuilder {
     fn drop(&mut self) {
+        self.urgent = None;
         self.requests = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -441,6 +470,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             maps,
             has_vdso: vdso.is_some(),
             builder: TableBuilder::spawn(cache_dir.map(TableCache::new), vdso),
+            builds_finished: 0,
             allocator: ChunkAllocator::new(capacity),
             slots: HashMap::new(),
             file_tables: HashMap::new(),
@@ -484,13 +514,13 @@ impl<M: UnwindMaps> NativeTables<M> {
                 // A process not registered (yet): its file's table is asked for now.
                 None => {
                     let key = table_key(file);
-                    self.ensure_table(&key, Some(file.clone()));
+                    self.ensure_table(&key, Some(file.clone()), true);
                     self.link_file(file.id, &key);
                     key
                 }
             },
             None if &*mapping.name == "[vdso]" && self.has_vdso => {
-                self.ensure_table(&TableKey::Vdso, None);
+                self.ensure_table(&TableKey::Vdso, None, true);
                 TableKey::Vdso
             }
             None => return RowLookup::NoTable,
@@ -557,8 +587,12 @@ impl<M: UnwindMaps> NativeTables<M> {
         slot.sampled_at = Some(Instant::now());
         match slot.state {
             SlotState::Loaded { .. } | SlotState::Unusable => return,
+            // Queued behind registrations' tables: asked for again at the front of the line.
             SlotState::Building => {
                 slot.demanded = true;
+                if !slot.urgent {
+                    self.ensure_table(&key, Some(file.clone()), true);
+                }
                 return;
             }
             SlotState::Evicted if slot.retry_after.is_some_and(|at| Instant::now() < at) => {
@@ -569,7 +603,7 @@ impl<M: UnwindMaps> NativeTables<M> {
         slot.demanded = true;
         self.stats.tables_demanded += 1;
         self.tick += 1;
-        self.ensure_table(&key, Some(file.clone()));
+        self.ensure_table(&key, Some(file.clone()), true);
     }
 
     /// Overrides [`MIN_RESIDENCY`].
@@ -711,6 +745,32 @@ impl<M: UnwindMaps> NativeTables<M> {
         }
     }
 
+    /// Builds finished so far (placed, failed or put off): held samples are worth walking
+    /// again when this changes.
+    pub fn builds_finished(&self) -> u64 {
+        self.builds_finished
+    }
+
+    /// Whether the builder has tables to finish.
+    pub fn building(&self) -> bool {
+        self.slots
+            .values()
+            .any(|slot| matches!(slot.state, SlotState::Building))
+    }
+
+    /// Waits up to `timeout` for the builder to finish a table, and places what it finished.
+    /// False when nothing came.
+    pub fn wait_for_build(&mut self, timeout: Duration) -> bool {
+        match self.builder.results.recv_timeout(timeout) {
+            Ok(result) => {
+                self.finish_build(result);
+                self.poll_builds();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Places tables the builder thread has finished.
     pub fn poll_builds(&mut self) {
         while let Ok(result) = self.builder.results.try_recv() {
@@ -720,7 +780,14 @@ impl<M: UnwindMaps> NativeTables<M> {
 
     fn finish_build(&mut self, result: BuildResult) {
         self.stats.build_time += result.elapsed;
-        let Some(slot) = self.slots.get(&result.key) else {
+        self.builds_finished += 1;
+        // A second build of one table (asked for again at the front of the line while the
+        // first was under way) finds it placed already.
+        let Some(slot) = self
+            .slots
+            .get(&result.key)
+            .filter(|slot| matches!(slot.state, SlotState::Building))
+        else {
             return;
         };
         let (id, source) = (slot.id, slot.source.clone());
@@ -754,6 +821,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                 slot.demanded = false;
             }
             slot.state = state;
+            slot.urgent = false;
             slot.segments = segments;
             slot.reliable_frame_pointers = reliable_frame_pointers;
         }
@@ -863,7 +931,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             None if &*mapping.name == "[vdso]" && self.has_vdso => (TableKey::Vdso, None),
             None => return (frame_pointers, None, None),
         };
-        self.ensure_table(&key, source);
+        self.ensure_table(&key, source, false);
         if let Some(file) = &mapping.file {
             self.link_file(file.id, &key);
         }
@@ -905,8 +973,10 @@ impl<M: UnwindMaps> NativeTables<M> {
         }
     }
 
-    /// Requests the table for `key` unless it is placed, building, unusable or backing off.
-    fn ensure_table(&mut self, key: &TableKey, source: Option<Arc<MappedFile>>) {
+    /// Requests the table for `key` unless it is placed, building, unusable or backing off;
+    /// `urgent` when a sample waits for it (a table queued behind others is asked for again at
+    /// the front of the line).
+    fn ensure_table(&mut self, key: &TableKey, source: Option<Arc<MappedFile>>, urgent: bool) {
         let tick = self.tick;
         match self.slots.get_mut(key) {
             Some(slot) => {
@@ -915,7 +985,8 @@ impl<M: UnwindMaps> NativeTables<M> {
                     slot.source = source;
                 }
                 let request = match slot.state {
-                    SlotState::Loaded { .. } | SlotState::Unusable | SlotState::Building => false,
+                    SlotState::Building => urgent && !slot.urgent,
+                    SlotState::Loaded { .. } | SlotState::Unusable => false,
                     // A table nobody demands waits for free room or a demand.
                     SlotState::Evicted => {
                         slot.demanded && slot.retry_after.is_none_or(|at| Instant::now() >= at)
@@ -943,15 +1014,23 @@ impl<M: UnwindMaps> NativeTables<M> {
                         registrations: 0,
                         files: Vec::new(),
                         source,
+                        urgent: false,
                     },
                 );
             }
         }
-        let source = self.slots.get(key).and_then(|s| s.source.clone());
-        self.builder.submit(BuildRequest {
-            key: key.clone(),
-            source,
-        });
+        let Some(slot) = self.slots.get_mut(key) else {
+            return;
+        };
+        slot.urgent |= urgent;
+        let source = slot.source.clone();
+        self.builder.submit(
+            BuildRequest {
+                key: key.clone(),
+                source,
+            },
+            urgent,
+        );
     }
 
     /// Writes `table` into free chunks; for a `demanded` table, evicting tables no sample has

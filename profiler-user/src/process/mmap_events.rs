@@ -1,0 +1,415 @@
+//! Executable mappings as the kernel announces them when they are made: perf `MMAP2` records
+//! (what `perf record` uses for processes gone before it looks). A process that exits before
+//! the agent reads /proc/PID/maps — most of them on a busy host — keeps its libraries this way,
+//! so its libc and ld.so frames are unwound and named, not only its main executable's.
+//!
+//! One dummy software event per CPU carries the records (`mmap2` for executable mappings,
+//! `comm_exec` to know where a program's image starts), timed on CLOCK_MONOTONIC like the BPF
+//! events. The rings are drained by the pipeline before each batch of samples, so the mappings
+//! of a process whose sample is handled were read before it.
+use std::{collections::HashSet, sync::Arc};
+
+use perf_event::{
+    Builder, Sampler,
+    data::{
+        Comm, Lost, Mmap2, RecordMetadata, Visitor,
+        parse::{ParseConfig, Parser},
+    },
+    events::Software,
+};
+use perf_event_open_sys::bindings::{PERF_RECORD_MISC_COMM_EXEC, perf_event_header};
+
+use super::lru::Lru;
+use crate::model::{FileId, Pid};
+
+/// Processes whose mappings are remembered (least recently announced go first).
+pub const MAX_PROCESSES: usize = 4096;
+/// Executable mappings kept per program image (a process that maps more keeps its first ones).
+pub const MAX_MAPPINGS_PER_IMAGE: usize = 512;
+/// Distinct paths kept (shared by all processes); the set restarts when full.
+const MAX_PATHS: usize = 16_384;
+/// Ring per CPU: records arrive at a few thousand a second on a busy host and are drained
+/// several times a second.
+const RING_BYTES_PER_CPU: usize = 256 * 1024;
+
+/// One executable mapping as announced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AnnouncedMapping {
+    /// CLOCK_MONOTONIC time of the mmap.
+    pub time_ns: u64,
+    pub start: u64,
+    pub end: u64,
+    pub file_offset: u64,
+    /// `None` when the record carried no device and inode.
+    pub file: Option<FileId>,
+    /// The path as the process saw it, or a pseudo-name such as `[vdso]`.
+    pub path: Arc<str>,
+}
+
+/// The mappings of one program image: from an exec to the next.
+#[derive(Debug, Default)]
+struct Image {
+    exec_ns: u64,
+    mappings: Vec<AnnouncedMapping>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MmapLogStats {
+    pub processes: u64,
+    pub mappings: u64,
+    pub records_lost: u64,
+    pub records_unparsable: u64,
+}
+
+/// The announced mappings of recent program images, by process.
+#[derive(Debug)]
+pub struct MmapLog {
+    /// At most two images per process: the current and the one before (samples of the old
+    /// program may still be in flight when the new one is announced).
+    processes: Lru<Pid, Vec<Image>>,
+    paths: HashSet<Arc<str>>,
+    mappings: u64,
+    stats: MmapLogStats,
+}
+
+impl Default for MmapLog {
+    fn default() -> Self {
+        Self::new(MAX_PROCESSES)
+    }
+}
+
+impl MmapLog {
+    pub fn new(max_processes: usize) -> Self {
+        Self {
+            processes: Lru::new(max_processes),
+            paths: HashSet::new(),
+            mappings: 0,
+            stats: MmapLogStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> MmapLogStats {
+        MmapLogStats {
+            processes: self.processes.len() as u64,
+            mappings: self.mappings,
+            ..self.stats.clone()
+        }
+    }
+
+    /// `pid` exec'ed at `time_ns`: its mappings from then on are a new image's.
+    pub fn exec(&mut self, pid: Pid, time_ns: u64) {
+        let image = Image {
+            exec_ns: time_ns,
+            mappings: Vec::new(),
+        };
+        let Some(images) = self.processes.get_mut(&pid) else {
+            self.insert(pid, vec![image]);
+            return;
+        };
+        if images.iter().any(|i| i.exec_ns == time_ns) {
+            return;
+        }
+        // Records from several CPUs arrive out of order: mappings made after this exec but
+        // read before it move to the new image.
+        let mut moved = Vec::new();
+        for older in images.iter_mut().filter(|i| i.exec_ns < time_ns) {
+            let (later, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut older.mappings)
+                .into_iter()
+                .partition(|m| m.time_ns >= time_ns);
+            older.mappings = kept;
+            moved.extend(later);
+        }
+        let mut image = image;
+        image.mappings = moved;
+        images.push(image);
+        images.sort_by_key(|i| i.exec_ns);
+        let removed: usize = images
+            .drain(..images.len().saturating_sub(2))
+            .map(|i| i.mappings.len())
+            .sum();
+        self.mappings = self.mappings.saturating_sub(removed as u64);
+    }
+
+    /// `pid` mapped executable code.
+    pub fn mapped(&mut self, pid: Pid, mut mapping: AnnouncedMapping) {
+        mapping.path = self.intern(&mapping.path);
+        let time_ns = mapping.time_ns;
+        let Some(images) = self.processes.get_mut(&pid) else {
+            // No exec seen: a process started before the agent (its /proc entry serves).
+            self.insert(
+                pid,
+                vec![Image {
+                    exec_ns: 0,
+                    mappings: vec![mapping],
+                }],
+            );
+            self.mappings += 1;
+            return;
+        };
+        let Some(image) = images.iter_mut().rev().find(|i| i.exec_ns <= time_ns) else {
+            return; // Older than every image kept.
+        };
+        if image.mappings.len() < MAX_MAPPINGS_PER_IMAGE {
+            image.mappings.push(mapping);
+            self.mappings += 1;
+        }
+    }
+
+    fn insert(&mut self, pid: Pid, images: Vec<Image>) {
+        for (_, evicted) in self.processes.insert(pid, images) {
+            let count: usize = evicted.iter().map(|i| i.mappings.len()).sum();
+            self.mappings = self.mappings.saturating_sub(count as u64);
+        }
+    }
+
+    fn intern(&mut self, path: &Arc<str>) -> Arc<str> {
+        if let Some(known) = self.paths.get(path) {
+            return Arc::clone(known);
+        }
+        if self.paths.len() >= MAX_PATHS {
+            self.paths.clear();
+        }
+        self.paths.insert(Arc::clone(path));
+        Arc::clone(path)
+    }
+
+    /// The executable mappings of the program `pid` ran at `time_ns` (an exec event's time or
+    /// a sample's), sorted by address: where two overlap, the later mmap replaced the earlier.
+    /// `None` unless the exec that started that program was announced.
+    pub fn mappings_at(&mut self, pid: Pid, time_ns: u64) -> Option<Vec<AnnouncedMapping>> {
+        let images = self.processes.get_mut(&pid)?;
+        let image = images
+            .iter()
+            .rev()
+            .find(|i| i.exec_ns <= time_ns && i.exec_ns != 0)?;
+        let mut by_time = image.mappings.clone();
+        by_time.sort_by_key(|m| m.time_ns);
+        let mut result: Vec<AnnouncedMapping> = Vec::with_capacity(by_time.len());
+        for mapping in by_time {
+            result.retain(|m| m.end <= mapping.start || m.start >= mapping.end);
+            result.push(mapping);
+        }
+        result.sort_by_key(|m| m.start);
+        Some(result)
+    }
+}
+
+/// The per-CPU rings of announcements.
+pub struct MmapEvents {
+    samplers: Vec<Sampler>,
+    pub log: MmapLog,
+}
+
+impl std::fmt::Debug for MmapEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmapEvents")
+            .field("cpus", &self.samplers.len())
+            .field("log", &self.log)
+            .finish()
+    }
+}
+
+impl MmapEvents {
+    /// Opens one event per CPU in `cpus`, enabled at once.
+    pub fn open(cpus: &[u32]) -> std::io::Result<Self> {
+        let mut samplers = Vec::with_capacity(cpus.len());
+        for &cpu in cpus {
+            let mut sampler = Builder::new(Software::DUMMY)
+                .one_cpu(cpu as usize)
+                .any_pid()
+                .mmap(true)
+                .mmap2(true)
+                .comm(true)
+                .comm_exec(true)
+                .sample_id_all(true)
+                .sample(perf_event::SampleFlag::TID | perf_event::SampleFlag::TIME)
+                .clockid(perf_event::Clock::MONOTONIC)
+                .exclude_kernel(false)
+                .build()?
+                .sampled(RING_BYTES_PER_CPU)?;
+            sampler.enable()?;
+            samplers.push(sampler);
+        }
+        Ok(Self {
+            samplers,
+            log: MmapLog::default(),
+        })
+    }
+
+    /// Reads every announcement waiting in the rings into the log.
+    pub fn drain(&mut self) {
+        for sampler in &mut self.samplers {
+            let config: ParseConfig<_> = sampler.config().clone();
+            while let Some(record) = sampler.next_record() {
+                let header = perf_event_header {
+                    type_: record.ty(),
+                    misc: record.misc(),
+                    size: (record.len() + std::mem::size_of::<perf_event_header>()) as u16,
+                };
+                let data = record.to_contiguous();
+                let mut parser = Parser::new(&*data, config.clone());
+                match parser.parse_record_with_header(Announcement, header) {
+                    Ok(Some(Parsed::Mapped(pid, mapping))) => self.log.mapped(pid, mapping),
+                    Ok(Some(Parsed::Execed(pid, time_ns))) => self.log.exec(pid, time_ns),
+                    Ok(Some(Parsed::Lost(count))) => self.log.stats.records_lost += count,
+                    Ok(None) => {}
+                    Err(_) => self.log.stats.records_unparsable += 1,
+                }
+            }
+        }
+    }
+}
+
+enum Parsed {
+    Mapped(Pid, AnnouncedMapping),
+    Execed(Pid, u64),
+    Lost(u64),
+}
+
+struct Announcement;
+
+impl<'a> Visitor<'a> for Announcement {
+    type Output = Option<Parsed>;
+
+    fn visit_unimplemented(self, _: RecordMetadata) -> Self::Output {
+        None
+    }
+
+    fn visit_mmap2(self, record: Mmap2<'a>, metadata: RecordMetadata) -> Self::Output {
+        let file = match (record.maj(), record.min(), record.ino()) {
+            (Some(major), Some(minor), Some(ino)) if ino != 0 => Some(FileId {
+                dev: libc::makedev(major, minor),
+                ino,
+            }),
+            _ => None,
+        };
+        let path: Arc<str> = Arc::from(String::from_utf8_lossy(&record.filename).as_ref());
+        Some(Parsed::Mapped(
+            Pid(record.pid),
+            AnnouncedMapping {
+                time_ns: metadata.sample_id().time().unwrap_or(0),
+                start: record.addr,
+                end: record.addr.saturating_add(record.len),
+                file_offset: record.pgoff,
+                file,
+                path,
+            },
+        ))
+    }
+
+    fn visit_comm(self, record: Comm<'a>, metadata: RecordMetadata) -> Self::Output {
+        (metadata.misc() as u32 & PERF_RECORD_MISC_COMM_EXEC != 0)
+            .then(|| Parsed::Execed(Pid(record.pid), metadata.sample_id().time().unwrap_or(0)))
+    }
+
+    fn visit_lost(self, record: Lost, _: RecordMetadata) -> Self::Output {
+        Some(Parsed::Lost(record.lost))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mapping(time_ns: u64, start: u64, end: u64, path: &str) -> AnnouncedMapping {
+        AnnouncedMapping {
+            time_ns,
+            start,
+            end,
+            file_offset: 0,
+            file: Some(FileId { dev: 1, ino: start }),
+            path: Arc::from(path),
+        }
+    }
+
+    #[test]
+    fn an_image_holds_the_mappings_made_after_its_exec() {
+        let mut log = MmapLog::default();
+        let pid = Pid(42);
+        log.exec(pid, 100);
+        log.mapped(pid, mapping(110, 0x1000, 0x2000, "/bin/a"));
+        log.mapped(pid, mapping(120, 0x7000, 0x8000, "/lib/libc.so.6"));
+        // Read out of order: a mapping of the next program before its exec record.
+        log.mapped(pid, mapping(210, 0x3000, 0x4000, "/bin/b"));
+        log.exec(pid, 200);
+        let first = log.mappings_at(pid, 150).expect("first program announced");
+        let paths: Vec<&str> = first.iter().map(|m| &*m.path).collect();
+        assert_eq!(paths, ["/bin/a", "/lib/libc.so.6"]);
+        let second = log.mappings_at(pid, 250).expect("second program announced");
+        let paths: Vec<&str> = second.iter().map(|m| &*m.path).collect();
+        assert_eq!(paths, ["/bin/b"]);
+        assert_eq!(log.mappings_at(pid, 50), None, "before any exec seen");
+        assert_eq!(log.mappings_at(Pid(7), 150), None);
+    }
+
+    #[test]
+    fn a_later_mmap_replaces_what_it_overlaps() {
+        let mut log = MmapLog::default();
+        let pid = Pid(1);
+        log.exec(pid, 1);
+        log.mapped(pid, mapping(2, 0x1000, 0x3000, "/lib/old.so"));
+        log.mapped(pid, mapping(3, 0x2000, 0x4000, "/lib/new.so"));
+        let mappings = log.mappings_at(pid, 10).expect("announced");
+        let paths: Vec<&str> = mappings.iter().map(|m| &*m.path).collect();
+        assert_eq!(paths, ["/lib/new.so"]);
+    }
+
+    #[test]
+    fn bounded_by_processes_and_images() {
+        let mut log = MmapLog::new(2);
+        for pid in 1..=3 {
+            log.exec(Pid(pid), 1);
+            log.mapped(Pid(pid), mapping(2, 0x1000, 0x2000, "/bin/x"));
+        }
+        assert_eq!(log.stats().processes, 2);
+        assert_eq!(log.stats().mappings, 2);
+        assert!(
+            log.mappings_at(Pid(1), 5).is_none(),
+            "the oldest went first"
+        );
+        for exec in [10, 20, 30] {
+            log.exec(Pid(3), exec);
+            log.mapped(Pid(3), mapping(exec + 1, 0x1000, 0x2000, "/bin/y"));
+        }
+        assert!(log.mappings_at(Pid(3), 15).is_none(), "two images kept");
+        assert_eq!(log.mappings_at(Pid(3), 25).map(|m| m.len()), Some(1));
+        assert_eq!(log.stats().mappings, 3);
+    }
+
+    /// The kernel announces this test's own dlopen on the ring of the CPU it ran on.
+    #[test]
+    fn the_kernel_announces_a_library_mapped_now() {
+        let cpus: Vec<u32> = (0..std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .map(|c| c as u32)
+            .collect();
+        let mut events = match MmapEvents::open(&cpus) {
+            Ok(events) => events,
+            Err(error) if error.raw_os_error() == Some(libc::EACCES) => {
+                eprintln!("skipped: perf events need privileges ({error})");
+                return;
+            }
+            Err(error) => panic!("cannot open perf events: {error}"),
+        };
+        // An executable mapping of a file, as a dlopen makes (no code of it runs).
+        let library = std::env::current_exe().expect("own executable");
+        let file = std::fs::File::open(&library).expect("open own executable");
+        let mapped = unsafe { memmap2::MmapOptions::new().len(4096).map_exec(&file) }
+            .expect("map executable");
+        let address = mapped.as_ptr() as u64;
+        events.drain();
+        let me = Pid(std::process::id());
+        let images = events
+            .log
+            .processes
+            .get_mut(&me)
+            .expect("own mappings announced");
+        let found = images.iter().flat_map(|i| &i.mappings).any(|m| {
+            m.start == address && std::path::Path::new(&*m.path) == library && m.file.is_some()
+        });
+        drop(mapped);
+        assert!(
+            found,
+            "{library:?} at {address:#x} not announced: {images:?}"
+        );
+    }
+}
