@@ -163,6 +163,9 @@ struct Registration {
     /// The snapshot registered (by address): a new snapshot means re-registering.
     snapshot: usize,
     prefixes: Vec<(u32, MappingKey)>,
+    /// Per mapping of the snapshot: the value its prefixes hold and which of `prefixes` they
+    /// are, so a table coming in updates only the prefixes of the mappings that use it.
+    values: Vec<(MappingValue, Range<usize>)>,
     /// The tables of the registered mappings (each counted in its slot's `registrations`).
     tables: Vec<TableKey>,
     /// Tables this registration went without because they were still being built; when one
@@ -665,6 +668,14 @@ impl<M: UnwindMaps> NativeTables<M> {
         if process.is_kernel_thread {
             return;
         }
+        if self
+            .processes
+            .get(&process.pid)
+            .is_some_and(|r| r.snapshot == snapshot && r.values.len() == process.mappings.len())
+        {
+            self.update_registration(process);
+            return;
+        }
         // The old prefixes go first (the new ones may have the same keys); the old tables are
         // released last, so a table both registrations use is never forgotten in between.
         let previous = self.processes.remove(&process.pid);
@@ -673,10 +684,12 @@ impl<M: UnwindMaps> NativeTables<M> {
         }
         self.tick += 1;
         let mut prefixes = Vec::new();
+        let mut values = Vec::with_capacity(process.mappings.len());
         let mut tables = Vec::new();
         let mut waiting_for = Vec::new();
         for mapping in &process.mappings {
             let (value, key, waiting) = self.mapping_value(mapping);
+            let first_prefix = prefixes.len();
             if let Some(key) = key
                 && !tables.contains(&key)
                 && let Some(slot) = self.slots.get_mut(&key)
@@ -696,6 +709,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                     }
                 }
             }
+            values.push((value, first_prefix..prefixes.len()));
         }
         // The marker last: until it is there BPF takes the process for unregistered and sends
         // stack copies instead of taking a missing mapping for JIT code.
@@ -717,6 +731,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             Registration {
                 snapshot,
                 prefixes,
+                values,
                 tables,
                 waiting_for,
             },
@@ -724,6 +739,35 @@ impl<M: UnwindMaps> NativeTables<M> {
         if let Some(previous) = previous {
             self.release_tables(previous.tables);
         }
+    }
+
+    /// The same snapshot registered again because tables it waited for are in: only the
+    /// prefixes of mappings whose value changed are written (in place; each update is atomic,
+    /// and the old value, a pending table, is right until then). A process with a hundred
+    /// libraries would otherwise rewrite thousands of trie entries for every table that lands.
+    fn update_registration(&mut self, process: &Arc<ProcessInfo>) {
+        let Some(mut registration) = self.processes.remove(&process.pid) else {
+            return;
+        };
+        self.tick += 1;
+        let mut waiting_for = Vec::new();
+        for (index, mapping) in process.mappings.iter().enumerate() {
+            let (value, _, waiting) = self.mapping_value(mapping);
+            waiting_for.extend(waiting);
+            let (registered, range) = &mut registration.values[index];
+            if *registered == value {
+                continue;
+            }
+            *registered = value;
+            for &(prefix_len, key) in &registration.prefixes[range.clone()] {
+                if let Err(err) = self.maps.insert_mapping(prefix_len, key, value) {
+                    self.stats.map_errors += 1;
+                    tracing::debug!(pid = process.pid.0, "cannot update a mapping: {err}");
+                }
+            }
+        }
+        registration.waiting_for = waiting_for;
+        self.processes.insert(process.pid, registration);
     }
 
     /// Like [`Self::sync`], but first waits (up to `timeout`) for the process's tables, so
@@ -1264,6 +1308,8 @@ mod tests {
         chunks: BTreeMap<u32, RowChunk>,
         pages: HashMap<PageKey, PageEntry>,
         mappings: HashMap<(u32, [u8; 12]), MappingValue>,
+        /// Trie entries written or removed so far.
+        mapping_writes: usize,
     }
 
     impl UnwindMaps for FakeMaps {
@@ -1290,10 +1336,12 @@ mod tests {
             value: MappingValue,
         ) -> Result<(), BpfError> {
             self.mappings.insert((len, key.bytes), value);
+            self.mapping_writes += 1;
             Ok(())
         }
         fn remove_mapping(&mut self, len: u32, key: MappingKey) -> Result<(), BpfError> {
             self.mappings.remove(&(len, key.bytes));
+            self.mapping_writes += 1;
             Ok(())
         }
         fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError> {
@@ -1440,6 +1488,50 @@ mod tests {
             .filter(|v| v.flags & MAPPING_PROCESS_MARKER == 0)
             .copied()
             .collect()
+    }
+
+    /// A table landing for a registered process rewrites the prefixes of the mappings that use
+    /// it, not the whole registration.
+    #[test]
+    fn a_table_coming_in_updates_only_its_mappings() {
+        let maps = FakeMaps {
+            capacity: 4096,
+            ..FakeMaps::default()
+        };
+        let mut tables = NativeTables::new(maps, None);
+        let (libc, libm) = (mapped(LIBC), mapped(LIBM));
+        tables.sync_waiting(
+            &process(30, std::slice::from_ref(&libc)),
+            Duration::from_secs(30),
+        );
+        let both = process(31, &[libc, libm]);
+        tables.sync(&both);
+        tables.sync(&both); // registered at its second sample; libm's table is being built
+        let entries = tables.maps().mappings.len();
+        poll_until(&mut tables, |t| !t.building());
+        let writes_before = tables.maps().mapping_writes;
+        tables.sync(&both);
+        let libm_mapping = &both.mappings[1];
+        assert_eq!(
+            tables.maps().mapping_writes - writes_before,
+            address_prefixes(libm_mapping.start, libm_mapping.end).len(),
+            "only libm's prefixes written"
+        );
+        assert_eq!(tables.maps().mappings.len(), entries);
+        assert!(
+            mapping_values(&tables)
+                .iter()
+                .all(|v| v.flags == MAPPING_HAS_TABLE),
+            "{:?}",
+            mapping_values(&tables)
+        );
+        let writes_after = tables.maps().mapping_writes;
+        tables.sync(&both);
+        assert_eq!(
+            tables.maps().mapping_writes,
+            writes_after,
+            "nothing changed"
+        );
     }
 
     #[test]
