@@ -571,6 +571,11 @@ fn render_timeline(out: &mut String, run: &HostRun) {
             ("profiler_cuda_libraries_probed", "CUDA libraries probed"),
             ("profiler_cuda_probes_attached", "CUDA probes attached"),
             ("profiler_store_bytes", "store bytes"),
+            ("profiler_python_code_objects", "Python code objects"),
+            ("profiler_symbol_file_bytes", "parsed symbol tables (bytes)"),
+            ("profiler_process_identities", "exec/fork identities"),
+            ("profiler_announced_mmaps", "announced mmaps"),
+            ("profiler_late_walks_held", "samples held for a late walk"),
         ] {
             if let (Some(x), Some(y)) = (a.metric(name), b.metric(name)) {
                 changes.push(format!("{label} {x:.0} → {y:.0}"));
@@ -587,7 +592,7 @@ fn render_timeline(out: &mut String, run: &HostRun) {
         }
         let _ = writeln!(
             out,
-            "\nFrom {:.0} s to {:.0} s: {}. There is no metric for the Python code-object cache.",
+            "\nFrom {:.0} s to {:.0} s: {}.",
             a.t,
             b.t,
             changes.join("; ")
