@@ -310,11 +310,18 @@ impl Aggregator {
     }
 }
 
+/// A process nothing is known of (gone from /proc, no exec or fork event): its main thread's
+/// name is its program's unless it renamed itself; another thread's name is the thread's
+/// (`tokio-runtime-w`, `http`), never the program's, so the service is OpenTelemetry's name for
+/// a service nobody named.
+pub const UNKNOWN_SERVICE: &str = "unknown_service";
+
 fn service_name(process: Option<&ProcessInfo>, sample: &Sample) -> String {
     match process {
         Some(p) if !p.labels.service_name.is_empty() => p.labels.service_name.clone(),
         Some(p) => p.comm.to_string(),
-        None => sample.comm.to_string(),
+        None if sample.tid.0 == sample.pid.0 => sample.comm.to_string(),
+        None => UNKNOWN_SERVICE.to_string(),
     }
 }
 
@@ -541,7 +548,13 @@ mod tests {
             std::slice::from_ref(&f),
             false,
         );
-        agg.add(None, &sample(30, 31, "gone"), &[f], false);
+        agg.add(
+            None,
+            &sample(30, 30, "gone"),
+            std::slice::from_ref(&f),
+            false,
+        );
+        agg.add(None, &sample(40, 41, "http"), &[f], false);
         let profiles = agg.flush(10);
         assert_eq!(profiles.len(), 1);
         let p = &profiles[0];
@@ -562,7 +575,12 @@ mod tests {
         assert!(services.contains(&LabelValue::Str("api".into())));
         assert!(
             services.contains(&LabelValue::Str("gone".into())),
-            "vanished process named by its comm"
+            "vanished process named by its main thread's comm"
+        );
+        assert!(
+            services.contains(&LabelValue::Str(UNKNOWN_SERVICE.into()))
+                && !services.contains(&LabelValue::Str("http".into())),
+            "a thread's name is not a service: {services:?}"
         );
         let gone = p
             .samples
