@@ -28,9 +28,19 @@ pub const MAX_PROCESSES: usize = 4096;
 pub const MAX_MAPPINGS_PER_IMAGE: usize = 512;
 /// Distinct paths kept (shared by all processes); the set restarts when full.
 const MAX_PATHS: usize = 16_384;
-/// Ring per CPU: records arrive at a few thousand a second on a busy host and are drained
-/// several times a second.
-const RING_BYTES_PER_CPU: usize = 256 * 1024;
+/// Rings of all CPUs together: records arrive at a few thousand a second on a busy host and
+/// are drained several times a second, so a large host's many small rings hold enough.
+const RING_BYTES_TOTAL: usize = 8 * 1024 * 1024;
+/// Each CPU's ring, within these bounds.
+const RING_BYTES_PER_CPU: std::ops::RangeInclusive<usize> = 32 * 1024..=256 * 1024;
+
+/// The ring of one of `cpus` CPUs: a power of two (the kernel requires it).
+fn ring_bytes_per_cpu(cpus: usize) -> usize {
+    let share = (RING_BYTES_TOTAL / cpus.max(1))
+        .clamp(*RING_BYTES_PER_CPU.start(), *RING_BYTES_PER_CPU.end());
+    // The largest power of two not above the share.
+    1 << (usize::BITS - 1 - share.leading_zeros())
+}
 
 /// One executable mapping as announced.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -226,7 +236,7 @@ impl MmapEvents {
                 .clockid(perf_event::Clock::MONOTONIC)
                 .exclude_kernel(false)
                 .build()?
-                .sampled(RING_BYTES_PER_CPU)?;
+                .sampled(ring_bytes_per_cpu(cpus.len()))?;
             sampler.enable()?;
             samplers.push(sampler);
         }
@@ -340,6 +350,15 @@ mod tests {
         assert_eq!(paths, ["/bin/b"]);
         assert_eq!(log.mappings_at(pid, 50), None, "before any exec seen");
         assert_eq!(log.mappings_at(Pid(7), 150), None);
+    }
+
+    #[test]
+    fn rings_share_a_fixed_budget() {
+        assert_eq!(ring_bytes_per_cpu(2), 256 * 1024);
+        assert_eq!(ring_bytes_per_cpu(64), 128 * 1024);
+        assert_eq!(ring_bytes_per_cpu(192), 32 * 1024);
+        assert_eq!(ring_bytes_per_cpu(4096), 32 * 1024);
+        assert!((1..=512).all(|cpus| ring_bytes_per_cpu(cpus).is_power_of_two()));
     }
 
     #[test]
