@@ -34,6 +34,11 @@ impl FileCache {
         }
     }
 
+    /// Whether the file `id` is held open.
+    pub fn contains(&self, id: FileId) -> bool {
+        self.files.contains_key(&id)
+    }
+
     /// Number of files the cache holds open.
     pub fn len(&self) -> usize {
         self.files.len()

@@ -29,6 +29,11 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         self.entries.len()
     }
 
+    /// Whether `key` is held (its use order unchanged).
+    pub(crate) fn contains_key(&self, key: &K) -> bool {
+        self.entries.contains_key(key)
+    }
+
     fn bump(&mut self) -> u64 {
         self.next_tick += 1;
         self.next_tick

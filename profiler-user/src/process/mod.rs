@@ -210,6 +210,13 @@ impl ProcessRegistry {
 
     /// The process exec'ed `record` (from the exec event).
     pub fn record_exec(&mut self, pid: Pid, record: Arc<ExecRecord>) {
+        // Opened now, while it is on disk as exec'ed: a build's test program or a configure
+        // check is often deleted the moment it exits. A file open already costs a lookup.
+        if let Some(id) = record.exe
+            && !self.files.contains(id)
+        {
+            let _ = self.files.announced(&executable_path(&record), id);
+        }
         self.identities.record(pid, Identity::Exec(record));
     }
 

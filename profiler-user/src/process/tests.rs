@@ -213,6 +213,40 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
     assert_eq!(info.labels.service_name, "sleep");
 }
 
+/// A program deleted the moment it exits (a configure check, a build's test program) is
+/// still symbolized: its exec event opens it while it is on disk.
+#[test]
+fn executable_deleted_after_its_exec_stays_readable() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let program = dir.path().join("conftest");
+    fs::copy("/bin/sleep", &program).expect("copy a program");
+    let metadata = fs::metadata(&program).expect("metadata");
+    let record = ExecRecord {
+        filename: program.to_string_lossy().into_owned(),
+        exe: Some(FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        }),
+        ..registry_record("conftest")
+    };
+    registry.record_exec(Pid(600), Arc::new(record));
+    fs::remove_file(&program).expect("delete the program");
+    let info = registry
+        .lookup(Pid(600))
+        .expect("a snapshot from the event");
+    let file = info.mappings[0]
+        .file
+        .as_ref()
+        .expect("the deleted program, opened");
+    assert_eq!(file.id.ino, metadata.ino());
+    assert!(
+        file.handle.is_some(),
+        "readable through the handle opened at exec"
+    );
+}
+
 fn registry_record(program: &str) -> ExecRecord {
     ExecRecord {
         filename: format!("/bin/{program}"),
