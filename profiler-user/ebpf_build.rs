@@ -1,7 +1,7 @@
 // The one recipe that builds the eBPF object, `include!`d by profiler-user's build script and by
-// `cargo xtask build-ebpf`, so both produce the same object. See ../shared/docs/toolchain.md:
-// Debian's rustc-web (with a prebuilt `core` for bpfel-unknown-none) compiles, bpf-linker 0.13
-// (built against the same LLVM 22 by `cargo xtask setup`) links.
+// `cargo xtask build-ebpf`, so both produce the same object: Debian's rustc-web (with a
+// prebuilt `core` for bpfel-unknown-none) compiles, bpf-linker 0.13 (built against the same
+// LLVM 22 by `cargo xtask setup`) links.
 
 /// Overrides the object the agent embeds (for builds on machines without the eBPF toolchain).
 pub const EBPF_OBJECT_ENV: &str = "PROFILER_EBPF_OBJECT";
