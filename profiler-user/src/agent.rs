@@ -178,7 +178,7 @@ struct LateSamples {
     queue: std::collections::VecDeque<Held>,
     bytes: usize,
     /// [`NativeTables::builds_finished`] when the held samples were last walked.
-    tables_placed_at_last_try: u64,
+    builds_finished_at_last_try: u64,
     stats: LateWalkStats,
 }
 
@@ -218,12 +218,12 @@ impl LateSamples {
         self.queue.is_empty()
     }
 
-    /// Worth walking again: a table was placed since the last try, or the oldest sample's
+    /// Worth walking again: a table build finished since the last try, or the oldest sample's
     /// patience ran out (retrying on every batch would walk each held sample hundreds of
     /// times a second).
-    fn due(&self, tables_placed: u64) -> bool {
+    fn due(&self, builds_finished: u64) -> bool {
         !self.queue.is_empty()
-            && (tables_placed != self.tables_placed_at_last_try
+            && (builds_finished != self.builds_finished_at_last_try
                 || self
                     .queue
                     .front()
@@ -426,7 +426,7 @@ impl Pipeline {
         if !give_up && !self.late.due(builds_finished) {
             return;
         }
-        self.late.tables_placed_at_last_try = builds_finished;
+        self.late.builds_finished_at_last_try = builds_finished;
         for (held_since, mut sample, process) in self.late.take() {
             let patience = if give_up || held_since.elapsed() >= LATE_WALK_PATIENCE {
                 Patience::GiveUp
