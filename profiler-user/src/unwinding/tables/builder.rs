@@ -215,15 +215,7 @@ where
             .fde_from_offset(
                 bases,
                 S::Offset::from(offset),
-                |section, bases, cie_offset| {
-                    let key = UnwindOffset::into(cie_offset);
-                    if let Some(cie) = cies.get(&key) {
-                        return Ok(cie.clone());
-                    }
-                    let cie = section.cie_from_offset(bases, cie_offset)?;
-                    cies.insert(key, cie.clone());
-                    Ok(cie)
-                },
+                |section, bases, cie_offset| cached_cie(&mut cies, section, bases, cie_offset),
             )
             .map_err(fde_error)?;
         fde_rows.clear();
@@ -299,6 +291,26 @@ where
 
 /// The first pass: every FDE's range and place, checked against the limits; CIEs are cached
 /// for the second.
+/// The CIE at `cie_offset`, parsed once per section (most FDEs share a few CIEs).
+fn cached_cie<'a, S>(
+    cies: &mut HashMap<usize, CommonInformationEntry<Reader<'a>>>,
+    section: &S,
+    bases: &BaseAddresses,
+    cie_offset: S::Offset,
+) -> gimli::Result<CommonInformationEntry<Reader<'a>>>
+where
+    S: UnwindSection<Reader<'a>>,
+    S::Offset: UnwindOffset<usize>,
+{
+    let key = UnwindOffset::into(cie_offset);
+    if let Some(cie) = cies.get(&key) {
+        return Ok(cie.clone());
+    }
+    let cie = section.cie_from_offset(bases, cie_offset)?;
+    cies.insert(key, cie.clone());
+    Ok(cie)
+}
+
 fn index_fdes<'a, S>(
     section: &S,
     bases: &BaseAddresses,
@@ -335,15 +347,7 @@ where
             source,
         };
         let fde = partial
-            .parse(|section, bases, cie_offset| {
-                let key = UnwindOffset::into(cie_offset);
-                if let Some(cie) = cies.get(&key) {
-                    return Ok(cie.clone());
-                }
-                let cie = section.cie_from_offset(bases, cie_offset)?;
-                cies.insert(key, cie.clone());
-                Ok(cie)
-            })
+            .parse(|section, bases, cie_offset| cached_cie(cies, section, bases, cie_offset))
             .map_err(fde_error)?;
         if fde.entry_len() > MAX_FDE_BYTES {
             return Err(TableError::FdeTooLong {
