@@ -1401,11 +1401,7 @@ mod tests {
 
     #[test]
     fn processes_share_one_table_per_file_and_unregister_cleanly() {
-        let maps = FakeMaps {
-            capacity: 4096,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(4096);
         let libc = mapped(LIBC);
         let (a, b) = (
             process(10, std::slice::from_ref(&libc)),
@@ -1451,6 +1447,17 @@ mod tests {
         assert!(tables.maps().mappings.is_empty());
     }
 
+    /// A table manager over fake maps with room for `capacity` row chunks.
+    fn tables_with_room(capacity: u32) -> NativeTables<FakeMaps> {
+        NativeTables::new(
+            FakeMaps {
+                capacity,
+                ..FakeMaps::default()
+            },
+            None,
+        )
+    }
+
     /// Polls the builder until `done` holds (or 30 s pass).
     fn poll_until(
         tables: &mut NativeTables<FakeMaps>,
@@ -1494,11 +1501,7 @@ mod tests {
     /// it, not the whole registration.
     #[test]
     fn a_table_coming_in_updates_only_its_mappings() {
-        let maps = FakeMaps {
-            capacity: 4096,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(4096);
         let (libc, libm) = (mapped(LIBC), mapped(LIBM));
         tables.sync_waiting(
             &process(30, std::slice::from_ref(&libc)),
@@ -1538,11 +1541,7 @@ mod tests {
     fn a_table_nobody_samples_waits_and_a_demanded_one_evicts_it() {
         // Room for one of the two tables at a time.
         let libc_chunks = chunks_needed(LIBC);
-        let maps = FakeMaps {
-            capacity: libc_chunks as u32 + 8,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(libc_chunks as u32 + 8);
         let (libc, libm) = (mapped(LIBC), mapped(LIBM));
         tables.sync_waiting(
             &process(20, std::slice::from_ref(&libc)),
@@ -1574,11 +1573,7 @@ mod tests {
     #[test]
     fn recently_sampled_tables_are_not_evicted() {
         let libc_chunks = chunks_needed(LIBC);
-        let maps = FakeMaps {
-            capacity: libc_chunks as u32 + 8,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(libc_chunks as u32 + 8);
         let (libc, libm) = (mapped(LIBC), mapped(LIBM));
         tables.sync_waiting(
             &process(40, std::slice::from_ref(&libc)),
@@ -1614,11 +1609,7 @@ mod tests {
     /// updates) waits for their second sample.
     #[test]
     fn a_process_is_registered_at_its_second_sample() {
-        let maps = FakeMaps {
-            capacity: 4096,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(4096);
         let p = process(70, &[mapped(LIBC)]);
         tables.sync(&p);
         assert!(
@@ -1638,11 +1629,7 @@ mod tests {
     /// The late unwinder reads back from the maps exactly the rows the table has.
     #[test]
     fn rows_read_back_from_the_maps_match_the_table() {
-        let maps = FakeMaps {
-            capacity: 4096,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(4096);
         let libc = mapped(LIBC);
         let p = process(60, std::slice::from_ref(&libc));
         tables.sync_waiting(&p, Duration::from_secs(30));
@@ -1681,11 +1668,7 @@ mod tests {
 
     #[test]
     fn a_table_no_process_maps_lets_go_of_its_file() {
-        let maps = FakeMaps {
-            capacity: 4096,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(4096);
         let libc = mapped(LIBC);
         tables.sync_waiting(
             &process(50, std::slice::from_ref(&libc)),
@@ -1709,11 +1692,7 @@ mod tests {
 
     #[test]
     fn table_larger_than_the_budget_falls_back_to_frame_pointers() {
-        let maps = FakeMaps {
-            capacity: 2,
-            ..FakeMaps::default()
-        };
-        let mut tables = NativeTables::new(maps, None);
+        let mut tables = tables_with_room(2);
         let p = process(30, &[mapped(LIBC)]);
         tables.sync_waiting(&p, Duration::from_secs(30));
         assert_eq!(tables.stats().tables_too_large, 1);
