@@ -20,7 +20,8 @@ pub struct FileCache {
     files: Lru<FileId, Arc<MappedFile>>,
 }
 
-fn file_id(metadata: &fs::Metadata) -> FileId {
+/// A file's identity: device and inode.
+pub(super) fn file_id(metadata: &fs::Metadata) -> FileId {
     FileId {
         dev: metadata.dev(),
         ino: metadata.ino(),

@@ -24,7 +24,7 @@ use std::{
 
 use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
 
-use super::lru::Lru;
+use super::{files::file_id, lru::Lru};
 use crate::model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo};
 
 /// Identities kept at most (the oldest are forgotten first).
@@ -87,13 +87,6 @@ pub fn executable_path(record: &ExecRecord) -> String {
         return real.to_string_lossy().into_owned();
     }
     record.filename.clone()
-}
-
-fn file_id(metadata: &fs::Metadata) -> FileId {
-    FileId {
-        dev: metadata.dev(),
-        ino: metadata.ino(),
-    }
 }
 
 /// Where the main executable's code starts in the file: `mm->start_code` is the load address
