@@ -32,6 +32,7 @@ pub mod names {
     pub const TRACEPOINT_PROCESS_FORK: &str = "sched_process_fork";
     pub const MAP_EVENTS: &str = "EVENTS";
     pub const MAP_UNWIND_ROWS: &str = "UNWIND_ROWS";
+    pub const MAP_SCRATCH_SAMPLE: &str = "SCRATCH_SAMPLE";
     pub const MAP_UNWIND_PAGES: &str = "UNWIND_PAGES";
     pub const MAP_PROCESS_MAPPINGS: &str = "PROCESS_MAPPINGS";
     pub const MAP_PYTHON_PROCESSES: &str = "PYTHON_PROCESSES";

@@ -5,8 +5,9 @@
 //! BPF knows no Python version: every offset it needs is a field of [`PyProcInfo`], filled by the
 //! agent from its per-version layout rows. Supporting a new CPython is new data, not new code.
 
-/// Deepest Python stack recorded (a power of two: BPF masks indexes with it).
-pub const MAX_PYTHON_FRAMES: usize = 256;
+/// Deepest Python stack recorded (a power of two: BPF masks indexes with it). Deeper stacks
+/// keep their innermost frames and are flagged `SAMPLE_PYTHON_TRUNCATED`.
+pub const MAX_PYTHON_FRAMES: usize = 1024;
 /// Entries of `PYTHON_PROCESSES`.
 pub const MAX_PYTHON_PROCESSES: u32 = 4096;
 /// Entries of the `PYTHON_THREADS` LRU cache (thread id → thread state).
@@ -16,8 +17,16 @@ pub const MAX_PYTHON_THREADS: u32 = 16_384;
 /// thread states at the head, so the main thread is the last one; see docs/architecture.md
 /// for the bound's cost.
 pub const MAX_PYTHON_THREAD_SCAN: u32 = 1024;
-/// Bytes of a frame read in one go: every field BPF uses lies below this in every layout.
+/// Room for a frame read in one go: every field BPF uses lies below this in every layout. BPF
+/// reads only `PyProcInfo::frame_read_bytes` of it: a frame at the end of a data-stack chunk
+/// is followed by unmapped memory, and a longer read there fails.
 pub const PYTHON_FRAME_READ_BYTES: usize = 128;
+/// Room for a code object's header (up to `co_linetable`, free-threaded headers included).
+pub const PYTHON_CODE_READ_BYTES: usize = 256;
+/// Room for a string's header and the first [`PY_NAME_HEAD_BYTES`] of its ASCII data.
+pub const PYTHON_NAME_READ_BYTES: usize = 128;
+/// Bytes of a name's data that go into a code fingerprint (plus its last 8 bytes).
+pub const PY_NAME_HEAD_BYTES: usize = 16;
 
 /// `PyProcInfo::anchor_kind`: `tstate->frame` (≤3.10) or `tstate->current_frame` (3.13+).
 pub const PY_ANCHOR_DIRECT: u8 = 0;
@@ -66,22 +75,106 @@ pub struct PyProcInfo {
     pub frame_instruction: u16,
     /// `is_entry` or `owner`, per `entry_kind`.
     pub entry_offset: u16,
-    /// `co_firstlineno`, recorded as the code object's fingerprint.
+    /// The code object fields of its fingerprint (see [`CodeIdentity`]).
     pub code_firstlineno: u16,
+    /// `co_version` (3.12+), 0 when the version has none.
+    pub code_version: u16,
+    /// `co_qualname` where the version has it, else `co_name`: the name the agent shows.
+    pub code_name: u16,
+    pub code_filename: u16,
+    pub code_line_table: u16,
+    /// `PyASCIIObject.length` and `.state`; where compact ASCII and non-ASCII data start.
+    pub unicode_length: u8,
+    pub unicode_state: u8,
+    pub unicode_ascii_data: u8,
+    pub unicode_compact_data: u8,
     pub anchor_kind: u8,
     pub instruction_kind: u8,
     pub entry_kind: u8,
     /// `FRAME_OWNED_BY_CSTACK` for `PY_ENTRY_SHIM`.
     pub shim_owner: u8,
-    pub _pad: [u8; 2],
+    /// Bytes of a frame to read: up to the end of the last field used.
+    pub frame_read_bytes: u8,
+    /// Bytes of a code object to read: up to the end of the last identity field.
+    pub code_read_bytes: u16,
+    /// Bytes of a name string to read: its header and [`PY_NAME_HEAD_BYTES`] of ASCII data.
+    pub name_read_bytes: u8,
+    pub _pad: [u8; 1],
 }
 
-const _: () = assert!(core::mem::size_of::<PyProcInfo>() == 48);
+const _: () = assert!(core::mem::size_of::<PyProcInfo>() == 64);
 
 /// [`PyFrameRecord::meta`]: the frame is the first of its C-level eval call.
 pub const PY_FRAME_ENTRY: u32 = 1 << 31;
-/// [`PyFrameRecord::meta`]: the bits holding `co_firstlineno`.
-pub const PY_FRAME_FIRSTLINENO_MASK: u32 = PY_FRAME_ENTRY - 1;
+/// [`PyFrameRecord::meta`]: the bits holding the code object's fingerprint.
+pub const PY_FRAME_FINGERPRINT_MASK: u32 = PY_FRAME_ENTRY - 1;
+
+/// What identifies a code object at the moment BPF reads it, so the agent, reading the code
+/// object later, can prove it is the same one and not another allocated at the freed address.
+///
+/// `co_version` (3.12+) is a counter CPython bumps for every code object it creates, which
+/// settles it alone. Without it (3.8–3.11, or once the counter is exhausted) the name's
+/// length, first [`PY_NAME_HEAD_BYTES`] and last 8 bytes stand in: a reused address then also
+/// needs the same first line, the same name, file and line table addresses, and a name equal
+/// at both ends to pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CodeIdentity {
+    pub firstlineno: u32,
+    pub version: u32,
+    pub name: u64,
+    pub filename: u64,
+    pub line_table: u64,
+    /// `PyASCIIObject.length` of the name (only when `version` is 0).
+    pub name_length: u64,
+    /// The name's data bytes 0..8 and 8..16, zero past its end (only when `version` is 0).
+    pub name_head: [u64; 2],
+    /// The name's last 8 data bytes when it has more than 16 (only when `version` is 0).
+    pub name_tail: u64,
+}
+
+#[inline(always)]
+fn fingerprint_mix(hash: u64, word: u64) -> u64 {
+    let mixed = (hash ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    mixed ^ (mixed >> 29)
+}
+
+impl CodeIdentity {
+    /// The 31-bit fingerprint recorded in [`PyFrameRecord::meta`]; never 0, which BPF records
+    /// when it could not read the code object (and which therefore proves nothing).
+    #[inline(always)]
+    pub fn fingerprint(&self) -> u32 {
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        hash = fingerprint_mix(
+            hash,
+            u64::from(self.firstlineno) | u64::from(self.version) << 32,
+        );
+        hash = fingerprint_mix(hash, self.name);
+        hash = fingerprint_mix(hash, self.filename);
+        hash = fingerprint_mix(hash, self.line_table);
+        if self.version == 0 {
+            hash = fingerprint_mix(hash, self.name_length);
+            hash = fingerprint_mix(hash, self.name_head[0]);
+            hash = fingerprint_mix(hash, self.name_head[1]);
+            hash = fingerprint_mix(hash, self.name_tail);
+        }
+        let folded = ((hash >> 32) ^ hash) as u32 & PY_FRAME_FINGERPRINT_MASK;
+        if folded == 0 { 1 } else { folded }
+    }
+}
+
+/// Little-endian word of `bytes[at..at + 8]`, zero past the end of `bytes`.
+#[inline(always)]
+pub fn name_word(bytes: &[u8], at: usize) -> u64 {
+    let mut word = [0u8; 8];
+    let mut i = 0;
+    while i < 8 {
+        if let Some(&byte) = bytes.get(at + i) {
+            word[i] = byte;
+        }
+        i += 1;
+    }
+    u64::from_le_bytes(word)
+}
 
 /// One Python frame of a sample, innermost first.
 #[repr(C)]
@@ -91,7 +184,8 @@ pub struct PyFrameRecord {
     pub code: u64,
     /// `f_lasti` (`PY_INSTRUCTION_LASTI`) or instruction pointer − `code`.
     pub instruction: u32,
-    /// `co_firstlineno` (low 31 bits) and `PY_FRAME_ENTRY`.
+    /// The code object's fingerprint (low 31 bits, [`CodeIdentity::fingerprint`], 0 when it
+    /// could not be read) and `PY_FRAME_ENTRY`.
     pub meta: u32,
 }
 

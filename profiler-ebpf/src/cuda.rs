@@ -44,7 +44,7 @@ use profiler_common::{
 
 use crate::{
     python,
-    sampler::{CONFIG, PID_FILTER, SCRATCH_SAMPLE, SLOT_CUDA, count, output_sample},
+    sampler::{CONFIG, PID_FILTER, SLOT_CUDA, count, output_sample, scratch_record},
     user_stack::{self, Registers},
 };
 
@@ -149,7 +149,7 @@ struct Event {
 #[inline(always)]
 fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Option<Registers>) {
     count(STAT_CUDA_EVENTS);
-    let Some(record) = SCRATCH_SAMPLE.get_ptr_mut(SLOT_CUDA) else {
+    let Some(record) = scratch_record(SLOT_CUDA) else {
         return;
     };
     let now = unsafe { bpf_ktime_get_ns() };

@@ -7,17 +7,20 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     helpers::{
-        bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user, bpf_probe_read_user_buf,
-        generated::{bpf_get_current_task, bpf_loop},
+        bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        generated::{
+            bpf_get_current_task, bpf_loop, bpf_probe_read_user as bpf_probe_read_user_raw,
+        },
     },
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
 use profiler_common::{
-    MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_PYTHON_THREAD_SCAN, MAX_PYTHON_THREADS,
-    PY_ANCHOR_CFRAME, PY_ENTRY_EVERY_FRAME, PY_ENTRY_FLAG, PY_ENTRY_SHIM, PY_FRAME_ENTRY,
-    PY_FRAME_FIRSTLINENO_MASK, PY_INSTRUCTION_LASTI, PY_NO_THREAD_STATE_RETRY_MS,
-    PYTHON_FRAME_READ_BYTES, PyProcInfo, PyThreadEntry, RawSample, SAMPLE_PYTHON_ERROR,
+    CodeIdentity, MAX_PYTHON_FRAMES, MAX_PYTHON_PROCESSES, MAX_PYTHON_THREAD_SCAN,
+    MAX_PYTHON_THREADS, PY_ANCHOR_CFRAME, PY_ENTRY_EVERY_FRAME, PY_ENTRY_FLAG, PY_ENTRY_SHIM,
+    PY_FRAME_ENTRY, PY_FRAME_FINGERPRINT_MASK, PY_INSTRUCTION_LASTI, PY_NAME_HEAD_BYTES,
+    PY_NO_THREAD_STATE_RETRY_MS, PYTHON_CODE_READ_BYTES, PYTHON_FRAME_READ_BYTES,
+    PYTHON_NAME_READ_BYTES, PyProcInfo, PyThreadEntry, RawSample, SAMPLE_PYTHON_ERROR,
     SAMPLE_PYTHON_TRUNCATED, STAT_PYTHON_FRAMES, STAT_PYTHON_NO_THREAD_STATE,
     STAT_PYTHON_READ_ERROR, STAT_PYTHON_TRUNCATED, STAT_PYTHON_WALKS,
 };
@@ -50,6 +53,8 @@ struct PyWalkState {
     /// Frame walk: 1 once the chain ended (or the scan finished).
     done: u32,
     buf: [u8; PYTHON_FRAME_READ_BYTES],
+    code_buf: [u8; PYTHON_CODE_READ_BYTES],
+    name_buf: [u8; PYTHON_NAME_READ_BYTES],
 }
 
 #[map(name = "PYTHON_WALK")]
@@ -58,36 +63,136 @@ static PYTHON_WALK: PerCpuArray<PyWalkState> = PerCpuArray::with_max_entries(SCR
 const FRAME_MASK: u32 = MAX_PYTHON_FRAMES as u32 - 1;
 const _: () = assert!(MAX_PYTHON_FRAMES.is_power_of_two());
 const _: () = assert!(PYTHON_FRAME_READ_BYTES.is_power_of_two());
-/// Iterations of the frame loop: recorded frames plus the shims between them.
-const MAX_FRAME_STEPS: u32 = 2 * MAX_PYTHON_FRAMES as u32;
+/// Iterations of the frame loop: recorded frames plus the shims between them (one per C-level
+/// eval call, 3.12+), and one more to see whether a full stack ends there.
+const MAX_FRAME_STEPS: u32 = 2 * MAX_PYTHON_FRAMES as u32 + 1;
 
 #[inline(always)]
 fn read_u64(addr: u64) -> Option<u64> {
     unsafe { bpf_probe_read_user(addr as *const u64).ok() }
 }
 
-/// A field of the frame copy in `buf`; offsets outside the copy read as 0.
+/// A field of a copy in `buf` (a power-of-two size); offsets outside the copy read as 0.
 #[inline(always)]
-fn buf_u64(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u64 {
-    let at = offset as usize & (PYTHON_FRAME_READ_BYTES - 1);
-    if at > PYTHON_FRAME_READ_BYTES - 8 {
+fn buf_u64<const N: usize>(buf: &[u8; N], offset: u16) -> u64 {
+    let at = offset as usize & (N - 1);
+    if at > N - 8 {
         return 0;
     }
     unsafe { ptr::read_unaligned(buf.as_ptr().add(at).cast::<u64>()) }
 }
 
 #[inline(always)]
-fn buf_u32(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u32 {
-    let at = offset as usize & (PYTHON_FRAME_READ_BYTES - 1);
-    if at > PYTHON_FRAME_READ_BYTES - 4 {
+fn buf_u32<const N: usize>(buf: &[u8; N], offset: u16) -> u32 {
+    let at = offset as usize & (N - 1);
+    if at > N - 4 {
         return 0;
     }
     unsafe { ptr::read_unaligned(buf.as_ptr().add(at).cast::<u32>()) }
 }
 
 #[inline(always)]
-fn buf_u8(buf: &[u8; PYTHON_FRAME_READ_BYTES], offset: u16) -> u8 {
-    buf[offset as usize & (PYTHON_FRAME_READ_BYTES - 1)]
+fn buf_u8<const N: usize>(buf: &[u8; N], offset: u16) -> u8 {
+    buf[offset as usize & (N - 1)]
+}
+
+/// Reads `len` bytes (clamped to the buffer) at `addr` into `buf`; false when unreadable.
+#[inline(always)]
+fn read_prefix<const N: usize>(buf: &mut [u8; N], addr: u64, len: u32) -> bool {
+    let mut len = len;
+    if len > N as u32 {
+        len = N as u32;
+    }
+    unsafe { bpf_probe_read_user_raw(buf.as_mut_ptr().cast(), len, addr as *const c_void) == 0 }
+}
+
+/// `word` without its bytes at and past `keep` (0..=8).
+#[inline(always)]
+fn keep_low_bytes(word: u64, keep: u64) -> u64 {
+    if keep >= 8 {
+        word
+    } else {
+        word & ((1u64 << (keep * 8)) - 1)
+    }
+}
+
+/// The fingerprint of the code object at `code` as it is now (0 when it cannot be read): what
+/// the agent checks the code object it reads later against.
+#[inline(always)]
+fn code_fingerprint(state: &mut PyWalkState, code: u64) -> u32 {
+    let info = state.info;
+    if !read_prefix(&mut state.code_buf, code, info.code_read_bytes as u32) {
+        return 0;
+    }
+    let buf = &state.code_buf;
+    let mut identity = CodeIdentity {
+        firstlineno: buf_u32(buf, info.code_firstlineno),
+        version: if info.code_version != 0 {
+            buf_u32(buf, info.code_version)
+        } else {
+            0
+        },
+        name: buf_u64(buf, info.code_name),
+        filename: buf_u64(buf, info.code_filename),
+        line_table: buf_u64(buf, info.code_line_table),
+        ..CodeIdentity::default()
+    };
+    if identity.version == 0 && !name_identity(state, &mut identity) {
+        return 0;
+    }
+    identity.fingerprint()
+}
+
+/// Fills the name part of `identity` from the name string (compact strings only, like the
+/// agent's reader); false when it cannot be read or is not a compact string.
+#[inline(always)]
+fn name_identity(state: &mut PyWalkState, identity: &mut CodeIdentity) -> bool {
+    let info = state.info;
+    let name = identity.name;
+    if !read_prefix(&mut state.name_buf, name, info.name_read_bytes as u32) {
+        return false;
+    }
+    let buf = &state.name_buf;
+    let length = buf_u64(buf, info.unicode_length as u16);
+    let bits = buf_u32(buf, info.unicode_state as u16);
+    let kind = ((bits >> 2) & 0x7) as u64;
+    let compact = bits & (1 << 5) != 0;
+    let ascii = bits & (1 << 6) != 0;
+    if !compact || !(kind == 1 || kind == 2 || kind == 4) || length > (1 << 30) {
+        return false;
+    }
+    let byte_len = length * kind;
+    let data = if ascii {
+        identity.name_head = [
+            buf_u64(buf, info.unicode_ascii_data as u16),
+            buf_u64(buf, info.unicode_ascii_data as u16 + 8),
+        ];
+        name + info.unicode_ascii_data as u64
+    } else {
+        // Non-ASCII data starts further on: read just what the string holds of the head.
+        let data = name + info.unicode_compact_data as u64;
+        let mut head = [0u8; PY_NAME_HEAD_BYTES];
+        let take = if byte_len < PY_NAME_HEAD_BYTES as u64 {
+            byte_len as u32
+        } else {
+            PY_NAME_HEAD_BYTES as u32
+        };
+        if !read_prefix(&mut head, data, take) {
+            return false;
+        }
+        identity.name_head = [buf_u64(&head, 0), buf_u64(&head, 8)];
+        data
+    };
+    identity.name_head[0] = keep_low_bytes(identity.name_head[0], byte_len);
+    identity.name_head[1] = keep_low_bytes(identity.name_head[1], byte_len.saturating_sub(8));
+    identity.name_length = length;
+    if byte_len > PY_NAME_HEAD_BYTES as u64 {
+        match read_u64(data + byte_len - 8) {
+            Some(tail) => identity.name_tail = tail,
+            None => return false,
+        }
+    }
+    true
 }
 
 /// Fills `sample.python` for a thread of a registered Python process.
@@ -273,7 +378,7 @@ extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
         state.done = 1;
         return 1;
     }
-    if unsafe { bpf_probe_read_user_buf(frame as *const u8, &mut state.buf) }.is_err() {
+    if !read_prefix(&mut state.buf, frame, state.info.frame_read_bytes as u32) {
         state.flags |= SAMPLE_PYTHON_ERROR;
         state.done = 1;
         count(STAT_PYTHON_READ_ERROR);
@@ -317,13 +422,11 @@ extern "C" fn frame_step(_index: u64, ctx: *mut c_void) -> i64 {
         PY_ENTRY_FLAG if buf_u8(&state.buf, info.entry_offset) != 0 => PY_FRAME_ENTRY,
         _ => 0,
     };
-    let firstlineno = unsafe {
-        bpf_probe_read_user((code + info.code_firstlineno as u64) as *const u32).unwrap_or(0)
-    };
+    let fingerprint = code_fingerprint(state, code);
     let record = &mut sample.python[(state.frames & FRAME_MASK) as usize];
     record.code = code;
     record.instruction = instruction;
-    record.meta = (firstlineno & PY_FRAME_FIRSTLINENO_MASK) | entry;
+    record.meta = (fingerprint & PY_FRAME_FINGERPRINT_MASK) | entry;
     state.frames += 1;
     count(STAT_PYTHON_FRAMES);
     0

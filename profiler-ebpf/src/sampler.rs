@@ -46,22 +46,28 @@ pub(crate) static PID_FILTER: HashMap<u32, u8> = HashMap::with_max_entries(MAX_F
 #[map(name = "CONFIG")]
 pub(crate) static CONFIG: Array<SamplerConfig> = Array::with_max_entries(1, 0);
 
-/// Scratch slots per CPU: the CPU sampler's and the CUDA probes'. A cpu-clock sample can
-/// interrupt a uprobe program on the same CPU, so the two never share scratch memory.
-pub(crate) const SCRATCH_SLOTS: u32 = 2;
+pub(crate) use profiler_common::SCRATCH_SLOTS;
 pub(crate) const SLOT_SAMPLER: u32 = 0;
 pub(crate) const SLOT_CUDA: u32 = 1;
 
-/// The record under construction: too large for the 512-byte BPF stack, and the unwinder's
-/// bpf_loop callback fills it too.
+/// The records under construction, `SCRATCH_SLOTS` per CPU (the agent sizes the map to the
+/// possible CPUs): too large for the 512-byte BPF stack, and the unwinder's bpf_loop callback
+/// fills them too. A plain array, not a per-CPU one: a record with 1,024 Python frames and a
+/// stack copy is over the 32 KiB a per-CPU value may have.
 #[map(name = "SCRATCH_SAMPLE")]
-pub(crate) static SCRATCH_SAMPLE: PerCpuArray<ScratchRecord> =
-    PerCpuArray::with_max_entries(SCRATCH_SLOTS, 0);
+pub(crate) static SCRATCH_SAMPLE: Array<ScratchRecord> = Array::with_max_entries(SCRATCH_SLOTS, 0);
+
+/// This CPU's scratch record for `slot`.
+#[inline(always)]
+pub(crate) fn scratch_record(slot: u32) -> Option<*mut ScratchRecord> {
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    SCRATCH_SAMPLE.get_ptr_mut(cpu.wrapping_mul(SCRATCH_SLOTS).wrapping_add(slot))
+}
 
 /// The sample part of this CPU's scratch record for `slot`.
 #[inline(always)]
 pub(crate) fn scratch_sample(slot: u32) -> Option<*mut RawSample> {
-    let record = SCRATCH_SAMPLE.get_ptr_mut(slot)?;
+    let record = scratch_record(slot)?;
     // SAFETY: a field of a valid map value.
     Some(unsafe { &raw mut (*record).sample })
 }

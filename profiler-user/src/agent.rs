@@ -819,7 +819,8 @@ impl Pipeline {
         let (rss, peak) = process_rss();
         let mut metrics = SelfMetrics {
             samples_processed: self.samples_processed,
-            truncated_stacks: self.unwinder.stats.truncated_stacks,
+            truncated_stacks: self.unwinder.stats.truncated_stacks
+                + self.python.stats().truncated_stacks,
             unmapped_frames: self.unwinder.stats.unmapped_frames,
             unknown_processes: self.unwinder.stats.unknown_processes,
             frames_symbolized: symbols.frames_symbolized,

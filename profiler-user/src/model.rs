@@ -103,8 +103,9 @@ pub struct PythonFrameRef {
     pub code_addr: u64,
     /// `f_lasti` (≤3.10) or the instruction pointer's distance from `code_addr` (3.11+).
     pub instruction: u32,
-    /// `co_firstlineno`: tells a reused code object address apart.
-    pub firstlineno: u32,
+    /// The code object's fingerprint when BPF read it (`CodeIdentity::fingerprint`, 0 when
+    /// unreadable): the code object read later at `code_addr` must match it to name the frame.
+    pub fingerprint: u32,
     /// The first frame of its C-level `_PyEval_EvalFrameDefault` call.
     pub entry: bool,
 }

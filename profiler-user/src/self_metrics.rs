@@ -163,6 +163,12 @@ impl SelfMetrics {
             "counter",
         );
         push(
+            "python_truncated_stacks_total",
+            "Samples cut only because their Python stack was deeper than recorded (innermost frames kept, the cut marked [truncated]; included in truncated_stacks_total)",
+            self.python.truncated_stacks as f64,
+            "counter",
+        );
+        push(
             "cuda_libraries_probed",
             "CUDA runtime and driver files with probes attached",
             self.cuda.libraries_attached as f64,

@@ -512,6 +512,7 @@ impl Sampler {
         let mut ebpf = EbpfLoader::new()
             .btf(None)
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
+            .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
             .load(EBPF_OBJECT)
             .map_err(|err| BpfError::Load(error_chain(&err)))?;
 
@@ -829,6 +830,17 @@ where
         name,
         message: error_chain(&err),
     })
+}
+
+/// Entries of `SCRATCH_SAMPLE`: its slots for every possible CPU (BPF indexes it by
+/// `bpf_get_smp_processor_id()`, which is below the possible count).
+fn scratch_records() -> Result<u32, BpfError> {
+    let cpus =
+        aya::util::nr_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
+    u32::try_from(cpus)
+        .ok()
+        .and_then(|cpus| cpus.checked_mul(profiler_common::SCRATCH_SLOTS))
+        .ok_or_else(|| BpfError::Cpus(format!("{cpus} possible CPUs")))
 }
 
 fn raise_memlock_limit() {

@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use profiler_common::{
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, NO_FALLBACK_FRAME, PY_FRAME_ENTRY,
-    PY_FRAME_FIRSTLINENO_MASK, PyFrameRecord, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC,
+    PY_FRAME_FINGERPRINT_MASK, PyFrameRecord, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC,
     SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_COPY,
     SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
     SAMPLE_USER_UNKNOWN_MAPPING, STACK_COPY_BYTES, STACK_COPY_EXACT_PC, STACK_COPY_HEADER_BYTES,
@@ -111,7 +111,7 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
                 PythonFrameRef {
                     code_addr: record.code,
                     instruction: record.instruction,
-                    firstlineno: record.meta & PY_FRAME_FIRSTLINENO_MASK,
+                    fingerprint: record.meta & PY_FRAME_FINGERPRINT_MASK,
                     entry: record.meta & PY_FRAME_ENTRY != 0,
                 }
             })
@@ -221,13 +221,13 @@ mod tests {
                 PythonFrameRef {
                     code_addr: 0x7f00_0000_1000,
                     instruction: 24,
-                    firstlineno: 17,
+                    fingerprint: 17,
                     entry: false
                 },
                 PythonFrameRef {
                     code_addr: 0x7f00_0000_2000,
                     instruction: 8,
-                    firstlineno: 3,
+                    fingerprint: 3,
                     entry: true
                 },
             ]

@@ -124,7 +124,7 @@ enum FrameKey {
     Python {
         pid: Pid,
         code_addr: u64,
-        firstlineno: u32,
+        fingerprint: u32,
         instruction: u32,
     },
     Kernel(u64),
@@ -251,7 +251,7 @@ impl Symbolizer {
                 let key = FrameKey::Python {
                     pid: runtime.pid,
                     code_addr: frame.code_addr,
-                    firstlineno: frame.firstlineno,
+                    fingerprint: frame.fingerprint,
                     instruction: frame.instruction,
                 };
                 if let Some(cached) = self.cached(&key) {

@@ -1,5 +1,7 @@
 //! Python frames: the code object is read from the process (through `/proc/PID/mem`) once per
-//! (process, address, first line) and gives the qualified name, file and line table.
+//! (process, address, fingerprint) and gives the qualified name, file and line table; one
+//! whose fingerprint differs from what BPF recorded is another code object, and the frame
+//! stays `[unknown python]`.
 use std::sync::Arc;
 
 use crate::{
@@ -14,8 +16,8 @@ use super::StringInterner;
 /// Code objects kept across samples (two generations, so about this many).
 pub(crate) const CODE_CACHE_ENTRIES: usize = 16_384;
 
-/// Name of a Python frame whose code object could not be read (the process exited, or the
-/// memory was reused).
+/// Name of a Python frame whose code object could not be read (the process exited), or was
+/// not the one that ran (freed, and another allocated at its address).
 const UNKNOWN_PYTHON: &str = "[unknown python]";
 
 pub(crate) fn symbolize_python(
@@ -32,7 +34,7 @@ pub(crate) fn symbolize_python(
             runtime.process.code_type_addr,
             runtime.pid,
             frame.code_addr,
-            u64::from(frame.firstlineno),
+            frame.fingerprint,
         )
         .ok()?;
     let instruction = raw_instruction(layout, frame.code_addr, frame.instruction);

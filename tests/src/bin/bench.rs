@@ -357,11 +357,18 @@ fn run(args: &[String]) -> Result<()> {
     if let (true, Some(profiler)) = (suites.python, &profiler) {
         let interpreter = python::interpreter()?;
         let mut runs = Vec::new();
-        for (i, walk) in [true, false].into_iter().enumerate() {
+        let scenarios: Vec<(usize, bool)> = [
+            (python::PYTHON_FRAMES, true),
+            (python::PYTHON_FRAMES, false),
+        ]
+        .into_iter()
+        .chain(python::DEEP_PYTHON_FRAMES.map(|frames| (frames, true)))
+        .collect();
+        let steps = scenarios.len() + 1;
+        for (i, (frames, walk)) in scenarios.into_iter().enumerate() {
             eprintln!(
-                "bench: [python {}/3] {} Python frames, walk {}, {} workers, {} s",
+                "bench: [python {}/{steps}] {frames} Python frames, walk {}, {} workers, {} s",
                 i + 1,
-                python::PYTHON_FRAMES,
                 if walk { "on" } else { "off" },
                 facts.cpus,
                 options.depth_seconds
@@ -371,12 +378,13 @@ fn run(args: &[String]) -> Result<()> {
                 &interpreter,
                 facts.cpus,
                 options.depth_seconds,
+                frames,
                 walk,
                 &scratch,
             )?);
             settle()?;
         }
-        eprintln!("bench: [python 3/3] reading new code objects");
+        eprintln!("bench: [python {steps}/{steps}] reading new code objects");
         let code = python::run_code_objects(&interpreter)?;
         markdown.push_str(&python::render(&runs, Some(&code), options.depth_seconds));
     }

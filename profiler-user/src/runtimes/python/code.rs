@@ -5,6 +5,7 @@
 //! reads; [`CodeCache`] keeps them per (pid, address, fingerprint).
 use std::{collections::HashMap, sync::Arc};
 
+use profiler_common::{CodeIdentity, PY_NAME_HEAD_BYTES, name_word};
 use thiserror::Error;
 
 use super::{
@@ -32,6 +33,12 @@ pub enum CodeError {
     BadString { addr: u64, reason: &'static str },
     #[error("line table at {addr:#x} has implausible size {size}")]
     BadLineTable { addr: u64, size: i64 },
+    #[error(
+        "code object at {addr:#x} is not the one sampled (fingerprint {found:#x}, sampled {sampled:#x}): its memory was reused"
+    )]
+    Replaced { addr: u64, found: u32, sampled: u32 },
+    #[error("code object at {addr:#x} was freed (or changed while it was read)")]
+    Freed { addr: u64 },
 }
 
 /// What a Python frame shows.
@@ -48,6 +55,8 @@ pub struct PyFrameInfo {
 /// The parts of a code object needed to symbolize any of its instructions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CodeObject {
+    /// What BPF records for this code object ([`CodeIdentity::fingerprint`]).
+    pub fingerprint: u32,
     pub qualname: Arc<str>,
     pub filename: Arc<str>,
     pub firstlineno: i32,
@@ -201,12 +210,28 @@ pub fn locations_line(table: &[u8], firstlineno: i32, byte_offset: i64) -> Optio
     None
 }
 
+/// A compact `str` object's length (code points) and data bytes, not decoded yet.
+struct RawString {
+    length: u64,
+    ascii: bool,
+    char_size: u64,
+    data: Vec<u8>,
+}
+
 /// Reads a `str` object: compact ASCII, or compact UCS-1/2/4.
 pub fn read_unicode(
     mem: &dyn ProcessMemory,
     layout: &PyLayout,
     addr: u64,
 ) -> Result<String, CodeError> {
+    decode_unicode(addr, read_raw_unicode(mem, layout, addr)?)
+}
+
+fn read_raw_unicode(
+    mem: &dyn ProcessMemory,
+    layout: &PyLayout,
+    addr: u64,
+) -> Result<RawString, CodeError> {
     // The ASCII header (length, state) is a prefix of every compact string.
     let header = mem.read_vec(addr, layout.unicode_ascii_data as usize)?;
     let field = |offset: u32, size: usize| -> Option<u64> {
@@ -241,6 +266,22 @@ pub fn read_unicode(
         layout.unicode_compact_data
     };
     let data = mem.read_vec(addr + u64::from(data_offset), byte_len as usize)?;
+    Ok(RawString {
+        length,
+        ascii,
+        char_size,
+        data,
+    })
+}
+
+fn decode_unicode(addr: u64, raw: RawString) -> Result<String, CodeError> {
+    let RawString {
+        ascii,
+        char_size,
+        data,
+        ..
+    } = raw;
+    let bad = |reason| CodeError::BadString { addr, reason };
     let text = match char_size {
         1 if ascii => {
             if !data.is_ascii() {
@@ -293,6 +334,7 @@ pub fn read_code_object(
         layout.code_name,
         layout.code_qualname.unwrap_or(0),
         layout.code_line_table,
+        layout.code_version.unwrap_or(0),
     ];
     let header_len = fields.iter().max().copied().unwrap_or(0) as usize + 8;
     let header = mem.read_vec(code_addr, header_len)?;
@@ -312,18 +354,72 @@ pub fn read_code_object(
             expected: code_type_addr,
         });
     }
+    // A freed object keeps its old fields until the memory is reused, but not its reference
+    // count: the allocator's free list takes that word (a pointer, or 0 at the list's end).
+    if !plausible_refcount(pointer(0)) {
+        return Err(CodeError::Freed { addr: code_addr });
+    }
     let firstlineno = pointer(layout.code_firstlineno) as u32 as i32;
     let name_addr = pointer(layout.code_qualname.unwrap_or(layout.code_name));
-    let qualname = read_unicode(mem, layout, name_addr)?;
-    let filename = read_unicode(mem, layout, pointer(layout.code_filename))?;
-    let line_table = read_bytes_object(mem, layout, pointer(layout.code_line_table))?;
+    let name = read_raw_unicode(mem, layout, name_addr)?;
+    let mut identity = CodeIdentity {
+        firstlineno: firstlineno as u32,
+        version: layout
+            .code_version
+            .map_or(0, |offset| pointer(offset) as u32),
+        name: name_addr,
+        filename: pointer(layout.code_filename),
+        line_table: pointer(layout.code_line_table),
+        ..CodeIdentity::default()
+    };
+    if identity.version == 0 {
+        // The same words BPF takes: the data's head, zero past its end, and its last 8 bytes.
+        identity.name_length = name.length;
+        identity.name_head = [name_word(&name.data, 0), name_word(&name.data, 8)];
+        if name.data.len() > PY_NAME_HEAD_BYTES {
+            identity.name_tail = name_word(&name.data, name.data.len() - 8);
+        }
+    }
+    let qualname = decode_unicode(name_addr, name)?;
+    let filename = read_unicode(mem, layout, identity.filename)?;
+    let line_table = read_bytes_object(mem, layout, identity.line_table)?;
+    // The strings are the code object's only while it lives: read its header again, and take
+    // what was read only if the object is still alive and unchanged (reference count aside).
+    // Only the identity fields: others (3.11's warm-up counter, 3.12's instrumentation
+    // version) change as the code runs.
+    let again = mem.read_vec(code_addr, header_len)?;
+    let same = |offset: u32, size: usize| {
+        let at = offset as usize;
+        again.get(at..at + size).is_some() && again.get(at..at + size) == header.get(at..at + size)
+    };
+    let unchanged = same(layout.object_type, 8)
+        && same(layout.code_firstlineno, 4)
+        && layout.code_version.is_none_or(|offset| same(offset, 4))
+        && same(layout.code_qualname.unwrap_or(layout.code_name), 8)
+        && same(layout.code_filename, 8)
+        && same(layout.code_line_table, 8);
+    let refcount = again
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes);
+    if !plausible_refcount(refcount) || !unchanged {
+        return Err(CodeError::Freed { addr: code_addr });
+    }
     Ok(CodeObject {
+        fingerprint: identity.fingerprint(),
         qualname: Arc::from(qualname),
         filename: Arc::from(filename),
         firstlineno,
         line_table: line_table.into_boxed_slice(),
         line_table_format: layout.line_table_format,
     })
+}
+
+/// Whether the `ob_refcnt` word can be a live object's: a count of at least 1 in its low half
+/// and nothing in bits 32–47, where a free-list pointer has its high address bits (3.14 keeps
+/// flags in bits 48–63; immortal counts fit in 32 bits).
+fn plausible_refcount(word: u64) -> bool {
+    word as u32 != 0 && word & 0x0000_ffff_0000_0000 == 0
 }
 
 /// Symbolizes one frame: reads the code object and resolves the frame's raw instruction
@@ -343,7 +439,7 @@ pub fn symbolize_code(
 struct CacheKey {
     pid: Pid,
     code_addr: u64,
-    fingerprint: u64,
+    fingerprint: u32,
 }
 
 /// Counters of a [`CodeCache`].
@@ -352,6 +448,8 @@ pub struct CodeCacheStats {
     pub hits: u64,
     pub misses: u64,
     pub errors: u64,
+    /// Code objects read whose fingerprint was not the sampled one (also in `errors`).
+    pub replaced: u64,
 }
 
 /// Code objects by (pid, address, fingerprint), bounded to `capacity` entries. Two
@@ -391,8 +489,9 @@ impl CodeCache {
         self.stats
     }
 
-    /// The code object, read through `mem` on a miss. A different fingerprint at the same
-    /// address (the object was freed and the memory reused) is a different entry.
+    /// The code object, read through `mem` on a miss, when it is the one BPF fingerprinted:
+    /// a code object freed and another allocated at its address has another fingerprint, and
+    /// is an error (never cached), not a name.
     pub fn code_object(
         &mut self,
         mem: &dyn ProcessMemory,
@@ -400,7 +499,7 @@ impl CodeCache {
         code_type_addr: u64,
         pid: Pid,
         code_addr: u64,
-        fingerprint: u64,
+        fingerprint: u32,
     ) -> Result<Arc<CodeObject>, CodeError> {
         let key = CacheKey {
             pid,
@@ -419,7 +518,16 @@ impl CodeCache {
             None => {
                 self.stats.misses += 1;
                 match read_code_object(mem, layout, code_type_addr, code_addr) {
-                    Ok(code) => Arc::new(code),
+                    Ok(code) if code.fingerprint == fingerprint => Arc::new(code),
+                    Ok(code) => {
+                        self.stats.errors += 1;
+                        self.stats.replaced += 1;
+                        return Err(CodeError::Replaced {
+                            addr: code_addr,
+                            found: code.fingerprint,
+                            sampled: fingerprint,
+                        });
+                    }
                     Err(error) => {
                         self.stats.errors += 1;
                         return Err(error);

@@ -254,6 +254,10 @@ pub fn parse_debug_offsets(
         code_name: field("code_object.name", positions.code_name)?,
         code_qualname: Some(field("code_object.qualname", positions.code_qualname)?),
         code_line_table: field("code_object.linetable", positions.code_linetable)?,
+        code_version: Some(
+            field("code_object.firstlineno", positions.code_firstlineno)?
+                + super::layout::CO_VERSION_AFTER_FIRSTLINENO,
+        ),
         line_table_format: LineTableFormat::Locations,
         code_bytecode: Some(field(
             "code_object.co_code_adaptive",

@@ -3,6 +3,7 @@
 //! built from `_Py_DebugOffsets` for 3.13+ (see `debug_offsets`). A new version is a new row.
 //!
 //! All offsets are for x86_64 release builds with the GIL.
+use profiler_common::{PYTHON_CODE_READ_BYTES, PYTHON_FRAME_READ_BYTES};
 
 /// Where a thread state keeps its innermost frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +98,9 @@ pub struct PyLayout {
     /// `co_qualname` (3.11+).
     pub code_qualname: Option<u32>,
     pub code_line_table: u32,
+    /// `co_version` (3.12+): a counter CPython bumps for every new code object, so a code
+    /// object at a reused address tells itself apart.
+    pub code_version: Option<u32>,
     pub line_table_format: LineTableFormat,
     /// `co_code_adaptive` (3.11+): where the bytecode starts inside the code object.
     pub code_bytecode: Option<u32>,
@@ -109,6 +113,51 @@ pub struct PyLayout {
     pub unicode_compact_data: u32,
     pub bytes_size: u32,
     pub bytes_data: u32,
+}
+
+/// Where `co_version` lies after `co_firstlineno` in 3.12–3.14 (the ints `co_nlocalsplus`,
+/// `co_framesize`, `co_nlocals`, `co_ncellvars`, `co_nfreevars` between); `_Py_DebugOffsets`
+/// does not list it.
+pub const CO_VERSION_AFTER_FIRSTLINENO: u32 = 24;
+
+impl PyLayout {
+    /// Bytes of a frame BPF reads: to the end of the last field it uses, no further (a frame
+    /// ends where its data-stack chunk, and the mapping, may end).
+    pub fn frame_read_bytes(&self) -> u32 {
+        let instruction_end = self.frame_instruction + self.instruction_unit.field_size() as u32;
+        let entry_end = match self.entry_marker {
+            EntryMarker::None => 0,
+            EntryMarker::IsEntryFlag { offset } | EntryMarker::ShimOwner { offset, .. } => {
+                offset + 1
+            }
+        };
+        [
+            self.frame_code + 8,
+            self.frame_back + 8,
+            instruction_end,
+            entry_end,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+        .min(PYTHON_FRAME_READ_BYTES as u32)
+    }
+
+    /// Bytes of a code object BPF reads for its fingerprint: to the end of the last identity
+    /// field.
+    pub fn code_read_bytes(&self) -> u32 {
+        [
+            self.code_firstlineno + 4,
+            self.code_version.map_or(0, |offset| offset + 4),
+            self.code_qualname.unwrap_or(self.code_name) + 8,
+            self.code_filename + 8,
+            self.code_line_table + 8,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+        .min(PYTHON_CODE_READ_BYTES as u32)
+    }
 }
 
 /// `FRAME_OWNED_BY_CSTACK` in 3.12–3.14.
@@ -154,6 +203,7 @@ const fn frame_object_layout(
         code_name: 112,
         code_qualname: None,
         code_line_table: 120,
+        code_version: None,
         line_table_format: line_table,
         code_bytecode: None,
         unicode_length: UNICODE_LENGTH,
@@ -216,6 +266,7 @@ pub const PY311: PyLayout = PyLayout {
     code_name: 120,
     code_qualname: Some(128),
     code_line_table: 136,
+    code_version: None,
     line_table_format: LineTableFormat::Locations,
     code_bytecode: Some(184),
     unicode_length: UNICODE_LENGTH,
@@ -255,6 +306,7 @@ pub const PY312: PyLayout = PyLayout {
     code_name: 120,
     code_qualname: Some(128),
     code_line_table: 136,
+    code_version: Some(CO_VERSION_AFTER_FIRSTLINENO + 68),
     line_table_format: LineTableFormat::Locations,
     code_bytecode: Some(192),
     unicode_length: UNICODE_LENGTH,

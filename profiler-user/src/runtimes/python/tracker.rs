@@ -10,7 +10,7 @@ use std::{
 
 use profiler_common::{
     PY_ANCHOR_CFRAME, PY_ANCHOR_DIRECT, PY_ENTRY_EVERY_FRAME, PY_ENTRY_FLAG, PY_ENTRY_SHIM,
-    PY_INSTRUCTION_LASTI, PY_INSTRUCTION_POINTER, PyProcInfo,
+    PY_INSTRUCTION_LASTI, PY_INSTRUCTION_POINTER, PY_NAME_HEAD_BYTES, PyProcInfo,
 };
 
 use super::{
@@ -69,6 +69,7 @@ impl PythonRuntime {
 pub fn bpf_proc_info(process: &PythonProcess, kernel_tids: bool) -> PyProcInfo {
     let layout: &PyLayout = &process.layout;
     let narrow = |offset: u32| u16::try_from(offset).unwrap_or(u16::MAX);
+    let narrow_u8 = |offset: u32| u8::try_from(offset).unwrap_or(u8::MAX);
     let (anchor_kind, tstate_frame, cframe_current_frame) = match layout.tstate_frame {
         FrameAnchor::ThreadFrame { offset } | FrameAnchor::ThreadCurrentFrame { offset } => {
             (PY_ANCHOR_DIRECT, offset, 0)
@@ -103,6 +104,14 @@ pub fn bpf_proc_info(process: &PythonProcess, kernel_tids: bool) -> PyProcInfo {
         frame_instruction: narrow(layout.frame_instruction),
         entry_offset: narrow(entry_offset),
         code_firstlineno: narrow(layout.code_firstlineno),
+        code_version: layout.code_version.map(narrow).unwrap_or(0),
+        code_name: narrow(layout.code_qualname.unwrap_or(layout.code_name)),
+        code_filename: narrow(layout.code_filename),
+        code_line_table: narrow(layout.code_line_table),
+        unicode_length: narrow_u8(layout.unicode_length),
+        unicode_state: narrow_u8(layout.unicode_state),
+        unicode_ascii_data: narrow_u8(layout.unicode_ascii_data),
+        unicode_compact_data: narrow_u8(layout.unicode_compact_data),
         anchor_kind,
         instruction_kind: match layout.instruction_unit {
             InstructionUnit::LastiBytes | InstructionUnit::LastiCodeUnits => PY_INSTRUCTION_LASTI,
@@ -110,7 +119,10 @@ pub fn bpf_proc_info(process: &PythonProcess, kernel_tids: bool) -> PyProcInfo {
         },
         entry_kind,
         shim_owner,
-        _pad: [0; 2],
+        frame_read_bytes: narrow_u8(layout.frame_read_bytes()),
+        code_read_bytes: narrow(layout.code_read_bytes()),
+        name_read_bytes: narrow_u8(layout.unicode_ascii_data + PY_NAME_HEAD_BYTES as u32),
+        _pad: [0; 1],
     }
 }
 
@@ -148,6 +160,9 @@ pub struct PythonStats {
     pub frames: u64,
     /// Samples with Python frames but no eval-loop frame to put them in place of.
     pub unanchored_samples: u64,
+    /// Samples whose Python stack was deeper than BPF records (their root side is cut) and
+    /// whose native stack was complete.
+    pub truncated_stacks: u64,
 }
 
 #[derive(Debug)]
@@ -322,7 +337,14 @@ impl<M: PythonMaps> PythonTracker<M> {
             frame: python[index],
             runtime: Arc::clone(runtime),
         };
+        // A walk cut at the depth limit has the innermost frames only: once they are placed,
+        // the frames further out (native and Python) belong to the part not recorded, so the
+        // stack ends there and is marked truncated rather than shown joined to its root.
+        let cut = sample.python_truncated;
         for frame in stack.frames.drain(..) {
+            if cut && next >= python.len() {
+                break;
+            }
             let in_eval = match &frame {
                 UnwoundFrame::User { addr, .. } => runtime.in_eval_loop(*addr),
                 _ => false,
@@ -352,6 +374,10 @@ impl<M: PythonMaps> PythonTracker<M> {
             next += 1;
         }
         self.stats.frames += python.len() as u64;
+        if cut && !stack.truncated {
+            self.stats.truncated_stacks += 1;
+            stack.truncated = true;
+        }
         stack.frames = frames;
     }
 
@@ -743,7 +769,7 @@ mod tests {
         PythonFrameRef {
             code_addr,
             instruction: 0,
-            firstlineno: 1,
+            fingerprint: 1,
             entry,
         }
     }

@@ -14,7 +14,7 @@ use integration_tests::{Scratch, fixture_source, pyenv_python};
 use profiler::{
     model::Pid,
     process::{files::FileCache, read_process},
-    runtimes::python::{CodeCache, ProcMemory, detect_python},
+    runtimes::python::{CodeCache, ProcMemory, code::read_code_object, detect_python},
 };
 
 use crate::{
@@ -25,8 +25,10 @@ use crate::{
     unwind::record,
 };
 
-/// Python frames on the stack of every sample of the stack scenario.
+/// Python frames on the stack of every sample of the stack scenario (walk on and off).
 pub const PYTHON_FRAMES: usize = 50;
+/// Deeper stacks, walk on only: what BPF pays for the deepest stacks it records in full.
+pub const DEEP_PYTHON_FRAMES: [usize; 3] = [300, 900, profiler_common::MAX_PYTHON_FRAMES];
 /// Distinct code objects read in the code-object scenario.
 const CODE_OBJECTS: usize = 2000;
 
@@ -39,6 +41,8 @@ pub fn interpreter() -> Result<PathBuf> {
 /// One recording of the stack scenario.
 #[derive(Debug)]
 pub struct StackRun {
+    /// Python frames on the workers' stacks.
+    pub frames: usize,
     pub python_walk: bool,
     pub bpf: BpfCost,
     pub agent: Option<AgentSummary>,
@@ -66,6 +70,7 @@ pub fn run_stack(
     python: &Path,
     workers: usize,
     seconds: u64,
+    frames: usize,
     python_walk: bool,
     scratch: &Scratch,
 ) -> Result<StackRun> {
@@ -74,13 +79,13 @@ pub fn run_stack(
             let mut cmd = Command::new(python);
             cmd.arg(fixture_source("python/bench_python.py"))
                 .arg("stack")
-                .arg(PYTHON_FRAMES.to_string())
+                .arg(frames.to_string())
                 .arg((seconds + 30).to_string());
             Proc::spawn(cmd, &format!("python worker {i}"))
         })
         .collect::<Result<Vec<_>>>()?;
     let pids: Vec<String> = procs.iter().map(|w| w.pid().to_string()).collect();
-    let output = scratch.path(&format!("python-{python_walk}.pb.gz"));
+    let output = scratch.path(&format!("python-{frames}-{python_walk}.pb.gz"));
     let mut cmd = profiler_command(profiler, "profiler=debug");
     cmd.arg("--duration")
         .arg(seconds.to_string())
@@ -107,6 +112,7 @@ pub fn run_stack(
         );
     }
     Ok(StackRun {
+        frames,
         python_walk,
         bpf: bpf_cost(&window),
         agent: parse::parse_agent_summary(&finished.stderr),
@@ -157,10 +163,19 @@ pub fn run_code_objects(python: &Path) -> Result<CodeObjectCost> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let process = detect_python(&snapshot.info).map_err(|e| anyhow::anyhow!("{e}"))?;
         let memory = ProcMemory::open(pid).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // The fingerprints BPF would have recorded for them (read once, untimed).
+        let objects = addresses
+            .iter()
+            .map(|&address| {
+                read_code_object(&memory, &process.layout, process.code_type_addr, address)
+                    .map(|code| (address, code.fingerprint))
+                    .map_err(|e| anyhow::anyhow!("code object at {address:#x}: {e}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut cache = CodeCache::new(4 * CODE_OBJECTS);
         let read_all = |cache: &mut CodeCache| -> Result<f64> {
             let start = Instant::now();
-            for &address in &addresses {
+            for &(address, fingerprint) in &objects {
                 let code = cache
                     .code_object(
                         &memory,
@@ -168,7 +183,7 @@ pub fn run_code_objects(python: &Path) -> Result<CodeObjectCost> {
                         process.code_type_addr,
                         pid,
                         address,
-                        0,
+                        fingerprint,
                     )
                     .map_err(|e| anyhow::anyhow!("code object at {address:#x}: {e}"))?;
                 std::hint::black_box(Arc::clone(&code));
@@ -194,20 +209,21 @@ pub fn render(runs: &[StackRun], code: Option<&CodeObjectCost>, seconds: u64) ->
     out.push_str(&format!(
         "Workers run pyenv's CPython 3.12 with {PYTHON_FRAMES} Python frames on the stack (a \
          recursion in `tests/fixtures/python/bench_python.py`), one per CPU; `profiler record \
-         --pid` samples them for {seconds} s with the Python walk on, then with `--no-python`. \
-         BPF cost is the kernel's run-time accounting (kernel.bpf_stats_enabled) per program \
-         run.\n\n"
+         --pid` samples them for {seconds} s with the Python walk on, then with `--no-python`; \
+         then with {DEEP_PYTHON_FRAMES:?} frames, walk on. BPF cost is the kernel's run-time \
+         accounting (kernel.bpf_stats_enabled) per program run.\n\n"
     ));
     out.push_str(
-        "| Python walk | BPF ns per sent sample | BPF ns per run (window mean) | median of 1-s means | runs | Python frames per sample |\n",
+        "| Python frames on the stack | Python walk | BPF ns per sent sample | BPF ns per run (window mean) | median of 1-s means | runs | Python frames per sample |\n",
     );
-    out.push_str("|---|---|---|---|---|---|\n");
+    out.push_str("|---|---|---|---|---|---|---|\n");
     let show = |value: Option<f64>, digits: usize| {
         value.map_or("?".to_string(), |v| format!("{v:.digits$}"))
     };
     for run in runs {
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} |\n",
+            run.frames,
             if run.python_walk { "on" } else { "off" },
             show(run.ns_per_sent_sample(), 0),
             show(run.bpf.window_mean_ns, 0),
@@ -218,7 +234,7 @@ pub fn render(runs: &[StackRun], code: Option<&CodeObjectCost>, seconds: u64) ->
     }
     let on = runs
         .iter()
-        .find(|r| r.python_walk)
+        .find(|r| r.python_walk && r.frames == PYTHON_FRAMES)
         .and_then(StackRun::ns_per_sent_sample);
     let off = runs
         .iter()
@@ -231,6 +247,16 @@ pub fn render(runs: &[StackRun], code: Option<&CodeObjectCost>, seconds: u64) ->
              **{extra_us:.1} µs per sample** (target ≤ 10 µs): {}.\n",
             if extra_us <= 10.0 { "met" } else { "MISSED" }
         ));
+        for run in runs.iter().filter(|r| r.frames != PYTHON_FRAMES) {
+            if let Some(deep) = run.ns_per_sent_sample() {
+                out.push_str(&format!(
+                    "- {} frames: {:.1} µs per sample more than without the walk ({:.0} ns per frame).\n",
+                    run.frames,
+                    (deep - off) / 1000.0,
+                    (deep - off) / run.frames as f64
+                ));
+            }
+        }
     }
     if let Some(code) = code {
         out.push_str(&format!(

@@ -13,6 +13,7 @@ use super::{
     walk::{ChainEnd, MAX_FRAMES, walk_frame_chain},
 };
 use crate::model::Pid;
+use profiler_common::{CodeIdentity, name_word};
 
 #[test]
 fn layout_rows_are_unique_and_complete() {
@@ -300,8 +301,10 @@ fn symbolizes_a_synthetic_code_object() {
     let mut put = |at: u32, value: u64| {
         object[at as usize..at as usize + 8].copy_from_slice(&value.to_le_bytes())
     };
+    put(0, 1);
     put(layout.object_type, code_type);
     put(layout.code_firstlineno, 41);
+    put(layout.code_version.expect("3.12 has co_version"), 7);
     put(layout.code_qualname.expect("3.12 has qualnames"), name);
     put(layout.code_filename, file);
     put(layout.code_line_table, table);
@@ -329,21 +332,118 @@ fn symbolizes_a_synthetic_code_object() {
         Err(CodeError::NotCode { .. })
     ));
 
+    // The fingerprint BPF would have recorded for it.
+    let fingerprint = CodeIdentity {
+        firstlineno: 41,
+        version: 7,
+        name,
+        filename: file,
+        line_table: table,
+        ..CodeIdentity::default()
+    }
+    .fingerprint();
     let mut cache = CodeCache::new(4);
     for round in 0..3 {
-        for fingerprint in 0..4 {
-            let code = cache
-                .code_object(&image, layout, code_type, Pid(1), code, fingerprint)
-                .expect("cached read");
-            assert_eq!(&*code.qualname, "Worker.spin", "round {round}");
-        }
-        assert!(cache.len() <= 4);
+        let read = cache
+            .code_object(&image, layout, code_type, Pid(1), code, fingerprint)
+            .expect("cached read");
+        assert_eq!(&*read.qualname, "Worker.spin", "round {round}");
+        // Any other fingerprint is another code object that lived at this address.
+        assert!(matches!(
+            cache.code_object(&image, layout, code_type, Pid(1), code, fingerprint ^ 1),
+            Err(CodeError::Replaced { .. })
+        ));
     }
     let stats = cache.stats();
-    assert_eq!(stats.hits + stats.misses, 12);
-    assert!(stats.misses >= 4);
+    assert_eq!((stats.hits, stats.misses, stats.replaced), (2, 4, 3));
+    assert_eq!(cache.len(), 1, "a replaced object is never cached");
     cache.forget_process(Pid(1));
     assert!(cache.is_empty());
+
+    // Freed: the allocator's free-list pointer (or 0) where the reference count was.
+    for freed in [0u64, 0x7f12_3456_7000] {
+        let mut object = image_bytes(&image, code, 256);
+        object[..8].copy_from_slice(&freed.to_le_bytes());
+        let mut freed_image = image.clone();
+        freed_image.insert(code, object);
+        assert!(matches!(
+            CodeCache::new(4).code_object(
+                &freed_image,
+                layout,
+                code_type,
+                Pid(1),
+                code,
+                fingerprint
+            ),
+            Err(CodeError::Freed { .. })
+        ));
+    }
+}
+
+fn image_bytes(image: &MemoryImage, addr: u64, len: usize) -> Vec<u8> {
+    image.read_vec(addr, len).expect("in the image")
+}
+
+/// Without `co_version` (≤3.11) a name that differs only in its middle or end, at the same
+/// address with the same pointers, is still another fingerprint; what follows the name's end
+/// is not part of it.
+#[test]
+fn fingerprints_without_a_version_see_the_whole_name() {
+    let identity = |name: &str, padding: u8| {
+        let mut data = name.as_bytes().to_vec();
+        data.extend([padding; 8]);
+        let byte_len = name.len();
+        let mut head = [name_word(&data, 0), name_word(&data, 8)];
+        // BPF masks what lies past the end; so does this.
+        let keep = |word: u64, keep: usize| {
+            if keep >= 8 {
+                word
+            } else {
+                word & ((1u64 << (keep * 8)) - 1)
+            }
+        };
+        head[0] = keep(head[0], byte_len);
+        head[1] = keep(head[1], byte_len.saturating_sub(8));
+        CodeIdentity {
+            firstlineno: 1,
+            version: 0,
+            name: 0x1000,
+            filename: 0x2000,
+            line_table: 0x3000,
+            name_length: byte_len as u64,
+            name_head: head,
+            name_tail: if byte_len > 16 {
+                name_word(&data, byte_len - 8)
+            } else {
+                0
+            },
+        }
+        .fingerprint()
+    };
+    let base = identity("handler_for_route_0001", 0);
+    assert_ne!(base, identity("handler_for_route_0002", 0), "tail");
+    assert_ne!(base, identity("handler_xor_route_0001", 0), "head");
+    assert_ne!(base, identity("handler_for_route_00001", 0), "length");
+    assert_eq!(
+        identity("short", 0),
+        identity("short", 0xaa),
+        "bytes past the end"
+    );
+    assert_ne!(identity("short", 0), identity("shorT", 0));
+    let with_version = |version| {
+        CodeIdentity {
+            version,
+            name: 0x1000,
+            ..CodeIdentity::default()
+        }
+        .fingerprint()
+    };
+    assert_ne!(with_version(7), with_version(8));
+    assert_ne!(
+        with_version(7),
+        0,
+        "0 is reserved for an unreadable code object"
+    );
 }
 
 /// Frame chains that loop back or never end stop at the bounds.

@@ -1,0 +1,359 @@
+//! Python frames that are never wrong: deep stacks complete to their root up to the recorded
+//! limit (and cut, marked and counted beyond it), and code objects freed while samples of them
+//! are in flight never lend their address's next occupant's name to a frame.
+use std::{
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use integration_tests::{
+    Running, Scratch, assert_success, cpu_time_so_far, exclusive, fixture_source, parse_folded,
+    pyenv_python, require_external, run_profiler, sample_floor, workspace_root,
+};
+
+/// Python frames BPF records; deeper stacks keep their innermost frames.
+const MAX_PYTHON_FRAMES: usize = profiler_common::MAX_PYTHON_FRAMES;
+
+/// (label, interpreter, one Python frame per eval-loop call: ≤3.10)
+fn interpreters() -> Vec<(String, PathBuf, bool)> {
+    let mut found = Vec::new();
+    for (version, executable, old) in [
+        ("3.8.18", "python3.8", true),
+        ("3.11.7", "python3.11", false),
+        ("3.12.1", "python3.12", false),
+        ("3.13.0", "python3.13", false),
+    ] {
+        match pyenv_python(version, executable) {
+            Some(path) => found.push((format!("pyenv {version}"), path, old)),
+            None => missing(&format!("pyenv Python {version}")),
+        }
+    }
+    let sid = workspace_root().join(".tools/python3.14/usr/bin/python3.14");
+    if sid.is_file() {
+        found.push(("debian sid 3.14".into(), sid, false));
+    } else {
+        missing("Python 3.14 under .tools (`cargo xtask setup` unpacks it)");
+    }
+    found
+}
+
+fn missing(what: &str) {
+    assert!(
+        !require_external(),
+        "{what} is not installed (PROFILER_REQUIRE_EXTERNAL=1 forbids skipping)"
+    );
+    eprintln!("skipping {what}: not installed");
+}
+
+/// Records `pid` for `seconds` in folded format: the stacks (root first), the log, and the
+/// CPU time the process got meanwhile.
+fn record(pid: u32, seconds: &str, scratch: &Scratch) -> (Vec<Vec<String>>, String, Duration) {
+    let out = scratch.path("stacks.folded");
+    let before = cpu_time_so_far(pid).unwrap_or_default();
+    let run = run_profiler(&[
+        "record",
+        "--pid",
+        &pid.to_string(),
+        "--duration",
+        seconds,
+        "--format",
+        "folded",
+        "--output",
+        out.to_str().expect("UTF-8 scratch path"),
+    ]);
+    let cpu = cpu_time_so_far(pid)
+        .unwrap_or_default()
+        .saturating_sub(before);
+    assert_success(&run);
+    let text = std::fs::read_to_string(&out).expect("the folded output");
+    let mut stacks = Vec::new();
+    for stack in parse_folded(&text) {
+        for _ in 0..stack.count {
+            stacks.push(stack.frames.clone());
+        }
+    }
+    (
+        stacks,
+        String::from_utf8_lossy(&run.stderr).into_owned(),
+        cpu,
+    )
+}
+
+/// A Python frame of the folded output, `name (file:line)`: its name and file.
+fn python_frame(frame: &str) -> Option<(&str, &str)> {
+    let (name, place) = frame.strip_suffix(')')?.rsplit_once(" (")?;
+    let (file, line) = place.rsplit_once(':')?;
+    line.parse::<u32>().ok()?;
+    Some((name, file))
+}
+
+/// `deep.py DEPTH` spinning at the bottom of a DEPTH-frame Python stack.
+fn spawn_deep(interpreter: &PathBuf, depth: usize) -> Running {
+    let mut child = Command::new(interpreter)
+        .arg(fixture_source("python/deep.py"))
+        .args([&depth.to_string(), "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start deep.py");
+    // It says so once the whole stack is built.
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .expect("deep.py's first line");
+    assert_eq!(line.trim(), "spinning", "deep.py did not start");
+    Running { child }
+}
+
+/// Records `deep.py` at `depth` for 2 s: its samples in `spin` (at least as many as its CPU
+/// time allows) and the recorder's log.
+fn spinning_samples(
+    label: &str,
+    interpreter: &PathBuf,
+    depth: usize,
+) -> (Vec<Vec<String>>, String) {
+    let running = spawn_deep(interpreter, depth);
+    let scratch = Scratch::new("python-deep");
+    let (stacks, log, cpu) = record(running.pid(), "2", &scratch);
+    let floor = sample_floor(30, cpu, 0.5);
+    let spinning: Vec<Vec<String>> = stacks
+        .into_iter()
+        .filter(|stack| stack.iter().any(|f| f.starts_with("spin (")))
+        .collect();
+    assert!(
+        spinning.len() as i64 >= floor,
+        "{label}, depth {depth}: {} samples in spin, {floor} wanted for {cpu:?} of CPU:\n{log}",
+        spinning.len()
+    );
+    (spinning, log)
+}
+
+/// The Python frames of `stack` (root first): the `deep.py` ones by name, others verbatim.
+fn deep_frames(stack: &[String]) -> Vec<String> {
+    stack
+        .iter()
+        .filter_map(|frame| {
+            if frame == "[unknown python]" {
+                return Some(frame.clone());
+            }
+            python_frame(frame).map(|(name, _)| name.to_owned())
+        })
+        .collect()
+}
+
+/// `text` without its terminal colour sequences (`ESC [ … m`).
+fn strip_colours(text: &str) -> String {
+    let mut plain = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+#[test]
+fn python_stacks_up_to_the_limit_are_complete_to_their_root() {
+    let _guard = exclusive();
+    for (label, interpreter, old) in interpreters() {
+        for depth in [300, 900, MAX_PYTHON_FRAMES] {
+            let (spinning, _) = spinning_samples(&label, &interpreter, depth);
+            let mut expected = vec!["<module>".to_owned(), "main".to_owned()];
+            expected.extend(std::iter::repeat_n("descend".to_owned(), depth - 3));
+            expected.push("spin".to_owned());
+            for stack in &spinning {
+                let python = deep_frames(stack);
+                assert!(
+                    python == expected,
+                    "{label}, depth {depth}: {} Python frames, {} wanted; root side {:?}, leaf side {:?}",
+                    python.len(),
+                    expected.len(),
+                    &python[..python.len().min(4)],
+                    &python[python.len().saturating_sub(3)..]
+                );
+                // ≤3.10 runs one C eval call per Python frame: that native stack is deeper
+                // than the native limit, and saying so is right. 3.11+ has no such excuse.
+                assert!(
+                    old || !stack.iter().any(|f| f == "[truncated]"),
+                    "{label}, depth {depth}: marked truncated: {:?}",
+                    &stack[..stack.len().min(6)]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn python_stacks_beyond_the_limit_keep_the_leaf_and_mark_the_cut() {
+    let _guard = exclusive();
+    let depth = MAX_PYTHON_FRAMES + 100;
+    for (label, interpreter, _) in interpreters() {
+        let (spinning, log) = spinning_samples(&label, &interpreter, depth);
+        let mut expected = vec!["descend".to_owned(); MAX_PYTHON_FRAMES - 1];
+        expected.push("spin".to_owned());
+        for stack in &spinning {
+            assert_eq!(
+                deep_frames(stack),
+                expected,
+                "{label}: the innermost {MAX_PYTHON_FRAMES} frames, nothing else"
+            );
+            // The cut is marked where the missing frames would be: at the root.
+            assert_eq!(
+                stack.get(1).map(String::as_str),
+                Some("[truncated]"),
+                "{label}: {:?}",
+                &stack[..stack.len().min(4)]
+            );
+        }
+        let counted: u64 = strip_colours(&log)
+            .split_whitespace()
+            .find_map(|field| field.strip_prefix("truncated_stacks="))
+            .and_then(|n| n.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+            .unwrap_or_else(|| panic!("{label}: no truncated_stacks in the log:\n{log}"));
+        assert!(
+            counted >= spinning.len() as u64,
+            "{label}: {counted} truncated stacks counted, {} cut",
+            spinning.len()
+        );
+    }
+}
+
+#[test]
+fn freed_code_objects_never_lend_their_name_to_a_frame() {
+    let _guard = exclusive();
+    for (label, interpreter, _) in interpreters() {
+        let running = Running {
+            child: Command::new(&interpreter)
+                .arg(fixture_source("python/code_churn.py"))
+                .arg("60")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start code_churn.py"),
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        let scratch = Scratch::new("python-churn");
+        let (stacks, log, cpu) = record(running.pid(), "3", &scratch);
+        let floor = sample_floor(100, cpu, 0.5);
+        assert!(
+            stacks.len() as i64 >= floor,
+            "{label}: {} samples, {floor} wanted for {cpu:?} of CPU:\n{log}",
+            stacks.len()
+        );
+        let mut named = 0;
+        for stack in &stacks {
+            for frame in stack {
+                let Some((name, file)) = python_frame(frame) else {
+                    continue;
+                };
+                // Never called: a frame with this name is another code object's.
+                assert!(
+                    !name.starts_with("never_run_") && !file.starts_with("<decoy-"),
+                    "{label}: a frame named after a code object that never ran: {frame}"
+                );
+                if let Some(round) = name.strip_prefix("work_") {
+                    assert_eq!(file, format!("<gen-{round}>"), "{label}: {frame}");
+                    named += 1;
+                }
+            }
+        }
+        // Samples of a work_<i> handled after it was freed are `[unknown python]` (how many
+        // depends on how busy the machine is); the others must name it, so the check above
+        // is not passed by naming nothing.
+        assert!(
+            named * 5 >= stacks.len(),
+            "{label}: only {named} of {} samples name a work_<i> frame",
+            stacks.len()
+        );
+    }
+}
+
+/// The import machinery runs each module's `<module>` code once and frees it, and the
+/// functions the module defines often land where it was. Under a whole-host recording of
+/// fresh interpreters importing large packages, what a source loader's `exec_module` runs
+/// through `_call_with_frames_removed` (`exec` of the module's code) must be a module body,
+/// never a function of the module. Judged on the Python frames alone, in the order BPF walked
+/// them; 3.11+ only, whose qualified names tell `_LoaderBasics.exec_module` (source modules)
+/// from an extension loader's, whose init may call any function.
+#[test]
+fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
+    let _guard = exclusive();
+    let mut interpreters: Vec<(String, PathBuf)> = interpreters()
+        .into_iter()
+        .filter(|(label, _, old)| !old && !label.contains("3.8"))
+        .map(|(label, path, _)| (label, path))
+        .collect();
+    let torch_python = workspace_root().join(".tools/torch-venv/bin/python");
+    if torch_python.is_file() {
+        interpreters.push(("PyTorch venv (numpy)".into(), torch_python));
+    } else {
+        missing("the PyTorch venv (`cargo xtask setup` installs it)");
+    }
+    for (label, interpreter) in interpreters {
+        let running = Running {
+            child: Command::new(&interpreter)
+                .arg(fixture_source("python/import_churn.py"))
+                .arg("60")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start import_churn.py"),
+        };
+        let scratch = Scratch::new("python-imports");
+        let out = scratch.path("host.folded");
+        let run = run_profiler(&[
+            "record",
+            "--duration",
+            "5",
+            "--format",
+            "folded",
+            "--output",
+            out.to_str().expect("UTF-8 scratch path"),
+        ]);
+        drop(running);
+        assert_success(&run);
+        let text = std::fs::read_to_string(&out).expect("the folded output");
+        let mut module_bodies = 0;
+        for stack in parse_folded(&text) {
+            // Root first; `[unknown python]` stays in: the honest answer for a freed body.
+            let python: Vec<&str> = stack
+                .frames
+                .iter()
+                .filter_map(|f| {
+                    if f == "[unknown python]" {
+                        Some(f.as_str())
+                    } else {
+                        python_frame(f).map(|(name, _)| name)
+                    }
+                })
+                .collect();
+            for run in python.windows(3) {
+                if run[0] != "_LoaderBasics.exec_module" || run[1] != "_call_with_frames_removed" {
+                    continue;
+                }
+                assert!(
+                    run[2] == "<module>" || run[2] == "[unknown python]",
+                    "{label}: a source module's exec ran {}, a function, not a module body:\n{}",
+                    run[2],
+                    stack.frames.join(";")
+                );
+                if run[2] == "<module>" {
+                    module_bodies += stack.count;
+                }
+            }
+        }
+        assert!(
+            module_bodies >= 5,
+            "{label}: {module_bodies} samples of module bodies run by the import machinery"
+        );
+    }
+}
