@@ -341,14 +341,40 @@ impl<M: PythonMaps> PythonTracker<M> {
         // the frames further out (native and Python) belong to the part not recorded, so the
         // stack ends there and is marked truncated rather than shown joined to its root.
         let cut = sample.python_truncated;
+        let in_eval = |frame: &UnwoundFrame| match frame {
+            UnwoundFrame::User { addr, .. } => runtime.in_eval_loop(*addr),
+            _ => false,
+        };
+        // A sample can catch an eval call that has begun but not pushed its first frame yet:
+        // one eval frame more than there are runs of Python frames, always the innermost. With
+        // the whole native stack at hand, runs are matched from the root, so that fresh eval
+        // frame stays native instead of every run landing one eval call too deep.
+        let runs = if runtime.one_frame_per_eval_call() {
+            python.len()
+        } else {
+            python.iter().filter(|f| f.entry).count()
+                + usize::from(python.last().is_some_and(|f| !f.entry))
+        };
+        let mut not_begun = if stack.truncated || cut {
+            0
+        } else {
+            stack
+                .frames
+                .iter()
+                .filter(|f| in_eval(f))
+                .count()
+                .saturating_sub(runs)
+        };
         for frame in stack.frames.drain(..) {
             if cut && next >= python.len() {
                 break;
             }
-            let in_eval = match &frame {
-                UnwoundFrame::User { addr, .. } => runtime.in_eval_loop(*addr),
-                _ => false,
-            };
+            let in_eval = in_eval(&frame);
+            if in_eval && not_begun > 0 && next == 0 {
+                not_begun -= 1;
+                frames.push(frame);
+                continue;
+            }
             if !in_eval || next >= python.len() {
                 frames.push(frame);
                 continue;
@@ -842,6 +868,39 @@ mod tests {
             ["N50000", "Pa", "Pb", "N51000", "Pc", "Pd", "N52000"]
         );
         assert_eq!(tracker.stats().frames, 4);
+    }
+
+    #[test]
+    fn an_eval_call_that_has_not_begun_stays_native() {
+        let (mut tracker, pid) = tracker_with(PY312);
+        // The innermost eval call was caught on entry, before it pushed a frame: three eval
+        // frames, two runs (a b, c d). The runs belong to the outer two.
+        let mut stack = UnwoundStack {
+            frames: vec![
+                user(EVAL.start + 0x30),
+                native(0x50_000),
+                user(EVAL.start + 0x10),
+                native(0x51_000),
+                user(EVAL.start + 0x20),
+                native(0x52_000),
+            ],
+            truncated: false,
+        };
+        let python = vec![py(0xa, false), py(0xb, true), py(0xc, false), py(0xd, true)];
+        tracker.interleave(&sample(pid, python), &mut stack);
+        assert_eq!(
+            describe(&stack),
+            [
+                format!("N{:x}", EVAL.start + 0x30).as_str(),
+                "N50000",
+                "Pa",
+                "Pb",
+                "N51000",
+                "Pc",
+                "Pd",
+                "N52000"
+            ]
+        );
     }
 
     #[test]
