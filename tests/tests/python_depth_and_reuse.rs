@@ -357,3 +357,66 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
         );
     }
 }
+
+/// Generators and coroutines switch frames in `send`/`next`: every sample of them keeps its
+/// whole chain, from `<module>` to the generator or coroutine running, with nothing unknown.
+#[test]
+fn generator_and_coroutine_switches_keep_whole_stacks() {
+    let _guard = exclusive();
+    for (label, interpreter, _) in interpreters() {
+        let running = Running {
+            child: Command::new(&interpreter)
+                .arg(fixture_source("python/generators.py"))
+                .arg("60")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start generators.py"),
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        let scratch = Scratch::new("python-generators");
+        let (stacks, log, cpu) = record(running.pid(), "4", &scratch);
+        let floor = sample_floor(200, cpu, 0.5);
+        assert!(
+            stacks.len() as i64 >= floor,
+            "{label}: {} samples, {floor} wanted for {cpu:?} of CPU:\n{log}",
+            stacks.len()
+        );
+        let (mut generators, mut coroutines) = (0, 0);
+        for stack in &stacks {
+            let python = deep_frames(stack);
+            // The steady loop only: start-up imports may rightly show a freed module body
+            // as `[unknown python]`.
+            if !python.iter().any(|f| f == "consume" || f == "coro_driver") {
+                continue;
+            }
+            let context = || format!("{label}: {}", stack.join(";"));
+            assert!(
+                !python.iter().any(|f| f == "[unknown python]"),
+                "{}",
+                context()
+            );
+            assert_eq!(python[0], "<module>", "{}", context());
+            // Python frames only, root first: each generator or coroutine under its caller.
+            for (at, frame) in python.iter().enumerate() {
+                let caller = at.checked_sub(1).map(|i| python[i].as_str());
+                match frame.as_str() {
+                    "leaf_gen" => {
+                        assert_eq!(caller, Some("middle_gen"), "{}", context());
+                        generators += 1;
+                    }
+                    "middle_gen" => assert_eq!(caller, Some("consume"), "{}", context()),
+                    "inner" => {
+                        assert_eq!(caller, Some("outer"), "{}", context());
+                        coroutines += 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert!(
+            generators >= 10 && coroutines >= 10,
+            "{label}: {generators} samples in leaf_gen, {coroutines} in inner"
+        );
+    }
+}
