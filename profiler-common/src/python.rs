@@ -99,7 +99,9 @@ pub struct PyProcInfo {
     pub code_read_bytes: u16,
     /// Bytes of a name string to read: its header and [`PY_NAME_HEAD_BYTES`] of ASCII data.
     pub name_read_bytes: u8,
-    pub _pad: [u8; 1],
+    /// Where `kind` starts in the string's `state` bits (2; 8 in free-threaded 3.14+, where
+    /// `interned` is a whole byte); `compact` and `ascii` follow it at +3 and +4.
+    pub unicode_kind_shift: u8,
 }
 
 const _: () = assert!(core::mem::size_of::<PyProcInfo>() == 64);

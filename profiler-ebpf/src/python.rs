@@ -155,9 +155,10 @@ fn name_identity(state: &mut PyWalkState, identity: &mut CodeIdentity) -> bool {
     let buf = &state.name_buf;
     let length = buf_u64(buf, info.unicode_length as u16);
     let bits = buf_u32(buf, info.unicode_state as u16);
-    let kind = ((bits >> 2) & 0x7) as u64;
-    let compact = bits & (1 << 5) != 0;
-    let ascii = bits & (1 << 6) != 0;
+    let shift = (info.unicode_kind_shift & 0xf) as u32;
+    let kind = ((bits >> shift) & 0x7) as u64;
+    let compact = (bits >> (shift + 3)) & 1 != 0;
+    let ascii = (bits >> (shift + 4)) & 1 != 0;
     if !compact || !(kind == 1 || kind == 2 || kind == 4) || length > (1 << 30) {
         return false;
     }

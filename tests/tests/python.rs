@@ -1,5 +1,6 @@
 //! Mixed Python/native stacks from the real BPF walk, on every interpreter available offline:
-//! pyenv 3.8–3.13, Debian's static python3.11 and Debian sid's 3.14 (unpacked by setup). For
+//! pyenv 3.8–3.13, Debian's static python3.11, Debian sid's 3.14 (unpacked by setup) and
+//! free-threaded 3.13t/3.14t (built by setup). For
 //! each, fixture processes sit in known stacks (a chain of functions and methods, a `sorted`
 //! key callback and a ctypes `qsort` callback called from C, a generator, an asyncio coroutine,
 //! recursion 200 deep, two busy threads) while `profiler record` samples them. Every sampled
@@ -8,9 +9,12 @@
 //! same thread; the native frames between Python frames must be the C code that called back,
 //! and no eval-loop frame may be left where Python frames replaced it.
 //!
+//! Free-threaded 3.13t and 3.14t (built by setup) run the same fixtures; py-spy does not read
+//! them, so their own expectations are the check.
+//!
 //! Also: processes started after the profiler, in another PID namespace, with 300 threads, an
-//! embedding program loading libpython late, a process whose thread states fail the layout
-//! self-check, and a free-threaded build.
+//! embedding program loading libpython late, and a process whose thread states fail the layout
+//! self-check.
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
@@ -65,6 +69,8 @@ struct Interpreter {
     version: (u8, u8),
     /// Stripped of `.symtab`: static functions of the interpreter have no names.
     stripped: bool,
+    /// A free-threaded build (PEP 703), which py-spy does not read.
+    free_threaded: bool,
 }
 
 fn debian_python311() -> Option<Interpreter> {
@@ -75,6 +81,7 @@ fn debian_python311() -> Option<Interpreter> {
             path,
             version: (3, 11),
             stripped: true,
+            free_threaded: false,
         });
     }
     skip_or_fail("Debian's /usr/bin/python3.11 is not installed");
@@ -89,6 +96,7 @@ fn sid_python314() -> Option<Interpreter> {
             path,
             version: (3, 14),
             stripped: true,
+            free_threaded: false,
         });
     }
     skip_or_fail("Python 3.14 is not unpacked under .tools (`cargo xtask setup` does it)");
@@ -106,12 +114,41 @@ fn pyenv_interpreter(version: &str) -> Option<Interpreter> {
             path,
             version: minor,
             stripped: false,
+            free_threaded: false,
         }),
         None => {
             skip_or_fail(&format!("pyenv Python {version} is not installed"));
             None
         }
     }
+}
+
+/// Free-threaded 3.13t and 3.14t, built from CPython's source by `cargo xtask setup`.
+fn free_threaded_pythons() -> Vec<Interpreter> {
+    [
+        (13, ".tools/python3.13t/bin/python3.13t"),
+        (14, ".tools/python3.14t/bin/python3.14t"),
+    ]
+    .into_iter()
+    .filter_map(|(minor, path)| {
+        let path = workspace_root().join(path);
+        if path.is_file() {
+            Some(Interpreter {
+                label: format!("free-threaded 3.{minor}t"),
+                path,
+                version: (3, minor),
+                stripped: false,
+                free_threaded: true,
+            })
+        } else {
+            skip_or_fail(&format!(
+                "{} is not built (`cargo xtask setup` builds it)",
+                path.display()
+            ));
+            None
+        }
+    })
+    .collect()
 }
 
 /// Every interpreter present.
@@ -121,6 +158,7 @@ fn interpreters() -> Vec<Interpreter> {
         .filter_map(|(version, _, _)| pyenv_interpreter(version))
         .chain(debian_python311())
         .chain(sid_python314())
+        .chain(free_threaded_pythons())
         .collect()
 }
 
@@ -695,7 +733,10 @@ fn python_stacks_agree_with_py_spy_on_every_interpreter() {
     let scratch = Scratch::new("python-matrix");
     let mut failures = Vec::new();
     for interpreter in interpreters() {
-        for failure in check_interpreter(&interpreter, py_spy.as_deref(), &scratch) {
+        // py-spy 0.4 finds no interpreter in free-threaded builds: there the fixture's own
+        // expectations (names, lines from its markers, callers) are the check.
+        let oracle = py_spy.as_deref().filter(|_| !interpreter.free_threaded);
+        for failure in check_interpreter(&interpreter, oracle, &scratch) {
             failures.push(format!("[{}] {failure}", interpreter.label));
         }
     }
@@ -798,62 +839,6 @@ fn agent_run(pid: u32, scratch: &Scratch) -> (String, String, Vec<StackSample>) 
 }
 
 const DISABLED_METRIC: &str = "profiler_python_processes_disabled_total";
-
-/// A free-threaded interpreter (3.13t, here a stand-in library with the real
-/// `_Py_DebugOffsets` header) is reported as unsupported and counted, and its native stacks
-/// are kept.
-#[test]
-fn free_threaded_python_is_reported_and_keeps_native_stacks() {
-    let _guard = exclusive();
-    let library = integration_tests::cached_fixture("libpython3.13t.so.1.0", |out| {
-        let status = Command::new("gcc")
-            .args(["-O2", "-g", "-fPIC", "-shared", "-o"])
-            .arg(out)
-            .arg(fixture_source("python/free_threaded_runtime.c"))
-            .status()
-            .expect("gcc");
-        assert!(
-            status.success(),
-            "building the stand-in libpython3.13t failed"
-        );
-    });
-    let library_dir = library.parent().expect("fixture dir").to_path_buf();
-    let program = integration_tests::cached_fixture("free-threaded-main", |out| {
-        let status = Command::new("gcc")
-            .args(["-O2", "-g", "-fno-omit-frame-pointer", "-o"])
-            .arg(out)
-            .arg(fixture_source("python/free_threaded_main.c"))
-            .arg(&library)
-            .arg(format!("-Wl,-rpath,{}", library_dir.display()))
-            .status()
-            .expect("gcc");
-        assert!(
-            status.success(),
-            "building the free-threaded fixture failed"
-        );
-    });
-    let running = integration_tests::spawn(&program, &["60"]);
-    let scratch = Scratch::new("python-free-threaded");
-    let (metrics, log, samples) = agent_run(running.pid(), &scratch);
-    assert!(
-        log.contains("free-threaded Python 3.13 is not supported"),
-        "no free-threaded report in the log:\n{log}"
-    );
-    assert_eq!(
-        metric_value(&metrics, DISABLED_METRIC),
-        Some(1.0),
-        "{DISABLED_METRIC} on /metrics:\n{metrics}"
-    );
-    assert!(
-        samples.iter().any(|s| find_chain(
-            &s.frames,
-            &["main", "free_threaded_loop", "_PyEval_EvalFrameDefault"]
-        )
-        .is_some()),
-        "native stacks of the free-threaded process are missing:\n{}",
-        top_stacks(&samples, 10)
-    );
-}
 
 /// pyenv 3.12's shared library, its prefix and include directory.
 fn pyenv312_embedding() -> Option<(PathBuf, PathBuf, PathBuf)> {

@@ -36,6 +36,16 @@ fn interpreters() -> Vec<(String, PathBuf, bool)> {
     } else {
         missing("Python 3.14 under .tools (`cargo xtask setup` unpacks it)");
     }
+    for minor in ["3.13", "3.14"] {
+        let path = workspace_root().join(format!(".tools/python{minor}t/bin/python{minor}t"));
+        if path.is_file() {
+            found.push((format!("free-threaded {minor}t"), path, false));
+        } else {
+            missing(&format!(
+                "free-threaded Python {minor}t under .tools (`cargo xtask setup` builds it)"
+            ));
+        }
+    }
     found
 }
 

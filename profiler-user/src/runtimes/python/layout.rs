@@ -2,7 +2,8 @@
 //! version for 3.8–3.12 (read from the DWARF of pyenv builds, see `gen_layouts.sh`), and rows
 //! built from `_Py_DebugOffsets` for 3.13+ (see `debug_offsets`). A new version is a new row.
 //!
-//! All offsets are for x86_64 release builds with the GIL.
+//! All offsets are for x86_64 release builds; free-threaded builds (3.13t+) come only from
+//! `_Py_DebugOffsets`.
 use profiler_common::{PYTHON_CODE_READ_BYTES, PYTHON_FRAME_READ_BYTES};
 
 /// Where a thread state keeps its innermost frame.
@@ -104,9 +105,17 @@ pub struct PyLayout {
     pub line_table_format: LineTableFormat,
     /// `co_code_adaptive` (3.11+): where the bytecode starts inside the code object.
     pub code_bytecode: Option<u32>,
+    /// `co_tlbc` (free-threaded 3.14+): a `_PyCodeArray*` of per-thread copies of the
+    /// bytecode, into which other threads' instruction pointers point.
+    pub code_thread_bytecode: Option<u32>,
+    /// A free-threaded build (PEP 703): the object header is 32 bytes, and the reference count
+    /// is split in `ob_ref_local` (u32 at 12) and `ob_ref_shared` (at 16).
+    pub free_threaded: bool,
     // Strings and bytes
     pub unicode_length: u32,
     pub unicode_state: u32,
+    /// Bit where `kind` starts in `state` (see [`UNICODE_KIND_SHIFT`]).
+    pub unicode_kind_shift: u8,
     /// Data of a compact ASCII string: `sizeof(PyASCIIObject)`.
     pub unicode_ascii_data: u32,
     /// Data of a compact non-ASCII string: `sizeof(PyCompactUnicodeObject)`.
@@ -169,6 +178,8 @@ const OBJECT_TYPE: u32 = 8;
 const VAR_SIZE: u32 = 16;
 const UNICODE_LENGTH: u32 = 16;
 const UNICODE_STATE: u32 = 32;
+/// `state` starts with `interned:2`, then `kind:3`, `compact:1`, `ascii:1`.
+pub const UNICODE_KIND_SHIFT: u8 = 2;
 const BYTES_DATA: u32 = 32;
 
 /// 3.8–3.10 share the `PyFrameObject` walk.
@@ -206,8 +217,11 @@ const fn frame_object_layout(
         code_version: None,
         line_table_format: line_table,
         code_bytecode: None,
+        code_thread_bytecode: None,
+        free_threaded: false,
         unicode_length: UNICODE_LENGTH,
         unicode_state: UNICODE_STATE,
+        unicode_kind_shift: UNICODE_KIND_SHIFT,
         unicode_ascii_data: 48,
         unicode_compact_data: 72,
         bytes_size: VAR_SIZE,
@@ -269,8 +283,11 @@ pub const PY311: PyLayout = PyLayout {
     code_version: None,
     line_table_format: LineTableFormat::Locations,
     code_bytecode: Some(184),
+    code_thread_bytecode: None,
+    free_threaded: false,
     unicode_length: UNICODE_LENGTH,
     unicode_state: UNICODE_STATE,
+    unicode_kind_shift: UNICODE_KIND_SHIFT,
     unicode_ascii_data: 48,
     unicode_compact_data: 72,
     bytes_size: VAR_SIZE,
@@ -309,8 +326,11 @@ pub const PY312: PyLayout = PyLayout {
     code_version: Some(CO_VERSION_AFTER_FIRSTLINENO + 68),
     line_table_format: LineTableFormat::Locations,
     code_bytecode: Some(192),
+    code_thread_bytecode: None,
+    free_threaded: false,
     unicode_length: UNICODE_LENGTH,
     unicode_state: UNICODE_STATE,
+    unicode_kind_shift: UNICODE_KIND_SHIFT,
     unicode_ascii_data: 40,
     unicode_compact_data: 56,
     bytes_size: VAR_SIZE,
@@ -333,6 +353,9 @@ pub struct DebugOffsetsOverlay {
     pub runtime_autotss: u32,
     pub shim_owner: u8,
     pub stackref_tag_mask: u64,
+    /// [`PyLayout::unicode_kind_shift`] of the free-threaded build: 3.14t makes `interned`
+    /// a whole byte (atomic access), so `kind` starts at bit 8.
+    pub free_threaded_unicode_kind_shift: u8,
 }
 
 pub const OVERLAYS: &[DebugOffsetsOverlay] = &[
@@ -341,6 +364,7 @@ pub const OVERLAYS: &[DebugOffsetsOverlay] = &[
         runtime_autotss: 2160,
         shim_owner: FRAME_OWNED_BY_CSTACK,
         stackref_tag_mask: 0,
+        free_threaded_unicode_kind_shift: UNICODE_KIND_SHIFT,
     },
     DebugOffsetsOverlay {
         python: (3, 14),
@@ -348,6 +372,7 @@ pub const OVERLAYS: &[DebugOffsetsOverlay] = &[
         shim_owner: FRAME_OWNED_BY_CSTACK,
         // Py_TAG_BITS: the low two bits of a _PyStackRef are flags.
         stackref_tag_mask: 0b11,
+        free_threaded_unicode_kind_shift: 8,
     },
 ];
 

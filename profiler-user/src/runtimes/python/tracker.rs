@@ -110,6 +110,7 @@ pub fn bpf_proc_info(process: &PythonProcess, kernel_tids: bool) -> PyProcInfo {
         code_line_table: narrow(layout.code_line_table),
         unicode_length: narrow_u8(layout.unicode_length),
         unicode_state: narrow_u8(layout.unicode_state),
+        unicode_kind_shift: layout.unicode_kind_shift,
         unicode_ascii_data: narrow_u8(layout.unicode_ascii_data),
         unicode_compact_data: narrow_u8(layout.unicode_compact_data),
         anchor_kind,
@@ -122,7 +123,6 @@ pub fn bpf_proc_info(process: &PythonProcess, kernel_tids: bool) -> PyProcInfo {
         frame_read_bytes: narrow_u8(layout.frame_read_bytes()),
         code_read_bytes: narrow(layout.code_read_bytes()),
         name_read_bytes: narrow_u8(layout.unicode_ascii_data + PY_NAME_HEAD_BYTES as u32),
-        _pad: [0; 1],
     }
 }
 

@@ -10,7 +10,7 @@ use std::{
 use thiserror::Error;
 
 use super::{
-    code::{CodeError, CodeObject, PyFrameInfo, instruction_byte_offset, read_code_object},
+    code::{CodeError, CodeObject, PyFrameInfo, bytecode_offset, read_code_object},
     detect::PythonProcess,
     layout::{EntryMarker, FrameAnchor, InstructionUnit, PyLayout},
     memory::{MemoryError, ProcessMemory, ProcessMemoryExt},
@@ -233,8 +233,10 @@ pub fn walk_process(
                     })
                     .clone();
                 let info = code.map(|code| {
-                    code.frame_info(instruction_byte_offset(
+                    code.frame_info_at(bytecode_offset(
+                        mem,
                         layout,
+                        &code,
                         raw.code_addr,
                         raw.instruction,
                     ))

@@ -31,6 +31,12 @@ const PYENV_VERSIONS: &[&str] = &["3.8.18", "3.9.18", "3.10.13", "3.11.7", "3.12
 const DEBIAN_PYTHON: &str = "/usr/bin/python3.11";
 /// Where `cargo xtask setup` unpacks Debian sid's CPython 3.14 (xtask/src/python314.rs).
 const SID_PYTHON: &str = ".tools/python3.14/usr/bin/python3.14";
+/// Where `cargo xtask setup` builds free-threaded 3.13t and 3.14t
+/// (xtask/src/python_free_threaded.rs).
+const FREE_THREADED_PYTHONS: &[&str] = &[
+    ".tools/python3.13t/bin/python3.13t",
+    ".tools/python3.14t/bin/python3.14t",
+];
 
 fn require_external() -> bool {
     std::env::var("PROFILER_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
@@ -87,6 +93,16 @@ fn interpreters() -> Vec<(String, PathBuf)> {
         found.push(("debian sid 3.14".to_owned(), sid));
     } else {
         skip("Python 3.14 is not unpacked under .tools (`cargo xtask setup` does it)");
+    }
+    for path in FREE_THREADED_PYTHONS {
+        let path = workspace_root().join(path);
+        match path.file_name().and_then(|name| name.to_str()) {
+            Some(name) if path.is_file() => found.push((format!("free-threaded {name}"), path)),
+            _ => skip(&format!(
+                "{} is not built (`cargo xtask setup` does it)",
+                path.display()
+            )),
+        }
     }
     found
 }
@@ -408,6 +424,7 @@ fn check_detection(
     process: &PythonProcess,
     snapshot: &ProcessInfo,
     version: (u8, u8, u8),
+    free_threaded: bool,
 ) -> Result<(), String> {
     if process.version.0 != version.0 || process.version.1 != version.1 {
         return Err(format!(
@@ -445,7 +462,9 @@ fn check_detection(
         }
         Some(_) => Ok(()),
         // 3.13 and 3.14 from _Py_DebugOffsets: the values unwinding.md §2.3 lists (from
-        // DWARF for 3.13, from Debian's 3.14 for 3.14).
+        // DWARF for 3.13, from Debian's 3.14 for 3.14); free-threaded ones from the DWARF of
+        // the 3.13t/3.14t builds (`ptype/o` in gdb): a 32-byte object header, and in 3.14t
+        // `tlbc_index` before the frame's owner and `co_tlbc` before the bytecode.
         None if version.1 == 13 || version.1 == 14 => {
             let layout = &process.layout;
             let got = (
@@ -459,9 +478,11 @@ fn check_detection(
                 layout.code_bytecode,
                 layout.unicode_ascii_data,
                 layout.stackref_tag_mask,
+                layout.free_threaded,
+                layout.code_thread_bytecode,
             );
-            let want = if version.1 == 13 {
-                (
+            let want = match (version.1, free_threaded) {
+                (13, false) => (
                     632,
                     7344,
                     FrameAnchor::ThreadCurrentFrame { offset: 72 },
@@ -475,9 +496,27 @@ fn check_detection(
                     Some(200),
                     40,
                     0,
-                )
-            } else {
-                (
+                    false,
+                    None,
+                ),
+                (13, true) => (
+                    632,
+                    7344,
+                    FrameAnchor::ThreadCurrentFrame { offset: 72 },
+                    152,
+                    Some(160),
+                    56,
+                    EntryMarker::ShimOwner {
+                        offset: 70,
+                        value: 3,
+                    },
+                    Some(216),
+                    56,
+                    0,
+                    true,
+                    None,
+                ),
+                (_, false) => (
                     808,
                     7344,
                     FrameAnchor::ThreadCurrentFrame { offset: 72 },
@@ -491,7 +530,26 @@ fn check_detection(
                     Some(208),
                     40,
                     3,
-                )
+                    false,
+                    None,
+                ),
+                (_, true) => (
+                    808,
+                    7344,
+                    FrameAnchor::ThreadCurrentFrame { offset: 72 },
+                    152,
+                    Some(160),
+                    56,
+                    EntryMarker::ShimOwner {
+                        offset: 78,
+                        value: 3,
+                    },
+                    Some(232),
+                    56,
+                    3,
+                    true,
+                    Some(224),
+                ),
             };
             if got == want {
                 Ok(())
@@ -582,7 +640,10 @@ fn run_matrix(mode: &'static str, threads: usize, check: Check) {
                 read_process(pid, Path::new(&format!("/proc/{pid}")), "host", &mut files)
                     .map_err(|e| e.to_string())?;
             let process = detect_python(&snapshot.info).map_err(|e| format!("detect: {e}"))?;
-            check_detection(&process, &snapshot.info, version)?;
+            let free_threaded = python
+                .file_name()
+                .is_some_and(|name| name.to_string_lossy().ends_with('t'));
+            check_detection(&process, &snapshot.info, version, free_threaded)?;
             let mem = ProcMemory::open(pid).map_err(|e| e.to_string())?;
             let stacks = walk_process(&mem, &process).map_err(|e| e.to_string())?;
             check(
@@ -596,7 +657,10 @@ fn run_matrix(mode: &'static str, threads: usize, check: Check) {
             if mode == "chain" {
                 check_caller_offsets(&process, &stacks, &fixture.caller_offsets)?;
             }
-            if let Some(py_spy) = &py_spy {
+            // py-spy (0.4) does not read free-threaded builds ("Failed to find a python
+            // interpreter"): there the fixture's own expectations are the only check.
+            let py_spy = py_spy.as_ref().filter(|_| !free_threaded);
+            if let Some(py_spy) = py_spy {
                 compare_with_py_spy(py_spy, pid, &stacks)?;
             }
             Ok(format!(
@@ -605,6 +669,8 @@ fn run_matrix(mode: &'static str, threads: usize, check: Check) {
                 process.version_source,
                 if py_spy.is_some() {
                     "agrees"
+                } else if free_threaded {
+                    "does not support free-threaded builds"
                 } else {
                     "skipped"
                 }

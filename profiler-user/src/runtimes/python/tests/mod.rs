@@ -140,37 +140,35 @@ fn debug_offsets_reject_garbage() {
 /// A 3.14 `_Py_DebugOffsets` built from the values of Debian's 3.14 (unwinding.md §2.3).
 #[test]
 fn debug_offsets_314_layout() {
-    let mut bytes = vec![0u8; 760];
-    bytes[..8].copy_from_slice(b"xdebugpy");
-    let mut put = |at: usize, value: u64| bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
-    put(8, 0x030e_0af0);
-    for (at, value) in [
-        (40, 808),  // runtime_state.interpreters_head
-        (64, 7264), // interpreter_state.next (any plausible value)
-        (72, 7344), // threads_head
-        (192, 8),   // thread_state.next
-        (208, 72),  // current_frame
-        (216, 152), // thread_id
-        (224, 160), // native_thread_id
-        (256, 8),   // interpreter_frame.previous
-        (264, 0),   // executable
-        (272, 56),  // instr_ptr
-        (288, 74),  // owner
-        (320, 112), // code_object.filename
-        (328, 120), // name
-        (336, 128), // qualname
-        (344, 136), // linetable
-        (352, 68),  // firstlineno
-        (384, 208), // co_code_adaptive
-        (408, 8),   // pyobject.ob_type
-        (600, 16),  // bytes_object.ob_size
-        (608, 32),  // ob_sval
-        (624, 32),  // unicode_object.state
-        (632, 16),  // length
-        (640, 40),  // asciiobject_size
-    ] {
-        put(at, value);
-    }
+    let bytes = debug_offsets_image(
+        0x030e_0af0,
+        false,
+        &[
+            (40, 808),  // runtime_state.interpreters_head
+            (64, 7264), // interpreter_state.next (any plausible value)
+            (72, 7344), // threads_head
+            (192, 8),   // thread_state.next
+            (208, 72),  // current_frame
+            (216, 152), // thread_id
+            (224, 160), // native_thread_id
+            (256, 8),   // interpreter_frame.previous
+            (264, 0),   // executable
+            (272, 56),  // instr_ptr
+            (288, 74),  // owner
+            (320, 112), // code_object.filename
+            (328, 120), // name
+            (336, 128), // qualname
+            (344, 136), // linetable
+            (352, 68),  // firstlineno
+            (384, 208), // co_code_adaptive
+            (408, 8),   // pyobject.ob_type
+            (600, 16),  // bytes_object.ob_size
+            (608, 32),  // ob_sval
+            (624, 32),  // unicode_object.state
+            (632, 16),  // length
+            (640, 40),  // asciiobject_size
+        ],
+    );
     let (header, layout) = parse_debug_offsets(&bytes).expect("3.14 parses");
     assert_eq!(header.version(), (3, 14, 10));
     assert_eq!(layout.runtime_interpreters_head, 808);
@@ -185,6 +183,174 @@ fn debug_offsets_314_layout() {
             value: 3
         }
     );
+}
+
+/// `_Py_DebugOffsets` of a free-threaded 3.14t build, with the values of the DWARF of a 3.14.7
+/// `--disable-gil` build.
+fn debug_offsets_314t() -> Vec<u8> {
+    debug_offsets_image(
+        0x030e_07f0,
+        true,
+        &[
+            (40, 808),  // runtime_state.interpreters_head
+            (64, 7272), // interpreter_state.next
+            (72, 7344), // threads_head
+            (192, 8),   // thread_state.next
+            (208, 72),  // current_frame
+            (216, 152), // thread_id
+            (224, 160), // native_thread_id
+            (256, 8),   // interpreter_frame.previous
+            (264, 0),   // executable
+            (272, 56),  // instr_ptr
+            (288, 78),  // owner (after tlbc_index)
+            (320, 128), // code_object.filename
+            (328, 136), // name
+            (336, 144), // qualname
+            (344, 152), // linetable
+            (352, 84),  // firstlineno
+            (384, 232), // co_code_adaptive
+            (392, 224), // co_tlbc
+            (408, 24),  // pyobject.ob_type
+            (600, 32),  // bytes_object.ob_size
+            (608, 48),  // ob_sval
+            (624, 48),  // unicode_object.state
+            (632, 32),  // length
+            (640, 56),  // asciiobject_size
+        ],
+    )
+}
+
+/// A `_Py_DebugOffsets` image: the header, then each (position, value).
+fn debug_offsets_image(version_hex: u64, free_threaded: bool, fields: &[(usize, u64)]) -> Vec<u8> {
+    let mut bytes = vec![0u8; 760];
+    bytes[..8].copy_from_slice(b"xdebugpy");
+    let mut put = |at: usize, value: u64| bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    put(8, version_hex);
+    put(16, u64::from(free_threaded));
+    for &(at, value) in fields {
+        put(at, value);
+    }
+    bytes
+}
+
+#[test]
+fn debug_offsets_of_a_free_threaded_build() {
+    let bytes = debug_offsets_314t();
+    let (header, layout) = parse_debug_offsets(&bytes).expect("3.14t parses");
+    assert!(header.free_threaded);
+    assert!(layout.free_threaded);
+    assert_eq!(layout.object_type, 24);
+    assert_eq!(layout.bytes_size, 32);
+    assert_eq!(layout.code_version, Some(84 + 24));
+    assert_eq!(layout.code_thread_bytecode, Some(224));
+    assert_eq!(
+        layout.unicode_kind_shift, 8,
+        "3.14t's `interned` is a whole byte"
+    );
+    assert_eq!(layout.unicode_compact_data, 56 + 16);
+    // A free-threaded flag over a GIL build's object header is a wrong table, not a layout.
+    let mut wrong = bytes.clone();
+    wrong[408..416].copy_from_slice(&8u64.to_le_bytes());
+    assert!(matches!(
+        parse_debug_offsets(&wrong),
+        Err(DebugOffsetsError::Implausible {
+            field: "pyobject.ob_type",
+            ..
+        })
+    ));
+    // With the GIL the same version has no per-thread bytecode and the 2-bit `interned`.
+    let mut gil = bytes;
+    gil[16..24].copy_from_slice(&0u64.to_le_bytes());
+    for (at, value) in [(408, 8u64), (600, 16)] {
+        gil[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    }
+    let (_, layout) = parse_debug_offsets(&gil).expect("3.14 parses");
+    assert!(!layout.free_threaded);
+    assert_eq!(layout.code_thread_bytecode, None);
+    assert_eq!(layout.unicode_kind_shift, 2);
+}
+
+/// A 3.14t code object: the split reference count tells a live object from a freed one, and
+/// an instruction pointer into another thread's copy of the bytecode (`co_tlbc`) gets that
+/// copy's line, also from the low 32 bits BPF keeps.
+#[test]
+fn free_threaded_code_objects_and_per_thread_bytecode() {
+    let (_, layout) = parse_debug_offsets(&debug_offsets_314t()).expect("3.14t parses");
+    let layout = &layout;
+    let (code, code_type, name, file, table, copies) = (
+        0x4_0000_0000u64,
+        0x500_000u64,
+        0x410_000u64,
+        0x420_000u64,
+        0x430_000u64,
+        0x440_000u64,
+    );
+    let bytecode = code + u64::from(layout.code_bytecode.expect("3.14t"));
+    // Another thread's copy, more than 4 GiB away from the code object.
+    let copy = 0x7f00_1234_5000u64;
+    let object = |ref_local: u32, ref_shared: u64| {
+        let mut object = vec![0u8; 256];
+        let mut put = |at: u32, value: u64| {
+            object[at as usize..at as usize + 8].copy_from_slice(&value.to_le_bytes())
+        };
+        put(0, 0x7f00_0000_1000); // ob_tid: the owning thread, an address
+        put(16, ref_shared);
+        put(layout.object_type, code_type);
+        put(layout.bytes_size, 5); // ob_size: 5 code units
+        put(layout.code_firstlineno, 41);
+        put(layout.code_version.expect("co_version"), 7);
+        put(layout.code_qualname.expect("qualname"), name);
+        put(layout.code_filename, file);
+        put(layout.code_line_table, table);
+        put(layout.code_thread_bytecode.expect("co_tlbc"), copies);
+        object[12..16].copy_from_slice(&ref_local.to_le_bytes());
+        object
+    };
+    let mut image = MemoryImage::new();
+    image.insert(code, object(1, 0));
+    put_string(&mut image, layout, name, "Worker.spin");
+    put_string(&mut image, layout, file, "/app/work.py");
+    let mut bytes_object = vec![0u8; layout.bytes_data as usize];
+    let size = layout.bytes_size as usize;
+    bytes_object[size..size + 8].copy_from_slice(&4u64.to_le_bytes());
+    // 2 units on line 41, then 3 units on line 43.
+    bytes_object.extend_from_slice(&[0x80 | 1, 0, 0x80 | (12 << 3) | 2, 0]);
+    image.insert(table, bytes_object);
+    // _PyCodeArray { size: 3, entries: [co_code_adaptive, (unused), the other thread's copy] }
+    let mut array = 3u64.to_le_bytes().to_vec();
+    for entry in [bytecode, 0, copy] {
+        array.extend_from_slice(&entry.to_le_bytes());
+    }
+    image.insert(copies, array);
+
+    let line = |instruction: u64| {
+        symbolize_code(&image, layout, code_type, code, instruction)
+            .expect("symbolized")
+            .line
+    };
+    assert_eq!(
+        line(bytecode + 2 * 3),
+        Some(43),
+        "the first thread's bytecode"
+    );
+    assert_eq!(line(copy + 2 * 3), Some(43), "another thread's copy");
+    assert_eq!(line(copy), Some(41));
+    // What BPF records: the low 32 bits of instruction - code, added back to the code address.
+    let recorded = (copy + 2 * 3).wrapping_sub(code) as u32;
+    assert_eq!(line(code.wrapping_add(u64::from(recorded))), Some(43));
+    // In no copy (past the end of every one): no line rather than a guess.
+    assert_eq!(line(copy + 2 * 5), None);
+    assert_eq!(line(0x7f00_9999_0000), None);
+
+    // Alive through the shared count alone (another thread holds it).
+    image.insert(code, object(0, 1 << 2));
+    assert!(symbolize_code(&image, layout, code_type, code, bytecode).is_ok());
+    // Dead: both counts zero, the shared word keeps its merged flag.
+    image.insert(code, object(0, 0b11));
+    assert!(matches!(
+        symbolize_code(&image, layout, code_type, code, bytecode),
+        Err(CodeError::Freed { .. })
+    ));
 }
 
 #[test]
@@ -257,9 +423,12 @@ fn put_string(image: &mut MemoryImage, layout: &super::PyLayout, addr: u64, text
         layout.unicode_compact_data
     } as usize;
     let mut bytes = vec![0u8; data_offset];
-    bytes[16..24].copy_from_slice(&(chars.len() as u64).to_le_bytes());
-    let state = (kind << 2) | (1 << 5) | (u32::from(ascii) << 6);
-    bytes[32..36].copy_from_slice(&state.to_le_bytes());
+    let length = layout.unicode_length as usize;
+    bytes[length..length + 8].copy_from_slice(&(chars.len() as u64).to_le_bytes());
+    let shift = u32::from(layout.unicode_kind_shift);
+    let state = (kind << shift) | (1 << (shift + 3)) | (u32::from(ascii) << (shift + 4));
+    let at = layout.unicode_state as usize;
+    bytes[at..at + 4].copy_from_slice(&state.to_le_bytes());
     for c in chars {
         bytes.extend_from_slice(&c.to_le_bytes()[..kind as usize]);
     }
