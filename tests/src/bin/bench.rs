@@ -70,7 +70,8 @@ Needs root. Suites:
   shared    agent RSS and table sharing with 100 processes mapping 50 libraries, and with
             100 processes of one binary
   python    extra BPF cost per sample of 50 Python frames (walk on vs --no-python, uses the
-            depth seconds), and the agent's cost of reading a new code object
+            depth seconds), the agent's cost of reading a new code object, and the CPU
+            time new Python processes run under load before they get Python frames
   store     the embedded store behind `profiler server` (no root needed): a day of one
             service's 2,000-stack profiles (bytes per service per day), its 24-hour merge
             (latency), 50 services' intervals through Connect Push (profiles per second)
@@ -364,7 +365,7 @@ fn run(args: &[String]) -> Result<()> {
         .into_iter()
         .chain(python::DEEP_PYTHON_FRAMES.map(|frames| (frames, true)))
         .collect();
-        let steps = scenarios.len() + 1;
+        let steps = scenarios.len() + 2;
         for (i, (frames, walk)) in scenarios.into_iter().enumerate() {
             eprintln!(
                 "bench: [python {}/{steps}] {frames} Python frames, walk {}, {} workers, {} s",
@@ -384,9 +385,20 @@ fn run(args: &[String]) -> Result<()> {
             )?);
             settle()?;
         }
-        eprintln!("bench: [python {steps}/{steps}] reading new code objects");
+        eprintln!(
+            "bench: [python {}/{steps}] reading new code objects",
+            steps - 1
+        );
         let code = python::run_code_objects(&interpreter)?;
-        markdown.push_str(&python::render(&runs, Some(&code), options.depth_seconds));
+        settle()?;
+        eprintln!("bench: [python {steps}/{steps}] first samples of new processes under load");
+        let first = python::run_first_samples(profiler, &interpreter, facts.cpus, &scratch)?;
+        markdown.push_str(&python::render(
+            &runs,
+            Some(&code),
+            Some(&first),
+            options.depth_seconds,
+        ));
     }
     if let (true, Some(profiler)) = (suites.store, &profiler) {
         let run = store::run(profiler, &scratch, options.store_intervals as usize)?;

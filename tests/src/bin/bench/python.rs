@@ -1,6 +1,8 @@
 //! The Python scenarios: the extra BPF cost per sample of walking 50 Python frames (the same
-//! workload recorded with and without `--no-python`), and the agent's cost of reading a code
-//! object it has not seen (what symbolizing a new Python function costs).
+//! workload recorded with and without `--no-python`), the agent's cost of reading a code
+//! object it has not seen (what symbolizing a new Python function costs), and how much of a
+//! new Python process's first CPU time a whole-host recording under load shows without its
+//! Python frames.
 use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
@@ -10,7 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use integration_tests::{Scratch, fixture_source, pyenv_python};
+use integration_tests::{Scratch, fixture_source, parse_folded, pyenv_python};
 use profiler::{
     model::Pid,
     process::{files::FileCache, read_process},
@@ -203,8 +205,137 @@ pub fn run_code_objects(python: &Path) -> Result<CodeObjectCost> {
     result
 }
 
+/// Fresh interpreters the first-samples scenario starts, one after the other.
+const FRESH_PROCESSES: usize = 8;
+/// CPU time each fresh interpreter burns in its Python function.
+const FRESH_CPU_SECONDS: f64 = 0.3;
+/// Busy shell loops per CPU that load the machine meanwhile.
+const LOAD_PER_CPU: usize = 4;
+
+/// Samples of the fresh interpreters in the first-samples scenario, by what they show.
+#[derive(Debug, Default)]
+pub struct FirstSamples {
+    pub processes: usize,
+    pub load_workers: usize,
+    /// With Python frames (from interpreter start-up's frozen imports on).
+    pub with_python: u64,
+    /// In the eval loop without Python frames: CPU time before the agent knew the process.
+    pub eval_without_python: u64,
+    /// Neither (the interpreter's native start-up and exit).
+    pub native_only: u64,
+    /// /proc/loadavg (1 minute) when the last process finished.
+    pub load_average: Option<f64>,
+}
+
+/// Whole-host `profiler record` (the agent's pipeline) while busy loops load the machine and
+/// [`FRESH_PROCESSES`] new interpreters start one after the other.
+pub fn run_first_samples(
+    profiler: &Path,
+    python: &Path,
+    cpus: usize,
+    scratch: &Scratch,
+) -> Result<FirstSamples> {
+    let load_workers = LOAD_PER_CPU * cpus;
+    let mut load = Vec::new();
+    for _ in 0..load_workers {
+        load.push(
+            Command::new("sh")
+                .args(["-c", "while :; do :; done"])
+                .spawn()
+                .context("start a busy loop")?,
+        );
+    }
+    let result = (|| {
+        let out = scratch.path("first-samples.folded");
+        let mut recorder = profiler_command(profiler, "info")
+            .args(["--duration", "90", "--format", "folded", "--output"])
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("start profiler record")?;
+        let stderr = recorder.stderr.take().context("recorder stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        for line in lines.by_ref() {
+            if line?.contains("sampler attached") {
+                break;
+            }
+        }
+        // Drain the rest of the log so the recorder never blocks on a full pipe.
+        let drain = std::thread::spawn(move || lines.map_while(Result::ok).count());
+        let program = format!(
+            "import time\n\
+             def first_python_work():\n    start = time.process_time()\n    \
+             while time.process_time() - start < {FRESH_CPU_SECONDS}:\n        pass\n\
+             first_python_work()\n"
+        );
+        for _ in 0..FRESH_PROCESSES {
+            let status = Command::new(python)
+                .args(["-c", &program])
+                .status()
+                .context("run a fresh interpreter")?;
+            if !status.success() {
+                bail!("a fresh interpreter failed: {status}");
+            }
+        }
+        let load_average = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|text| text.split_whitespace().next()?.parse().ok());
+        // Stop the recording (it writes its output on SIGINT).
+        let _ = Command::new("kill")
+            .args(["-INT", &recorder.id().to_string()])
+            .status();
+        let status = recorder.wait()?;
+        let _ = drain.join();
+        if !status.success() {
+            bail!("profiler record failed: {status}");
+        }
+        let text = std::fs::read_to_string(&out).context("the folded output")?;
+        let name = python
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut samples = FirstSamples {
+            processes: FRESH_PROCESSES,
+            load_workers,
+            load_average,
+            ..FirstSamples::default()
+        };
+        for stack in parse_folded(&text) {
+            if stack.frames.first() != Some(&name) {
+                continue;
+            }
+            let python_frame = |frame: &String| {
+                frame.contains(".py:") || frame.contains("<string>:") || frame.contains("<frozen")
+            };
+            if stack.frames.iter().any(python_frame) {
+                samples.with_python += stack.count;
+            } else if stack
+                .frames
+                .iter()
+                .any(|frame| frame.contains("_PyEval_EvalFrameDefault"))
+            {
+                samples.eval_without_python += stack.count;
+            } else {
+                samples.native_only += stack.count;
+            }
+        }
+        Ok(samples)
+    })();
+    for mut child in load {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    result
+}
+
 /// The suite's section of the report.
-pub fn render(runs: &[StackRun], code: Option<&CodeObjectCost>, seconds: u64) -> String {
+pub fn render(
+    runs: &[StackRun],
+    code: Option<&CodeObjectCost>,
+    first: Option<&FirstSamples>,
+    seconds: u64,
+) -> String {
     let mut out = String::from("\n## Python\n\n");
     out.push_str(&format!(
         "Workers run pyenv's CPython 3.12 with {PYTHON_FRAMES} Python frames on the stack (a \
@@ -265,6 +396,30 @@ pub fn render(runs: &[StackRun], code: Option<&CodeObjectCost>, seconds: u64) ->
             code.new_object_ns / 1000.0,
             code.objects,
             code.cached_ns / 1000.0
+        ));
+    }
+    if let Some(first) = first {
+        let per_process_ms = first.eval_without_python as f64 * 10.0 / first.processes as f64;
+        out.push_str(&format!(
+            "\nFirst samples of a new Python process: whole-host `profiler record`, {} busy shell \
+             loops as load (load average {}), {} fresh interpreters one after the other, each \
+             burning {FRESH_CPU_SECONDS} s of CPU in a Python function. Their samples: {} with \
+             Python frames, {} in the eval loop without them, {} native only (start-up and \
+             exit). The eval loop ran without Python frames for **{per_process_ms:.0} ms of CPU \
+             per process** (at 100 Hz; target < 100 ms): {}.\n",
+            first.load_workers,
+            first
+                .load_average
+                .map_or("?".to_string(), |l| format!("{l:.1}")),
+            first.processes,
+            first.with_python,
+            first.eval_without_python,
+            first.native_only,
+            if per_process_ms < 100.0 {
+                "met"
+            } else {
+                "MISSED"
+            }
         ));
     }
     out
