@@ -99,6 +99,19 @@ fn python_frame(frame: &str) -> Option<(&str, &str)> {
     Some((name, file))
 }
 
+/// `tests/fixtures/python/SCRIPT 60` under `interpreter` (the fixtures run for 60 s at most).
+fn spawn_script(interpreter: &PathBuf, script: &str) -> Running {
+    Running {
+        child: Command::new(interpreter)
+            .arg(fixture_source(&format!("python/{script}")))
+            .arg("60")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| panic!("start {script}: {error}")),
+    }
+}
+
 /// `deep.py DEPTH` spinning at the bottom of a DEPTH-frame Python stack.
 fn spawn_deep(interpreter: &PathBuf, depth: usize) -> Running {
     let mut child = Command::new(interpreter)
@@ -241,15 +254,7 @@ fn python_stacks_beyond_the_limit_keep_the_leaf_and_mark_the_cut() {
 fn freed_code_objects_never_lend_their_name_to_a_frame() {
     let _guard = exclusive();
     for (label, interpreter, _) in interpreters() {
-        let running = Running {
-            child: Command::new(&interpreter)
-                .arg(fixture_source("python/code_churn.py"))
-                .arg("60")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start code_churn.py"),
-        };
+        let running = spawn_script(&interpreter, "code_churn.py");
         std::thread::sleep(Duration::from_millis(300));
         let scratch = Scratch::new("python-churn");
         let (stacks, log, cpu) = record(running.pid(), "3", &scratch);
@@ -309,15 +314,7 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
         missing("the PyTorch venv (`cargo xtask setup` installs it)");
     }
     for (label, interpreter) in interpreters {
-        let running = Running {
-            child: Command::new(&interpreter)
-                .arg(fixture_source("python/import_churn.py"))
-                .arg("60")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start import_churn.py"),
-        };
+        let running = spawn_script(&interpreter, "import_churn.py");
         let scratch = Scratch::new("python-imports");
         let out = scratch.path("host.folded");
         let run = run_profiler(&[
@@ -374,15 +371,7 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
 fn generator_and_coroutine_switches_keep_whole_stacks() {
     let _guard = exclusive();
     for (label, interpreter, _) in interpreters() {
-        let running = Running {
-            child: Command::new(&interpreter)
-                .arg(fixture_source("python/generators.py"))
-                .arg("60")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start generators.py"),
-        };
+        let running = spawn_script(&interpreter, "generators.py");
         std::thread::sleep(Duration::from_millis(300));
         let scratch = Scratch::new("python-generators");
         let (stacks, log, cpu) = record(running.pid(), "4", &scratch);
