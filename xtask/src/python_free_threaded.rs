@@ -14,6 +14,31 @@ const DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
 /// Suites whose source indexes list candidate tarballs; a mirror may lack the newest one.
 const SUITES: &[&str] = &["sid", "forky", "trixie"];
 
+/// Tarballs known to be on the mirror, tried after those the indexes list: a mirror's pool can
+/// lag its indexes (the newest versions listed are then missing). (minor, version, SHA-256).
+const PINNED_TARBALLS: &[(&str, &str, &str)] = &[
+    (
+        "3.13",
+        "3.13.15",
+        "1e66a7945a48390ee4c2a4268a0e4185884059a13c4aab6d148aa208deea4a76",
+    ),
+    (
+        "3.13",
+        "3.13.5",
+        "93e583f243454e6e9e4588ca2c2662206ad961659863277afcdb96801647d640",
+    ),
+    (
+        "3.14",
+        "3.14.7",
+        "3b48dac8fb59f62eaa67ac83c1eb12bda1b7a08406dd286e252c11a66be27f81",
+    ),
+    (
+        "3.14",
+        "3.14.5",
+        "7e32597b99e5d9a39abed35de4693fa169df3e5850d4c334337ffd6a19a36db6",
+    ),
+];
+
 /// The free-threaded interpreters the tests use: (minor version, install directory).
 pub const FREE_THREADED_PYTHONS: &[(&str, &str)] = &[
     ("3.13", ".tools/python3.13t"),
@@ -59,15 +84,36 @@ pub fn install_free_threaded(workspace: &Path) -> Result<()> {
         .map(|suite| format!("deb-src [trusted=yes] {DEBIAN_MIRROR} {suite} main\n"))
         .collect();
     std::fs::write(&sources, lines)?;
-    cmd::run(private_apt("apt-get", &sources, &apt).arg("update"))
-        .context("apt-get update (Debian source indexes)")?;
+    let indexes = cmd::run(private_apt("apt-get", &sources, &apt).arg("update"));
+    if let Err(error) = &indexes {
+        println!("warning: Debian's source indexes: {error:#}; trying the pinned tarballs only");
+    }
     for minor in free_threaded_missing(workspace) {
-        let listing = cmd::output(
-            private_apt("apt-cache", &sources, &apt)
-                .arg("showsrc")
-                .arg(format!("python{minor}")),
-        )?;
-        let candidates = orig_tarballs(&listing);
+        let listing = if indexes.is_ok() {
+            cmd::output(
+                private_apt("apt-cache", &sources, &apt)
+                    .arg("showsrc")
+                    .arg(format!("python{minor}")),
+            )
+            .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let mut candidates = orig_tarballs(&listing);
+        for &(pinned_minor, version, sha256) in PINNED_TARBALLS {
+            let Some(parsed) = parse_version(version) else {
+                continue;
+            };
+            if pinned_minor == minor && !candidates.iter().any(|c| c.version == parsed) {
+                candidates.push(SourceTarball {
+                    version: parsed,
+                    url: format!(
+                        "{DEBIAN_MIRROR}/pool/main/p/python{minor}/python{minor}_{version}.orig.tar.xz"
+                    ),
+                    sha256: sha256.to_owned(),
+                });
+            }
+        }
         let tarball = apt.join(format!("python{minor}.orig.tar.xz"));
         let source = candidates
             .iter()
