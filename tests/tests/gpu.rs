@@ -1094,9 +1094,7 @@ struct Recorder {
 impl profiler::gpu::discovery::ProbeAttacher for Recorder {
     fn prepare(&mut self) -> Result<(), profiler::bpf::BpfError> {
         if self.programs_unavailable {
-            return Err(profiler::bpf::BpfError::Load(
-                "the CUDA programs did not load".into(),
-            ));
+            return Err(profiler::bpf::BpfError::CudaNotLoaded);
         }
         Ok(())
     }
@@ -1110,7 +1108,7 @@ impl profiler::gpu::discovery::ProbeAttacher for Recorder {
         if at_return && point.symbol == self.fail_return_of {
             return Err(profiler::bpf::BpfError::UProbe {
                 target: "test".into(),
-                message: "refused".into(),
+                source: aya::programs::ProgramError::AlreadyAttached,
             });
         }
         self.attached.push((point.symbol, at_return));

@@ -41,6 +41,8 @@ static EBPF_OBJECT: &[u8] =
 /// Default location of the kernel's BTF; the `PROFILER_BTF_PATH` variable overrides it (tests).
 pub const DEFAULT_BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 
+// Messages spell out the whole cause chain (aya's errors keep the verifier log and errno one
+// level down), and the cause stays reachable as `source()` for callers that match on it.
 #[derive(Debug, thiserror::Error)]
 pub enum BpfError {
     #[error(
@@ -53,16 +55,48 @@ pub enum BpfError {
     NoBtf { path: PathBuf },
     #[error("this kernel does not support BPF (the bpf() system call failed: {0})")]
     NoBpf(std::io::Error),
-    #[error("loading the eBPF program failed: {0}")]
-    Load(String),
-    #[error("attaching to the cpu-clock event of CPU {cpu} failed: {message}")]
-    Attach { cpu: u32, message: String },
-    #[error("eBPF map {name} is missing or has the wrong type: {message}")]
-    Map { name: &'static str, message: String },
-    #[error("cannot list online CPUs: {0}")]
-    Cpus(String),
-    #[error("attaching a CUDA probe to {target} failed: {message}")]
-    UProbe { target: String, message: String },
+    #[error("loading the eBPF object failed: {}", error_chain(.0))]
+    Load(#[source] aya::EbpfError),
+    #[error("eBPF program {name} is not in the object")]
+    ProgramMissing { name: String },
+    #[error("eBPF program {name} failed to load or attach: {}", error_chain(.source))]
+    Program {
+        name: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("CUDA attribution is off")]
+    CudaOff,
+    #[error("the CUDA programs did not load")]
+    CudaNotLoaded,
+    #[error("attaching to the cpu-clock event of CPU {cpu} failed: {}", error_chain(.source))]
+    Attach {
+        cpu: u32,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("eBPF map {name} is not in the object")]
+    MapMissing { name: &'static str },
+    #[error("eBPF map {name}: {}", error_chain(.source))]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot list the CPUs ({path}): {source}")]
+    Cpus {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{cpus} possible CPUs are more than the scratch map can index")]
+    TooManyCpus { cpus: usize },
+    #[error("attaching a CUDA probe to {target} failed: {}", error_chain(.source))]
+    UProbe {
+        target: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
     #[error("the pid filter holds at most {max} processes; {given} were given")]
     TooManyPids { given: usize, max: u32 },
 }
@@ -111,10 +145,7 @@ pub struct KernelUnwindMaps {
 }
 
 fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> BpfError {
-    move |err| BpfError::Map {
-        name,
-        message: error_chain(&err),
-    }
+    move |source| BpfError::Map { name, source }
 }
 
 impl UnwindMaps for KernelUnwindMaps {
@@ -514,7 +545,7 @@ impl Sampler {
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
             .load(EBPF_OBJECT)
-            .map_err(|err| BpfError::Load(error_chain(&err)))?;
+            .map_err(BpfError::Load)?;
 
         let offsets = offsets
             .join()
@@ -556,16 +587,14 @@ impl Sampler {
         // Borrowed, not taken: the CUDA programs, loaded later, refer to these maps by the file
         // descriptors the object holds.
         let mut config_map: Array<_, SamplerConfig> = borrow_map(&mut ebpf, names::MAP_CONFIG)?;
-        config_map.set(0, config, 0).map_err(|err| BpfError::Map {
-            name: names::MAP_CONFIG,
-            message: error_chain(&err),
-        })?;
+        config_map
+            .set(0, config, 0)
+            .map_err(map_error(names::MAP_CONFIG))?;
         let mut pid_filter: HashMap<_, u32, u8> = borrow_map(&mut ebpf, names::MAP_PID_FILTER)?;
         for pid in &settings.pids {
-            pid_filter.insert(pid, 1, 0).map_err(|err| BpfError::Map {
-                name: names::MAP_PID_FILTER,
-                message: error_chain(&err),
-            })?;
+            pid_filter
+                .insert(pid, 1, 0)
+                .map_err(map_error(names::MAP_PID_FILTER))?;
         }
         let stats: PerCpuArray<_, StatCounters> = take_map(&mut ebpf, names::MAP_STATS)?;
         let ring: RingBuf<_> = take_map(&mut ebpf, names::MAP_SAMPLES)?;
@@ -586,18 +615,16 @@ impl Sampler {
             (names::PROGRAM_PROCESS_FORK, names::TRACEPOINT_PROCESS_FORK),
         ] {
             let lifecycle: &mut RawTracePoint = program_mut(&mut ebpf, program)?;
-            lifecycle
-                .load()
-                .map_err(|err| BpfError::Load(error_chain(&err)))?;
+            lifecycle.load().map_err(program_error(program))?;
             lifecycle
                 .attach(tracepoint)
-                .map_err(|err| BpfError::Load(error_chain(&err)))?;
+                .map_err(program_error(program))?;
         }
 
         let program: &mut PerfEvent = program_mut(&mut ebpf, names::PROGRAM_SAMPLE_CPU)?;
         program
             .load()
-            .map_err(|err| BpfError::Load(error_chain(&err)))?;
+            .map_err(program_error(names::PROGRAM_SAMPLE_CPU))?;
         let sampler = Sampler {
             ebpf,
             stats,
@@ -627,7 +654,10 @@ impl Sampler {
     /// Starts sampling: attaches the program to the cpu-clock event of every online CPU.
     pub fn attach(&mut self) -> Result<(), BpfError> {
         let program: &mut PerfEvent = program_mut(&mut self.ebpf, names::PROGRAM_SAMPLE_CPU)?;
-        let cpus = online_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
+        let cpus = online_cpus().map_err(|(path, source)| BpfError::Cpus {
+            path: path.to_owned(),
+            source,
+        })?;
         // cpu-clock counts in nanoseconds, so a fixed period gives exactly `frequency_hz`
         // samples per second of CPU time.
         let period_ns = 1_000_000_000 / self.frequency_hz.max(1);
@@ -639,10 +669,7 @@ impl Sampler {
                     SamplePolicy::Period(period_ns),
                     false,
                 )
-                .map_err(|err| BpfError::Attach {
-                    cpu,
-                    message: error_chain(&err),
-                })?;
+                .map_err(|source| BpfError::Attach { cpu, source })?;
         }
         self.attached_cpus = cpus.len();
         tracing::info!(
@@ -708,8 +735,8 @@ impl Sampler {
     pub fn ensure_cuda_loaded(&mut self) -> Result<(), BpfError> {
         match self.cuda {
             CudaPrograms::Loaded { .. } => Ok(()),
-            CudaPrograms::Off => Err(BpfError::Load("CUDA attribution is off".into())),
-            CudaPrograms::Failed => Err(BpfError::Load("the CUDA programs did not load".into())),
+            CudaPrograms::Off => Err(BpfError::CudaOff),
+            CudaPrograms::Failed => Err(BpfError::CudaNotLoaded),
             CudaPrograms::Deferred { stacks_per_second } => {
                 match load_cuda(&mut self.ebpf, stacks_per_second) {
                     Ok(ring) => {
@@ -763,9 +790,9 @@ impl Sampler {
         program
             .attach(point, target, UProbeScope::AllProcesses)
             .map(|_| ())
-            .map_err(|err| BpfError::UProbe {
+            .map_err(|source| BpfError::UProbe {
                 target: target.display().to_string(),
-                message: error_chain(&err),
+                source,
             })
     }
 }
@@ -783,9 +810,7 @@ fn load_cuda(ebpf: &mut Ebpf, stacks_per_second: u32) -> Result<CudaEventRing, B
     let ring: RingBuf<_> = take_map(ebpf, names::MAP_CUDA_EVENTS)?;
     for name in [names::PROGRAM_CUDA_ENTRY, names::PROGRAM_CUDA_RETURN] {
         let program: &mut UProbe = program_mut(ebpf, name)?;
-        program
-            .load()
-            .map_err(|err| BpfError::Load(format!("{name}: {}", error_chain(&err))))?;
+        program.load().map_err(program_error(name))?;
     }
     Ok(CudaEventRing { ring })
 }
@@ -796,9 +821,18 @@ where
     &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
 {
     ebpf.program_mut(name)
-        .ok_or_else(|| BpfError::Load(format!("program {name} not found")))?
+        .ok_or_else(|| BpfError::ProgramMissing {
+            name: name.to_owned(),
+        })?
         .try_into()
-        .map_err(|err: aya::programs::ProgramError| BpfError::Load(error_chain(&err)))
+        .map_err(program_error(name))
+}
+
+fn program_error(name: &str) -> impl Fn(aya::programs::ProgramError) -> BpfError {
+    move |source| BpfError::Program {
+        name: name.to_owned(),
+        source,
+    }
 }
 
 /// The map `name`, left in the object (for maps only set up at load time).
@@ -822,25 +856,21 @@ fn typed_map<M, T>(map: Option<M>, name: &'static str) -> Result<T, BpfError>
 where
     T: TryFrom<M, Error = aya::maps::MapError>,
 {
-    let map = map.ok_or_else(|| BpfError::Map {
-        name,
-        message: "not in the object".into(),
-    })?;
-    T::try_from(map).map_err(|err| BpfError::Map {
-        name,
-        message: error_chain(&err),
-    })
+    let map = map.ok_or(BpfError::MapMissing { name })?;
+    T::try_from(map).map_err(map_error(name))
 }
 
 /// Entries of `SCRATCH_SAMPLE`: its slots for every possible CPU (BPF indexes it by
 /// `bpf_get_smp_processor_id()`, which is below the possible count).
 fn scratch_records() -> Result<u32, BpfError> {
-    let cpus =
-        aya::util::nr_cpus().map_err(|(path, err)| BpfError::Cpus(format!("{path}: {err}")))?;
+    let cpus = aya::util::nr_cpus().map_err(|(path, source)| BpfError::Cpus {
+        path: path.to_owned(),
+        source,
+    })?;
     u32::try_from(cpus)
         .ok()
         .and_then(|cpus| cpus.checked_mul(profiler_common::SCRATCH_SLOTS))
-        .ok_or_else(|| BpfError::Cpus(format!("{cpus} possible CPUs")))
+        .ok_or(BpfError::TooManyCpus { cpus })
 }
 
 fn raise_memlock_limit() {
