@@ -950,6 +950,157 @@ fn an_nvml_function_the_library_lacks_is_left_out_and_reported_once() {
     );
 }
 
+/// DCGM's profiling fields, from the stand-in's GPM functions (nvml.h's structures): `(name,
+/// the stand-in's GPM value of the whole GPU)`, in GPM's units (percent, MiB/s).
+const GPM_EXPECTED: &[(&str, f64)] = &[
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", 87.5),
+    ("DCGM_FI_PROF_SM_ACTIVE", 75.0),
+    ("DCGM_FI_PROF_SM_OCCUPANCY", 37.5),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", 50.0),
+    ("DCGM_FI_PROF_PIPE_TENSOR_HMMA_ACTIVE", 45.0),
+    ("DCGM_FI_PROF_PIPE_TENSOR_IMMA_ACTIVE", 1.25),
+    ("DCGM_FI_PROF_PIPE_TENSOR_DFMA_ACTIVE", 2.5),
+    ("DCGM_FI_PROF_DRAM_ACTIVE", 62.5),
+    ("DCGM_FI_PROF_PIPE_FP64_ACTIVE", 5.0),
+    ("DCGM_FI_PROF_PIPE_FP32_ACTIVE", 12.5),
+    ("DCGM_FI_PROF_PIPE_FP16_ACTIVE", 7.5),
+    ("DCGM_FI_PROF_PCIE_TX_BYTES", 1024.0),
+    ("DCGM_FI_PROF_PCIE_RX_BYTES", 2048.0),
+    ("DCGM_FI_PROF_NVLINK_TX_BYTES", 4096.0),
+    ("DCGM_FI_PROF_NVLINK_RX_BYTES", 8192.0),
+];
+
+/// GPM's value in DCGM's unit: activity as a ratio 0-1, traffic in bytes per second.
+fn in_dcgm_unit(name: &str, gpm: f64) -> f64 {
+    if name.ends_with("_BYTES") {
+        gpm * 1_048_576.0
+    } else {
+        gpm / 100.0
+    }
+}
+
+/// The value of the one `/metrics` line of `name` whose labels start with `labels`.
+fn metric_line_value(metrics: &str, name: &str, labels: &str) -> f64 {
+    let prefix = format!("{name}{{{labels}");
+    let lines: Vec<&str> = metrics.lines().filter(|l| l.starts_with(&prefix)).collect();
+    assert_eq!(lines.len(), 1, "{prefix}: {lines:?}\n{metrics}");
+    lines[0]
+        .rsplit_once(' ')
+        .and_then(|(_, value)| value.parse().ok())
+        .unwrap_or_else(|| panic!("no value in {:?}", lines[0]))
+}
+
+/// Starts the agent on the NVML stand-in, polling every 50 ms (shorter than GPM's 100-ms
+/// window: the stand-in refuses closer samples) until GPM fields are served.
+fn agent_with_gpm(env: &[(&str, &str)]) -> (Recording, String, String) {
+    let library = nvml_standin();
+    let sleeper = spawn(Path::new("sleep"), &["60"]);
+    let pid = sleeper.pid().to_string();
+    let (agent, address) = start_agent(
+        &[
+            "--pid",
+            &pid,
+            "--nvml-library",
+            library.to_str().unwrap(),
+            "--nvml-interval",
+            "0.05",
+        ],
+        env,
+    );
+    let metrics = wait_for_metric(&address, "DCGM_FI_PROF_SM_ACTIVE{");
+    drop(sleeper);
+    (agent, address, metrics)
+}
+
+/// Every DCGM profiling field from GPM, in dcgm-exporter's names, units and labels, for the GPU
+/// that has GPM; the one without (an Ampere part) has none, and `/api/gpu` and the log (once)
+/// say why.
+#[test]
+fn gpm_gives_dcgm_profiling_fields_per_gpu() {
+    let _guard = exclusive();
+    let (agent, address, metrics) = agent_with_gpm(&[]);
+    let labels0 = "gpu=\"0\",UUID=\"GPU-11111111-2222-3333-4444-555555555555\",device=\"nvidia0\",modelName=\"NVIDIA H100 80GB HBM3\",Hostname=";
+    for &(name, gpm) in GPM_EXPECTED {
+        let value = metric_line_value(&metrics, name, labels0);
+        let wanted = in_dcgm_unit(name, gpm);
+        assert!(
+            (value - wanted).abs() <= wanted * 1e-9,
+            "{name}: {value}, wanted {wanted}"
+        );
+        assert!(
+            metrics.contains(&format!("# TYPE {name} gauge")),
+            "{name} has no TYPE line"
+        );
+        assert!(
+            !metrics.contains(&format!("{name}{{gpu=\"1\"")),
+            "GPU 1 has no GPM, yet {name} is served for it:\n{metrics}"
+        );
+    }
+    assert!(
+        !metrics.contains("GPU_I_ID"),
+        "MIG labels without MIG:\n{metrics}"
+    );
+    let body = http_get(&address, "/api/gpu?from=0&until=99999999999999");
+    let json: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let gpus = json["gpus"].as_array().expect("gpus");
+    assert_eq!(gpus[0]["profiling"]["available"], true, "{body}");
+    assert!(gpus[0]["profiling"]["reason"].is_null(), "{body}");
+    assert_eq!(gpus[1]["profiling"]["available"], false, "{body}");
+    let reason = gpus[1]["profiling"]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("GPM"), "{body}");
+    // Many polls later, still said once.
+    std::thread::sleep(Duration::from_millis(500));
+    let log = agent.stop();
+    assert_eq!(
+        log.matches("DCGM profiling fields are off").count(),
+        1,
+        "said once:\n{log}"
+    );
+}
+
+/// In MIG mode each GPU instance gets its own fields, labelled `GPU_I_ID` as dcgm-exporter
+/// does, with that instance's values; the whole GPU is not reported beside them.
+#[test]
+fn gpm_gives_dcgm_profiling_fields_per_mig_instance() {
+    let _guard = exclusive();
+    let (agent, address, metrics) = agent_with_gpm(&[("NVML_STANDIN_MIG", "1")]);
+    let labels0 = "gpu=\"0\",UUID=\"GPU-11111111-2222-3333-4444-555555555555\",device=\"nvidia0\",modelName=\"NVIDIA H100 80GB HBM3\",Hostname=";
+    // Both instances are sampled in the same poll, but wait for the second to have a window.
+    let metrics = if metrics.contains("GPU_I_ID=\"2\"") {
+        metrics
+    } else {
+        std::thread::sleep(Duration::from_millis(300));
+        http_get(&address, "/metrics")
+    };
+    for &(name, gpm) in GPM_EXPECTED {
+        let lines: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}{{{labels0}")))
+            .collect();
+        assert_eq!(
+            lines.len(),
+            2,
+            "{name}: one line per GPU instance: {lines:?}"
+        );
+        for (instance, share) in [(1, 0.5), (2, 0.25)] {
+            let line = lines
+                .iter()
+                .find(|l| l.contains(&format!(",GPU_I_ID=\"{instance}\"}}")))
+                .unwrap_or_else(|| panic!("{name}: no GPU_I_ID {instance}: {lines:?}"));
+            let value: f64 = line
+                .rsplit_once(' ')
+                .and_then(|(_, v)| v.parse().ok())
+                .expect("a value");
+            let wanted = in_dcgm_unit(name, gpm * share);
+            assert!(
+                (value - wanted).abs() <= wanted * 1e-9,
+                "{line}: wanted {wanted}"
+            );
+        }
+    }
+    agent.stop();
+}
+
 /// The profiles of a process NVML lists as using a GPU carry a `gpu` series label, and the
 /// `cuda_alloc` profile of every window holds the device memory still allocated at its end.
 #[test]

@@ -2,6 +2,9 @@
 //! polled on a thread, kept in a [`GpuBoard`] that `/metrics` renders with dcgm-exporter's names
 //! and labels (so existing GPU dashboards work) and `/api/gpu` serves as a time series.
 //!
+//! DCGM's profiling fields (SM active, tensor pipes, DRAM, PCIe, NVLink) come from NVML's GPM
+//! API on Hopper and newer ([`super::gpm`]), per GPU or per MIG GPU instance.
+//!
 //! Without a driver the agent runs as usual: the reason is logged once and `gpu_available` is
 //! 0. A reading a GPU does not support (`NotSupported`, or a function the library lacks) is left
 //! out, never an error; a missing function is logged once.
@@ -24,6 +27,8 @@ use nvml_wrapper::{
 };
 use serde::Serialize;
 
+use super::gpm::GpmSampler;
+
 /// How long the in-memory history covers.
 pub const HISTORY: Duration = Duration::from_secs(24 * 3600);
 /// Most points `/api/gpu` returns per GPU.
@@ -36,6 +41,8 @@ pub struct DeviceValue {
     pub help: &'static str,
     pub kind: &'static str,
     pub value: f64,
+    /// The MIG GPU instance the value is of (`GPU_I_ID`), `None` for the whole GPU.
+    pub gpu_instance: Option<u32>,
 }
 
 /// One poll of one GPU.
@@ -49,6 +56,8 @@ pub struct DeviceReading {
     pub mem_util: Option<u32>,
     pub mem_used_bytes: Option<u64>,
     pub mem_total_bytes: Option<u64>,
+    /// Why this GPU has no DCGM profiling fields (GPM), if it has none.
+    pub profiling_unavailable: Option<String>,
 }
 
 /// A process using a GPU.
@@ -102,7 +111,15 @@ struct ApiGpu<'a> {
     index: u32,
     uuid: &'a str,
     name: &'a str,
+    /// The DCGM profiling fields (GPM): whether this GPU has them, and why not.
+    profiling: ApiProfiling<'a>,
     points: Vec<HistoryPoint>,
+}
+
+#[derive(Serialize)]
+struct ApiProfiling<'a> {
+    available: bool,
+    reason: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -213,7 +230,7 @@ impl GpuBoard {
             .iter()
             .flat_map(|d| d.values.iter().map(move |v| (v, d)))
             .collect();
-        by_name.sort_by_key(|(v, d)| (v.name, d.index));
+        by_name.sort_by_key(|(v, d)| (v.name, d.index, v.gpu_instance));
         let mut last = "";
         for (value, device) in by_name {
             if value.name != last {
@@ -221,9 +238,14 @@ impl GpuBoard {
                 let _ = writeln!(text, "# TYPE {} {}", value.name, value.kind);
                 last = value.name;
             }
+            // dcgm-exporter labels a MIG instance's fields with its GPU instance id.
+            let instance = value
+                .gpu_instance
+                .map(|id| format!(",GPU_I_ID=\"{id}\""))
+                .unwrap_or_default();
             let _ = writeln!(
                 text,
-                "{}{{gpu=\"{}\",UUID=\"{}\",device=\"nvidia{}\",modelName=\"{}\",Hostname=\"{}\"}} {}",
+                "{}{{gpu=\"{}\",UUID=\"{}\",device=\"nvidia{}\",modelName=\"{}\",Hostname=\"{}\"{instance}}} {}",
                 value.name,
                 device.index,
                 escape_label(&device.uuid),
@@ -276,6 +298,11 @@ impl GpuBoard {
             .history
             .iter()
             .map(|h| {
+                let reason = state
+                    .devices
+                    .iter()
+                    .find(|d| d.uuid == h.uuid && d.index == h.index)
+                    .and_then(|d| d.profiling_unavailable.as_deref());
                 let points: Vec<HistoryPoint> = h
                     .points
                     .iter()
@@ -286,6 +313,10 @@ impl GpuBoard {
                     index: h.index,
                     uuid: &h.uuid,
                     name: &h.name,
+                    profiling: ApiProfiling {
+                        available: reason.is_none(),
+                        reason,
+                    },
                     points: downsample(&points, MAX_API_POINTS),
                 }
             })
@@ -353,6 +384,7 @@ fn value(name: &'static str, help: &'static str, kind: &'static str, v: f64) -> 
         help,
         kind,
         value: v,
+        gpu_instance: None,
     }
 }
 
@@ -568,6 +600,7 @@ fn poll(
     };
     let capacity = (HISTORY.as_secs_f64() / interval.as_secs_f64().max(0.001)).ceil() as usize;
     let mut last_seen: HashMap<u32, u64> = HashMap::new();
+    let mut gpm = GpmSampler::default();
     tracing::info!(
         gpus = reading("device count", nvml.device_count()).unwrap_or(0),
         "NVML polling started"
@@ -581,7 +614,10 @@ fn poll(
             let Some(device) = reading("device", nvml.device_by_index(index)) else {
                 continue;
             };
-            let reading_now = read_device(&device, index);
+            let mut reading_now = read_device(&device, index);
+            let profiling = gpm.read(&nvml, &device, index);
+            reading_now.values.extend(profiling.values);
+            reading_now.profiling_unavailable = profiling.unavailable;
             let mut by_pid: HashMap<u32, ProcessReading> = HashMap::new();
             for process in
                 reading("processes", device.running_compute_processes()).unwrap_or_default()
@@ -673,6 +709,7 @@ mod tests {
             mem_util: Some(20),
             mem_used_bytes: Some(1),
             mem_total_bytes: Some(2),
+            profiling_unavailable: None,
         };
         for t in 0..5 {
             board.update("host", t, vec![device.clone()], Vec::new(), 3);
@@ -688,6 +725,29 @@ mod tests {
                 "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",UUID=\"GPU-1\",device=\"nvidia0\",modelName=\"Test \\\"GPU\\\"\",Hostname=\"host\"} 41"
             ),
             "{text}"
+        );
+        // A MIG instance's field carries its GPU instance id; a GPU without GPM says why.
+        let mut with_mig = device.clone();
+        with_mig.values.push(DeviceValue {
+            gpu_instance: Some(3),
+            ..value("DCGM_FI_PROF_SM_ACTIVE", "SM active.", "gauge", 0.25)
+        });
+        let mut without_gpm = device.clone();
+        without_gpm.index = 1;
+        without_gpm.uuid = "GPU-2".into();
+        without_gpm.profiling_unavailable = Some("this GPU has no GPM".into());
+        board.update("host", 6, vec![with_mig, without_gpm], Vec::new(), 3);
+        let text = board.render_prometheus();
+        assert!(
+            text.contains("DCGM_FI_PROF_SM_ACTIVE{gpu=\"0\",UUID=\"GPU-1\",device=\"nvidia0\",modelName=\"Test \\\"GPU\\\"\",Hostname=\"host\",GPU_I_ID=\"3\"} 0.25"),
+            "{text}"
+        );
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
+        assert_eq!(json["gpus"][0]["profiling"]["available"], true, "{json}");
+        assert_eq!(json["gpus"][1]["profiling"]["available"], false, "{json}");
+        assert_eq!(
+            json["gpus"][1]["profiling"]["reason"],
+            "this GPU has no GPM"
         );
         board.set_unavailable("no driver".into());
         let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
