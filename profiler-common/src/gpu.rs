@@ -8,6 +8,12 @@ use crate::sample::RawSample;
 
 /// Bits 0..8 of a cookie: the `CALL_*` id. Ids are never reused.
 pub const CALL_ID_MASK: u64 = 0xff;
+/// Bit 32 of a cookie: the function is a trampoline that jumps (a tail call, the stack left as
+/// at its entry) into another probed runtime function of its family, as CUDA 13's
+/// `__cudaLaunchKernel` jumps into `cudaLaunchKernel`. Its entry counts the call and leaves the
+/// stack pointer in [`CudaThread::tail_call_sp`]; the entry of the function it jumps into, seen
+/// with that same stack pointer, is the same call and is not counted again.
+pub const CALL_FLAG_TAIL_CALL: u64 = 1 << 32;
 
 /// `cudaLaunchKernel(func, grid, block, args, smem, stream)` and the cooperative form: rdi = stub.
 pub const CALL_RT_LAUNCH: u32 = 1;
@@ -201,9 +207,12 @@ pub struct CudaThread {
     /// An allocation in progress: its out-parameter (the device pointer at return) and size.
     pub alloc_out: u64,
     pub alloc_bytes: u64,
+    /// The stack pointer at the entry of a trampoline ([`CALL_FLAG_TAIL_CALL`]) whose jump
+    /// target has not fired yet (0: none).
+    pub tail_call_sp: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<CudaThread>() == 96);
+const _: () = assert!(core::mem::size_of::<CudaThread>() == 104);
 
 /// Settings written by the agent into the single-entry `CUDA_CONFIG` array.
 #[repr(C)]

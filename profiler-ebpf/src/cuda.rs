@@ -15,6 +15,10 @@
 //! probe costs more than the entry probe: they leave a mark of their family, which the driver
 //! call of the same family that follows within `RUNTIME_TO_DRIVER_NS` consumes as nested.
 //!
+//! A runtime function that only jumps into another probed one (CUDA 13's `__cudaLaunchKernel`
+//! into `cudaLaunchKernel`) is counted at its own entry, where its arguments are what the agent
+//! names; the entry of its jump target, seen with the same stack pointer, is not counted again.
+//!
 //! Allocations are reported at return, where the out-parameter holds the device pointer (the
 //! agent pairs it with the free that names it); frees are reported without a stack.
 use aya_ebpf::{
@@ -31,8 +35,8 @@ use aya_ebpf::{
 use profiler_common::{
     CALL_DRV_ALLOC, CALL_DRV_FREE, CALL_DRV_GET_FUNCTION, CALL_DRV_GRAPH_LAUNCH, CALL_DRV_LAUNCH,
     CALL_DRV_LAUNCH_EX, CALL_DRV_MEMCPY, CALL_DRV_MEMCPY_DTOD, CALL_DRV_MEMCPY_DTOH,
-    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_FIRST_DRIVER, CALL_ID_MASK, CALL_RT_FREE,
-    CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC,
+    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_FIRST_DRIVER, CALL_FLAG_TAIL_CALL, CALL_ID_MASK,
+    CALL_RT_FREE, CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC,
     CALL_RT_LAUNCH_HANDLE, CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC, CUDA_EVENT_HAS_STACK,
     CUDA_EVENT_HEADER_BYTES, CUDA_EVENT_NAME, CUDA_EVENT_RATE_LIMITED, CUDA_EVENTS_RING_BYTES,
     CudaConfig, CudaEventHeader, CudaNameRecord, CudaThread, MAX_CUDA_THREADS, MEMCPY_DEFAULT,
@@ -77,11 +81,17 @@ pub fn in_sync(tid: u32) -> bool {
     }
 }
 
-/// The attach cookie: the `CALL_*` id in its low byte, the agent's function index above it.
+/// The attach cookie: the `CALL_*` id in its low byte, the agent's function index above it
+/// (together the record's `call`), and whether the function is a trampoline into another
+/// probed function ([`CALL_FLAG_TAIL_CALL`]).
 #[inline(always)]
-fn cookie(ctx: *mut core::ffi::c_void) -> (u32, u32) {
+fn cookie(ctx: *mut core::ffi::c_void) -> (u32, u32, bool) {
     let cookie = unsafe { bpf_get_attach_cookie(ctx) };
-    ((cookie & CALL_ID_MASK) as u32, cookie as u32)
+    (
+        (cookie & CALL_ID_MASK) as u32,
+        cookie as u32,
+        cookie & CALL_FLAG_TAIL_CALL != 0,
+    )
 }
 
 /// The current thread's ids, or `None` when the `--pid` filter excludes the process.
@@ -263,7 +273,7 @@ pub fn cuda_entry(ctx: ProbeContext) -> u32 {
     let Some((pid, tid)) = current_ids(&config) else {
         return 0;
     };
-    let (call, full_cookie) = cookie(ctx.as_ptr());
+    let (call, full_cookie, tail_calls) = cookie(ctx.as_ptr());
     let Some(thread) = thread_state(tid) else {
         return 0;
     };
@@ -282,6 +292,13 @@ pub fn cuda_entry(ctx: ProbeContext) -> u32 {
     unsafe {
         let family = call_family(call);
         if call < CALL_FIRST_DRIVER {
+            // A trampoline jumped here: its entry, with this same stack pointer, counted the call.
+            if (*thread).tail_call_sp != 0 && (*thread).tail_call_sp == rsp {
+                (*thread).tail_call_sp = 0;
+                count(STAT_CUDA_NESTED);
+                return 0;
+            }
+            (*thread).tail_call_sp = if tail_calls { rsp } else { 0 };
             if runtime_call_has_return_probe(call) {
                 (*thread).runtime_depth += 1;
             } else {
@@ -381,7 +398,7 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
     let Some((pid, tid)) = current_ids(&config) else {
         return 0;
     };
-    let (call, full_cookie) = cookie(ctx.as_ptr());
+    let (call, full_cookie, _) = cookie(ctx.as_ptr());
     let Some(thread) = CUDA_THREADS.get_ptr_mut(tid) else {
         count(STAT_CUDA_UNMATCHED_RETURNS);
         return 0;

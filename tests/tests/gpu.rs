@@ -1356,3 +1356,88 @@ fn without_cuda_programs_no_probe_is_attempted() {
     assert_eq!(discovery.stats.attach_errors, 0);
     assert_eq!(discovery.stats.probes_attached, 0);
 }
+
+/// NVIDIA's real CUDA 13 runtime (libcudart.so.13 of the PyTorch venv `cargo xtask setup`
+/// installs), or `None` (a failure where external pieces are required).
+fn real_cuda_13_runtime() -> Option<PathBuf> {
+    let venv = integration_tests::workspace_root().join(".tools/torch-venv/lib");
+    let found = std::fs::read_dir(&venv).ok().and_then(|entries| {
+        entries
+            .flatten()
+            .map(|entry| {
+                entry
+                    .path()
+                    .join("site-packages/nvidia/cu13/lib/libcudart.so.13")
+            })
+            .find(|path| path.is_file())
+    });
+    if found.is_none() {
+        assert!(
+            !require_external(),
+            "no libcudart.so.13 under {} (`cargo xtask setup` installs PyTorch's CUDA libraries)",
+            venv.display()
+        );
+        eprintln!("skipping: no real CUDA 13 runtime under {}", venv.display());
+    }
+    found
+}
+
+/// On NVIDIA's real CUDA 13 runtime, `__cudaLaunchKernel` (what nvcc 13's kernel stubs call) is
+/// a trampoline into `cudaLaunchKernel`: both probes fire for one launch. Each launch is counted
+/// once, under the call its program made (on an H100, PyTorch's adds were counted twice before).
+/// Without a driver every call fails; such calls still count as launches until failed calls
+/// are classified (then this test counts them as failed calls of each function).
+#[test]
+fn a_launch_through_the_real_runtimes_trampoline_is_counted_once() {
+    const BY_HANDLE: i64 = 3_000;
+    const DIRECT: i64 = 1_000;
+    let _guard = exclusive();
+    let Some(runtime) = real_cuda_13_runtime() else {
+        return;
+    };
+    let program = cached_fixture("gpu/real_runtime_launch", |out| {
+        std::fs::create_dir_all(out.parent().expect("a directory")).expect("mkdir");
+        let mut cmd = Command::new("gcc");
+        cmd.args(["-O2", "-g", "-fno-omit-frame-pointer", "-o"])
+            .arg(out)
+            .arg(fixture_source("gpu/real_runtime_launch.c"))
+            .arg("-ldl");
+        run(cmd);
+    });
+    let scratch = Scratch::new("gpu-real-runtime");
+    let output = scratch.path("profile.pb.gz");
+    let runtime_arg = runtime.to_str().expect("UTF-8 path");
+    let mut fixture = spawn_waiting(
+        &program,
+        &[runtime_arg, &BY_HANDLE.to_string(), &DIRECT.to_string()],
+        &[],
+    );
+    let pid = fixture.id().to_string();
+    let mut recording = record_pid(&pid, &output, &["--cuda-stacks-per-second", "100000"]);
+    wait_for_probes(&mut recording, &["libcudart.so.13"]);
+    say(&mut fixture, "go\n");
+    let done = wait_done(&mut fixture);
+    assert!(
+        done.contains("handle_rc=35"),
+        "the real runtime answered {done}"
+    );
+    let log = recording.stop();
+
+    let launches = profile_of(&output, "cuda_launch");
+    let summary = top_stacks(&launches, 6);
+    assert_eq!(
+        total_count(&launches),
+        BY_HANDLE + DIRECT,
+        "every launch once:\n{summary}\n{log}"
+    );
+    assert_eq!(
+        count_chain(&launches, &["launch_by_handle", "__cudaLaunchKernel"]),
+        BY_HANDLE,
+        "{summary}"
+    );
+    assert_eq!(
+        count_chain(&launches, &["launch_directly", "cudaLaunchKernel"]),
+        DIRECT,
+        "{summary}"
+    );
+}

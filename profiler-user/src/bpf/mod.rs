@@ -768,12 +768,13 @@ impl Sampler {
     }
 
     /// Attaches the CUDA entry (or return) program at `file_offset` of the ELF file `target`,
-    /// for every process that maps it, with `call` (a `CALL_*` id) as the cookie.
+    /// for every process that maps it, with `cookie` (a `CALL_*` id, the function's index and
+    /// flags: `ProbePoint::cookie`) as the cookie.
     pub fn attach_cuda(
         &mut self,
         target: &std::path::Path,
         file_offset: u64,
-        call: u32,
+        cookie: u64,
         at_return: bool,
     ) -> Result<(), BpfError> {
         self.ensure_cuda_loaded()?;
@@ -785,7 +786,7 @@ impl Sampler {
         let program: &mut UProbe = program_mut(&mut self.ebpf, name)?;
         let point = UProbeAttachPoint {
             location: UProbeAttachLocation::AbsoluteOffset(file_offset),
-            cookie: Some(u64::from(call)),
+            cookie: Some(cookie),
         };
         program
             .attach(point, target, UProbeScope::AllProcesses)

@@ -257,7 +257,7 @@ fn metrics<'nvml>(
         // A metric this GPU lacks (e.g. NVLink on a PCIe card) is left out.
         .filter_map(|(field, result)| {
             let value = result.ok()?.value;
-            value.is_finite().then(|| DeviceValue {
+            value.is_finite().then_some(DeviceValue {
                 name: field.name,
                 help: field.help,
                 kind: "gauge",
