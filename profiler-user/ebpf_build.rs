@@ -13,7 +13,10 @@ pub const EBPF_CARGO: &str = "/usr/bin/cargo";
 pub const EBPF_CORE_DIR: &str = "/usr/lib/rustlib/bpfel-unknown-none/lib";
 
 pub fn bpf_linker_dir(workspace: &std::path::Path) -> std::path::PathBuf {
-    workspace.join(".tools").join(format!("bpf-linker-{BPF_LINKER_VERSION}")).join("bin")
+    workspace
+        .join(".tools")
+        .join(format!("bpf-linker-{BPF_LINKER_VERSION}"))
+        .join("bin")
 }
 
 /// What is missing for an eBPF build, if anything, as a list of human-readable items.
@@ -23,10 +26,15 @@ pub fn ebpf_toolchain_missing(workspace: &std::path::Path) -> Vec<String> {
         missing.push(format!("Debian's rustc-web/cargo-web ({EBPF_RUSTC})"));
     }
     if !std::path::Path::new(EBPF_CORE_DIR).exists() {
-        missing.push(format!("the BPF core library ({EBPF_CORE_DIR}, libstd-rust-web-dev-bpf)"));
+        missing.push(format!(
+            "the BPF core library ({EBPF_CORE_DIR}, libstd-rust-web-dev-bpf)"
+        ));
     }
     if !bpf_linker_dir(workspace).join("bpf-linker").exists() {
-        missing.push(format!("bpf-linker {BPF_LINKER_VERSION} in {}", bpf_linker_dir(workspace).display()));
+        missing.push(format!(
+            "bpf-linker {BPF_LINKER_VERSION} in {}",
+            bpf_linker_dir(workspace).display()
+        ));
     }
     missing
 }
@@ -45,7 +53,12 @@ pub fn build_ebpf(workspace: &std::path::Path) -> Result<std::path::PathBuf, Str
     let mut paths = vec![bpf_linker_dir(workspace)];
     paths.extend(std::env::split_paths(&path));
     let path = std::env::join_paths(paths).map_err(|err| err.to_string())?;
-    let rustflags = ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f");
+    let rustflags = [
+        "--cfg=bpf_target_arch=\"x86_64\"",
+        "-Cdebuginfo=2",
+        "-Clink-arg=--btf",
+    ]
+    .join("\x1f");
     let mut cmd = std::process::Command::new(EBPF_CARGO);
     cmd.current_dir(workspace)
         .args(["build", "--package", "profiler-ebpf", "--bins", "--release"])
@@ -56,7 +69,15 @@ pub fn build_ebpf(workspace: &std::path::Path) -> Result<std::path::PathBuf, Str
         // aya-ebpf uses unstable features; allow them for that one crate only.
         .env("RUSTC_BOOTSTRAP", "aya_ebpf")
         .env("CARGO_ENCODED_RUSTFLAGS", rustflags);
-    for var in ["RUSTC_WRAPPER", "RUSTC_WORKSPACE_WRAPPER", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR", "RUSTUP_TOOLCHAIN", "CARGO"] {
+    for var in [
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTFLAGS",
+        "CARGO_BUILD_TARGET",
+        "CARGO_TARGET_DIR",
+        "RUSTUP_TOOLCHAIN",
+        "CARGO",
+    ] {
         cmd.env_remove(var);
     }
     // Cargo sets these for build scripts; they must not leak into the nested build.
@@ -64,7 +85,19 @@ pub fn build_ebpf(workspace: &std::path::Path) -> Result<std::path::PathBuf, Str
         .map(|(key, _)| key)
         .filter(|key| {
             let key = key.to_string_lossy();
-            key.starts_with("CARGO_CFG_") || key.starts_with("CARGO_FEATURE_") || key.starts_with("CARGO_PKG_") || key == "OUT_DIR" || key == "TARGET" || key == "HOST" || key == "PROFILE" || key == "OPT_LEVEL" || key == "DEBUG" || key == "NUM_JOBS" || key == "CARGO_MANIFEST_DIR" || key == "CARGO_MANIFEST_PATH" || key == "CARGO_ENCODED_RUSTFLAGS"
+            key.starts_with("CARGO_CFG_")
+                || key.starts_with("CARGO_FEATURE_")
+                || key.starts_with("CARGO_PKG_")
+                || key == "OUT_DIR"
+                || key == "TARGET"
+                || key == "HOST"
+                || key == "PROFILE"
+                || key == "OPT_LEVEL"
+                || key == "DEBUG"
+                || key == "NUM_JOBS"
+                || key == "CARGO_MANIFEST_DIR"
+                || key == "CARGO_MANIFEST_PATH"
+                || key == "CARGO_ENCODED_RUSTFLAGS"
         })
         .collect();
     for key in inherited {
@@ -72,12 +105,17 @@ pub fn build_ebpf(workspace: &std::path::Path) -> Result<std::path::PathBuf, Str
             cmd.env_remove(key);
         }
     }
-    let output = cmd.output().map_err(|err| format!("cannot run {EBPF_CARGO}: {err}"))?;
+    let output = cmd
+        .output()
+        .map_err(|err| format!("cannot run {EBPF_CARGO}: {err}"))?;
     if !output.status.success() {
         return Err(format!(
             "building profiler-ebpf failed:\n{}",
             String::from_utf8_lossy(&output.stderr)
         ));
     }
-    Ok(target_dir.join("bpfel-unknown-none").join("release").join("profiler-ebpf"))
+    Ok(target_dir
+        .join("bpfel-unknown-none")
+        .join("release")
+        .join("profiler-ebpf"))
 }
