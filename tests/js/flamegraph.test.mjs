@@ -24,7 +24,7 @@ import {
 } from '../../profiler-user/ui/flamegraph.mjs';
 
 /**
- * Encodes a tree `{name, self, children}` the way the server does (docs/pyroscope.md §4.3):
+ * Encodes a tree `{name, self, children}` the way the server does (docs/pyroscope-protocol.md §7.4):
  * self left of the children, children in order, x delta-encoded per level, int64 as strings.
  */
 function encode(tree) {

@@ -1,5 +1,5 @@
 //! `cargo xtask setup`: installs, only when missing, what the build and the tests need on a fresh
-//! Debian 12 machine (see shared/docs/toolchain.md for why each piece is there).
+//! Debian 12 machine (see docs/toolchain.md for why each piece is there).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -1,6 +1,6 @@
 //! The `perftools.profiles` messages of pprof's `profile.proto`, written by hand as prost structs
 //! so the build needs neither `protoc` nor a build script. Field numbers follow profile.proto
-//! exactly (docs/pyroscope.md §6.1); every `int64` "string" field is an index into
+//! exactly (docs/pyroscope-protocol.md §8.1); every `int64` "string" field is an index into
 //! `Profile::string_table`.
 
 #[derive(Clone, PartialEq, prost::Message)]

@@ -1,5 +1,5 @@
 //! The Pyroscope API messages (packages `types.v1`, `push.v1`, `querier.v1`), written by hand
-//! as prost structs with field numbers from docs/pyroscope.md §1.3.2 and §4.2, and serde for the
+//! as prost structs with field numbers from docs/pyroscope-protocol.md §3.2 and §7.2, and serde for the
 //! Connect JSON codec (protobuf canonical JSON: lowerCamelCase names, snake_case accepted,
 //! 64-bit integers as strings, numbers accepted, bytes as base64, enums by name or number).
 #![allow(clippy::derive_partial_eq_without_eq)]

@@ -1,4 +1,4 @@
-//! Connect unary protocol on axum (docs/pyroscope.md §1.3.1, §4.1): a POST whose body is a
+//! Connect unary protocol on axum (docs/pyroscope-protocol.md §2, §7.1): a POST whose body is a
 //! protobuf (`application/proto`) or canonical JSON (`application/json`) message, optionally
 //! gzipped as a whole (`Content-Encoding: gzip`); the response uses the request's codec; errors
 //! are JSON `{"code", "message"}` with the HTTP status of the Connect code.

@@ -1,5 +1,5 @@
 //! Query results in the shapes clients expect: the FlameGraph levels encoding
-//! (docs/pyroscope.md §4.3), its diff form, and a pprof of a merged tree.
+//! (docs/pyroscope-protocol.md §7.4, §7.5), its diff form, and a pprof of a merged tree.
 use std::collections::HashMap;
 
 use super::api::{FlameGraph, FlameGraphDiff, Level};

@@ -7,7 +7,7 @@ use crate::{
 
 use super::{Store, ingest};
 
-/// `__name__` of the agent's CPU profiles (docs/pyroscope.md §2.5).
+/// `__name__` of the agent's CPU profiles (docs/pyroscope-protocol.md §6.3).
 pub const CPU_PROFILE_NAME: &str = "process_cpu";
 
 pub struct StoreSink {

@@ -461,7 +461,7 @@ fn check_detection(
             Err(format!("layout {:?} != table row {row:?}", process.layout))
         }
         Some(_) => Ok(()),
-        // 3.13 and 3.14 from _Py_DebugOffsets: the values unwinding.md §2.3 lists (from
+        // 3.13 and 3.14 from _Py_DebugOffsets: the values docs/python-layouts.md §3.1 and §5 list (from
         // DWARF for 3.13, from Debian's 3.14 for 3.14); free-threaded ones from the DWARF of
         // the 3.13t/3.14t builds (`ptype/o` in gdb): a 32-byte object header, and in 3.14t
         // `tlbc_index` before the frame's owner and `co_tlbc` before the bytecode.

@@ -23,7 +23,7 @@ fn layout_rows_are_unique_and_complete() {
     }
     assert_eq!(layout_for(3, 7), None);
     assert_eq!(layout_for(3, 13), None, "3.13+ come from _Py_DebugOffsets");
-    // Spot checks against unwinding.md §2.3 (the full rows were checked with gen_layouts.sh).
+    // Spot checks against docs/python-layouts.md §3.1 (the full rows were checked with gen_layouts.sh).
     assert_eq!(PY38.runtime_autotss_key, 1392 + 4);
     assert_eq!(PY311.code_bytecode, Some(184));
     assert_eq!(PY312.unicode_ascii_data, 40);
@@ -137,7 +137,7 @@ fn debug_offsets_reject_garbage() {
     ));
 }
 
-/// A 3.14 `_Py_DebugOffsets` built from the values of Debian's 3.14 (unwinding.md §2.3).
+/// A 3.14 `_Py_DebugOffsets` built from the values of Debian's 3.14 (docs/python-layouts.md §3.1, §4.2).
 #[test]
 fn debug_offsets_314_layout() {
     let bytes = debug_offsets_image(
