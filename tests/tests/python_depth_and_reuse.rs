@@ -391,7 +391,8 @@ fn freed_code_objects_never_lend_their_name_to_a_frame() {
 /// through `_call_with_frames_removed` (`exec` of the module's code) must be a module body,
 /// never a function of the module. Judged on the Python frames alone, in the order BPF walked
 /// them; 3.11+ only, whose qualified names tell `_LoaderBasics.exec_module` (source modules)
-/// from an extension loader's, whose init may call any function.
+/// from an extension loader's, whose init may call any function. py-spy, following the same
+/// interpreters, is held to the same check as the oracle.
 #[test]
 fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
     let _guard = exclusive();
@@ -409,6 +410,12 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
     for (label, interpreter) in interpreters {
         let running = spawn_script(&interpreter, "import_churn.py");
         let scratch = Scratch::new("python-imports");
+        // py-spy follows the same interpreters (it stops each to read it): the oracle.
+        let oracle = if label.starts_with("free-threaded") {
+            None
+        } else {
+            py_spy_record_children(running.pid(), 5, &scratch)
+        };
         let out = scratch.path("host.folded");
         let run = run_profiler(&[
             "record",
@@ -419,12 +426,61 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
             "--output",
             out.to_str().expect("UTF-8 scratch path"),
         ]);
+        let theirs = oracle.map(|py_spy| {
+            let output = py_spy.wait_with_output().expect("wait for py-spy");
+            assert!(
+                output.status.success(),
+                "{label}: py-spy failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let text =
+                std::fs::read_to_string(scratch.path("py-spy.folded")).expect("py-spy output");
+            ExecutedBodies::of(&text)
+        });
         drop(running);
         assert_success(&run);
-        let text = std::fs::read_to_string(&out).expect("the folded output");
-        let mut module_bodies = 0;
-        for stack in parse_folded(&text) {
-            // Root first; `[unknown python]` stays in: the honest answer for a freed body.
+        let ours = ExecutedBodies::of(&std::fs::read_to_string(&out).expect("the folded output"));
+        assert!(
+            ours.functions.is_empty(),
+            "{label}: a source module's exec ran a function, not a module body:\n{}",
+            ours.functions[..ours.functions.len().min(3)].join("\n")
+        );
+        assert!(
+            ours.module_bodies >= 5,
+            "{label}: {} samples of module bodies run by the import machinery",
+            ours.module_bodies
+        );
+        if let Some(theirs) = theirs {
+            // The oracle agrees that the check is right: py-spy sees module bodies there too,
+            // and never a function.
+            assert!(
+                theirs.functions.is_empty() && theirs.module_bodies >= 5,
+                "{label}: py-spy: {} module bodies, functions {:?}",
+                theirs.module_bodies,
+                &theirs.functions[..theirs.functions.len().min(3)]
+            );
+            eprintln!(
+                "{label}: module bodies under exec_module: ours {}, py-spy {}; functions there: 0 and 0",
+                ours.module_bodies, theirs.module_bodies
+            );
+        }
+    }
+}
+
+/// What a source loader's `exec_module` ran through `_call_with_frames_removed` in a folded
+/// profile (ours or py-spy's, root first): samples of module bodies (`<module>`), and every
+/// stack where it ran something else, which would be a wrong name (`[unknown python]`, the
+/// honest answer for a freed body, is neither).
+#[derive(Debug, Default)]
+struct ExecutedBodies {
+    module_bodies: u64,
+    functions: Vec<String>,
+}
+
+impl ExecutedBodies {
+    fn of(folded: &str) -> Self {
+        let mut found = Self::default();
+        for stack in parse_folded(folded) {
             let python: Vec<&str> = stack
                 .frames
                 .iter()
@@ -440,22 +496,48 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
                 if run[0] != "_LoaderBasics.exec_module" || run[1] != "_call_with_frames_removed" {
                     continue;
                 }
-                assert!(
-                    run[2] == "<module>" || run[2] == "[unknown python]",
-                    "{label}: a source module's exec ran {}, a function, not a module body:\n{}",
-                    run[2],
-                    stack.frames.join(";")
-                );
-                if run[2] == "<module>" {
-                    module_bodies += stack.count;
+                match run[2] {
+                    "<module>" => found.module_bodies += stack.count,
+                    "[unknown python]" => {}
+                    _ => found.functions.push(stack.frames.join(";")),
                 }
             }
         }
-        assert!(
-            module_bodies >= 5,
-            "{label}: {module_bodies} samples of module bodies run by the import machinery"
-        );
+        found
     }
+}
+
+/// `py-spy record --subprocesses` of `pid` and the interpreters it starts, like
+/// [`py_spy_record`].
+fn py_spy_record_children(
+    pid: u32,
+    seconds: u32,
+    scratch: &Scratch,
+) -> Option<std::process::Child> {
+    let py_spy = workspace_root().join(".tools/py-spy/bin/py-spy");
+    if !py_spy.is_file() {
+        missing("py-spy under .tools/py-spy (`cargo xtask setup` installs it)");
+        return None;
+    }
+    Command::new(py_spy)
+        .args([
+            "record",
+            "--subprocesses",
+            "--format",
+            "raw",
+            "--rate",
+            "100",
+        ])
+        .arg("--duration")
+        .arg(seconds.to_string())
+        .arg("--output")
+        .arg(scratch.path("py-spy.folded"))
+        .arg("--pid")
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_or_else(|error| panic!("start py-spy: {error}"), Some)
 }
 
 /// Generators and coroutines switch frames in `send`/`next`: every sample of them keeps its
