@@ -540,7 +540,9 @@ mod tests {
         code.extend(jmp(4, 0x81e60));
         assert_eq!(trampoline_target(&code, AT), None);
         // cudaLaunchKernel's own start: it saves registers and works.
-        let code = [0x55, 0x48, 0x89, 0xe5, 0x41, 0x57, 0x41, 0x56, 0x49, 0x89, 0xce];
+        let code = [
+            0x55, 0x48, 0x89, 0xe5, 0x41, 0x57, 0x41, 0x56, 0x49, 0x89, 0xce,
+        ];
         assert_eq!(trampoline_target(&code, AT), None);
         // An indirect jump (through the PLT's GOT slot) names no probed function.
         let code = [0xff, 0x25, 0x00, 0x10, 0x00, 0x00];
