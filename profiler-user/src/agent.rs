@@ -155,6 +155,12 @@ fn monotonic_now_ns() -> u64 {
 const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);
 /// Bytes of stack copies held at most; beyond, a new sample is finished as far as it goes.
 const LATE_WALK_BYTES: usize = 16 << 20;
+/// After a stop signal: the samples already read are handled for at most this long (the rest
+/// are dropped and counted), and held late walks wait at most this long for their tables, so
+/// the agent exits well within 10 s of SIGTERM (Kubernetes gives 30) with the current
+/// interval flushed. Unwind-table builds under way are cancelled.
+const STOP_DRAIN_BUDGET: Duration = Duration::from_secs(2);
+const STOP_LATE_WALK_PATIENCE: Duration = Duration::from_secs(2);
 
 /// The one snapshot a late walk was finished against, for the rest of its sample's way.
 struct Pinned(Arc<ProcessInfo>);
@@ -399,11 +405,11 @@ impl Pipeline {
         walk
     }
 
-    /// At the end: the tables held samples wait for are awaited (for at most
-    /// [`LATE_WALK_PATIENCE`]) before every walk is finished as far as it goes, so the last
-    /// seconds of a short run are not cut where a busy builder was slow.
-    fn settle_late_walks(&mut self) {
-        let deadline = Instant::now() + LATE_WALK_PATIENCE;
+    /// At the end: the tables held samples wait for are awaited (for at most `patience`)
+    /// before every walk is finished as far as it goes, so the last seconds of a short run are
+    /// not cut where a busy builder was slow.
+    fn settle_late_walks(&mut self, patience: Duration) {
+        let deadline = Instant::now() + patience;
         loop {
             self.retry_late_walks(false);
             if self.late.is_empty() || !self.native_tables.building() {
@@ -969,10 +975,13 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
 }
 
 /// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` about
-/// every 100 ms with the pipeline so the caller can poll the other inputs and flush.
+/// every 100 ms with the pipeline so the caller can poll the other inputs and flush. A batch
+/// is cut short once `stop` is set (a batch of new processes' samples can take seconds); the
+/// samples left are for the stop's own bounded drain.
 fn pump(
     pipeline: &mut Pipeline,
     rx: &Receiver<Sample>,
+    stop: &AtomicBool,
     mut until: impl FnMut(&mut Pipeline) -> bool,
 ) {
     loop {
@@ -981,8 +990,11 @@ fn pump(
                 pipeline.drain_events();
                 pipeline.handle(sample);
                 // Drain whatever else is queued before checking the clock again.
-                for sample in rx.try_iter().take(4096) {
+                for (index, sample) in rx.try_iter().take(4096).enumerate() {
                     pipeline.handle(sample);
+                    if index % 64 == 63 && stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                 }
             }
             Err(RecvTimeoutError::Timeout) => {}
@@ -993,6 +1005,27 @@ fn pump(
             return;
         }
     }
+}
+
+/// Handles the samples already read, for at most `budget`; the samples left are dropped (and
+/// returned as a count), so a deep queue on a busy host cannot hold up the stop.
+fn drain_queue(pipeline: &mut Pipeline, rx: &Receiver<Sample>, budget: Duration) -> u64 {
+    let deadline = Instant::now() + budget;
+    let mut dropped = 0u64;
+    for (index, sample) in rx.try_iter().enumerate() {
+        if dropped > 0 || (index % 64 == 0 && Instant::now() >= deadline) {
+            dropped += 1;
+            continue;
+        }
+        pipeline.handle(sample);
+    }
+    if dropped > 0 {
+        tracing::warn!(
+            samples = dropped,
+            "stopping: samples still queued after {budget:?} dropped"
+        );
+    }
+    dropped
 }
 
 /// `profiler record`: samples for `config.duration` (or until `stop`), writes one profile.
@@ -1015,7 +1048,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     pipeline.poll(Some(&mut sampler));
     let (reader, rx) = SampleReader::spawn(samples, SAMPLE_QUEUE);
     let started = Instant::now();
-    pump(&mut pipeline, &rx, |pipeline| {
+    pump(&mut pipeline, &rx, stop, |pipeline| {
         pipeline.poll(Some(&mut sampler));
         started.elapsed() >= config.duration || stop.load(Ordering::Relaxed)
     });
@@ -1028,11 +1061,19 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let reader_stats = reader.stats.clone();
     reader.stop();
     pipeline.drain_events();
-    for sample in rx.try_iter() {
-        pipeline.handle(sample);
-    }
+    // Stopped by a signal: as prompt as the agent; at the end of the duration: thorough.
+    let signalled = stop.load(Ordering::Relaxed);
+    let dropped_at_stop = if signalled {
+        drain_queue(&mut pipeline, &rx, STOP_DRAIN_BUDGET)
+    } else {
+        drain_queue(&mut pipeline, &rx, Duration::from_secs(365 * 24 * 3600))
+    };
     pipeline.poll(None);
-    pipeline.settle_late_walks();
+    pipeline.settle_late_walks(if signalled {
+        STOP_LATE_WALK_PATIENCE
+    } else {
+        LATE_WALK_PATIENCE
+    });
     let all_profiles = pipeline.flush(start_unix_ns + duration_ns);
     let (mut profiles, cuda_profiles): (Vec<Profile>, Vec<Profile>) = all_profiles
         .into_iter()
@@ -1061,6 +1102,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
     reader_stats.add_to(&mut metrics);
+    metrics.agent_queue_full += dropped_at_stop;
     metrics.profiles_written = written;
     metrics.log("recording finished");
     tracing::info!(path = %config.output.display(), samples = profile.total_samples(), "profile written");
@@ -1181,7 +1223,18 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         check_writable_dir(dir)?;
         outputs.push(Box::new(DirectorySink::new(dir.clone())));
     }
-    let serving = Serving::start(&config.serve)?;
+    // Sampling and push never depend on the store: one that cannot be opened (a corrupt file is
+    // already moved aside by the store itself; this is e.g. an unwritable directory) is logged
+    // and left out, and the server answers ingest and queries with 503.
+    let serving = match Serving::start(&config.serve) {
+        Err(crate::server::serve::ServeError::Store(err)) => {
+            tracing::error!("{err}; running without the embedded store");
+            let mut without_store = config.serve.clone();
+            without_store.store = None;
+            Serving::start(&without_store)?
+        }
+        started => started?,
+    };
     if let Some(store) = &serving.store {
         outputs.push(Box::new(StoreSink::new(store.clone())));
     }
@@ -1232,7 +1285,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         "agent running"
     );
     let mut next_flush = Instant::now() + config.interval;
-    pump(&mut pipeline, &rx, |pipeline| {
+    pump(&mut pipeline, &rx, &stop, |pipeline| {
         pipeline.poll(Some(&mut sampler));
         let now = Instant::now();
         if now >= next_flush {
@@ -1246,6 +1299,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     });
 
     serving.health.set_ready(false);
+    let stopping = Instant::now();
     tracing::info!("stopping: flushing the current interval");
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();
@@ -1253,23 +1307,33 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let reader_stats = reader.stats.clone();
     reader.stop();
     pipeline.drain_events();
-    for sample in rx.try_iter() {
-        pipeline.handle(sample);
-    }
+    let dropped_at_stop = drain_queue(&mut pipeline, &rx, STOP_DRAIN_BUDGET);
     pipeline.poll(None);
-    pipeline.settle_late_walks();
+    pipeline.settle_late_walks(STOP_LATE_WALK_PATIENCE);
     exporter.submit(pipeline.flush(unix_now_ns()));
     exporter.finish();
+    tracing::info!(
+        elapsed_ms = stopping.elapsed().as_millis() as u64,
+        "stopping: the last interval is written"
+    );
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
     reader_stats.add_to(&mut metrics);
+    metrics.agent_queue_full += dropped_at_stop;
     exporter.add_to(&mut metrics);
     metrics.log("agent stopped");
     if let Some(nvml) = nvml {
         nvml.stop();
     }
     serving.shutdown();
+    // The table builder is cancelled when the pipeline goes: whatever it was building or still
+    // had queued is dropped, not finished.
+    drop(pipeline);
+    tracing::info!(
+        elapsed_ms = stopping.elapsed().as_millis() as u64,
+        "agent stopped"
+    );
     Ok(())
 }
 

@@ -47,6 +47,7 @@ pub struct SelfMetrics {
     /// Python code objects cached (bounded).
     pub python_code_objects: u64,
     pub processes_tracked: u64,
+    /// File descriptors the process holds for files (/proc/self/fd), all users together.
     pub open_files: u64,
     /// Snapshots built from exec and fork events (/proc was gone), and identities held.
     pub process_snapshots_from_events: u64,
@@ -338,7 +339,7 @@ impl SelfMetrics {
         );
         push(
             "open_files",
-            "Mapped files held open for symbolization",
+            "File descriptors the agent holds for files (counted in /proc/self/fd)",
             self.open_files as f64,
             "gauge",
         );
@@ -733,6 +734,158 @@ mod tests {
         assert!(process_cpu_time() > before);
         let (rss, peak) = process_rss();
         assert!(rss > 0 && peak >= rss);
+    }
+
+    /// The docs that name metrics.
+    const METRIC_DOCS: [&str; 3] = [
+        "docs/architecture.md",
+        "docs/configuration.md",
+        "docs/troubleshooting.md",
+    ];
+
+    fn doc(path: &str) -> String {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(path);
+        std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()))
+    }
+
+    /// `(name, type)` of each row of the metrics reference table in docs/architecture.md.
+    fn reference_table(architecture: &str) -> Vec<(String, String)> {
+        let start = architecture
+            .find("<!-- metrics-reference:start -->")
+            .expect("metrics reference start marker");
+        let end = architecture
+            .find("<!-- metrics-reference:end -->")
+            .expect("metrics reference end marker");
+        architecture[start..end]
+            .lines()
+            .filter_map(|line| {
+                let mut cells = line.split('|').map(str::trim).skip(1);
+                let name = cells.next()?.strip_prefix('`')?.strip_suffix('`')?;
+                let kind = cells.next()?;
+                Some((name.to_owned(), kind.to_owned()))
+            })
+            .collect()
+    }
+
+    /// Backticked words in `text` that name a metric: a `profiler_` prefix, or a counter's
+    /// `_total` suffix (the prefix dropped).
+    fn metric_mentions(text: &str) -> Vec<String> {
+        text.split('`')
+            .skip(1)
+            .step_by(2)
+            // `name{label}`: the metric's name.
+            .map(|word| word.split('{').next().unwrap_or(word))
+            .filter(|word| {
+                !word.is_empty()
+                    && word
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+                    && (word.starts_with("profiler_") || word.ends_with("_total"))
+                    && *word != "profiler_"
+                    && !NOT_METRICS.contains(word)
+            })
+            .map(|word| word.trim_start_matches("profiler_").to_owned())
+            .collect()
+    }
+
+    /// Backticked `profiler_` words in the docs that are not metrics.
+    const NOT_METRICS: [&str; 1] = ["profiler_token"];
+
+    /// `(name, kind)` of the HTTP server's own metrics, which `/metrics` renders after
+    /// [`SelfMetrics::values`] (`server::handlers::server_metrics`): read from its source, the
+    /// name and kind literals of each entry.
+    /// The HTTP server's and the store's own metrics, as `/metrics` renders them beside the
+    /// agent's: (name without labels, type), each name once.
+    fn server_metrics() -> Vec<(String, &'static str)> {
+        let health = crate::server::HealthBoard::default();
+        let mut metrics: Vec<(String, &'static str)> =
+            crate::server::handlers::server_metrics(&health)
+                .into_iter()
+                .chain(crate::store::StoreCounters::default().metric_values())
+                .map(|(series, _, kind, _)| {
+                    // A labelled series counts under its metric's name.
+                    let name = series.split('{').next().unwrap_or(&series).to_owned();
+                    (name, kind)
+                })
+                .collect();
+        metrics.sort();
+        metrics.dedup();
+        metrics
+    }
+
+    #[test]
+    fn every_metric_is_documented_and_every_documented_metric_exists() {
+        let rendered: Vec<(String, &str)> = SelfMetrics::default()
+            .values()
+            .into_iter()
+            .map(|v| (v.name, v.kind))
+            .chain(server_metrics())
+            .collect();
+        let exported: std::collections::BTreeMap<String, &str> = rendered
+            .iter()
+            .map(|(name, kind)| {
+                let name = name.strip_prefix("profiler_").expect("prefix").to_owned();
+                (name, *kind)
+            })
+            .collect();
+        assert_eq!(exported.len(), rendered.len(), "a metric is exported twice");
+        assert!(exported.contains_key("unwind_tables_too_large_total"));
+        let architecture = doc("docs/architecture.md");
+        let table = reference_table(&architecture);
+        let documented: std::collections::BTreeMap<String, String> =
+            table.iter().cloned().collect();
+        assert_eq!(
+            documented.len(),
+            table.len(),
+            "a metric is documented twice"
+        );
+
+        let undocumented: Vec<&String> = exported
+            .keys()
+            .filter(|name| !documented.contains_key(*name))
+            .collect();
+        assert!(
+            undocumented.is_empty(),
+            "exported but not in the metrics reference of docs/architecture.md: {undocumented:?}"
+        );
+        let missing: Vec<&String> = documented
+            .keys()
+            .filter(|name| !exported.contains_key(*name))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "documented but not exported: {missing:?}"
+        );
+        for (name, kind) in &documented {
+            assert_eq!(exported[name], kind, "type of {name}");
+        }
+        for path in METRIC_DOCS {
+            let unknown: Vec<String> = metric_mentions(&doc(path))
+                .into_iter()
+                .filter(|name| !exported.contains_key(name))
+                .collect();
+            assert!(
+                unknown.is_empty(),
+                "{path} names metrics the agent does not export: {unknown:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn metric_mentions_are_found_in_backticks() {
+        let text = "see `profiler_open_files` and `unwind_tables_too_large_total`, \
+                    `profiler_limit_rejections_total{limit}`, \
+                    not `--unwind-table-memory` or `open_files_total_bytes` or `profiler_`";
+        assert_eq!(
+            metric_mentions(text),
+            vec![
+                "open_files".to_owned(),
+                "unwind_tables_too_large_total".to_owned(),
+                "limit_rejections_total".to_owned()
+            ]
+        );
     }
 
     #[test]

@@ -391,3 +391,92 @@ fn short_lived_processes_keep_their_program_name() {
         );
     }
 }
+
+/// A busy host: processes starting all the time (every one a new snapshot, new tables to build,
+/// new files to symbolize) and a CPU-bound fixture. SIGTERM must end the agent within 10 s
+/// (Kubernetes gives 30 before SIGKILL), with the interval under way written: the interval is
+/// long (60 s), so the only profile of the fixture's service is the one flushed at the stop.
+#[test]
+fn stops_within_ten_seconds_of_sigterm_on_a_busy_host_flushing_the_interval() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let cpu = Command::new(&fixture)
+        .arg("60")
+        .env("OTEL_SERVICE_NAME", "busy-stop")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let cpu = Running { child: cpu };
+    // Three shells starting /bin/true (and one a shell pipeline) without a pause.
+    let churn: Vec<Running> = (0..3)
+        .map(|_| Running {
+            child: Command::new("sh")
+                .args(["-c", "while :; do /bin/true; echo x | cat >/dev/null; done"])
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        })
+        .collect();
+    let scratch = Scratch::new("agent-stop");
+    let dir = scratch.path("profiles");
+    let agent = Command::new(profiler_bin())
+        .arg("agent")
+        .args(agent_isolation_args(&[
+            "--interval",
+            "60",
+            "--output-dir",
+            dir.to_str().unwrap(),
+        ]))
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Let it get busy: start-up, then several seconds of the churn.
+    std::thread::sleep(Duration::from_secs(8));
+    let sent = Instant::now();
+    unsafe { libc_kill(agent.id() as i32, 15) };
+    let pid = agent.id();
+    let output = std::thread::scope(|scope| {
+        let waiter = scope.spawn(move || agent.wait_with_output().unwrap());
+        while !waiter.is_finished() && sent.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if !waiter.is_finished() {
+            send_signal(pid, 9);
+        }
+        waiter.join().unwrap()
+    });
+    let took = sent.elapsed();
+    drop(churn);
+    drop(cpu);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        took < Duration::from_secs(10),
+        "stopped {took:?} after SIGTERM\n{stderr}"
+    );
+    let flushed: Vec<_> = std::fs::read_dir(&dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .unwrap()
+                        .to_string_lossy()
+                        .starts_with("busy-stop-")
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        flushed.len(),
+        1,
+        "the interval under way, written at the stop: {flushed:?}"
+    );
+    let samples = readable_samples(&decode_pprof(&flushed[0]));
+    assert!(
+        samples.iter().map(|s| s.values[0]).sum::<i64>() > 0,
+        "the flushed interval holds the fixture's samples"
+    );
+    eprintln!("stopped {took:?} after SIGTERM");
+}

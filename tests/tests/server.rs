@@ -1267,3 +1267,481 @@ fn no_file_access_through_the_api() {
         );
     }
 }
+
+/// Opens a socket to `addr` that sends nothing.
+fn idle_socket(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    let socket = std::net::TcpStream::connect(addr).expect("connect");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    socket
+}
+
+/// Waits until the server closed `socket` (EOF or reset); returns how long that took.
+fn wait_closed(socket: &mut std::net::TcpStream) -> Duration {
+    use std::io::Read;
+    let start = Instant::now();
+    let mut buf = [0u8; 1024];
+    loop {
+        match socket.read(&mut buf) {
+            Ok(0) | Err(_) => return start.elapsed(),
+            Ok(_) => {}
+        }
+    }
+}
+
+/// `--max-connections`: idle sockets fill the limit, yet the probes are answered (from the
+/// reserve), other requests get a clear 503, later connections are closed and counted, and the
+/// header timeout frees every slot the idle sockets held.
+#[test]
+fn idle_sockets_beyond_the_limit_do_not_stop_the_probes() {
+    let scratch = Scratch::new("conn-limit");
+    let server = ServerProcess::start(
+        &scratch.path("data"),
+        &[
+            "--max-connections",
+            "4",
+            "--http-header-timeout",
+            "3s",
+            "--auth-token",
+            "limit-token",
+        ],
+    );
+    let mut idle: Vec<std::net::TcpStream> = (0..4).map(|_| idle_socket(server.addr)).collect();
+    // Let the server accept them before the probes come.
+    std::thread::sleep(Duration::from_millis(300));
+    let client = server.client();
+    for probe in ["/healthz", "/readyz"] {
+        let response = client.get(probe);
+        assert_eq!(response.status, 200, "{probe}: {}", response.text());
+    }
+    // Anything else over the limit: 503 with a JSON error, before the token is even looked at.
+    let busy = client.get("/api/health");
+    assert_eq!(busy.status, 503, "{}", busy.text());
+    assert_eq!(busy.json_error().0, "unavailable");
+    assert!(busy.text().contains("--max-connections"), "{}", busy.text());
+    // Fill the probe reserve too: further connections are closed at once.
+    idle.extend((0..40).map(|_| idle_socket(server.addr)));
+    let mut extra = idle_socket(server.addr);
+    let closed_after = wait_closed(&mut extra);
+    assert!(
+        closed_after < Duration::from_secs(2),
+        "a connection beyond the limit and the reserve stayed open {closed_after:?}"
+    );
+    // The header timeout closes every idle socket, and the server serves normally again.
+    for socket in &mut idle {
+        let open_for = wait_closed(socket);
+        assert!(open_for < Duration::from_secs(10), "{open_for:?}");
+    }
+    drop(idle);
+    let authorized = server.client().with_token("limit-token");
+    // (A slot is free a moment after its socket is seen closed.)
+    eventually("a free connection slot", Duration::from_secs(5), || {
+        (authorized.get("/api/health").status == 200).then_some(())
+    });
+    let rejected = authorized
+        .metric("profiler_http_connections_rejected_total")
+        .expect("rejected metric");
+    assert!(rejected >= 2.0, "rejected {rejected}");
+    let timeouts = authorized
+        .metric("profiler_http_header_timeouts_total")
+        .expect("header timeouts metric");
+    assert!(timeouts >= 4.0, "header timeouts {timeouts}");
+    assert!(
+        authorized
+            .metric("profiler_http_connections_open")
+            .is_some_and(|open| open >= 1.0)
+    );
+}
+
+/// A client that sends its request head a byte now and then is cut off after
+/// `--http-header-timeout`, counted from its first byte, though it never stops sending.
+#[test]
+fn slow_header_connection_is_closed_after_the_timeout() {
+    use std::io::Write;
+    let scratch = Scratch::new("slow-header");
+    let server = ServerProcess::start(&scratch.path("data"), &["--http-header-timeout", "2s"]);
+    let mut socket = idle_socket(server.addr);
+    let start = Instant::now();
+    socket
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let mut closed = false;
+    while start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(250));
+        if socket.write_all(b"X-Slow: 1\r\n").is_err() {
+            closed = true;
+            break;
+        }
+    }
+    let elapsed = start.elapsed();
+    assert!(
+        closed,
+        "the slow client was still connected after {elapsed:?}"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(1500),
+        "closed after only {elapsed:?}"
+    );
+    let client = server.client();
+    assert!(
+        client
+            .metric("profiler_http_header_timeouts_total")
+            .unwrap()
+            >= 1.0
+    );
+    // A complete request on a kept-alive connection is not cut off by the header timeout
+    // while the connection idles between requests (that is --http-idle-timeout).
+    let mut keep = idle_socket(server.addr);
+    let request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    keep.write_all(request).unwrap();
+    let mut buf = [0u8; 4096];
+    let n = std::io::Read::read(&mut keep, &mut buf).unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    std::thread::sleep(Duration::from_secs(3));
+    keep.write_all(request).unwrap();
+    let n = std::io::Read::read(&mut keep, &mut buf).unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "kept-alive connection closed by the header timeout: {:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+}
+
+/// Selectors are bounded: too many matchers (or selectors) get a 400 JSON error and a count.
+#[test]
+fn selector_with_too_many_matchers_is_refused() {
+    let scratch = Scratch::new("matchers");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let client = server.client();
+    let selector = |n: usize| {
+        let matchers: Vec<String> = (0..n).map(|i| format!("l{i}=\"v\"")).collect();
+        format!("{{{}}}", matchers.join(","))
+    };
+    let call = |body: serde_json::Value, method: &str| {
+        client.request(
+            "POST",
+            &format!("/querier.v1.QuerierService/{method}"),
+            &[("Content-Type", "application/json")],
+            Some(body.to_string().as_bytes()),
+        )
+    };
+    let ok = call(
+        serde_json::json!({"matchers": [selector(64)]}),
+        "LabelNames",
+    );
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    for (method, body) in [
+        (
+            "LabelNames",
+            serde_json::json!({"matchers": [selector(200_000)]}),
+        ),
+        ("Series", serde_json::json!({"matchers": [selector(65)]})),
+        (
+            "LabelValues",
+            serde_json::json!({"name": "service_name", "matchers": vec!["{}"; 65]}),
+        ),
+        (
+            "SelectMergeStacktraces",
+            serde_json::json!({"profileTypeID": CPU_TYPE, "labelSelector": selector(65),
+                               "start": "1", "end": "2"}),
+        ),
+    ] {
+        let started = Instant::now();
+        let response = call(body, method);
+        assert_eq!(response.status, 400, "{method}: {}", response.text());
+        let (code, message) = response.json_error();
+        assert_eq!(code, "invalid_argument");
+        assert!(
+            (message.contains("64") || message.contains("longer than the limit"))
+                && !message.contains('\n'),
+            "{method}: {message}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{method}");
+    }
+    assert_eq!(
+        client.metric("profiler_http_selectors_rejected_total"),
+        Some(4.0)
+    );
+}
+
+/// The bearer scheme is case-insensitive.
+#[test]
+fn lower_case_bearer_is_accepted() {
+    let scratch = Scratch::new("bearer-case");
+    let server = ServerProcess::start(&scratch.path("data"), &["--auth-token", "CaseT0ken"]);
+    let client = server.client();
+    for scheme in ["bearer", "BEARER", "Bearer", "bEaReR"] {
+        let header = format!("{scheme} CaseT0ken");
+        let response = client.request("GET", "/api/health", &[("Authorization", &header)], None);
+        assert_eq!(response.status, 200, "{scheme}: {}", response.text());
+    }
+    for wrong in [
+        "bearer casetoken",
+        "Basic CaseT0ken",
+        "bearerCaseT0ken",
+        "CaseT0ken",
+    ] {
+        let response = client.request("GET", "/api/health", &[("Authorization", wrong)], None);
+        assert_eq!(response.status, 401, "{wrong}");
+    }
+}
+
+/// Planted secrets in `--pyroscope-url` and `--auth-token` reach no log line, no stdout, no
+/// cookie and no response: the agent runs with both, logs a failed push (to the URL with the
+/// password) and sets the UI cookie; a bad URL with a password fails with a redacted error.
+#[test]
+fn planted_secrets_never_reach_any_output() {
+    let _guard = exclusive();
+    const URL_SECRET: &str = "Url5ecretPlanted";
+    const TOKEN: &str = "T0kenSecretPlanted";
+    let scratch = Scratch::new("secrets");
+    // A port nobody listens on: pushes fail and are logged with the endpoint.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://profiles-user:{URL_SECRET}@127.0.0.1:{port}/");
+    let stdout_path = scratch.path("stdout");
+    let stderr_path = scratch.path("stderr");
+    let mut command = Command::new(profiler_bin());
+    command
+        .args([
+            "agent",
+            "--pyroscope-url",
+            &url,
+            "--auth-token",
+            TOKEN,
+            "--store",
+            "on",
+            "--data-dir",
+            scratch.path("data").to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "1",
+            "--push-max-backoff",
+            "1s",
+            "--pid",
+            &std::process::id().to_string(),
+        ])
+        .env("RUST_LOG", "debug")
+        .env_remove("PROFILER_AUTH_TOKEN")
+        .env_remove("PROFILER_PYROSCOPE_URL")
+        .env_remove("PYROSCOPE_URL")
+        .stdout(std::fs::File::create(&stdout_path).unwrap())
+        .stderr(std::fs::File::create(&stderr_path).unwrap());
+    let mut child = command.spawn().expect("start the agent");
+    let read = |path: &PathBuf| std::fs::read_to_string(path).unwrap_or_default();
+    let addr = eventually("the agent's push attempt", Duration::from_secs(60), || {
+        let log = read(&stderr_path);
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the agent exited with {status}:\n{log}");
+        }
+        (log.contains("cannot push to Pyroscope"))
+            .then(|| log.lines().find_map(parse_listening_line))
+            .flatten()
+    });
+    let client = Client::new(addr);
+    let login = client.get(&format!("/?token={TOKEN}"));
+    assert_eq!(login.status, 303, "{}", login.text());
+    let set_cookie = login.header("set-cookie").expect("a cookie").to_owned();
+    let cookie = set_cookie.split(';').next().unwrap().to_owned();
+    let page = client.request("GET", "/", &[("Cookie", cookie.as_str())], None);
+    assert_eq!(page.status, 200, "the cookie opens the UI");
+    let health = client.request("GET", "/api/health", &[("Cookie", cookie.as_str())], None);
+    assert_eq!(health.status, 200);
+    let metrics = client.get("/metrics").text();
+    send_signal(child.id(), SIGTERM);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}:\n{}", read(&stderr_path));
+    let (stdout, stderr) = (read(&stdout_path), read(&stderr_path));
+    assert!(
+        stderr.contains("profiles-user:***@127.0.0.1"),
+        "the URL is logged redacted:\n{stderr}"
+    );
+    let hex = |text: &str| -> String { text.bytes().map(|b| format!("{b:02x}")).collect() };
+    let outputs = [
+        ("stdout", stdout),
+        ("stderr", stderr),
+        ("set-cookie", set_cookie),
+        ("login response", login.text()),
+        ("/api/health", health.text()),
+        ("/metrics", metrics),
+    ];
+    for secret in [URL_SECRET, TOKEN] {
+        for encoded in [secret.to_owned(), hex(secret), secret.to_lowercase()] {
+            for (name, output) in &outputs {
+                assert!(
+                    !output.to_lowercase().contains(&encoded.to_lowercase()),
+                    "{name} contains the secret {secret} ({encoded}):\n{output}"
+                );
+            }
+        }
+    }
+
+    // A malformed URL with a password: exit 2 and a one-line error, redacted.
+    for bad in [
+        format!("ftp://user:{URL_SECRET}@host"),
+        format!("http://user:{URL_SECRET}@host/?q=1"),
+    ] {
+        let output = Command::new(profiler_bin())
+            .args(["agent", "--pyroscope-url", &bad])
+            .env_remove("PROFILER_PYROSCOPE_URL")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(output.status.code(), Some(2), "{text}");
+        assert!(text.contains("--pyroscope-url"), "{text}");
+        assert!(text.contains("user:***@host"), "{text}");
+        assert!(!text.contains(URL_SECRET), "{text}");
+    }
+}
+
+/// Issue 14, store: one overwritten 4 KiB page in the middle of a stopped server's
+/// `profiles.db` and the restarted server still answers and accepts pushes; the damaged file is
+/// kept aside as `profiles.db.corrupt-<UTC time>`.
+#[test]
+fn a_corrupt_store_is_moved_aside_and_the_server_keeps_serving() {
+    use std::io::{Seek, SeekFrom, Write};
+    let scratch = Scratch::new("corrupt-store");
+    let data_dir = scratch.path("data");
+    {
+        let server = ServerProcess::start(&data_dir, &[]);
+        let client = server.client();
+        for k in 0..40 {
+            ingest_folded_at(
+                &client,
+                "before",
+                unix_now_s() - 60 + k,
+                &format!("old_{k}"),
+                3000,
+            );
+        }
+        let mut server = server;
+        let (status, stderr) = server.process.stop();
+        assert!(status.success(), "{stderr}");
+    }
+    let db = data_dir.join("profiles.db");
+    let len = std::fs::metadata(&db).unwrap().len();
+    assert!(len >= 16 * 4096, "the store is only {len} bytes");
+    let mut file = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+    file.seek(SeekFrom::Start(len / 4096 / 2 * 4096)).unwrap();
+    file.write_all(&[0x5a; 4096]).unwrap();
+    drop(file);
+
+    let mut server = ServerProcess::start(&data_dir, &[]);
+    let client = server.client();
+    assert_eq!(client.get("/healthz").status, 200);
+    let response = client.push(&push_request(
+        &[("service_name", "after")],
+        &marker_profile("fresh_work", 1_000_000),
+    ));
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(
+        flamegraph_total_of(
+            &client.merge(CPU_TYPE, r#"{service_name="after"}"#),
+            "fresh_work"
+        ),
+        1_000_000
+    );
+    let kept: Vec<String> = std::fs::read_dir(&data_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("profiles.db.corrupt-"))
+        .collect();
+    let moved = kept
+        .iter()
+        .find(|name| !name.ends_with("-wal") && !name.ends_with("-shm"))
+        .unwrap_or_else(|| panic!("the corrupt database was not kept: {kept:?}"));
+    assert_eq!(std::fs::metadata(data_dir.join(moved)).unwrap().len(), len);
+    let (status, stderr) = server.process.stop();
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the database is corrupt") && stderr.contains(moved.as_str()),
+        "the event is not logged:\n{stderr}"
+    );
+}
+
+/// Issue 14, store: values and cardinality. 2^62 values merge to a saturated total (not a
+/// wrapped 0), a negative value is a 400, a series with more labels than the limit is a 400 and
+/// a push adding more services than the limit is a 429 that stores nothing of the push, while
+/// earlier data stays queryable.
+#[test]
+fn store_limits_and_value_checks_over_http() {
+    let scratch = Scratch::new("store-limits");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let client = server.client();
+    let big = 1i64 << 62;
+    for _ in 0..4 {
+        let response = client.push(&push_request(
+            &[("service_name", "huge")],
+            &marker_profile("huge_work", big),
+        ));
+        assert_eq!(response.status, 200, "{}", response.text());
+    }
+    let graph = client.merge(CPU_TYPE, r#"{service_name="huge"}"#);
+    assert_eq!(flamegraph_total_of(&graph, "huge_work"), i64::MAX);
+
+    let response = client.push(&push_request(
+        &[("service_name", "negative")],
+        &marker_profile("negative_work", -5),
+    ));
+    assert_eq!(response.status, 400, "{}", response.text());
+    let (code, message) = response.json_error();
+    assert_eq!(code, "invalid_argument");
+    assert!(message.contains("negative sample value -5"), "{message}");
+
+    // 31 labels of the series' own (the default limit is 30).
+    let names: Vec<String> = (0..30).map(|i| format!("label_{i}")).collect();
+    let mut labels: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "x")).collect();
+    labels.push(("service_name", "wide"));
+    let response = client.push(&push_request(&labels, &marker_profile("wide_work", 1)));
+    assert_eq!(response.status, 400, "{}", response.text());
+    assert!(
+        response
+            .json_error()
+            .1
+            .contains("--max-label-names-per-series"),
+        "{}",
+        response.text()
+    );
+
+    // 1,000 services (the default limit) fit, with the one above; one push of 1,000 more is
+    // refused as a whole.
+    let many = |range: std::ops::Range<usize>| {
+        let profile = marker_profile("many_work", 1);
+        let mut request = push_request(&[("service_name", "s")], &profile);
+        let template = request.series.pop().unwrap();
+        for i in range {
+            let mut series = template.clone();
+            series.labels[1].value = format!("service_{i}");
+            request.series.push(series);
+        }
+        request
+    };
+    let response = client.push(&many(0..999));
+    assert_eq!(response.status, 200, "{}", response.text());
+    let response = client.push(&many(999..1999));
+    assert_eq!(response.status, 429, "{}", response.text());
+    let (code, message) = response.json_error();
+    assert_eq!(code, "resource_exhausted");
+    assert!(message.contains("--max-services"), "{message}");
+    let services = client.label_values("service_name", None);
+    assert_eq!(
+        services.len(),
+        1000,
+        "nothing of the refused push is stored"
+    );
+    // Existing services still take profiles.
+    let response = client.push(&push_request(
+        &[("service_name", "huge")],
+        &marker_profile("huge_work", 1),
+    ));
+    assert_eq!(response.status, 200, "{}", response.text());
+}

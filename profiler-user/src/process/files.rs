@@ -28,6 +28,34 @@ pub(super) fn file_id(metadata: &fs::Metadata) -> FileId {
     }
 }
 
+/// File descriptors this process holds for files (see [`count_file_links`]), from
+/// /proc/self/fd.
+pub fn open_file_descriptors() -> u64 {
+    count_file_links(Path::new("/proc/self/fd"))
+}
+
+/// The entries of an fd directory (`/proc/PID/fd`) whose link names a file: a path, not a
+/// `socket:[…]`, `pipe:[…]` or `anon_inode:…` (BPF maps and programs, perf events, epoll). The
+/// descriptor reading the directory itself is left out.
+pub fn count_file_links(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut count = 0;
+    for entry in entries.flatten() {
+        let Ok(target) = fs::read_link(entry.path()) else {
+            continue;
+        };
+        let is_path = target.as_os_str().as_encoded_bytes().first() == Some(&b'/');
+        // The directory stream being read is a descriptor too: /proc/<pid>/fd.
+        let is_this_listing = target.starts_with("/proc") && target.ends_with("fd");
+        if is_path && !is_this_listing {
+            count += 1;
+        }
+    }
+    count
+}
+
 impl FileCache {
     pub fn new(max_open_files: usize) -> Self {
         Self {

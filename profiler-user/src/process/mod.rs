@@ -123,8 +123,12 @@ pub struct RegistryStats {
     pub snapshots_from_announced_mmaps: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
-    /// Files currently held open by the file cache.
+    /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
+    /// process holds: the file cache, snapshots and tables still using evicted files, the
+    /// symbolizer's own opens, the store), not sockets, pipes and BPF objects.
     pub open_files: u64,
+    /// Files the file cache holds (bounded by `max_open_files`).
+    pub cached_files: u64,
 }
 
 #[derive(Debug)]
@@ -201,7 +205,8 @@ impl ProcessRegistry {
 
     pub fn stats(&self) -> RegistryStats {
         RegistryStats {
-            open_files: self.files.len() as u64,
+            open_files: files::open_file_descriptors(),
+            cached_files: self.files.len() as u64,
             identities: self.identities.len() as u64,
             cgroup_paths: self.cgroups.len() as u64,
             ..self.stats

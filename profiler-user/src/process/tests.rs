@@ -502,7 +502,7 @@ fn file_opened_through_process_root_and_inode_checked() {
     assert!(file.build_id.is_some());
     // Same path, other inode (replaced on disk): not the mapped file.
     assert!(info.mappings[1].file.is_none());
-    assert_eq!(registry.stats().open_files, 1);
+    assert_eq!(registry.stats().cached_files, 1);
 }
 
 #[test]
@@ -537,7 +537,7 @@ fn file_cache_is_bounded_and_shared() {
         };
         assert!(Arc::ptr_eq(a, b), "one MappedFile per FileId");
     }
-    assert_eq!(shared.stats().open_files, 2);
+    assert_eq!(shared.stats().cached_files, 2);
 
     let mut bounded = ProcessRegistry::with_config(
         root.path().to_path_buf(),
@@ -550,7 +550,7 @@ fn file_cache_is_bounded_and_shared() {
     let info = bounded.lookup(Pid(100)).expect("snapshot");
     // Evicted from the cache, still held by the snapshot.
     assert!(info.mappings.iter().all(|m| m.file.is_some()));
-    assert_eq!(bounded.stats().open_files, 1);
+    assert_eq!(bounded.stats().cached_files, 1);
 }
 
 // ---- Live processes ----
@@ -755,4 +755,52 @@ fn live_kthreadd_is_a_kernel_thread() {
     assert_eq!(info.labels.service_name, "kernel");
     assert_eq!(info.labels.executable, "");
     assert!(info.mappings.is_empty());
+}
+
+// ---- Open file descriptors (the `open_files` metric) ----
+
+#[test]
+fn file_links_count_paths_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (name, target) in [
+        ("3", "/usr/lib/x86_64-linux-gnu/libc.so.6"),
+        ("4", "/tmp/gone (deleted)"),
+        ("5", "socket:[12345]"),
+        ("6", "pipe:[678]"),
+        ("7", "anon_inode:bpf-map"),
+        ("8", "anon_inode:[perf_event]"),
+        ("9", "/proc/4242/fd"),
+    ] {
+        std::os::unix::fs::symlink(target, dir.path().join(name)).expect("symlink");
+    }
+    assert_eq!(super::files::count_file_links(dir.path()), 2);
+}
+
+/// Every file held open is one descriptor, counted once (the cache's own count missed files
+/// held by snapshots and the symbolizer, and a file the cache held was not two).
+#[test]
+fn open_file_descriptors_follow_what_the_process_holds() {
+    const HELD: u64 = 64;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let before = super::files::open_file_descriptors();
+    let files: Vec<std::fs::File> = (0..HELD)
+        .map(|i| std::fs::File::create(dir.path().join(format!("f{i}"))).expect("create"))
+        .collect();
+    let held = super::files::open_file_descriptors();
+    // Other tests run in parallel and open files too: the difference is at least ours.
+    assert!(
+        held >= before + HELD,
+        "{held} descriptors counted, {before} before {HELD} were opened"
+    );
+    let descriptors = std::fs::read_dir("/proc/self/fd").expect("fd dir").count() as u64;
+    assert!(
+        held <= descriptors,
+        "{held} files among {descriptors} descriptors"
+    );
+    drop(files);
+    let after = super::files::open_file_descriptors();
+    assert!(
+        after + HELD <= held + 32,
+        "{after} after closing, {held} while held"
+    );
 }

@@ -21,7 +21,7 @@ use crate::{
     store::{
         NewProfile, ProfileType, Store, ingest,
         query::Selection,
-        selector::{Selector, parse_app_name},
+        selector::{MAX_MATCHERS, Selector, parse_app_name},
     },
 };
 
@@ -45,9 +45,58 @@ async fn blocking<T: Send + 'static>(
 }
 
 fn store_error(err: crate::store::StoreError) -> ApiError {
-    match err {
-        crate::store::StoreError::InvalidProfileType(_) => ApiError::invalid(err),
-        other => ApiError::internal(other),
+    match &err {
+        // Over a cardinality limit: 429, as Pyroscope answers its series limit.
+        crate::store::StoreError::Limit(limit) if limit.limit().is_cardinality() => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "resource_exhausted",
+            err.to_string(),
+        ),
+        _ if err.is_client_error() => ApiError::invalid(err),
+        _ => ApiError::internal(err),
+    }
+}
+
+/// Runs a query on the blocking pool within `--query-timeout`, waiting for a turn included
+/// ([`super::MAX_CONCURRENT_QUERIES`] run at once). Past the deadline the client gets a 503; the
+/// query finishes in the background and only then frees its turn, so abandoned queries cannot
+/// pile up beyond the bound.
+async fn bounded_query<T: Send + 'static>(
+    state: &AppState,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let timeout = state.config.query_timeout;
+    let turns = state.health.queries.clone();
+    let run = async move {
+        let turn = turns
+            .acquire_owned()
+            .await
+            .map_err(|e| ApiError::internal(format!("query turns closed: {e}")))?;
+        blocking(move || {
+            let result = work();
+            drop(turn);
+            result
+        })
+        .await
+    };
+    match tokio::time::timeout(timeout, run).await {
+        Ok(result) => result,
+        Err(_) => {
+            state
+                .health
+                .query_timeouts
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::debug!(timeout_s = timeout.as_secs_f64(), "query timed out");
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "deadline_exceeded",
+                format!(
+                    "the query took longer than --query-timeout ({}s): narrow the time range or \
+                     the label selector",
+                    timeout.as_secs_f64()
+                ),
+            ))
+        }
     }
 }
 
@@ -57,7 +106,7 @@ async fn save(store: Store, profiles: Vec<NewProfile>) -> Result<(), ApiError> {
 
 // ---- ingest ----
 
-/// `POST /ingest`: Pyroscope's legacy ingest (§1.2).
+/// `POST /ingest`: Pyroscope's legacy ingest (docs/pyroscope-protocol.md §4).
 pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
     let store = state.store()?.clone();
     let limit = state.config.max_body_bytes;
@@ -220,7 +269,7 @@ async fn read_multipart(
     Ok((profile, display_names))
 }
 
-/// `POST /push.v1.PusherService/Push` (§1.3).
+/// `POST /push.v1.PusherService/Push` (docs/pyroscope-protocol.md §3).
 pub async fn push(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -296,14 +345,28 @@ fn optional_range(start_ms: i64, end_ms: i64) -> Option<(i64, i64)> {
     (start_ms > 0 || end_ms > 0).then(|| time_range(start_ms, end_ms))
 }
 
+/// Parses a label selector; one refused for its size is counted.
+fn parse_selector(state: &AppState, text: &str) -> Result<Selector, ApiError> {
+    Selector::parse(text).map_err(|err| {
+        if err.is_limit() {
+            state
+                .health
+                .selectors_rejected
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        ApiError::invalid(err)
+    })
+}
+
 fn selection(
+    state: &AppState,
     profile_type_id: &str,
     label_selector: &str,
     start: i64,
     end: i64,
 ) -> Result<Selection, ApiError> {
     ProfileType::parse(profile_type_id).map_err(store_error)?;
-    let selector = Selector::parse(label_selector).map_err(ApiError::invalid)?;
+    let selector = parse_selector(state, label_selector)?;
     let (start_ns, end_ns) = time_range(start, end);
     if start_ns > end_ns {
         return Err(ApiError::invalid("start is after end"));
@@ -317,11 +380,20 @@ fn selection(
     })
 }
 
-fn selectors(matchers: &[String]) -> Result<Vec<Selector>, ApiError> {
-    matchers
-        .iter()
-        .map(|m| Selector::parse(m).map_err(ApiError::invalid))
-        .collect()
+/// The `matchers` of LabelNames, LabelValues and Series: at most [`MAX_MATCHERS`] selectors
+/// (each within the limits of one selector).
+fn selectors(state: &AppState, matchers: &[String]) -> Result<Vec<Selector>, ApiError> {
+    if matchers.len() > MAX_MATCHERS {
+        state
+            .health
+            .selectors_rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::invalid(format!(
+            "{} matchers given, at most {MAX_MATCHERS} are allowed",
+            matchers.len()
+        )));
+    }
+    matchers.iter().map(|m| parse_selector(state, m)).collect()
 }
 
 fn max_nodes(requested: Option<i64>) -> usize {
@@ -347,11 +419,8 @@ pub async fn querier(
         "ProfileTypes" => {
             let request: ProfileTypesRequest = connect::decode(codec, &body)?;
             let range = optional_range(request.start, request.end);
-            let mut ids: Vec<String> = store
-                .series(range)
-                .into_iter()
-                .map(|s| s.profile_type)
-                .collect();
+            let series = bounded_query(&state, move || Ok(store.series(range))).await?;
+            let mut ids: Vec<String> = series.into_iter().map(|s| s.profile_type).collect();
             ids.sort();
             ids.dedup();
             let profile_types = ids
@@ -373,26 +442,29 @@ pub async fn querier(
         }
         "LabelNames" => {
             let request: LabelNamesRequest = connect::decode(codec, &body)?;
-            let selectors = selectors(&request.matchers)?;
-            let names = store.label_names(&selectors, optional_range(request.start, request.end));
+            let selectors = selectors(&state, &request.matchers)?;
+            let range = optional_range(request.start, request.end);
+            let names =
+                bounded_query(&state, move || Ok(store.label_names(&selectors, range))).await?;
             Ok(connect::encode(codec, &LabelNamesResponse { names }))
         }
         "LabelValues" => {
             let request: LabelValuesRequest = connect::decode(codec, &body)?;
-            let selectors = selectors(&request.matchers)?;
-            let names = store.label_values(
-                &request.name,
-                &selectors,
-                optional_range(request.start, request.end),
-            );
+            let selectors = selectors(&state, &request.matchers)?;
+            let range = optional_range(request.start, request.end);
+            let name = request.name;
+            let names = bounded_query(&state, move || {
+                Ok(store.label_values(&name, &selectors, range))
+            })
+            .await?;
             Ok(connect::encode(codec, &LabelValuesResponse { names }))
         }
         "Series" => {
             let request: SeriesRequest = connect::decode(codec, &body)?;
-            let selectors = selectors(&request.matchers)?;
+            let selectors = selectors(&state, &request.matchers)?;
             let range = optional_range(request.start, request.end);
-            let mut sets: Vec<Vec<LabelPair>> = store
-                .series(range)
+            let series = bounded_query(&state, move || Ok(store.series(range))).await?;
+            let mut sets: Vec<Vec<LabelPair>> = series
                 .into_iter()
                 .filter(|s| {
                     selectors.is_empty() || selectors.iter().any(|sel| sel.matches(&s.labels))
@@ -422,13 +494,14 @@ pub async fn querier(
                 ));
             }
             let selection = selection(
+                &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
             let max_nodes = max_nodes(request.max_nodes);
-            let flamegraph = blocking(move || {
+            let flamegraph = bounded_query(&state, move || {
                 let tree = store.merge(&selection).map_err(store_error)?;
                 Ok(render::flamegraph(&tree, max_nodes))
             })
@@ -446,19 +519,21 @@ pub async fn querier(
                 return Err(ApiError::invalid("Diff needs both `left` and `right`"));
             };
             let left_selection = selection(
+                &state,
                 &left.profile_type_id,
                 &left.label_selector,
                 left.start,
                 left.end,
             )?;
             let right_selection = selection(
+                &state,
                 &right.profile_type_id,
                 &right.label_selector,
                 right.start,
                 right.end,
             )?;
             let max_nodes = max_nodes(left.max_nodes.or(right.max_nodes));
-            let flamegraph = blocking(move || {
+            let flamegraph = bounded_query(&state, move || {
                 let left = store.merge(&left_selection).map_err(store_error)?;
                 let right = store.merge(&right_selection).map_err(store_error)?;
                 Ok(render::flamegraph_diff(&left, &right, max_nodes))
@@ -479,12 +554,13 @@ pub async fn querier(
                 ));
             }
             let selection = selection(
+                &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
-            let profile = blocking(move || merged_pprof(&store, &selection)).await?;
+            let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
             Ok((
                 StatusCode::OK,
                 [(
@@ -498,16 +574,18 @@ pub async fn querier(
         "SelectSeries" => {
             let request: SelectSeriesRequest = connect::decode(codec, &body)?;
             let selection = selection(
+                &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
-            let series = blocking(move || select_series(&store, &selection, &request)).await?;
+            let series =
+                bounded_query(&state, move || select_series(&store, &selection, &request)).await?;
             Ok(connect::encode(codec, &SelectSeriesResponse { series }))
         }
         "GetProfileStats" => {
-            let series = store.series(None);
+            let series = bounded_query(&state, move || Ok(store.series(None))).await?;
             let response = GetProfileStatsResponse {
                 data_ingested: !series.is_empty(),
                 oldest_profile_time: series
@@ -626,8 +704,8 @@ pub async fn pprof_download(State(state): State<AppState>, uri: Uri) -> Result<R
             })
         })
     };
-    let selection = selection(profile_type, selector, ms("from")?, ms("until")?)?;
-    let profile = blocking(move || merged_pprof(&store, &selection)).await?;
+    let selection = selection(&state, profile_type, selector, ms("from")?, ms("until")?)?;
+    let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
     let body = crate::store::ingest::gzip(&profile.encode_to_vec());
     Ok((
         StatusCode::OK,
@@ -651,14 +729,29 @@ pub async fn pprof_download(State(state): State<AppState>, uri: Uri) -> Result<R
 /// `GET /metrics`: Prometheus text format.
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let gpu = state.health.gpu.clone();
+    let server = server_metrics(&state.health);
+    let store = state
+        .store
+        .as_ref()
+        .map(|store| store.counters().metric_values())
+        .unwrap_or_default();
     let metrics = blocking(move || Ok(state.health.snapshot(state.store.as_ref())))
         .await
         .unwrap_or_default();
     let mut text = String::new();
-    for value in metrics.values() {
-        let _ = writeln!(text, "# HELP {} {}", value.name, value.help);
-        let _ = writeln!(text, "# TYPE {} {}", value.name, value.kind);
-        let _ = writeln!(text, "{} {}", value.name, value.value);
+    let values = metrics
+        .values()
+        .into_iter()
+        .map(|v| (v.name, v.help, v.kind, v.value));
+    // A labelled series (`name{label="…"}`) shares its HELP and TYPE with the others of its name.
+    let mut described = std::collections::HashSet::new();
+    for (series, help, kind, value) in values.chain(server).chain(store) {
+        let name = series.split('{').next().unwrap_or(&series).to_owned();
+        if described.insert(name.clone()) {
+            let _ = writeln!(text, "# HELP {name} {help}");
+            let _ = writeln!(text, "# TYPE {name} {kind}");
+        }
+        let _ = writeln!(text, "{series} {value}");
     }
     text.push_str(&gpu.render_prometheus());
     (
@@ -670,6 +763,49 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// The HTTP server's own limits and refusals: name, help, kind, value.
+pub(crate) fn server_metrics(
+    health: &super::HealthBoard,
+) -> Vec<(String, &'static str, &'static str, f64)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let connections = &health.connections;
+    [
+        (
+            "profiler_http_connections_open",
+            "HTTP connections open now.",
+            "gauge",
+            connections.open.load(Relaxed),
+        ),
+        (
+            "profiler_http_connections_rejected_total",
+            "HTTP connections refused over --max-connections (closed, or a 503 for a non-probe request on a reserve connection).",
+            "counter",
+            connections.rejected.load(Relaxed),
+        ),
+        (
+            "profiler_http_header_timeouts_total",
+            "HTTP connections closed because the request head did not arrive within --http-header-timeout.",
+            "counter",
+            connections.header_timeouts.load(Relaxed),
+        ),
+        (
+            "profiler_http_query_timeouts_total",
+            "Queries answered with a 503 after --query-timeout.",
+            "counter",
+            health.query_timeouts.load(Relaxed),
+        ),
+        (
+            "profiler_http_selectors_rejected_total",
+            "Queries refused with a 400 for a label selector beyond the size or matcher limits.",
+            "counter",
+            health.selectors_rejected.load(Relaxed),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, help, kind, value)| (name.to_owned(), help, kind, value as f64))
+    .collect()
 }
 
 /// `GET /healthz`: the process is alive and serves HTTP.

@@ -6,7 +6,8 @@
 //! store work runs on tokio's blocking pool.
 pub mod api;
 pub mod connect;
-mod handlers;
+pub(crate) mod handlers;
+pub mod listen;
 pub mod render;
 pub mod serve;
 
@@ -16,7 +17,7 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use axum::{
@@ -30,11 +31,20 @@ use axum::{
 
 use crate::{self_metrics::SelfMetrics, store::Store};
 use connect::ApiError;
+pub use listen::{
+    ConnectionCounters, ConnectionLimits, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+};
 
 /// Default address of the HTTP server.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:4040";
 /// Default limit of a request body, also after decompression.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// Default bound of one query's time (`--query-timeout`), waiting for a turn included.
+pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Queries that run at once on the blocking pool (8 threads); the others wait for a turn, so
+/// ingest and /metrics keep threads while heavy queries run.
+pub const MAX_CONCURRENT_QUERIES: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -50,7 +60,7 @@ pub enum ServerError {
     )]
     Unprotected(SocketAddr),
     #[error("cannot start the HTTP server: {0}")]
-    Runtime(std::io::Error),
+    Runtime(#[source] std::io::Error),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,6 +73,10 @@ pub struct ServerConfig {
     /// Allow a non-loopback address without a token.
     pub insecure_listen: bool,
     pub max_body_bytes: usize,
+    /// Concurrent connections, header and idle timeouts (enforced before a request is read).
+    pub connections: ConnectionLimits,
+    /// Longest a query may take before the client gets a 503.
+    pub query_timeout: Duration,
 }
 
 impl ServerConfig {
@@ -73,6 +87,8 @@ impl ServerConfig {
             auth_metrics: false,
             insecure_listen: false,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            connections: ConnectionLimits::default(),
+            query_timeout: DEFAULT_QUERY_TIMEOUT,
         }
     }
 
@@ -94,6 +110,14 @@ pub struct HealthBoard {
     started: Instant,
     pub http_requests: AtomicU64,
     pub http_errors: AtomicU64,
+    /// Refused, timed-out and open connections (server/listen.rs).
+    pub connections: ConnectionCounters,
+    /// Queries answered with a 503 because they ran past --query-timeout.
+    pub query_timeouts: AtomicU64,
+    /// Label selectors refused for their size or number of matchers.
+    pub selectors_rejected: AtomicU64,
+    /// Turns for queries on the blocking pool ([`MAX_CONCURRENT_QUERIES`]).
+    pub queries: Arc<tokio::sync::Semaphore>,
     /// Whether `/readyz` answers 200: set once the agent samples (the server alone: once it
     /// listens), cleared when it stops.
     ready: AtomicBool,
@@ -107,6 +131,10 @@ impl Default for HealthBoard {
             started: Instant::now(),
             http_requests: AtomicU64::new(0),
             http_errors: AtomicU64::new(0),
+            connections: ConnectionCounters::default(),
+            query_timeouts: AtomicU64::new(0),
+            selectors_rejected: AtomicU64::new(0),
+            queries: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_QUERIES)),
             ready: AtomicBool::new(false),
         }
     }
@@ -225,11 +253,10 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_credentials)
             .is_some_and(|presented| constant_time_eq(presented.as_bytes(), token.as_bytes()));
-        let cookie = || {
-            cookie_tokens(headers).any(|presented| constant_time_eq(&presented, token.as_bytes()))
-        };
+        let cookie =
+            || cookie_values(headers).any(|presented| session::verify(token, presented.as_bytes()));
         if !bearer && !cookie() {
             let mut response = unauthorized(&state);
             if has_body(request.headers()) {
@@ -296,11 +323,23 @@ fn query_token(uri: &axum::http::Uri) -> Option<String> {
     query.0.get("token").cloned()
 }
 
-/// 303 to `/` with the token in an HttpOnly, SameSite=Strict cookie, so the token leaves the
-/// address bar and scripts cannot read it. Hex keeps any token a valid cookie value.
+/// The credentials of an `Authorization: Bearer ...` header; the scheme is case-insensitive
+/// (RFC 9110 §11.1), so `bearer` and `BEARER` work too.
+fn bearer_credentials(value: &str) -> Option<&str> {
+    let (scheme, credentials) = value.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| credentials.trim_start())
+}
+
+/// 303 to `/` with a session cookie (HttpOnly, SameSite=Strict), so the token leaves the
+/// address bar and scripts cannot read the cookie. The cookie is an HMAC keyed by the token
+/// ([`session`]), not the token itself.
 fn login_redirect(token: &str) -> Response {
-    let hex: String = token.bytes().map(|b| format!("{b:02x}")).collect();
-    let cookie = format!("{TOKEN_COOKIE}={hex}; Path=/; HttpOnly; SameSite=Strict");
+    let cookie = format!(
+        "{TOKEN_COOKIE}={}; Path=/; HttpOnly; SameSite=Strict",
+        session::cookie_value(token)
+    );
     let mut response = StatusCode::SEE_OTHER.into_response();
     let headers = response.headers_mut();
     headers.insert(header::LOCATION, HeaderValue::from_static("/"));
@@ -311,8 +350,8 @@ fn login_redirect(token: &str) -> Response {
     response
 }
 
-/// The decoded values of every token cookie in the request.
-fn cookie_tokens(headers: &axum::http::HeaderMap) -> impl Iterator<Item = Vec<u8>> + '_ {
+/// The values of every session cookie in the request.
+fn cookie_values(headers: &axum::http::HeaderMap) -> impl Iterator<Item = &str> + '_ {
     headers
         .get_all(header::COOKIE)
         .iter()
@@ -320,17 +359,48 @@ fn cookie_tokens(headers: &axum::http::HeaderMap) -> impl Iterator<Item = Vec<u8
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
         .filter(|(name, _)| *name == TOKEN_COOKIE)
-        .filter_map(|(_, value)| decode_hex(value))
+        .map(|(_, value)| value)
 }
 
-fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
+/// The UI's session cookie: HMAC-SHA256 of a fixed label keyed by the token, hex-encoded. It
+/// proves the browser was given the token once without being the token: a leaked cookie (a
+/// proxy log, a stolen browser profile) does not reveal the bearer token for the API, and it
+/// stops working when the token changes.
+mod session {
+    use ring::hmac;
+
+    /// What the HMAC signs; a new label would void every cookie issued before.
+    const LABEL: &[u8] = b"profiler web UI session v1";
+
+    pub fn cookie_value(token: &str) -> String {
+        let key = hmac::Key::new(hmac::HMAC_SHA256, token.as_bytes());
+        hmac::sign(&key, LABEL)
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
+
+    /// Whether `presented` (hex) is the cookie for `token`, compared in constant time.
+    pub fn verify(token: &str, presented: &[u8]) -> bool {
+        let Some(tag) = decode_hex(presented) else {
+            return false;
+        };
+        let key = hmac::Key::new(hmac::HMAC_SHA256, token.as_bytes());
+        hmac::verify(&key, LABEL, &tag).is_ok()
+    }
+
+    fn decode_hex(text: &[u8]) -> Option<Vec<u8>> {
+        if !text.len().is_multiple_of(2) {
+            return None;
+        }
+        text.chunks(2)
+            .map(|pair| {
+                let digit = |c: u8| (c as char).to_digit(16);
+                Some((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
+            })
+            .collect()
+    }
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -340,7 +410,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// A running server; dropping it (or [`Server::shutdown`]) stops it.
 pub struct Server {
     addr: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    shutdown: Option<tokio::sync::watch::Sender<bool>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -364,7 +434,9 @@ impl Server {
             .enable_all()
             .build()
             .map_err(ServerError::Runtime)?;
-        let (shutdown, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+        let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+        let limits = config.connections;
+        let health = state.health.clone();
         let app = router(state);
         let thread = std::thread::Builder::new()
             .name("http-server".into())
@@ -377,12 +449,7 @@ impl Server {
                             return;
                         }
                     };
-                    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-                        let _ = shutdown_rx.await;
-                    });
-                    if let Err(err) = serve.await {
-                        tracing::error!("HTTP server: {err}");
-                    }
+                    listen::serve(listener, app, limits, health, shutdown_rx).await;
                 });
             })
             .map_err(ServerError::Runtime)?;
@@ -405,7 +472,7 @@ impl Server {
 
     fn stop(&mut self) {
         if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
+            let _ = shutdown.send(true);
         }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();

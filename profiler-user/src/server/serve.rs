@@ -13,12 +13,13 @@ use std::{
 use clap::{Args, ValueEnum};
 
 use super::{
-    AppState, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, HealthBoard, Server, ServerConfig,
-    ServerError,
+    AppState, ConnectionLimits, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_QUERY_TIMEOUT, HealthBoard, Server,
+    ServerConfig, ServerError,
 };
 use crate::store::{
     DEFAULT_DATA_DIR, DEFAULT_MAINTENANCE_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_RETENTION, Store,
-    StoreError, StoreSettings,
+    StoreError, StoreOptions, StoreSettings, limits::StoreLimitArgs,
 };
 
 // The flags' defaults as `--help` shows them, written from the constants the store and server
@@ -29,6 +30,14 @@ static DEFAULT_MAINTENANCE_TEXT: LazyLock<String> =
 static DEFAULT_MAX_STORE_TEXT: LazyLock<String> = LazyLock::new(|| format_size(DEFAULT_MAX_BYTES));
 static DEFAULT_MAX_BODY_TEXT: LazyLock<String> =
     LazyLock::new(|| format_size(DEFAULT_MAX_BODY_BYTES as u64));
+static DEFAULT_MAX_CONNECTIONS_TEXT: LazyLock<String> =
+    LazyLock::new(|| DEFAULT_MAX_CONNECTIONS.to_string());
+static DEFAULT_HEADER_TIMEOUT_TEXT: LazyLock<String> =
+    LazyLock::new(|| format_age(DEFAULT_HEADER_TIMEOUT));
+static DEFAULT_IDLE_TIMEOUT_TEXT: LazyLock<String> =
+    LazyLock::new(|| format_age(DEFAULT_IDLE_TIMEOUT));
+static DEFAULT_QUERY_TIMEOUT_TEXT: LazyLock<String> =
+    LazyLock::new(|| format_age(DEFAULT_QUERY_TIMEOUT));
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
@@ -76,6 +85,29 @@ pub struct ServerArgs {
     #[arg(long, env = "PROFILER_MAX_BODY_SIZE", default_value = DEFAULT_MAX_BODY_TEXT.as_str(),
           value_parser = parse_size)]
     pub max_body_size: u64,
+    /// Most HTTP connections open at once. Beyond it a small reserve still answers /healthz and
+    /// /readyz (anything else gets a 503), and further connections are closed at once; each
+    /// refusal is counted in profiler_http_connections_rejected_total.
+    #[arg(long, env = "PROFILER_MAX_CONNECTIONS",
+          default_value = DEFAULT_MAX_CONNECTIONS_TEXT.as_str(),
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections: u64,
+    /// How long a client has to send a whole request head, from connecting (or from the first
+    /// byte of a next request on a kept-alive connection); then the connection is closed.
+    #[arg(long, env = "PROFILER_HTTP_HEADER_TIMEOUT",
+          default_value = DEFAULT_HEADER_TIMEOUT_TEXT.as_str(), value_parser = parse_age)]
+    pub http_header_timeout: Duration,
+    /// How long a kept-alive connection may wait for its next request before it is closed.
+    #[arg(long, env = "PROFILER_HTTP_IDLE_TIMEOUT",
+          default_value = DEFAULT_IDLE_TIMEOUT_TEXT.as_str(), value_parser = parse_age)]
+    pub http_idle_timeout: Duration,
+    /// Longest time one query may take (waiting for a turn included); beyond it the client gets
+    /// a 503 and profiler_http_query_timeouts_total counts it.
+    #[arg(long, env = "PROFILER_QUERY_TIMEOUT",
+          default_value = DEFAULT_QUERY_TIMEOUT_TEXT.as_str(), value_parser = parse_age)]
+    pub query_timeout: Duration,
+    #[command(flatten)]
+    pub store_limits: StoreLimitArgs,
 }
 
 /// Settings of the store and server.
@@ -84,6 +116,8 @@ pub struct ServeConfig {
     pub server: ServerConfig,
     /// `None` with `--store off`.
     pub store: Option<StoreSettings>,
+    /// The store's limits and its integrity check at open.
+    pub store_options: StoreOptions,
 }
 
 impl Default for ServeConfig {
@@ -91,6 +125,7 @@ impl Default for ServeConfig {
         ServeConfig {
             server: ServerConfig::new(DEFAULT_LISTEN.parse().expect("valid default address")),
             store: Some(StoreSettings::new(DEFAULT_DATA_DIR)),
+            store_options: StoreOptions::default(),
         }
     }
 }
@@ -111,6 +146,12 @@ impl ServerArgs {
                 auth_metrics: self.auth_metrics,
                 insecure_listen: self.insecure_listen,
                 max_body_bytes: self.max_body_size.min(usize::MAX as u64) as usize,
+                connections: ConnectionLimits {
+                    max_connections: self.max_connections.min(usize::MAX as u64) as usize,
+                    header_timeout: self.http_header_timeout,
+                    idle_timeout: self.http_idle_timeout,
+                },
+                query_timeout: self.query_timeout,
             },
             store: (self.store.unwrap_or(store_default) == Switch::On).then_some(StoreSettings {
                 data_dir: self.data_dir,
@@ -118,6 +159,10 @@ impl ServerArgs {
                 max_bytes: self.max_store_size,
                 maintenance_interval: self.maintenance_interval,
             }),
+            store_options: StoreOptions {
+                limits: self.store_limits.limits(),
+                integrity_check: !self.store_limits.no_store_check,
+            },
         }
     }
 }
@@ -229,7 +274,11 @@ impl Serving {
     pub fn start(config: &ServeConfig) -> Result<Serving, ServeError> {
         // Refuse an unprotected address before touching the disk.
         config.server.check()?;
-        let store = config.store.clone().map(Store::open).transpose()?;
+        let store = config
+            .store
+            .clone()
+            .map(|settings| Store::open_with(settings, config.store_options.clone()))
+            .transpose()?;
         if let Some(store) = &store {
             // Enforce limits once at start (a lowered cap applies at once), then periodically.
             if let Err(err) = store.enforce_limits() {
@@ -298,6 +347,12 @@ mod tests {
         assert_eq!(DEFAULT_MAX_STORE_TEXT.as_str(), "10GiB");
         assert_eq!(DEFAULT_MAINTENANCE_TEXT.as_str(), "1m");
         assert_eq!(DEFAULT_MAX_BODY_TEXT.as_str(), "16MiB");
+        assert_eq!(DEFAULT_MAX_CONNECTIONS_TEXT.as_str(), "1024");
+        assert_eq!(DEFAULT_HEADER_TIMEOUT_TEXT.as_str(), "10s");
+        assert_eq!(DEFAULT_IDLE_TIMEOUT_TEXT.as_str(), "1m");
+        assert_eq!(DEFAULT_QUERY_TIMEOUT_TEXT.as_str(), "30s");
+        assert_eq!(config.server.connections, ConnectionLimits::default());
+        assert_eq!(config.server.query_timeout, DEFAULT_QUERY_TIMEOUT);
     }
 
     #[test]

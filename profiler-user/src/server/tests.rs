@@ -709,3 +709,110 @@ fn metrics_health_and_ui() {
         assert_eq!(status, 404, "{path}");
     }
 }
+
+#[test]
+fn bearer_scheme_is_case_insensitive() {
+    assert_eq!(bearer_credentials("Bearer abc"), Some("abc"));
+    assert_eq!(bearer_credentials("bearer abc"), Some("abc"));
+    assert_eq!(bearer_credentials("BEARER  abc"), Some("abc"));
+    assert_eq!(bearer_credentials("Basic abc"), None);
+    assert_eq!(bearer_credentials("Bearerabc"), None);
+    assert_eq!(bearer_credentials("abc"), None);
+}
+
+#[test]
+fn session_cookie_is_an_hmac_not_the_token() {
+    let token = "s3cret-token";
+    let cookie = session::cookie_value(token);
+    assert_eq!(cookie.len(), 64, "hex of a SHA-256 HMAC");
+    let hex: String = token.bytes().map(|b| format!("{b:02x}")).collect();
+    assert!(!cookie.contains(&hex) && !cookie.contains(token));
+    assert!(session::verify(token, cookie.as_bytes()));
+    assert!(session::verify(token, cookie.to_uppercase().as_bytes()));
+    assert!(!session::verify("other", cookie.as_bytes()));
+    assert!(!session::verify(token, hex.as_bytes()), "the old cookie");
+    assert!(!session::verify(token, &cookie.as_bytes()[..62]));
+    assert!(!session::verify(token, b"zz"));
+    assert_ne!(session::cookie_value("other"), cookie);
+
+    let server = TestServer::with_config(|c| c.auth_token = Some(token.into()));
+    let agent = ureq2::AgentBuilder::new().redirects(0).build();
+    let login = read(agent.get(&server.url("/?token=s3cret-token")).call());
+    assert_eq!(login.0, 303);
+    let with_cookie = |value: &str| {
+        read(
+            agent
+                .get(&server.url("/api/health"))
+                .set("Cookie", &format!("{TOKEN_COOKIE}={value}"))
+                .call(),
+        )
+        .0
+    };
+    assert_eq!(with_cookie(&cookie), 200);
+    assert_eq!(with_cookie(&hex), 401);
+}
+
+#[test]
+fn a_query_past_the_timeout_gets_a_503_and_the_probes_still_answer() {
+    let server = TestServer::with_config(|c| c.query_timeout = std::time::Duration::from_secs(1));
+    // Every query turn taken, as by heavy queries still running.
+    let turns = server
+        .health
+        .queries
+        .clone()
+        .try_acquire_many_owned(MAX_CONCURRENT_QUERIES as u32)
+        .unwrap();
+    let query = std::thread::spawn({
+        let url = server.url("/querier.v1.QuerierService/LabelNames");
+        move || {
+            let started = std::time::Instant::now();
+            let response = ureq2::post(&url)
+                .set("Content-Type", "application/json")
+                .send_bytes(b"{}");
+            (read(response), started.elapsed())
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    assert_eq!(server.get("/healthz").0, 200);
+    assert_eq!(server.get("/metrics").0, 200);
+    assert!(started.elapsed() < std::time::Duration::from_millis(900));
+    let ((status, body), took) = query.join().unwrap();
+    assert_json_error(status, &body, 503, "--query-timeout");
+    let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(error["code"], "deadline_exceeded");
+    assert!(took >= std::time::Duration::from_millis(900), "{took:?}");
+    assert_eq!(
+        server.health.query_timeouts.load(Ordering::Relaxed),
+        1,
+        "counted"
+    );
+    let (_, metrics) = server.get("/metrics");
+    let metrics = String::from_utf8(metrics).unwrap();
+    assert!(
+        metrics.contains("\nprofiler_http_query_timeouts_total 1\n"),
+        "{metrics}"
+    );
+    // With the turns back, queries run again.
+    drop(turns);
+    let (status, _) = server.post(
+        "/querier.v1.QuerierService/LabelNames",
+        "application/json",
+        b"{}",
+    );
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn too_many_matchers_are_a_400_and_counted() {
+    let server = TestServer::start();
+    let matchers: Vec<String> = (0..65).map(|i| format!("l{i}=\"v\"")).collect();
+    let body = serde_json::json!({"matchers": [format!("{{{}}}", matchers.join(","))]});
+    let (status, body) = server.post(
+        "/querier.v1.QuerierService/Series",
+        "application/json",
+        body.to_string().as_bytes(),
+    );
+    assert_json_error(status, &body, 400, "more than 64 matchers");
+    assert_eq!(server.health.selectors_rejected.load(Ordering::Relaxed), 1);
+}

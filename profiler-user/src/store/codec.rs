@@ -46,7 +46,7 @@ pub fn decode(bytes: &[u8], mut add: impl FnMut(u32, i64)) -> Result<(), Corrupt
         let zigzag = reader.varint()?;
         let value = ((zigzag >> 1) as i64) ^ -((zigzag & 1) as i64);
         let node = u32::try_from(node).map_err(|_| CorruptProfile("node id out of range"))?;
-        add(node, value.wrapping_mul(scale));
+        add(node, value.saturating_mul(scale));
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! Turning what clients send (pprof, folded stacks) into [`NewProfile`]s: decompression with a
-//! size guard, pprof validation as Pyroscope does it (docs/pyroscope.md §1.5.2), one profile per
+//! size guard, pprof validation as Pyroscope does it (docs/pyroscope-protocol.md §5.2), one profile per
 //! sample type and per distinct set of pprof sample string labels.
 use std::io::Read;
 
@@ -25,6 +25,10 @@ pub enum IngestError {
     InvalidLabels(String),
     #[error("unknown profile type `{0}` in the application name")]
     UnknownTextProfileType(String),
+    #[error(
+        "negative sample value {value} of sample type `{sample_type}`: sample values must be zero or positive"
+    )]
+    NegativeValue { value: i64, sample_type: String },
 }
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
@@ -69,7 +73,7 @@ pub fn decode_pprof(bytes: &[u8], limit: usize) -> Result<proto::Profile, Ingest
     proto::Profile::decode(raw.as_ref()).map_err(|e| IngestError::MalformedPprof(e.to_string()))
 }
 
-/// Label names and values as Pyroscope accepts them (§1.5.3).
+/// Label names and values as Pyroscope accepts them (docs/pyroscope-protocol.md §5.3).
 pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
     if labels.len() > 40 {
         return Err(IngestError::InvalidLabels(format!(
@@ -116,7 +120,7 @@ pub fn validate_labels(labels: &[(String, String)]) -> Result<(), IngestError> {
     Ok(())
 }
 
-/// The `__name__` Pyroscope derives for a pprof sent to `/ingest` (§1.2.5).
+/// The `__name__` Pyroscope derives for a pprof sent to `/ingest` (docs/pyroscope-protocol.md §4.4).
 pub fn derive_pprof_name(pprof: &proto::Profile) -> String {
     let string = |i: i64| {
         pprof
@@ -314,7 +318,7 @@ fn intern_label(index: &mut HashMap<String, u32>, label: String, names: &mut Vec
     id
 }
 
-/// Structural checks before any use (§1.5.2); afterwards every index used is in range.
+/// Structural checks before any use (docs/pyroscope-protocol.md §5.2); afterwards every index used is in range.
 pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
     let malformed = |msg: String| Err(IngestError::MalformedPprof(msg));
     let strings = pprof.string_table.len() as i64;
@@ -346,6 +350,13 @@ pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
                 sample.value.len(),
                 pprof.sample_type.len()
             ));
+        }
+        if let Some((index, &value)) = sample.value.iter().enumerate().find(|(_, v)| **v < 0) {
+            let sample_type = &pprof.string_table[pprof.sample_type[index].r#type as usize];
+            return Err(IngestError::NegativeValue {
+                value,
+                sample_type: super::limits::quote(sample_type),
+            });
         }
         for label in &sample.label {
             if !in_range(label.key) || !in_range(label.str) || !in_range(label.num_unit) {
@@ -384,7 +395,7 @@ pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
 }
 
 /// The profile type of a text upload (`folded`, `lines`) from the application name's suffix
-/// (§1.2.5), and the service name without it. Returns the nanoseconds-per-sample factor too.
+/// (docs/pyroscope-protocol.md §4.4), and the service name without it. Returns the nanoseconds-per-sample factor too.
 pub fn text_profile_type(
     app: &str,
     sample_rate: u32,

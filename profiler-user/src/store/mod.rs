@@ -16,6 +16,7 @@
 //! connections and see only committed profiles, whose nodes are always already in memory.
 pub mod codec;
 pub mod ingest;
+pub mod limits;
 pub mod query;
 pub mod selector;
 pub mod sink;
@@ -26,11 +27,13 @@ use std::{
         Arc, Mutex, RwLock,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use foldhash::{HashMap, HashMapExt};
-use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, config::DbConfig, params};
+
+pub use limits::{Limit, LimitCounters, LimitError, StoreLimits};
 
 /// Default directory of the embedded store.
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/profiler";
@@ -44,16 +47,86 @@ const DATABASE_FILE: &str = "profiles.db";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("cannot open the profile store in {}: {message}", path.display())]
-    Open { path: PathBuf, message: String },
+    #[error("cannot open the profile store in {}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: Box<StoreError>,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("profile store: {0}")]
     Sqlite(#[from] rusqlite::Error),
     #[error(transparent)]
     Corrupt(#[from] codec::CorruptProfile),
+    #[error("profile store integrity check failed: {0}")]
+    Integrity(String),
+    #[error(transparent)]
+    Limit(#[from] LimitError),
+    #[error("negative sample value {value}: sample values must be zero or positive")]
+    NegativeValue { value: i64 },
     #[error(
         "invalid profile type `{0}`: expected name:sample_type:sample_unit:period_type:period_unit"
     )]
     InvalidProfileType(String),
+}
+
+impl StoreError {
+    fn sqlite_code(&self) -> Option<ErrorCode> {
+        match self {
+            StoreError::Sqlite(err) => err.sqlite_error_code(),
+            StoreError::Open { source, .. } => source.sqlite_code(),
+            _ => None,
+        }
+    }
+
+    /// The database file is damaged or not a database: it must be moved aside.
+    pub fn is_corruption(&self) -> bool {
+        match self {
+            StoreError::Corrupt(_) | StoreError::Integrity(_) => true,
+            StoreError::Open { source, .. } => source.is_corruption(),
+            _ => matches!(
+                self.sqlite_code(),
+                Some(ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+            ),
+        }
+    }
+
+    /// The disk (or the file system's quota) is full.
+    pub fn is_disk_full(&self) -> bool {
+        self.sqlite_code() == Some(ErrorCode::DiskFull)
+    }
+
+    /// The client's input is at fault (HTTP 4xx), not the store.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            StoreError::InvalidProfileType(_)
+                | StoreError::Limit(_)
+                | StoreError::NegativeValue { .. }
+        )
+    }
+}
+
+/// How the store opens and what it accepts, beyond [`StoreSettings`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreOptions {
+    pub limits: StoreLimits,
+    /// Run `PRAGMA quick_check` when opening (about a second per GiB).
+    pub integrity_check: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            limits: StoreLimits::default(),
+            integrity_check: true,
+        }
+    }
 }
 
 /// Where and how much the store keeps.
@@ -160,6 +233,69 @@ pub struct StoreCounters {
     pub profiles_ingested: AtomicU64,
     pub ingest_errors: AtomicU64,
     pub profiles_evicted: AtomicU64,
+    /// Pushes refused per limit (`profiler_store_limit_rejections_total{limit}`).
+    pub limit_rejections: LimitCounters,
+    /// Stacks cut at `max_stack_depth`.
+    pub stacks_truncated: AtomicU64,
+    /// Pushes refused for a negative sample value.
+    pub negative_values_rejected: AtomicU64,
+    /// Corrupt databases moved aside at open.
+    pub databases_quarantined: AtomicU64,
+    /// Operations that failed on a corrupt database while running.
+    pub corruption_errors: AtomicU64,
+    /// Writes that failed because the disk was full.
+    pub disk_full_errors: AtomicU64,
+}
+
+impl StoreCounters {
+    /// `(name, help, kind, value)` of the store's limit and failure counters for /metrics, in
+    /// the shape of the server's own metrics (one line each, `limit` as a label where needed).
+    pub fn metric_values(&self) -> Vec<(String, &'static str, &'static str, f64)> {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed) as f64;
+        let mut out: Vec<(String, &'static str, &'static str, f64)> = self
+            .limit_rejections
+            .all()
+            .into_iter()
+            .map(|(limit, value)| {
+                (
+                    format!("profiler_store_limit_rejections_total{{limit=\"{limit}\"}}"),
+                    "Writes refused by a store limit (--max-services, --max-series...).",
+                    "counter",
+                    value as f64,
+                )
+            })
+            .collect();
+        for (name, help, value) in [
+            (
+                "profiler_store_stacks_truncated_total",
+                "Stacks cut at --max-stack-depth.",
+                load(&self.stacks_truncated),
+            ),
+            (
+                "profiler_store_negative_values_rejected_total",
+                "Writes refused for a negative sample value.",
+                load(&self.negative_values_rejected),
+            ),
+            (
+                "profiler_store_databases_quarantined_total",
+                "Corrupt store databases moved aside at open.",
+                load(&self.databases_quarantined),
+            ),
+            (
+                "profiler_store_corruption_errors_total",
+                "Store operations that failed on a corrupt database.",
+                load(&self.corruption_errors),
+            ),
+            (
+                "profiler_store_disk_full_errors_total",
+                "Store writes that failed because the disk was full.",
+                load(&self.disk_full_errors),
+            ),
+        ] {
+            out.push((name.to_owned(), help, "counter", value));
+        }
+        out
+    }
 }
 
 #[derive(Debug, Default)]
@@ -200,9 +336,122 @@ struct Catalog {
     series_ids: HashMap<String, i64>,
     next_space: i64,
     next_series: i64,
+    /// Per service: its series count and, per label name, the series count of each value.
+    cardinality: HashMap<String, ServiceCardinality>,
+}
+
+#[derive(Debug, Default)]
+struct ServiceCardinality {
+    series: usize,
+    values: HashMap<String, HashMap<String, u32>>,
+}
+
+fn service_of(labels: &[(String, String)]) -> &str {
+    labels
+        .iter()
+        .find(|(k, _)| k == "service_name")
+        .map_or("", |(_, v)| v.as_str())
+}
+
+/// Labels counted per name: not the derived `__*__` ones, nor `service_name` itself.
+fn counted_labels(labels: &[(String, String)]) -> impl Iterator<Item = &(String, String)> {
+    labels
+        .iter()
+        .filter(|(k, _)| (!k.starts_with("__") || k == "__session_id__") && k != "service_name")
 }
 
 impl Catalog {
+    fn add_series(&mut self, key: String, info: SeriesInfo) {
+        let service = self
+            .cardinality
+            .entry(service_of(&info.labels).to_owned())
+            .or_default();
+        service.series += 1;
+        for (name, value) in counted_labels(&info.labels) {
+            *service
+                .values
+                .entry(name.clone())
+                .or_default()
+                .entry(value.clone())
+                .or_default() += 1;
+        }
+        self.series_ids.insert(key, info.id);
+        self.series.insert(info.id, info);
+    }
+
+    fn remove_series(&mut self, id: i64) {
+        let Some(info) = self.series.remove(&id) else {
+            return;
+        };
+        self.series_ids.remove(&labels_key(&info.labels));
+        let service_name = service_of(&info.labels);
+        let Some(service) = self.cardinality.get_mut(service_name) else {
+            return;
+        };
+        service.series = service.series.saturating_sub(1);
+        for (name, value) in counted_labels(&info.labels) {
+            if let Some(values) = service.values.get_mut(name) {
+                if let Some(count) = values.get_mut(value) {
+                    *count -= 1;
+                    if *count == 0 {
+                        values.remove(value);
+                    }
+                }
+                if values.is_empty() {
+                    service.values.remove(name);
+                }
+            }
+        }
+        if service.series == 0 {
+            self.cardinality.remove(service_name);
+        }
+    }
+
+    /// Whether one more series with `labels` stays within the cardinality limits.
+    fn check_new_series(
+        &self,
+        limits: &StoreLimits,
+        labels: &[(String, String)],
+    ) -> Result<(), LimitError> {
+        let service_name = service_of(labels);
+        let service = self.cardinality.get(service_name);
+        if service.is_none() && limits::exceeds(self.cardinality.len() + 1, limits.max_services) {
+            return Err(LimitError::Services {
+                limit: limits.max_services,
+                service: limits::quote(service_name),
+            });
+        }
+        if limits::exceeds(self.series.len() + 1, limits.max_series) {
+            return Err(LimitError::Series {
+                limit: limits.max_series,
+            });
+        }
+        let Some(service) = service else {
+            return Ok(());
+        };
+        if limits::exceeds(service.series + 1, limits.max_series_per_service) {
+            return Err(LimitError::SeriesPerService {
+                limit: limits.max_series_per_service,
+                service: limits::quote(service_name),
+            });
+        }
+        for (name, value) in counted_labels(labels) {
+            let Some(values) = service.values.get(name) else {
+                continue;
+            };
+            if !values.contains_key(value)
+                && limits::exceeds(values.len() + 1, limits.max_label_values_per_name)
+            {
+                return Err(LimitError::LabelValuesPerName {
+                    limit: limits.max_label_values_per_name,
+                    service: limits::quote(service_name),
+                    name: limits::quote(name),
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn intern_name(&mut self, name: &str) -> u32 {
         if let Some(&id) = self.name_ids.get(name) {
             return id;
@@ -233,7 +482,11 @@ pub struct Store {
 
 struct Inner {
     settings: StoreSettings,
+    limits: StoreLimits,
     path: PathBuf,
+    /// When a disk-full and a corruption error were last logged (at most once a minute each).
+    disk_full_logged: Mutex<Option<Instant>>,
+    corruption_logged: Mutex<Option<Instant>>,
     writer: Mutex<Connection>,
     readers: Mutex<Vec<Connection>>,
     catalog: RwLock<Catalog>,
@@ -272,39 +525,191 @@ fn unix_now_ns() -> i64 {
         .unwrap_or(0)
 }
 
+/// Opens the database at `path` and loads its catalog; with `check`, runs `PRAGMA quick_check`
+/// first. On error the connection is closed without a checkpoint, so a damaged file and its
+/// WAL are left as they were found.
+fn open_database(path: &Path, check: bool) -> Result<(Connection, Catalog), StoreError> {
+    let mut conn = Connection::open(path)?;
+    match prepare_database(&mut conn, check) {
+        Ok(catalog) => Ok((conn, catalog)),
+        Err(err) => {
+            let _ = conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true);
+            drop(conn);
+            Err(err)
+        }
+    }
+}
+
+fn prepare_database(conn: &mut Connection, check: bool) -> Result<Catalog, StoreError> {
+    // Must precede the first table: lets deleted pages be returned to the file system.
+    conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
+    configure(conn)?;
+    if check {
+        let started = Instant::now();
+        let result: String = conn.query_row("PRAGMA quick_check(1)", [], |r| r.get(0))?;
+        if result != "ok" {
+            return Err(StoreError::Integrity(result.replace('\n', " ")));
+        }
+        tracing::debug!(elapsed = ?started.elapsed(), "profile store: integrity check passed");
+    }
+    conn.execute_batch(SCHEMA)?;
+    migrate_node_rows(conn)?;
+    load_catalog(conn)
+}
+
+/// Renames the database and its `-wal` and `-shm` files to `<name>.corrupt-<UTC time>[-wal|-shm]`;
+/// returns the new name of the database.
+fn quarantine(path: &Path, now: SystemTime) -> Result<PathBuf, StoreError> {
+    let stamp = utc_stamp(now);
+    let target = |suffix: &str| {
+        let mut name = path.as_os_str().to_owned();
+        name.push(format!(".corrupt-{stamp}{suffix}"));
+        PathBuf::from(name)
+    };
+    // A second quarantine within the same second must not overwrite the first.
+    let mut moved_to = target("");
+    let mut n = 1;
+    while moved_to.exists() {
+        moved_to = target(&format!(".{n}"));
+        n += 1;
+    }
+    let base = moved_to.clone();
+    for suffix in ["", "-wal", "-shm"] {
+        let mut from = path.as_os_str().to_owned();
+        from.push(suffix);
+        let mut to = base.as_os_str().to_owned();
+        to.push(suffix);
+        match std::fs::rename(&from, &to) {
+            Ok(()) => {}
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && !suffix.is_empty() => {}
+            Err(source) => {
+                return Err(StoreError::Io {
+                    what: format!(
+                        "cannot move the corrupt {} aside",
+                        PathBuf::from(from).display()
+                    ),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(moved_to)
+}
+
+/// `YYYYMMDDTHHMMSSZ` of a time (UTC).
+fn utc_stamp(time: SystemTime) -> String {
+    let secs = time
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
 impl Store {
-    /// Opens (or creates) the store in `settings.data_dir`.
+    /// Opens (or creates) the store in `settings.data_dir` with the default limits.
     pub fn open(settings: StoreSettings) -> Result<Store, StoreError> {
-        let open_error = |message: String| StoreError::Open {
+        Store::open_with(settings, StoreOptions::default())
+    }
+
+    /// Opens (or creates) the store in `settings.data_dir`. A database that is corrupt or not a
+    /// database (found while opening, or by the integrity check) is moved aside as
+    /// `profiles.db.corrupt-<UTC time>` with its `-wal` and `-shm` files, and an empty one is
+    /// started; only a failure to start that one is an error.
+    pub fn open_with(settings: StoreSettings, options: StoreOptions) -> Result<Store, StoreError> {
+        let open_error = |source: StoreError| StoreError::Open {
             path: settings.data_dir.clone(),
-            message,
+            source: Box::new(source),
         };
-        std::fs::create_dir_all(&settings.data_dir).map_err(|e| open_error(e.to_string()))?;
+        std::fs::create_dir_all(&settings.data_dir).map_err(|source| {
+            open_error(StoreError::Io {
+                what: "cannot create the directory".into(),
+                source,
+            })
+        })?;
         let path = settings.data_dir.join(DATABASE_FILE);
-        let mut conn = Connection::open(&path).map_err(|e| open_error(e.to_string()))?;
-        // Must precede the first table: lets deleted pages be returned to the file system.
-        conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")
-            .map_err(|e| open_error(e.to_string()))?;
-        configure(&conn).map_err(|e| open_error(e.to_string()))?;
-        conn.execute_batch(SCHEMA)
-            .map_err(|e| open_error(e.to_string()))?;
-        migrate_node_rows(&mut conn).map_err(|e| open_error(e.to_string()))?;
-        let catalog = load_catalog(&conn).map_err(|e| open_error(e.to_string()))?;
+        let mut quarantined = 0;
+        let (conn, catalog) = match open_database(&path, options.integrity_check) {
+            Ok(opened) => opened,
+            Err(err) if err.is_corruption() => {
+                let moved_to = quarantine(&path, SystemTime::now()).map_err(open_error)?;
+                tracing::warn!(
+                    error = %err,
+                    moved_to = %moved_to.display(),
+                    "profile store: the database is corrupt; moved it aside with its -wal and \
+                     -shm files and started an empty one"
+                );
+                quarantined = 1;
+                open_database(&path, false).map_err(open_error)?
+            }
+            Err(err) => return Err(open_error(err)),
+        };
         tracing::info!(
             path = %path.display(),
             series = catalog.series.len(),
             "profile store open"
         );
+        let counters = StoreCounters::default();
+        counters
+            .databases_quarantined
+            .store(quarantined, Ordering::Relaxed);
         Ok(Store {
             inner: Arc::new(Inner {
                 settings,
+                limits: options.limits,
                 path,
+                disk_full_logged: Mutex::new(None),
+                corruption_logged: Mutex::new(None),
                 writer: Mutex::new(conn),
                 readers: Mutex::new(Vec::new()),
                 catalog: RwLock::new(catalog),
-                counters: StoreCounters::default(),
+                counters,
             }),
         })
+    }
+
+    pub fn limits(&self) -> &StoreLimits {
+        &self.inner.limits
+    }
+
+    /// Counts and logs (at most once a minute per kind) a failure that is the disk's or the
+    /// file's, not the request's.
+    fn note_failure(&self, err: &StoreError) {
+        let (counter, last, message) = if err.is_disk_full() {
+            (
+                &self.inner.counters.disk_full_errors,
+                &self.inner.disk_full_logged,
+                "profile store: the disk is full; writes fail until space returns",
+            )
+        } else if err.is_corruption() {
+            (
+                &self.inner.counters.corruption_errors,
+                &self.inner.corruption_logged,
+                "profile store: the database is corrupt; it is moved aside at the next start",
+            )
+        } else {
+            return;
+        };
+        let total = counter.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+            *last = Some(Instant::now());
+            tracing::warn!(error = %err, failures = total, "{message}");
+        }
     }
 
     pub fn settings(&self) -> &StoreSettings {
@@ -317,19 +722,27 @@ impl Store {
 
     /// Stores profiles atomically: when this returns Ok, all are durable; on error, none is.
     pub fn ingest(&self, profiles: &[NewProfile]) -> Result<(), StoreError> {
+        let counters = &self.inner.counters;
         let result = self.ingest_inner(profiles);
         match &result {
-            Ok(()) => self
-                .inner
-                .counters
-                .profiles_ingested
-                .fetch_add(profiles.len() as u64, Ordering::Relaxed),
-            Err(_) => self
-                .inner
-                .counters
-                .ingest_errors
-                .fetch_add(1, Ordering::Relaxed),
-        };
+            Ok(()) => {
+                counters
+                    .profiles_ingested
+                    .fetch_add(profiles.len() as u64, Ordering::Relaxed);
+            }
+            Err(err) => {
+                counters.ingest_errors.fetch_add(1, Ordering::Relaxed);
+                match err {
+                    StoreError::Limit(limit) => counters.limit_rejections.count(limit.limit()),
+                    StoreError::NegativeValue { .. } => {
+                        counters
+                            .negative_values_rejected
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    other => self.note_failure(other),
+                }
+            }
+        }
         result
     }
 
@@ -337,18 +750,47 @@ impl Store {
         if profiles.is_empty() {
             return Ok(());
         }
+        // What can be checked without the catalog, before taking any lock.
+        for profile in profiles {
+            limits::check_labels(&self.inner.limits, &profile.labels)?;
+            if let Some(&(_, value)) = profile.stacks.iter().find(|(_, v)| *v < 0) {
+                return Err(StoreError::NegativeValue { value });
+            }
+        }
         let mut writer = self.inner.writer.lock().unwrap_or_else(|p| p.into_inner());
         let mut additions = CatalogAdditions::default();
+        let mut truncated = 0u64;
         let rows = {
             let mut catalog = self.write_catalog();
             additions.names_before = catalog.names.len();
             profiles
                 .iter()
-                .map(|profile| encode_profile(&mut catalog, &mut additions, profile))
-                .collect::<Vec<_>>()
+                .map(|profile| {
+                    encode_profile(
+                        &mut catalog,
+                        &mut additions,
+                        &self.inner.limits,
+                        &mut truncated,
+                        profile,
+                    )
+                })
+                .collect::<Result<Vec<_>, LimitError>>()
+        };
+        let rows = match rows {
+            Ok(rows) => rows,
+            Err(err) => {
+                self.undo(&additions);
+                return Err(err.into());
+            }
         };
         match self.persist(&mut writer, &additions, &rows) {
             Ok(()) => {
+                if truncated > 0 {
+                    self.inner
+                        .counters
+                        .stacks_truncated
+                        .fetch_add(truncated, Ordering::Relaxed);
+                }
                 let mut catalog = self.write_catalog();
                 for row in &rows {
                     if let Some(series) = catalog.series.get_mut(&row.series) {
@@ -436,10 +878,8 @@ impl Store {
 
     fn undo(&self, additions: &CatalogAdditions) {
         let mut catalog = self.write_catalog();
-        for id in &additions.series {
-            if let Some(series) = catalog.series.remove(id) {
-                catalog.series_ids.remove(&labels_key(&series.labels));
-            }
+        for &id in &additions.series {
+            catalog.remove_series(id);
         }
         for &(space_id, before) in &additions.nodes {
             if let Some(space) = catalog.spaces.get_mut(&space_id) {
@@ -498,6 +938,9 @@ impl Store {
             }
         };
         let result = f(&conn);
+        if let Err(err) = &result {
+            self.note_failure(err);
+        }
         let mut pool = self.inner.readers.lock().unwrap_or_else(|p| p.into_inner());
         if pool.len() < 8 {
             pool.push(conn);
@@ -592,9 +1035,7 @@ impl Store {
             .collect();
         for id in empty {
             writer.execute("DELETE FROM series WHERE id = ?", [id])?;
-            if let Some(series) = catalog.series.remove(&id) {
-                catalog.series_ids.remove(&labels_key(&series.labels));
-            }
+            catalog.remove_series(id);
         }
         for (id, series) in catalog.series.iter_mut() {
             (series.first_ns, series.last_ns) = ranges[id];
@@ -636,8 +1077,13 @@ impl Store {
                         std::thread::sleep(Duration::from_millis(200).min(every));
                     }
                     let Some(inner) = weak.upgrade() else { return };
-                    if let Err(err) = (Store { inner }).enforce_limits() {
-                        tracing::warn!("{err}");
+                    let store = Store { inner };
+                    if let Err(err) = store.enforce_limits() {
+                        if err.is_disk_full() || err.is_corruption() {
+                            store.note_failure(&err);
+                        } else {
+                            tracing::warn!("{err}");
+                        }
                     }
                 }
             })
@@ -709,8 +1155,10 @@ pub fn series_labels(
 fn encode_profile(
     catalog: &mut Catalog,
     additions: &mut CatalogAdditions,
+    limits: &StoreLimits,
+    truncated: &mut u64,
     profile: &NewProfile,
-) -> ProfileRow {
+) -> Result<ProfileRow, LimitError> {
     let profile_type = profile.profile_type.clone().unwrap_or_else(|| ProfileType {
         name: "process_cpu".into(),
         sample_type: "cpu".into(),
@@ -726,6 +1174,12 @@ fn encode_profile(
         .map(|(_, v)| v.clone())
         .unwrap_or_default();
 
+    let key = labels_key(&labels);
+    let existing_series = catalog.series_ids.get(&key).copied();
+    if existing_series.is_none() {
+        catalog.check_new_series(limits, &labels)?;
+    }
+
     let space_key = (type_id.clone(), service.clone());
     let space_id = match catalog.space_ids.get(&space_key) {
         Some(&id) => id,
@@ -740,14 +1194,13 @@ fn encode_profile(
             id
         }
     };
-    let key = labels_key(&labels);
-    let series = match catalog.series_ids.get(&key) {
-        Some(&id) => id,
+    let series = match existing_series {
+        Some(id) => id,
         None => {
             let id = catalog.next_series;
             catalog.next_series += 1;
-            catalog.series.insert(
-                id,
+            catalog.add_series(
+                key,
                 SeriesInfo {
                     id,
                     space: space_id,
@@ -757,11 +1210,16 @@ fn encode_profile(
                     last_ns: i64::MIN,
                 },
             );
-            catalog.series_ids.insert(key, id);
             additions.series.push(id);
             id
         }
     };
+    let truncated_name = (limits.max_stack_depth > 0
+        && profile
+            .stacks
+            .iter()
+            .any(|(path, _)| path.len() > limits.max_stack_depth))
+    .then(|| catalog.intern_name(limits::TRUNCATED_FRAME));
 
     let name_ids: Vec<u32> = profile
         .names
@@ -782,6 +1240,15 @@ fn encode_profile(
             continue;
         }
         stack.clear();
+        // Deeper than the limit: the leaf-side frames under one `[truncated]` frame.
+        let path = match truncated_name {
+            Some(name) if path.len() > limits.max_stack_depth => {
+                *truncated += 1;
+                stack.push(name);
+                &path[path.len() - (limits.max_stack_depth - 1)..]
+            }
+            _ => path.as_slice(),
+        };
         stack.extend(
             path.iter()
                 .filter_map(|&local| name_ids.get(local as usize).copied()),
@@ -814,7 +1281,7 @@ fn encode_profile(
     }
     let mut entries: Vec<(u32, i64)> = values.into_iter().filter(|(_, v)| *v != 0).collect();
     entries.sort_unstable();
-    ProfileRow {
+    Ok(ProfileRow {
         series,
         time_ns: profile.time_ns,
         duration_ns: profile.duration_ns,
@@ -822,7 +1289,7 @@ fn encode_profile(
             .iter()
             .fold(0i64, |sum, (_, v)| sum.saturating_add(*v)),
         stacks: codec::encode(&entries),
-    }
+    })
 }
 
 /// Stores written before node blocks kept one `nodes` row per node: converts them to one block
@@ -938,9 +1405,8 @@ fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
             let key: String = row.get(3)?;
             let labels: Vec<(String, String)> = serde_json::from_str(&key).unwrap_or_default();
             let (first_ns, last_ns) = ranges.get(&id).copied().unwrap_or((i64::MAX, i64::MIN));
-            catalog.series_ids.insert(key, id);
-            catalog.series.insert(
-                id,
+            catalog.add_series(
+                key,
                 SeriesInfo {
                     id,
                     space: row.get(1)?,

@@ -167,7 +167,7 @@ impl Store {
                             if node >= values.len() {
                                 values.resize((node + 1).next_power_of_two(), 0);
                             }
-                            values[node] = values[node].wrapping_add(value);
+                            values[node] = values[node].saturating_add(value);
                         })?;
                     }
                 }
@@ -188,7 +188,7 @@ impl Store {
             let mut totals = values.clone();
             for idx in (1..space.nodes.len()).rev() {
                 let parent = space.nodes[idx].0 as usize;
-                totals[parent] = totals[parent].wrapping_add(totals[idx]);
+                totals[parent] = totals[parent].saturating_add(totals[idx]);
             }
             let mut mapped = vec![u32::MAX; space.nodes.len()];
             mapped[0] = 0;

@@ -2,6 +2,11 @@
 //! Pyroscope API send them, and the legacy `/ingest` application name (`app{k=v,k2=v2}`).
 use regex::Regex;
 
+/// Most matchers one selector may have (a real one has a handful; 200,000 took 36 s).
+pub const MAX_MATCHERS: usize = 64;
+/// Longest selector text, in bytes.
+pub const MAX_SELECTOR_BYTES: usize = 16 << 10;
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SelectorError {
     // Input is echoed escaped, so a message stays one line whatever the client sent.
@@ -15,6 +20,20 @@ pub enum SelectorError {
     Regex { pattern: String, reason: String },
     #[error("invalid application name `{}`: {reason}", .name.escape_debug())]
     AppName { name: String, reason: &'static str },
+    #[error("label selector of {bytes} bytes is longer than the limit of {MAX_SELECTOR_BYTES}")]
+    TooLong { bytes: usize },
+    #[error("label selector has more than {MAX_MATCHERS} matchers")]
+    TooManyMatchers,
+}
+
+impl SelectorError {
+    /// Whether the selector was refused for its size rather than its syntax.
+    pub fn is_limit(&self) -> bool {
+        matches!(
+            self,
+            SelectorError::TooLong { .. } | SelectorError::TooManyMatchers
+        )
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +97,9 @@ impl Selector {
             selector: text.to_owned(),
             reason: reason.to_owned(),
         };
+        if text.len() > MAX_SELECTOR_BYTES {
+            return Err(SelectorError::TooLong { bytes: text.len() });
+        }
         let trimmed = text.trim();
         if trimmed.is_empty() {
             return Ok(Selector::default());
@@ -102,6 +124,9 @@ impl Selector {
             };
             if name.is_empty() {
                 return Err(syntax("expected a label name"));
+            }
+            if matchers.len() == MAX_MATCHERS {
+                return Err(SelectorError::TooManyMatchers);
             }
             skip_spaces(&mut chars);
             let op = match (chars.next(), chars.peek().copied()) {
@@ -265,6 +290,31 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn selectors_beyond_the_limits_are_refused() {
+        let matchers = |n: usize| {
+            let list: Vec<String> = (0..n).map(|i| format!("l{i}=\"v\"")).collect();
+            format!("{{{}}}", list.join(","))
+        };
+        assert_eq!(
+            Selector::parse(&matchers(MAX_MATCHERS))
+                .unwrap()
+                .matchers
+                .len(),
+            MAX_MATCHERS
+        );
+        let err = Selector::parse(&matchers(MAX_MATCHERS + 1)).unwrap_err();
+        assert_eq!(err, SelectorError::TooManyMatchers);
+        assert!(err.is_limit());
+        assert_eq!(err.to_string(), "label selector has more than 64 matchers");
+        let long = format!("{{a=\"{}\"}}", "x".repeat(MAX_SELECTOR_BYTES));
+        let err = Selector::parse(&long).unwrap_err();
+        assert!(matches!(err, SelectorError::TooLong { .. }), "{err}");
+        assert!(!err.to_string().contains("xxx"), "{err}");
+        assert!(!Selector::parse("{a=\"\"}").unwrap().matchers.is_empty());
+        assert!(!Selector::parse("{a=}").unwrap_err().is_limit());
     }
 
     #[test]

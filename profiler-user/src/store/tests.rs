@@ -252,8 +252,21 @@ fn a_gap_between_node_blocks_is_reported_not_misread() {
     conn.execute("DELETE FROM node_blocks WHERE first_idx = 1", [])
         .unwrap();
     drop(conn);
-    let err = Store::open(StoreSettings::new(dir.path())).err().unwrap();
-    assert!(err.to_string().contains("node blocks"), "{err}");
+    // Damaged: moved aside, and a fresh store starts.
+    let store = open(dir.path());
+    assert_eq!(
+        store
+            .counters()
+            .databases_quarantined
+            .load(Ordering::Relaxed),
+        1
+    );
+    assert!(store.series(None).is_empty());
+    assert!(
+        quarantined_files(dir.path())
+            .iter()
+            .any(|name| name.starts_with("profiles.db.corrupt-") && !name.ends_with("-wal"))
+    );
 }
 
 #[test]
@@ -464,4 +477,435 @@ fn acknowledged_profiles_survive_sigkill() {
             );
         }
     }
+}
+
+fn open_limited(dir: &Path, limits: StoreLimits) -> Store {
+    Store::open_with(
+        StoreSettings::new(dir),
+        StoreOptions {
+            limits,
+            integrity_check: true,
+        },
+    )
+    .unwrap()
+}
+
+fn limit_of(result: Result<(), StoreError>) -> Limit {
+    match result {
+        Err(StoreError::Limit(err)) => {
+            let message = err.to_string();
+            assert!(!message.contains('\n'), "{message}");
+            assert!(
+                message.contains(err.limit().name().replace('_', "-").as_str()),
+                "{message}"
+            );
+            err.limit()
+        }
+        other => panic!("expected a limit error, got {other:?}"),
+    }
+}
+
+#[test]
+fn cardinality_limits_refuse_new_series_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = StoreLimits {
+        max_services: 2,
+        max_series: 5,
+        max_series_per_service: 3,
+        max_label_values_per_name: 2,
+        ..StoreLimits::default()
+    };
+    let store = open_limited(dir.path(), limits.clone());
+    let one =
+        |service: &str, pod: &str, t: i64| profile(service, &[("pod", pod)], t, &[("a;b", 1)]);
+    store
+        .ingest(&[one("a", "p1", NOW), one("a", "p2", NOW)])
+        .unwrap();
+    // A third value of `pod` in service a.
+    assert_eq!(
+        limit_of(store.ingest(&[one("a", "p3", NOW)])),
+        Limit::LabelValuesPerName
+    );
+    // Without the label it is a third series, within the per-service limit.
+    store
+        .ingest(&[profile("a", &[], NOW, &[("a;b", 1)])])
+        .unwrap();
+    assert_eq!(
+        limit_of(store.ingest(&[profile("a", &[("x", "1")], NOW, &[("a;b", 1)])])),
+        Limit::SeriesPerService
+    );
+    store.ingest(&[one("b", "p1", NOW)]).unwrap();
+    assert_eq!(
+        limit_of(store.ingest(&[one("c", "p1", NOW)])),
+        Limit::Services
+    );
+    store.ingest(&[one("b", "p2", NOW)]).unwrap();
+    // Five series now: a sixth is refused even in a service with room.
+    assert_eq!(
+        limit_of(store.ingest(&[profile("b", &[], NOW, &[("a;b", 1)])])),
+        Limit::Series
+    );
+    // A push with one acceptable and one refused profile stores neither, and undoes the first
+    // one's catalog entries: existing series still take profiles, nothing stored is lost.
+    assert_eq!(
+        limit_of(store.ingest(&[one("a", "p1", NOW + 1), one("c", "p1", NOW + 1)])),
+        Limit::Services
+    );
+    store
+        .ingest(&[one("a", "p1", NOW + 2), one("b", "p2", NOW + 2)])
+        .unwrap();
+    let counters = store.counters();
+    assert_eq!(counters.limit_rejections.get(Limit::Services), 2);
+    assert_eq!(counters.limit_rejections.get(Limit::Series), 1);
+    assert_eq!(counters.limit_rejections.get(Limit::SeriesPerService), 1);
+    assert_eq!(counters.limit_rejections.get(Limit::LabelValuesPerName), 1);
+    assert_eq!(counters.profiles_ingested.load(Ordering::Relaxed), 7);
+    let metrics = counters.metric_values();
+    assert!(
+        metrics.contains(&(
+            "profiler_store_limit_rejections_total{limit=\"max_services\"}".to_owned(),
+            "Writes refused by a store limit (--max-services, --max-series...).",
+            "counter",
+            2.0
+        )),
+        "{metrics:?}"
+    );
+    assert_eq!(store.series(None).len(), 5);
+    assert_eq!(
+        store.merge(&selection("{}", 0, i64::MAX)).unwrap().total(),
+        7
+    );
+    // The counts come back with the catalog after a restart.
+    drop(store);
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_series: 0,
+            max_series_per_service: 0,
+            ..limits
+        },
+    );
+    assert_eq!(
+        limit_of(store.ingest(&[one("c", "p1", NOW)])),
+        Limit::Services
+    );
+    assert_eq!(
+        limit_of(store.ingest(&[one("a", "p9", NOW)])),
+        Limit::LabelValuesPerName
+    );
+    store.ingest(&[one("a", "p2", NOW + 3)]).unwrap();
+    // Retention frees room: the series and values of deleted profiles no longer count.
+    store.enforce_limits_at(NOW + 8 * 86_400 * SECOND).unwrap();
+    assert!(store.series(None).is_empty());
+    store
+        .ingest(&[one("c", "p1", NOW), one("d", "p1", NOW)])
+        .unwrap();
+}
+
+#[test]
+fn label_count_and_length_limits_are_client_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_label_names_per_series: 3,
+            max_label_name_length: 12,
+            max_label_value_length: 10,
+            ..StoreLimits::default()
+        },
+    );
+    let with = |labels: &[(&str, &str)]| profile("svc", labels, NOW, &[("a", 1)]);
+    // service_name + 2 labels = 3: fine; the derived `__*__` labels do not count.
+    store.ingest(&[with(&[("a", "1"), ("b", "2")])]).unwrap();
+    for (labels, limit) in [
+        (
+            vec![("a", "1"), ("b", "2"), ("c", "3")],
+            Limit::LabelNamesPerSeries,
+        ),
+        (vec![("very_long_name", "1")], Limit::LabelNameLength),
+        (vec![("a", "a value too long")], Limit::LabelValueLength),
+    ] {
+        let err = store.ingest(&[with(&labels)]).unwrap_err();
+        assert!(err.is_client_error(), "{err}");
+        assert_eq!(limit_of(Err(err)), limit);
+        assert_eq!(store.counters().limit_rejections.get(limit), 1);
+    }
+    assert_eq!(store.profile_count().unwrap(), 1);
+}
+
+#[test]
+fn deep_stacks_are_cut_under_a_truncated_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_stack_depth: 3,
+            ..StoreLimits::default()
+        },
+    );
+    store
+        .ingest(&[profile("svc", &[], NOW, &[("a;b;c;d;e", 5), ("a;b;c", 1)])])
+        .unwrap();
+    let tree = store.merge(&selection("{}", 0, i64::MAX)).unwrap();
+    assert_eq!(
+        tree.folded(),
+        vec![("[truncated];d;e".to_owned(), 5), ("a;b;c".to_owned(), 1)]
+    );
+    assert_eq!(store.counters().stacks_truncated.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn huge_values_saturate_and_negative_values_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let big = 1i64 << 62;
+    // Four samples of 2^62 in one profile, and four profiles of 2^62: never wrapped to 0.
+    store
+        .ingest(&[profile(
+            "one",
+            &[],
+            NOW,
+            &[("a;b", big), ("a;b", big), ("a;c", big), ("a;c", big)],
+        )])
+        .unwrap();
+    let profiles: Vec<NewProfile> = (0..4)
+        .map(|i| profile("many", &[], NOW + i, &[("a;b", big)]))
+        .collect();
+    store.ingest(&profiles).unwrap();
+    for service in ["one", "many"] {
+        let tree = store
+            .merge(&selection(
+                &format!("{{service_name=\"{service}\"}}"),
+                0,
+                i64::MAX,
+            ))
+            .unwrap();
+        assert_eq!(tree.total(), i64::MAX, "{service}");
+        assert!(tree.nodes.iter().all(|n| n.total >= 0 && n.self_value >= 0));
+    }
+    let totals = store.totals(&selection("{}", 0, i64::MAX)).unwrap();
+    assert!(
+        totals
+            .iter()
+            .flat_map(|(_, p)| p)
+            .all(|&(_, total)| total > 0)
+    );
+
+    let err = store
+        .ingest(&[profile("neg", &[], NOW, &[("a", 5), ("b", -1)])])
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::NegativeValue { value: -1 }),
+        "{err}"
+    );
+    assert!(err.is_client_error());
+    assert_eq!(
+        store
+            .counters()
+            .negative_values_rejected
+            .load(Ordering::Relaxed),
+        1
+    );
+    assert_eq!(
+        store.label_values("service_name", &[], None),
+        vec!["many", "one"]
+    );
+}
+
+/// Fills a store with enough profiles for a few hundred pages, and returns its file.
+fn filled_store(dir: &Path) -> PathBuf {
+    let store = open(dir);
+    for i in 0..200 {
+        let stacks: Vec<(String, i64)> = (0..200)
+            .map(|k| (format!("main;f{i};g{k}"), k + 1))
+            .collect();
+        let stacks: Vec<(&str, i64)> = stacks.iter().map(|(s, v)| (s.as_str(), *v)).collect();
+        store
+            .ingest(&[profile("svc", &[("i", &i.to_string())], NOW + i, &stacks)])
+            .unwrap();
+    }
+    let path = store.database_path().to_owned();
+    drop(store);
+    path
+}
+
+fn quarantined_files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".corrupt-"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_corrupt_database_is_moved_aside_and_replaced() {
+    use std::io::{Seek, SeekFrom, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let path = filled_store(dir.path());
+    let len = std::fs::metadata(&path).unwrap().len();
+    assert!(len > 64 * 4096, "{len}");
+    let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.seek(SeekFrom::Start((len / 4096 / 2) * 4096)).unwrap();
+    file.write_all(&[0xa5; 4096]).unwrap();
+    drop(file);
+
+    let store = open(dir.path());
+    assert_eq!(
+        store
+            .counters()
+            .databases_quarantined
+            .load(Ordering::Relaxed),
+        1
+    );
+    assert!(store.series(None).is_empty());
+    store
+        .ingest(&[profile("fresh", &[], NOW, &[("a;b", 1)])])
+        .unwrap();
+    assert_eq!(
+        store.merge(&selection("{}", 0, i64::MAX)).unwrap().total(),
+        1
+    );
+    let kept = quarantined_files(dir.path());
+    // The database with its -wal and -shm files.
+    assert!((1..=3).contains(&kept.len()), "{kept:?}");
+    assert!(kept[0].starts_with("profiles.db.corrupt-2"), "{kept:?}");
+    assert!(
+        kept.iter().all(|name| name.starts_with(&kept[0])),
+        "{kept:?}"
+    );
+    assert_eq!(
+        std::fs::metadata(dir.path().join(&kept[0])).unwrap().len(),
+        len
+    );
+    drop(store);
+    // The fresh store is healthy: it reopens as it is.
+    let store = open(dir.path());
+    assert_eq!(
+        store
+            .counters()
+            .databases_quarantined
+            .load(Ordering::Relaxed),
+        0
+    );
+    assert_eq!(store.label_values("service_name", &[], None), vec!["fresh"]);
+}
+
+#[test]
+fn a_file_that_is_not_a_database_is_moved_aside_with_its_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("profiles.db"), vec![0x42u8; 3 * 4096]).unwrap();
+    std::fs::write(dir.path().join("profiles.db-wal"), b"junk").unwrap();
+    let store = open(dir.path());
+    assert_eq!(
+        store
+            .counters()
+            .databases_quarantined
+            .load(Ordering::Relaxed),
+        1
+    );
+    store
+        .ingest(&[profile("fresh", &[], NOW, &[("a", 1)])])
+        .unwrap();
+    let kept = quarantined_files(dir.path());
+    assert!(
+        kept.iter().all(|name| name.starts_with(&kept[0])),
+        "{kept:?}"
+    );
+    let wal = kept
+        .iter()
+        .find(|name| name.ends_with("-wal"))
+        .expect("the WAL kept");
+    assert_eq!(std::fs::read(dir.path().join(wal)).unwrap(), b"junk");
+    let db = std::fs::read(dir.path().join(&kept[0])).unwrap();
+    assert_eq!(db, vec![0x42u8; 3 * 4096]);
+}
+
+#[test]
+fn an_unusable_directory_is_an_error_with_its_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let err = Store::open(StoreSettings::new(&file)).err().unwrap();
+    let message = err.to_string();
+    assert!(
+        message.contains("cannot open the profile store"),
+        "{message}"
+    );
+    assert!(!err.is_corruption());
+    assert!(std::error::Error::source(&err).is_some());
+}
+
+#[test]
+fn disk_full_is_counted_and_the_write_undone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    store
+        .ingest(&[profile("svc", &[], NOW, &[("a", 1)])])
+        .unwrap();
+    {
+        let writer = store.inner.writer.lock().unwrap();
+        let pages: i64 = writer
+            .query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap();
+        writer.pragma_update(None, "max_page_count", pages).unwrap();
+    }
+    let stacks: Vec<String> = (0..5000)
+        .map(|k| format!("main;function_number_{k}"))
+        .collect();
+    let stacks: Vec<(&str, i64)> = stacks.iter().map(|s| (s.as_str(), 1)).collect();
+    let err = store
+        .ingest(&[profile("svc", &[], NOW + 1, &stacks)])
+        .unwrap_err();
+    assert!(err.is_disk_full(), "{err}");
+    let err = store
+        .ingest(&[profile("svc", &[], NOW + 2, &stacks)])
+        .unwrap_err();
+    assert!(err.is_disk_full(), "{err}");
+    assert_eq!(store.counters().disk_full_errors.load(Ordering::Relaxed), 2);
+    // Space returns: ingest resumes.
+    store
+        .inner
+        .writer
+        .lock()
+        .unwrap()
+        .pragma_update(None, "max_page_count", 1i64 << 30)
+        .unwrap();
+    store
+        .ingest(&[profile("svc", &[], NOW + 3, &stacks)])
+        .unwrap();
+    assert_eq!(store.profile_count().unwrap(), 2);
+}
+
+#[test]
+fn utc_stamps() {
+    let at = |secs: u64| utc_stamp(UNIX_EPOCH + Duration::from_secs(secs));
+    assert_eq!(at(0), "19700101T000000Z");
+    assert_eq!(at(1_800_000_000), "20270115T080000Z");
+    assert_eq!(at(951_782_400 + 86_399), "20000229T235959Z");
+}
+
+#[test]
+fn limit_flags_parse_from_the_environment() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        limits: limits::StoreLimitArgs,
+    }
+    let defaults = Cli::try_parse_from(["profiler"]).unwrap().limits;
+    assert_eq!(defaults.limits(), StoreLimits::default());
+    assert!(!defaults.no_store_check);
+    let set = Cli::try_parse_from([
+        "profiler",
+        "--max-series-per-service",
+        "7",
+        "--max-services",
+        "0",
+    ])
+    .unwrap()
+    .limits
+    .limits();
+    assert_eq!((set.max_series_per_service, set.max_services), (7, 0));
 }

@@ -28,7 +28,9 @@ use profiler_common::unwind::{
     PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk, RowSource, UnwindRow, find_row,
 };
 
-use super::tables::{TableCache, UnwindTable, build_table};
+use super::tables::{
+    BuildLimits, TableCache, TableError, UnwindTable, build_table_within, check_fde_count,
+};
 use crate::{
     bpf::UnwindMaps,
     model::{FileId, MappedFile, Mapping, Pid, ProcessInfo},
@@ -373,9 +375,34 @@ struct BuildRequest {
     source: Option<Arc<MappedFile>>,
 }
 
+/// Why a file got no table: its message, and whether it was only too large for the budget.
+#[derive(Debug)]
+struct BuildFailure {
+    message: String,
+    too_large: bool,
+}
+
+impl From<String> for BuildFailure {
+    fn from(message: String) -> Self {
+        BuildFailure {
+            message,
+            too_large: false,
+        }
+    }
+}
+
+impl From<TableError> for BuildFailure {
+    fn from(err: TableError) -> Self {
+        BuildFailure {
+            too_large: err.is_too_large(),
+            message: err.to_string(),
+        }
+    }
+}
+
 struct BuildResult {
     key: TableKey,
-    table: Result<(UnwindTable, Segments), String>,
+    table: Result<(UnwindTable, Segments), BuildFailure>,
     from_cache: bool,
     elapsed: Duration,
 }
@@ -388,10 +415,20 @@ struct TableBuilder {
     requests: Option<crossbeam_channel::Sender<BuildRequest>>,
     results: crossbeam_channel::Receiver<BuildResult>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Set when the manager goes (the agent stops): the build under way ends within a few
+    /// thousand FDEs and the requests still queued are dropped, not built.
+    cancel: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl TableBuilder {
-    fn spawn(cache: Option<TableCache>, vdso: Option<Arc<[u8]>>) -> TableBuilder {
+    fn spawn(
+        cache: Option<TableCache>,
+        vdso: Option<Arc<[u8]>>,
+        mut limits: BuildLimits,
+    ) -> TableBuilder {
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        limits.cancel = Some(cancel.clone());
+        let cancelled = cancel.clone();
         let (requests, incoming) = crossbeam_channel::unbounded::<BuildRequest>();
         let (urgent, incoming_urgent) = crossbeam_channel::unbounded::<BuildRequest>();
         let (outgoing, results) = crossbeam_channel::unbounded();
@@ -415,6 +452,9 @@ impl TableBuilder {
                             Err(_) => break,
                         },
                     };
+                    if cancelled.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
                     if incoming.is_empty() {
                         built_early.clear();
                     }
@@ -424,6 +464,7 @@ impl TableBuilder {
                         request.source.as_deref(),
                         cache.as_ref(),
                         vdso.as_deref(),
+                        &limits,
                     );
                     // Let go of the file before answering: the manager decides who holds it.
                     drop(request.source);
@@ -444,6 +485,7 @@ impl TableBuilder {
             requests: Some(requests),
             results,
             thread: Some(thread),
+            cancel,
         }
     }
 
@@ -457,6 +499,8 @@ impl TableBuilder {
 
 impl Drop for TableBuilder {
     fn drop(&mut self) {
+        self.cancel
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.urgent = None;
         self.requests = None;
         if let Some(thread) = self.thread.take() {
@@ -472,7 +516,11 @@ impl<M: UnwindMaps> NativeTables<M> {
         NativeTables {
             maps,
             has_vdso: vdso.is_some(),
-            builder: TableBuilder::spawn(cache_dir.map(TableCache::new), vdso),
+            builder: TableBuilder::spawn(
+                cache_dir.map(TableCache::new),
+                vdso,
+                BuildLimits::for_row_capacity(capacity as usize * ROWS_PER_CHUNK),
+            ),
             builds_finished: 0,
             allocator: ChunkAllocator::new(capacity),
             slots: HashMap::new(),
@@ -850,9 +898,22 @@ impl<M: UnwindMaps> NativeTables<M> {
                 let reliable = table.frame_pointers_reliable();
                 (self.place(id, &table, &name, demanded), segments, reliable)
             }
-            Err(message) => {
+            Err(failure) if failure.too_large => {
+                self.stats.tables_too_large += 1;
+                tracing::warn!(
+                    file = %name,
+                    "unwind table larger than the budget (--unwind-table-memory), not built; using frame pointers: {}",
+                    failure.message
+                );
+                (SlotState::Unusable, Segments::default(), false)
+            }
+            Err(failure) => {
                 self.stats.tables_failed += 1;
-                tracing::info!(file = %name, "no unwind table, using frame pointers: {message}");
+                tracing::info!(
+                    file = %name,
+                    "no unwind table, using frame pointers: {}",
+                    failure.message
+                );
                 (SlotState::Unusable, Segments::default(), false)
             }
         };
@@ -1221,30 +1282,38 @@ fn read_table(
     source: Option<&MappedFile>,
     cache: Option<&TableCache>,
     vdso: Option<&[u8]>,
-) -> (Result<(UnwindTable, Segments), String>, bool) {
+    limits: &BuildLimits,
+) -> (Result<(UnwindTable, Segments), BuildFailure>, bool) {
     let mapped;
+    let mut opened: Option<std::fs::File> = None;
     let data: &[u8] = match (key, source) {
         (TableKey::Vdso, _) => match vdso {
             Some(vdso) => vdso,
-            None => return (Err("no vdso".into()), false),
+            None => return (Err(String::from("no vdso").into()), false),
         },
         (_, Some(file)) => {
             let handle = match std::fs::File::open(&file.open_path) {
                 Ok(handle) => handle,
-                Err(err) => return (Err(err.to_string()), false),
+                Err(err) => return (Err(err.to_string().into()), false),
             };
             // SAFETY: read-only private mapping of a file the agent holds open.
             mapped = match unsafe { memmap2::Mmap::map(&handle) } {
                 Ok(mapped) => mapped,
-                Err(err) => return (Err(err.to_string()), false),
+                Err(err) => return (Err(err.to_string().into()), false),
             };
+            opened = Some(handle);
             &mapped
         }
-        (_, None) => return (Err("the file is no longer available".into()), false),
+        (_, None) => {
+            return (
+                Err(String::from("the file is no longer available").into()),
+                false,
+            );
+        }
     };
     let elf = match object::File::parse(data) {
         Ok(elf) => elf,
-        Err(err) => return (Err(err.to_string()), false),
+        Err(err) => return (Err(err.to_string().into()), false),
     };
     let segments = Segments::of(&elf);
     let build_id = match key {
@@ -1256,7 +1325,13 @@ fn read_table(
     {
         return (Ok((table, segments)), true);
     }
-    match build_table(data) {
+    // Counted from the file, not the mapping: a file rejected here costs no resident memory.
+    if let Some(file) = &opened
+        && let Err(err) = check_fde_count(&elf, file, limits)
+    {
+        return (Err(err.into()), false);
+    }
+    match build_table_within(data, limits) {
         Ok(table) => {
             if let (Some(cache), Some(build_id)) = (cache, &build_id)
                 && let Err(err) = cache.store(build_id, &table)
@@ -1265,7 +1340,7 @@ fn read_table(
             }
             (Ok((table, segments)), false)
         }
-        Err(err) => (Err(err.to_string()), false),
+        Err(err) => (Err(err.into()), false),
     }
 }
 
@@ -1299,7 +1374,11 @@ mod tests {
     use std::{collections::BTreeMap, os::unix::fs::MetadataExt, path::PathBuf};
 
     use super::*;
-    use crate::{bpf::BpfError, model::ProcessLabels, unwinding::tables::Rule};
+    use crate::{
+        bpf::BpfError,
+        model::ProcessLabels,
+        unwinding::tables::{Rule, build_table},
+    };
 
     /// The maps as plain collections, so registration logic is tested without a kernel.
     #[derive(Default)]
@@ -1696,6 +1775,9 @@ mod tests {
         let p = process(30, &[mapped(LIBC)]);
         tables.sync_waiting(&p, Duration::from_secs(30));
         assert_eq!(tables.stats().tables_too_large, 1);
+        // Rejected by the builder, within the budget, not built and then found too large.
+        assert_eq!(tables.stats().tables_built, 0);
+        assert_eq!(tables.stats().tables_failed, 0);
         assert!(
             mapping_values(&tables)
                 .iter()

@@ -1,5 +1,5 @@
 //! One Connect unary call `POST {url}/push.v1.PusherService/Push` with a protobuf body, and the
-//! retry decision for its result (docs/pyroscope.md §1.3, §1.4).
+//! retry decision for its result (docs/pyroscope-protocol.md §3.1, §3.6, §3.7).
 use std::time::Duration;
 
 use base64::Engine;
@@ -33,12 +33,92 @@ pub fn is_retryable_status(status: u16) -> bool {
     status == 408 || status == 429 || (500..600).contains(&status)
 }
 
+/// `url` with the password of its userinfo (`http://user:pass@host`, which is sent as Basic
+/// auth) replaced by `***`, for logs and error messages. A userinfo without a `:` may be a
+/// token by itself and is replaced whole.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|at| at + 3) else {
+        // Not a URL; a userinfo may still be there (`user:pass@host`).
+        return match url.rfind('@') {
+            Some(at) => format!("***{}", &url[at..]),
+            None => url.to_owned(),
+        };
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let Some(at) = authority.rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = match authority[..at].split_once(':') {
+        Some((user, _password)) => format!("{user}:***"),
+        None => "***".to_owned(),
+    };
+    format!(
+        "{}{userinfo}{}{}",
+        &url[..scheme_end],
+        &authority[at..],
+        &rest[authority_end..]
+    )
+}
+
+/// The secret parts of a URL's userinfo (the password, or a userinfo without `:`), raw and
+/// percent-decoded, so they can be scrubbed from error texts.
+fn url_secrets(url: &str) -> Vec<String> {
+    let Some(rest) = url.split_once("://").map(|(_, rest)| rest) else {
+        return Vec::new();
+    };
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let Some((userinfo, _host)) = authority.rsplit_once('@') else {
+        return Vec::new();
+    };
+    let secret = userinfo
+        .split_once(':')
+        .map_or(userinfo, |(_, password)| password);
+    if secret.is_empty() {
+        return Vec::new();
+    }
+    let mut secrets = vec![secret.to_owned()];
+    let decoded = percent_decode(secret);
+    if decoded != secret {
+        secrets.push(decoded);
+    }
+    secrets
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(high), Some(low)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push((high * 16 + low) as u8);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Checks that `url` is an absolute http(s) URL with a host; returns it without a trailing `/`.
+/// Error messages show the URL redacted ([`redact_url`]).
 pub fn validate_url(url: &str) -> Result<String, String> {
     let trimmed = url.trim().trim_end_matches('/');
-    let uri: ureq::http::Uri = trimmed
-        .parse()
-        .map_err(|e| format!("'{url}' is not a URL: {e}"))?;
+    let uri: ureq::http::Uri = trimmed.parse().map_err(|e: ureq::http::uri::InvalidUri| {
+        let shown = redact_url(url);
+        // The parser's message may quote the input: keep only what names no secret.
+        let reason = scrub(&e.to_string(), &url_secrets(url));
+        format!("'{shown}' is not a URL: {reason}")
+    })?;
+    let url = redact_url(url);
     match uri.scheme_str() {
         Some("http" | "https") => {}
         _ => return Err(format!("'{url}' must start with http:// or https://")),
@@ -52,16 +132,28 @@ pub fn validate_url(url: &str) -> Result<String, String> {
     Ok(trimmed.to_owned())
 }
 
+/// `text` with every secret replaced by `***`.
+fn scrub(text: &str, secrets: &[String]) -> String {
+    secrets.iter().fold(text.to_owned(), |text, secret| {
+        text.replace(secret.as_str(), "***")
+    })
+}
+
 pub struct Client {
     agent: ureq::Agent,
-    endpoint: String,
+    /// Where requests go, credentials included.
+    request_url: String,
+    /// The endpoint for logs: without the URL's password.
+    shown_endpoint: String,
+    /// The URL's password, scrubbed from error texts.
+    secrets: Vec<String>,
     /// Authorization and tenant headers, fixed for the agent's lifetime.
     headers: Vec<(&'static str, String)>,
 }
 
 impl Client {
     pub fn new(config: &PushConfig) -> Result<Client, PushError> {
-        let base = validate_url(&config.url).map_err(PushError::InvalidUrl)?;
+        let base = validate_url(config.url.expose()).map_err(PushError::InvalidUrl)?;
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_global(Some(REQUEST_TIMEOUT))
             .http_status_as_error(false)
@@ -83,20 +175,40 @@ impl Client {
         }
         Ok(Client {
             agent,
-            endpoint: format!("{base}{PUSH_PATH}"),
+            shown_endpoint: redact_url(&format!("{base}{PUSH_PATH}")),
+            secrets: url_secrets(&base),
+            request_url: format!("{base}{PUSH_PATH}"),
             headers,
         })
     }
 
+    /// The endpoint as logs may show it: any password in the URL is `***`.
     pub fn endpoint(&self) -> &str {
-        &self.endpoint
+        &self.shown_endpoint
     }
 
-    /// Sends one encoded `PushRequest`.
+    /// Sends one encoded `PushRequest`; error texts never carry the URL's password.
     pub fn send(&self, body: &[u8]) -> Outcome {
+        match self.send_raw(body) {
+            Outcome::Retry {
+                reason,
+                retry_after,
+            } => Outcome::Retry {
+                reason: scrub(&reason, &self.secrets),
+                retry_after,
+            },
+            Outcome::Rejected { status, message } => Outcome::Rejected {
+                status,
+                message: scrub(&message, &self.secrets),
+            },
+            Outcome::Sent => Outcome::Sent,
+        }
+    }
+
+    fn send_raw(&self, body: &[u8]) -> Outcome {
         let mut request = self
             .agent
-            .post(&self.endpoint)
+            .post(&self.request_url)
             .header("Content-Type", "application/proto")
             .header("Connect-Protocol-Version", "1")
             .header(
@@ -216,5 +328,36 @@ mod tests {
             .port();
         let client = Client::new(&PushConfig::new(format!("http://127.0.0.1:{port}"))).unwrap();
         assert!(matches!(client.send(b""), Outcome::Retry { .. }));
+    }
+
+    #[test]
+    fn url_passwords_are_redacted() {
+        assert_eq!(
+            redact_url("http://user:s3cret@host:4040/p?q#f"),
+            "http://user:***@host:4040/p?q#f"
+        );
+        assert_eq!(redact_url("https://t0ken@host"), "https://***@host");
+        assert_eq!(redact_url("http://host:4040/a@b"), "http://host:4040/a@b");
+        assert_eq!(redact_url("http://a:b@c@host/"), "http://a:***@host/");
+        assert_eq!(redact_url("user:pw@host"), "***@host");
+        assert_eq!(url_secrets("http://u:p%40ss@h"), ["p%40ss", "p@ss"]);
+        assert!(url_secrets("http://h/x@y").is_empty());
+        for bad in [
+            "ftp://u:s3cret@h",
+            "http://u:s3cret@h/?a=1",
+            "http://u:s3cret@/",
+            "http://u:s3cret@h h",
+            "u:s3cret@h",
+        ] {
+            let err = validate_url(bad).unwrap_err();
+            assert!(!err.contains("s3cret"), "{bad}: {err}");
+            assert!(err.contains("***"), "{bad}: {err}");
+        }
+        let client = Client::new(&PushConfig::new("http://u:s3cret@127.0.0.1:1")).unwrap();
+        assert_eq!(
+            client.endpoint(),
+            "http://u:***@127.0.0.1:1/push.v1.PusherService/Push"
+        );
+        assert_eq!(scrub("a s3cret b", &client.secrets), "a *** b");
     }
 }

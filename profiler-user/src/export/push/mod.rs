@@ -1,5 +1,5 @@
 //! Push to Grafana Pyroscope: each interval's profiles go to `POST {url}/push.v1.PusherService/Push`
-//! (Connect, protobuf `PushRequest`, gzipped pprof as `raw_profile`; docs/pyroscope.md §1.3).
+//! (Connect, protobuf `PushRequest`, gzipped pprof as `raw_profile`; docs/pyroscope-protocol.md §3).
 //!
 //! The exporter thread calls [`PushSink::write`], which only encodes the request and appends it
 //! to a bounded [`queue::PushQueue`] (and, with `--spool-dir`, a file on disk); the `pusher`
@@ -51,6 +51,36 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// At most one warning of a kind per this period; the others are counted in the next one.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
+/// The `--pyroscope-url`: printed (Display, Debug) with any password in it as `***`, since a
+/// userinfo (`http://user:pass@host`) is sent as Basic auth. [`PushUrl::expose`] gives the URL.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PushUrl(String);
+
+impl PushUrl {
+    /// The URL with its credentials, for the HTTP client only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PushUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&client::redact_url(&self.0))
+    }
+}
+
+impl fmt::Debug for PushUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", client::redact_url(&self.0))
+    }
+}
+
+impl PartialEq<&str> for PushUrl {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PushError {
     #[error("invalid --pyroscope-url {0}")]
@@ -94,7 +124,7 @@ pub struct SpoolSettings {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PushConfig {
     /// Base URL; the push path is appended.
-    pub url: String,
+    pub url: PushUrl,
     pub auth: PushAuth,
     /// Sent as `X-Scope-OrgID`.
     pub tenant_id: Option<String>,
@@ -108,7 +138,7 @@ pub struct PushConfig {
 impl PushConfig {
     pub fn new(url: impl Into<String>) -> Self {
         PushConfig {
-            url: url.into(),
+            url: PushUrl(url.into()),
             auth: PushAuth::None,
             tenant_id: None,
             extra_labels: Vec::new(),
@@ -125,7 +155,7 @@ pub struct PushArgs {
     /// Push every interval's profiles to this Grafana Pyroscope (or compatible) server, e.g.
     /// http://pyroscope:4040. Also read from PYROSCOPE_URL. Turns the embedded store off unless
     /// --store on is given.
-    #[arg(long, env = "PROFILER_PYROSCOPE_URL", value_parser = parse_url)]
+    #[arg(long, env = "PROFILER_PYROSCOPE_URL", value_parser = UrlParser)]
     pub pyroscope_url: Option<String>,
     /// User for HTTP basic auth (Grafana Cloud: the stack's numeric profiles user id).
     #[arg(long, env = "PROFILER_PYROSCOPE_USER", requires = "pyroscope_password")]
@@ -186,7 +216,7 @@ impl PushArgs {
             _ => PushAuth::None,
         };
         Some(PushConfig {
-            url,
+            url: PushUrl(url),
             auth,
             tenant_id: self.pyroscope_tenant_id.filter(|t| !t.is_empty()),
             extra_labels: self.pyroscope_labels,
@@ -200,8 +230,32 @@ impl PushArgs {
     }
 }
 
-fn parse_url(text: &str) -> Result<String, String> {
-    client::validate_url(text)
+/// Parses `--pyroscope-url`. Not a plain function parser: clap's error for those quotes the
+/// value, and this one may carry a password.
+#[derive(Clone)]
+struct UrlParser;
+
+impl clap::builder::TypedValueParser for UrlParser {
+    type Value = String;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<String, clap::Error> {
+        let invalid = |reason: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for --pyroscope-url: {reason}\n"),
+            )
+            .with_cmd(cmd)
+        };
+        let text = value
+            .to_str()
+            .ok_or_else(|| invalid("not valid UTF-8".into()))?;
+        client::validate_url(text).map_err(invalid)
+    }
 }
 
 /// `name=value`; names as Pyroscope's query language accepts them without quoting.
@@ -239,7 +293,7 @@ fn parse_label(text: &str) -> Result<(String, String), String> {
 /// `service_name`), then the extra labels the profile does not already have.
 pub fn push_request(profile: &Profile, extra_labels: &[(String, String)]) -> PushRequest {
     let pprof = build_pprof(profile);
-    // Pyroscope's profile type name, as the embedded store names it (docs/pyroscope.md §2.5).
+    // Pyroscope's profile type name, as the embedded store names it (docs/pyroscope-protocol.md §6.3).
     let mut labels = vec![LabelPair {
         name: "__name__".into(),
         value: profile.kind.name().into(),

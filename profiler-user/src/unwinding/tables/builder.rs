@@ -33,8 +33,9 @@ use profiler_common::unwind::{
 };
 
 use super::{
-    CfiSource, MAX_ADDRESS, MAX_FDE_BYTES, MAX_FDES, MAX_ROWS, Rule, TableError, TableRow,
-    TableStats, UnwindTable, call_sites::check_call_sites, pages::PagedBuilder,
+    BuildLimits, CfiSource, MAX_ADDRESS, MAX_CACHED_CIES, MAX_FDE_BYTES, MAX_FDE_ROWS, MAX_ROWS,
+    Rule, TableError, TableRow, TableStats, UnwindTable, call_sites::check_call_sites,
+    pages::PagedBuilder,
 };
 
 type Reader<'a> = EndianSlice<'a, LittleEndian>;
@@ -59,11 +60,25 @@ const PLT_SECTIONS: [&str; 3] = [".plt", ".plt.sec", ".plt.got"];
 /// error (no partial table, no fallback to the other section): the caller then uses frame
 /// pointers for the whole file.
 pub fn build_table(elf_bytes: &[u8]) -> Result<UnwindTable, TableError> {
+    build_table_within(elf_bytes, &BuildLimits::default())
+}
+
+/// [`build_table`] within `limits`: a table that cannot fit is rejected with
+/// [`TableError::TooLarge`], from the FDE count before any row is decoded where the count
+/// tells, else as soon as its rows pass the bound; the builder's allocations stay under
+/// [`BuildLimits::working_bytes`] either way.
+pub fn build_table_within(
+    elf_bytes: &[u8],
+    limits: &BuildLimits,
+) -> Result<UnwindTable, TableError> {
     let file = object::File::parse(elf_bytes)?;
     if file.architecture() != Architecture::X86_64 || !file.is_little_endian() {
         return Err(TableError::UnsupportedArchitecture(file.architecture()));
     }
-    let mut table = build_from_file(&file)?;
+    let mut table = build_from_file(&file, limits)?;
+    if limits.cancelled() {
+        return Err(TableError::Cancelled);
+    }
     // Only a table that could qualify is worth decoding the code for.
     if table.row_count() > 1 && table.stats.signal_fdes == 0 {
         table.stats.call_sites = check_call_sites(&file, table.paged.table_rows());
@@ -71,7 +86,10 @@ pub fn build_table(elf_bytes: &[u8]) -> Result<UnwindTable, TableError> {
     Ok(table)
 }
 
-fn build_from_file(file: &object::File<'_>) -> Result<UnwindTable, TableError> {
+fn build_from_file(
+    file: &object::File<'_>,
+    limits: &BuildLimits,
+) -> Result<UnwindTable, TableError> {
     let section_address = |name: &str| file.section_by_name(name).map(|s| s.address());
     let plt_ranges: Vec<Range<u64>> = PLT_SECTIONS
         .iter()
@@ -84,19 +102,50 @@ fn build_from_file(file: &object::File<'_>) -> Result<UnwindTable, TableError> {
             section: ".eh_frame",
             source,
         })?;
+        // The linker's count of the FDEs, in the header of `.eh_frame_hdr`: a file claiming
+        // more than the budget allows is rejected without reading `.eh_frame` at all (a file
+        // claiming fewer than it has is caught by the count below).
+        if let Some(claimed) = file
+            .section_by_name(".eh_frame_hdr")
+            .and_then(|hdr| hdr.data().ok())
+            .and_then(eh_frame_hdr_fde_count)
+            && claimed > limits.max_fdes() as u64
+        {
+            return Err(TableError::TooLarge {
+                what: "FDEs in .eh_frame_hdr",
+                count: claimed,
+                limit: limits.max_fdes() as u64,
+                rows_decoded: 0,
+            });
+        }
         // NOBITS in separate debug files: fall through to .debug_frame.
         if !data.is_empty() {
-            return build_from_cfi(&CfiSection {
-                source: CfiSource::EhFrame,
-                data,
-                address: section.address(),
-                text_address: section_address(".text"),
-                got_address: section_address(".got"),
-                plt_ranges: &plt_ranges,
-            });
+            return build_from_cfi_within(
+                &CfiSection {
+                    source: CfiSource::EhFrame,
+                    data,
+                    address: section.address(),
+                    text_address: section_address(".text"),
+                    got_address: section_address(".got"),
+                    plt_ranges: &plt_ranges,
+                },
+                limits,
+            );
         }
     }
     if let Some(section) = file.section_by_name(".debug_frame") {
+        // A compressed section is inflated into memory: its size is checked first (real CFI
+        // takes 20 to 60 bytes an FDE).
+        if let Ok(compressed) = section.compressed_data()
+            && compressed.uncompressed_size > limits.max_cfi_bytes()
+        {
+            return Err(TableError::TooLarge {
+                what: "bytes of .debug_frame",
+                count: compressed.uncompressed_size,
+                limit: limits.max_cfi_bytes(),
+                rows_decoded: 0,
+            });
+        }
         let data = section
             .uncompressed_data()
             .map_err(|source| TableError::Section {
@@ -104,17 +153,136 @@ fn build_from_file(file: &object::File<'_>) -> Result<UnwindTable, TableError> {
                 source,
             })?;
         if !data.is_empty() {
-            return build_from_cfi(&CfiSection {
-                source: CfiSource::DebugFrame,
-                data: &data,
-                address: 0,
-                text_address: None,
-                got_address: None,
-                plt_ranges: &plt_ranges,
-            });
+            return build_from_cfi_within(
+                &CfiSection {
+                    source: CfiSource::DebugFrame,
+                    data: &data,
+                    address: 0,
+                    text_address: None,
+                    got_address: None,
+                    plt_ranges: &plt_ranges,
+                },
+                limits,
+            );
         }
     }
     UnwindTable::from_rows(Vec::new(), TableStats::default())
+}
+
+/// `fde_count` from the header of an `.eh_frame_hdr` section, when it is encoded as a plain
+/// (absolute) number, as linkers write it; `None` for anything else.
+pub(super) fn eh_frame_hdr_fde_count(hdr: &[u8]) -> Option<u64> {
+    const OMIT: u8 = 0xff;
+    // Bytes of a value in a DW_EH_PE encoding's format.
+    let size = |encoding: u8| match encoding & 0x0f {
+        0x00 | 0x04 | 0x0c => Some(8),
+        0x02 | 0x0a => Some(2),
+        0x03 | 0x0b => Some(4),
+        _ => None,
+    };
+    let [1, pointer_encoding, count_encoding, table_encoding, ..] = *hdr else {
+        return None;
+    };
+    if count_encoding == OMIT || table_encoding == OMIT || count_encoding & 0x70 != 0 {
+        return None;
+    }
+    let at = 4 + if pointer_encoding == OMIT {
+        0
+    } else {
+        size(pointer_encoding)?
+    };
+    let bytes = hdr.get(at..at + size(count_encoding)?)?;
+    let mut value = [0u8; 8];
+    value[..bytes.len()].copy_from_slice(bytes);
+    Some(u64::from_le_bytes(value))
+}
+
+/// Checks the FDE count of `elf`'s `.eh_frame` against `limits` by reading the section
+/// through `file` (the same file, e.g. with `pread`s into a small buffer) instead of through a
+/// mapping of it: a file rejected here never has its `.eh_frame` pages mapped into the
+/// process (they would count in its resident memory). `.eh_frame_hdr`'s count is looked at
+/// first. Files without `.eh_frame` pass (the build checks `.debug_frame`).
+pub fn check_fde_count(
+    elf: &object::File<'_>,
+    file: &std::fs::File,
+    limits: &BuildLimits,
+) -> Result<(), TableError> {
+    use std::os::unix::fs::FileExt;
+    let Some(section) = elf.section_by_name(".eh_frame") else {
+        return Ok(());
+    };
+    let Some((offset, size)) = section.file_range() else {
+        return Ok(());
+    };
+    if let Some(claimed) = elf
+        .section_by_name(".eh_frame_hdr")
+        .and_then(|hdr| hdr.data().ok())
+        .and_then(eh_frame_hdr_fde_count)
+        && claimed > limits.max_fdes() as u64
+    {
+        return Err(TableError::TooLarge {
+            what: "FDEs in .eh_frame_hdr",
+            count: claimed,
+            limit: limits.max_fdes() as u64,
+            rows_decoded: 0,
+        });
+    }
+    // Entry headers, read 64 KiB at a time: (length, CIE id) and, for 64-bit DWARF, the
+    // length after a 0xffffffff escape.
+    let mut buffer = vec![0u8; 64 << 10];
+    let (mut buffered_at, mut buffered_len) = (0u64, 0usize);
+    let mut read_at = |at: u64, bytes: &mut [u8]| -> bool {
+        let len = bytes.len();
+        if at < buffered_at || at + len as u64 > buffered_at + buffered_len as u64 {
+            let want = (buffer.len() as u64).min(size.saturating_sub(at)) as usize;
+            if want < len {
+                return false;
+            }
+            match file.read_at(&mut buffer[..want], offset + at) {
+                Ok(n) if n >= len => (buffered_at, buffered_len) = (at, n),
+                _ => return false,
+            }
+        }
+        let start = (at - buffered_at) as usize;
+        bytes.copy_from_slice(&buffer[start..start + len]);
+        true
+    };
+    let mut fdes = 0u64;
+    let mut at = 0u64;
+    let mut word = [0u8; 4];
+    while at + 4 <= size && read_at(at, &mut word) {
+        let length = u32::from_le_bytes(word);
+        let (id_at, end) = match length {
+            // The terminator.
+            0 => break,
+            0xffff_ffff => {
+                let mut long = [0u8; 8];
+                if !read_at(at + 4, &mut long) {
+                    break;
+                }
+                (at + 12, (at + 12).saturating_add(u64::from_le_bytes(long)))
+            }
+            _ => (at + 4, at + 4 + u64::from(length)),
+        };
+        if !read_at(id_at, &mut word) {
+            break;
+        }
+        // In .eh_frame a CIE has id 0; anything else points back at a CIE: an FDE.
+        if u32::from_le_bytes(word) != 0 {
+            fdes += 1;
+            if fdes > limits.max_fdes() as u64 {
+                return Err(TableError::TooLarge {
+                    what: "FDEs",
+                    count: fdes,
+                    limit: limits.max_fdes() as u64,
+                    rows_decoded: 0,
+                });
+            }
+        }
+        at = end;
+    }
+    // Malformed sections are the build's to report.
+    Ok(())
 }
 
 /// One CFI section and what its pointers are relative to.
@@ -137,18 +305,31 @@ impl CfiSection<'_> {
     }
 }
 
+/// [`build_from_cfi_within`] with the fixed bounds only.
+#[cfg(test)]
+pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableError> {
+    build_from_cfi_within(cfi, &BuildLimits::default())
+}
+
 /// The table of one CFI section (`.eh_frame` or `.debug_frame` bytes).
 ///
-/// Two passes keep the memory to the merged table: the first reads only the FDE headers (start,
-/// length, where the FDE is), the second runs the FDE programs in address order and merges their
-/// rows as it goes, instead of holding every FDE's rows before merging (tens of MiB for a large
-/// library such as libtorch_cpu).
-pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableError> {
+/// Three passes keep the memory to the merged table, and within the budget: the first only
+/// counts the FDEs (allocating nothing; a file with more than the budget allows ends here), the
+/// second reads the FDE headers (start, length, where the FDE is) into an index of exactly that
+/// size, the third runs the FDE programs in address order and merges their rows as it goes,
+/// instead of holding every FDE's rows before merging (tens of MiB for a large library such as
+/// libtorch_cpu), stopping when the rows reach the budget.
+///
+/// `limits`: see [`build_table_within`].
+pub(crate) fn build_from_cfi_within(
+    cfi: &CfiSection<'_>,
+    limits: &BuildLimits,
+) -> Result<UnwindTable, TableError> {
     match cfi.source {
         CfiSource::DebugFrame => {
             let mut section = DebugFrame::new(cfi.data, LittleEndian);
             section.set_address_size(8);
-            build_from_section(&section, &BaseAddresses::default(), cfi)
+            build_from_section(&section, &BaseAddresses::default(), cfi, limits)
         }
         CfiSource::EhFrame | CfiSource::None => {
             let mut section = EhFrame::new(cfi.data, LittleEndian);
@@ -160,23 +341,71 @@ pub(crate) fn build_from_cfi(cfi: &CfiSection<'_>) -> Result<UnwindTable, TableE
             if let Some(got) = cfi.got_address {
                 bases = bases.set_got(got);
             }
-            build_from_section(&section, &bases, cfi)
+            build_from_section(&section, &bases, cfi, limits)
         }
     }
 }
 
-/// An FDE found by the first pass.
+/// An FDE found by the first pass (16 bytes: the index of a file with millions of FDEs is
+/// the largest part of the builder's memory after the rows).
+#[derive(Clone, Copy)]
 struct FdeRef {
     start: u64,
-    end: u64,
+    /// Bytes of code covered (an FDE over 4 GiB of code is rejected).
+    length: u32,
     /// Where the FDE is in the section.
-    offset: usize,
+    offset: u32,
+}
+
+/// Bytes of one FDE index entry.
+pub(super) const FDE_REF_BYTES: usize = std::mem::size_of::<FdeRef>();
+
+/// FDEs between two looks at the cancel flag.
+const CANCEL_CHECK_FDES: usize = 4096;
+
+impl FdeRef {
+    fn end(&self) -> u64 {
+        self.start + u64::from(self.length)
+    }
+}
+
+/// Counts the section's FDEs from the entries' headers alone (length and CIE pointer; a CIE
+/// is parsed, an FDE is not), allocating nothing: the size of the table to come is known
+/// before any of it is materialized.
+fn count_fdes<'a, S>(
+    section: &S,
+    bases: &BaseAddresses,
+    name: &'static str,
+    limits: &BuildLimits,
+) -> Result<usize, TableError>
+where
+    S: UnwindSection<Reader<'a>>,
+    S::Offset: UnwindOffset<usize>,
+{
+    let mut count = 0usize;
+    let mut entries = section.entries(bases);
+    while let Some(entry) = entries
+        .next()
+        .map_err(|source| TableError::MalformedSection {
+            section: name,
+            source,
+        })?
+    {
+        if let CieOrFde::Fde(_) = entry {
+            count += 1;
+            if count.is_multiple_of(CANCEL_CHECK_FDES * 16) && limits.cancelled() {
+                return Err(TableError::Cancelled);
+            }
+        }
+    }
+    Ok(count)
 }
 
 fn build_from_section<'a, S>(
     section: &S,
     bases: &BaseAddresses,
     cfi: &CfiSection<'a>,
+    limits: &BuildLimits,
 ) -> Result<UnwindTable, TableError>
 where
     S: UnwindSection<Reader<'a>>,
@@ -187,25 +416,41 @@ where
         source: cfi.source,
         ..TableStats::default()
     };
+    // The size first: a file whose table cannot fit is rejected before anything is built.
+    let fde_count = count_fdes(section, bases, name, limits)?;
+    if fde_count > limits.max_fdes() {
+        return Err(TableError::TooLarge {
+            what: "FDEs",
+            count: fde_count as u64,
+            limit: limits.max_fdes() as u64,
+            rows_decoded: 0,
+        });
+    }
     let mut cies: HashMap<usize, CommonInformationEntry<Reader<'a>>> = HashMap::new();
-    let mut fdes = index_fdes(section, bases, name, &mut cies, &mut stats)?;
-    // Stable: FDEs with the same start stay in section order (the first one wins).
-    fdes.sort_by_key(|fde| fde.start);
+    let mut fdes = index_fdes(
+        section, bases, name, &mut cies, &mut stats, fde_count, limits,
+    )?;
+    // FDEs with the same start stay in section order (the first one wins); in place, so the
+    // sort needs no scratch as large as the index.
+    fdes.sort_unstable_by_key(|fde| (fde.start, fde.offset));
 
-    let mut merged = PagedBuilder::new(true);
+    let mut merged = PagedBuilder::new(true, limits.max_rows);
     // One FDE's rows, reused.
     let mut fde_rows: Vec<TableRow> = Vec::new();
     // Allocated once and reused by every FDE program.
     let mut context = UnwindContext::new();
     let mut covered_end: Option<u64> = None;
-    for fde_ref in &fdes {
-        let (start, end) = (fde_ref.start, fde_ref.end);
+    for (index, fde_ref) in fdes.iter().enumerate() {
+        if index % CANCEL_CHECK_FDES == 0 && limits.cancelled() {
+            return Err(TableError::Cancelled);
+        }
+        let (start, end) = (fde_ref.start, fde_ref.end());
         if covered_end.is_some_and(|covered| end <= covered) {
             // Wholly inside an FDE that starts earlier.
             stats.overlapping_fdes += 1;
             continue;
         }
-        let offset = fde_ref.offset;
+        let offset = fde_ref.offset as usize;
         let fde_error = |source| TableError::MalformedFde {
             section: name,
             offset,
@@ -242,6 +487,14 @@ where
                     return Err(fde_error(gimli::Error::InvalidCfiSetLoc(row_start)));
                 }
                 previous_start = row_start;
+                if fde_rows.len() >= MAX_FDE_ROWS {
+                    return Err(TableError::TooLarge {
+                        what: "rows in one FDE",
+                        count: fde_rows.len() as u64 + 1,
+                        limit: MAX_FDE_ROWS as u64,
+                        rows_decoded: merged.rows_so_far() as u64,
+                    });
+                }
                 let rule = map_rule(row, return_address, in_plt, section, &mut stats);
                 fde_rows.push(TableRow {
                     address: row_start,
@@ -307,7 +560,9 @@ where
         return Ok(cie.clone());
     }
     let cie = section.cie_from_offset(bases, cie_offset)?;
-    cies.insert(key, cie.clone());
+    if cies.len() < MAX_CACHED_CIES {
+        cies.insert(key, cie.clone());
+    }
     Ok(cie)
 }
 
@@ -317,6 +572,8 @@ fn index_fdes<'a, S>(
     name: &'static str,
     cies: &mut HashMap<usize, CommonInformationEntry<Reader<'a>>>,
     stats: &mut TableStats,
+    fde_count: usize,
+    limits: &BuildLimits,
 ) -> Result<Vec<FdeRef>, TableError>
 where
     S: UnwindSection<Reader<'a>>,
@@ -326,19 +583,26 @@ where
         section: name,
         source,
     };
-    let mut fdes = Vec::new();
+    // Exactly the size counted: no growth by doubling.
+    let mut fdes = Vec::with_capacity(fde_count);
     let mut entries = section.entries(bases);
     while let Some(entry) = entries.next().map_err(section_error)? {
         let partial = match entry {
             CieOrFde::Cie(cie) => {
-                cies.insert(cie.offset(), cie);
+                if cies.len() < MAX_CACHED_CIES {
+                    cies.insert(cie.offset(), cie);
+                }
                 continue;
             }
             CieOrFde::Fde(partial) => partial,
         };
         stats.fdes += 1;
-        if stats.fdes > MAX_FDES as u64 {
+        if stats.fdes > fde_count as u64 {
+            // The count pass read the same section: only a bug could get here.
             return Err(TableError::TooManyFdes);
+        }
+        if (stats.fdes as usize).is_multiple_of(CANCEL_CHECK_FDES) && limits.cancelled() {
+            return Err(TableError::Cancelled);
         }
         let offset = partial.offset();
         let fde_error = |source| TableError::MalformedFde {
@@ -362,14 +626,26 @@ where
             stats.empty_fdes += 1;
             continue;
         }
-        let end = start
+        start
             .checked_add(length)
             .filter(|&end| end <= MAX_ADDRESS)
             .ok_or(TableError::AddressOutOfRange { start, length })?;
+        let length =
+            u32::try_from(length).map_err(|_| TableError::AddressOutOfRange { start, length })?;
+        let offset = u32::try_from(offset).map_err(|_| TableError::TooLarge {
+            what: "bytes of CFI",
+            count: offset as u64,
+            limit: u64::from(u32::MAX),
+            rows_decoded: 0,
+        })?;
         if fde.is_signal_trampoline() {
             stats.signal_fdes += 1;
         }
-        fdes.push(FdeRef { start, end, offset });
+        fdes.push(FdeRef {
+            start,
+            length,
+            offset,
+        });
     }
     Ok(fdes)
 }

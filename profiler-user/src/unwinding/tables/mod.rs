@@ -23,7 +23,7 @@ use profiler_common::unwind::{
     PAGE_SHIFT, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED, UnwindRow,
 };
 
-pub use builder::build_table;
+pub use builder::{build_table, build_table_within, check_fde_count};
 pub use cache::{CacheError, TableCache};
 pub use call_sites::{CallSiteCheck, call_keeps_frame};
 use pages::PagedBuilder;
@@ -40,6 +40,87 @@ pub const MAX_FDE_BYTES: usize = 1 << 20;
 pub const MAX_PAGES: u64 = 1 << 20;
 /// Addresses must fit the `u32` page numbers of the BPF page map.
 pub const MAX_ADDRESS: u64 = 1 << (32 + PAGE_SHIFT);
+/// Upper bound on one FDE's program rows (before merging). Real functions have a few hundred
+/// at most; the bound keeps the per-FDE row buffer small whatever the FDE holds.
+pub const MAX_FDE_ROWS: usize = 1 << 16;
+/// CIEs kept parsed during a build; beyond, a CIE is parsed again each time an FDE needs it
+/// (real files have a handful).
+pub const MAX_CACHED_CIES: usize = 256;
+
+/// What one build may use, set from the unwind-table budget (`--unwind-table-memory`): a table
+/// that could never be placed is not built, and the builder's own memory is bounded by design.
+///
+/// - Before anything is decoded, the FDEs are counted: the linker's count in `.eh_frame_hdr`
+///   first (without reading `.eh_frame`), then the entries themselves (reading only each
+///   entry's header, no allocation); a file with more than [`Self::max_fdes`] is rejected at
+///   once. Every FDE of
+///   real code has 5 to 8 rows an FDE (libc 6.4, libstdc++ 6.0, bash 8.0) and only
+///   back-to-back frameless leaves merge to fewer, so `max_fdes` is half the row budget.
+/// - The FDE index (16 bytes an FDE) is allocated at its exact size from the count.
+/// - The table's rows (8 bytes each, page start rows included; page entries are fewer) stop at
+///   [`Self::max_rows`], the rows the budget holds: the build fails there, at once.
+/// - One FDE's rows stop at [`MAX_FDE_ROWS`], cached CIEs at [`MAX_CACHED_CIES`].
+/// - A compressed `.debug_frame` is inflated only up to [`Self::max_cfi_bytes`].
+///
+/// [`Self::working_bytes`] is the resulting bound on the builder's own allocations.
+#[derive(Clone, Debug)]
+pub struct BuildLimits {
+    /// Rows the paged table may have (the BPF row array's capacity).
+    pub max_rows: usize,
+    /// Set to stop a build under way (the agent is stopping): it fails with
+    /// [`TableError::Cancelled`] within a few thousand FDEs.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl Default for BuildLimits {
+    /// The fixed bounds only (no budget): for `record` without a row array and for tests.
+    fn default() -> Self {
+        BuildLimits {
+            max_rows: MAX_ROWS,
+            cancel: None,
+        }
+    }
+}
+
+impl BuildLimits {
+    /// Limits for a row array of `row_capacity` rows.
+    pub fn for_row_capacity(row_capacity: usize) -> Self {
+        BuildLimits {
+            max_rows: row_capacity.clamp(1, MAX_ROWS),
+            cancel: None,
+        }
+    }
+
+    /// FDEs a file may have (see the type's documentation).
+    pub fn max_fdes(&self) -> usize {
+        (self.max_rows / 2).clamp(1, MAX_FDES)
+    }
+
+    /// Bytes of decompressed `.debug_frame` a build may inflate (64 an allowed FDE).
+    pub fn max_cfi_bytes(&self) -> u64 {
+        self.max_fdes() as u64 * 64
+    }
+
+    /// Upper bound on the bytes the builder allocates for one build: the FDE index, the
+    /// rows and page entries, one FDE's rows, the CIE cache (its entries and their table
+    /// slots), plus 64 KiB for the rest (the unwind context, the section list).
+    pub fn working_bytes(&self) -> usize {
+        use std::mem::size_of;
+        type Cie = gimli::CommonInformationEntry<gimli::EndianSlice<'static, gimli::LittleEndian>>;
+        self.max_fdes() * builder::FDE_REF_BYTES
+            + self.max_rows
+                * (size_of::<UnwindRow>() + 2 * size_of::<profiler_common::unwind::PageEntry>())
+            + MAX_FDE_ROWS * size_of::<TableRow>() * 2
+            + MAX_CACHED_CIES * (size_of::<Cie>() + 16) * 2
+            + (64 << 10)
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|cancel| cancel.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
 
 /// Why a table could not be built (or loaded).
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +161,29 @@ pub enum TableError {
     TooManyPages { pages: u64 },
     #[error("invalid table rows: {0}")]
     InvalidRows(&'static str),
+    /// The table cannot fit the budget (or the builder's bounds): known from the FDE count
+    /// before any row was decoded (`rows_decoded` 0), or when the rows passed the bound.
+    #[error(
+        "too large for the unwind-table budget: {count} {what} (limit {limit}; {rows_decoded} rows decoded)"
+    )]
+    TooLarge {
+        what: &'static str,
+        count: u64,
+        limit: u64,
+        rows_decoded: u64,
+    },
+    #[error("cancelled: the agent is stopping")]
+    Cancelled,
+}
+
+impl TableError {
+    /// Whether the file's table would not fit the budget (counted as too large, not failed).
+    pub fn is_too_large(&self) -> bool {
+        matches!(
+            self,
+            TableError::TooLarge { .. } | TableError::TooManyFdes | TableError::TooManyRows
+        )
+    }
 }
 
 /// Which section a table was built from.
@@ -207,7 +311,7 @@ impl UnwindTable {
         rows: impl IntoIterator<Item = TableRow>,
         stats: TableStats,
     ) -> Result<UnwindTable, TableError> {
-        let mut builder = PagedBuilder::new(false);
+        let mut builder = PagedBuilder::new(false, MAX_ROWS);
         for row in rows {
             builder.push(row.address, row.rule)?;
         }

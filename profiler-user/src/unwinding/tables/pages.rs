@@ -51,13 +51,17 @@ pub(super) struct PagedBuilder {
     /// When set, rows are merged as given (same address: replaced; same rule as the previous
     /// row: dropped); otherwise either is an error.
     merge: bool,
+    /// Rows (page start rows included) the table may have: beyond, [`TableError::TooLarge`]
+    /// before the row vector grows (its capacity never passes this bound).
+    max_rows: usize,
 }
 
 impl PagedBuilder {
     /// `merge`: see the field.
-    pub(super) fn new(merge: bool) -> Self {
+    pub(super) fn new(merge: bool, max_rows: usize) -> Self {
         PagedBuilder {
             merge,
+            max_rows,
             in_effect: Rule::NONE,
             ..PagedBuilder::default()
         }
@@ -95,13 +99,13 @@ impl PagedBuilder {
         if self.paged.row_count == 0 {
             self.paged.first_page = page as u32;
             self.page = page;
-            self.open_page(row.address);
+            self.open_page(row.address)?;
         }
         self.open_pages_through(page, row.address)?;
-        self.paged.rows.push(
+        self.push_row(
             row.rule
                 .with_pc_low((row.address & PAGE_OFFSET_MASK) as u16),
-        );
+        )?;
         self.in_effect = row.rule;
         self.paged.row_count += 1;
         Ok(())
@@ -117,22 +121,48 @@ impl PagedBuilder {
         while page > self.page {
             self.close_page();
             self.page += 1;
-            self.open_page(next_address);
+            self.open_page(next_address)?;
         }
+        Ok(())
+    }
+
+    /// Rows decoded into the table so far (page start rows included).
+    pub(super) fn rows_so_far(&self) -> usize {
+        self.paged.rows.len()
+    }
+
+    /// Appends a row within [`Self::max_rows`], growing the vector by at most half again and
+    /// never past the bound (so a rejected table never held more than the budget).
+    fn push_row(&mut self, row: UnwindRow) -> Result<(), TableError> {
+        let rows = &mut self.paged.rows;
+        if rows.len() >= self.max_rows {
+            return Err(TableError::TooLarge {
+                what: "rows",
+                count: rows.len() as u64 + 1,
+                limit: self.max_rows as u64,
+                rows_decoded: rows.len() as u64,
+            });
+        }
+        if rows.len() == rows.capacity() {
+            let grow = (rows.len() / 2).max(1024).min(self.max_rows - rows.len());
+            rows.reserve_exact(grow);
+        }
+        rows.push(row);
         Ok(())
     }
 
     /// Starts page `self.page` with the rule in effect, unless `next_address` (the row about
     /// to be written) is exactly its start.
-    fn open_page(&mut self, next_address: u64) {
+    fn open_page(&mut self, next_address: u64) -> Result<(), TableError> {
         let page_start = self.page << PAGE_SHIFT;
         self.paged.entries.push(PageEntry {
             first_row: self.paged.rows.len() as u32,
             row_count: 0,
         });
         if next_address != page_start {
-            self.paged.rows.push(self.in_effect.with_pc_low(0));
+            self.push_row(self.in_effect.with_pc_low(0))?;
         }
+        Ok(())
     }
 
     fn close_page(&mut self) {

@@ -6,6 +6,8 @@
 //!   `profiler-user/tests/corpus/eh_frame/`. Longer run:
 //!   `PROPTEST_CASES=20000 cargo test -p profiler-user --release --lib unwinding::tables::tests::fuzz`.
 //! - `cache`: the disk cache round trip and rejection of damaged files.
+//! - `limits`: a synthetic ELF with hundreds of thousands of FDEs against the build limits
+//!   (rejected before any row is decoded, the builder's allocations measured).
 //!
 //! The oracle below maps gimli's rows on its own (not through the builder's `map_rule`) and
 //! applies the documented policies (gaps → `CFA_NONE`, overlapping FDEs: first start wins).
@@ -13,6 +15,7 @@
 mod cache;
 mod fixture;
 mod fuzz;
+mod limits;
 mod real_libraries;
 
 use std::path::PathBuf;
