@@ -894,12 +894,7 @@ fn without_nvml_the_agent_runs_and_reports_gpu_unavailable() {
             .contains("NVML is unavailable"),
         "{json}"
     );
-    let log = agent.stop();
-    assert_eq!(
-        log.matches("NVML is unavailable").count(),
-        1,
-        "said once:\n{log}"
-    );
+    assert_said_once(&agent.stop(), "NVML is unavailable");
 }
 
 /// An NVML library without one optional function: the other readings are served, the missing
@@ -942,12 +937,7 @@ fn an_nvml_function_the_library_lacks_is_left_out_and_reported_once() {
     );
     assert!(metrics.contains("DCGM_FI_DEV_SM_CLOCK{"), "{metrics}");
     assert!(!metrics.contains("DCGM_FI_DEV_POWER_USAGE"), "{metrics}");
-    let log = agent.stop();
-    assert_eq!(
-        log.matches("nvmlDeviceGetPowerUsage").count(),
-        1,
-        "said once:\n{log}"
-    );
+    assert_said_once(&agent.stop(), "nvmlDeviceGetPowerUsage");
 }
 
 /// DCGM's profiling fields, from the stand-in's GPM functions (nvml.h's structures): `(name,
@@ -1050,12 +1040,7 @@ fn gpm_gives_dcgm_profiling_fields_per_gpu() {
     assert!(reason.contains("GPM"), "{body}");
     // Many polls later, still said once.
     std::thread::sleep(Duration::from_millis(500));
-    let log = agent.stop();
-    assert_eq!(
-        log.matches("DCGM profiling fields are off").count(),
-        1,
-        "said once:\n{log}"
-    );
+    assert_said_once(&agent.stop(), "DCGM profiling fields are off");
 }
 
 /// In MIG mode each GPU instance gets its own fields, labelled `GPU_I_ID` as dcgm-exporter
@@ -1440,4 +1425,9 @@ fn a_launch_through_the_real_runtimes_trampoline_is_counted_once() {
         DIRECT,
         "{summary}"
     );
+}
+
+/// `text` appears exactly once in the agent's `log`: said at the first occasion, not at every poll.
+fn assert_said_once(log: &str, text: &str) {
+    assert_eq!(log.matches(text).count(), 1, "{text:?} said once:\n{log}");
 }

@@ -292,17 +292,28 @@ impl ChurnNames {
     }
 }
 
-/// `py-spy record` of `pid` for `seconds` at 100 Hz in its raw (folded) format, in its
-/// default blocking mode (it stops the process for each sample, so what it reads is whole):
-/// the oracle for the names. `None` where py-spy is not installed (allowed only outside CI).
-fn py_spy_record(pid: u32, seconds: u32, scratch: &Scratch) -> Option<std::process::Child> {
+/// `py-spy record` of `pid` (with `follow`, of the interpreters it starts too) for `seconds` at
+/// 100 Hz in its raw (folded) format, into `py-spy.folded` of `scratch`, in its default blocking
+/// mode (it stops the process for each sample, so what it reads is whole): the oracle for the
+/// names. `None` where py-spy is not installed (allowed only outside CI).
+fn py_spy_record(
+    pid: u32,
+    seconds: u32,
+    follow: bool,
+    scratch: &Scratch,
+) -> Option<std::process::Child> {
     let py_spy = workspace_root().join(".tools/py-spy/bin/py-spy");
     if !py_spy.is_file() {
         missing("py-spy under .tools/py-spy (`cargo xtask setup` installs it)");
         return None;
     }
-    Command::new(py_spy)
-        .args(["record", "--format", "raw", "--rate", "100", "--duration"])
+    let mut command = Command::new(py_spy);
+    command.args(["record", "--format", "raw", "--rate", "100"]);
+    if follow {
+        command.arg("--subprocesses");
+    }
+    command
+        .arg("--duration")
         .arg(seconds.to_string())
         .arg("--output")
         .arg(scratch.path("py-spy.folded"))
@@ -325,7 +336,7 @@ fn freed_code_objects_never_lend_their_name_to_a_frame() {
         let oracle = if label.starts_with("free-threaded") {
             None
         } else {
-            py_spy_record(running.pid(), 3, &scratch)
+            py_spy_record(running.pid(), 3, false, &scratch)
         };
         let (stacks, log, cpu) = record(running.pid(), "3", &scratch);
         let floor = sample_floor(100, cpu, 0.5);
@@ -414,7 +425,7 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
         let oracle = if label.starts_with("free-threaded") {
             None
         } else {
-            py_spy_record_children(running.pid(), 5, &scratch)
+            py_spy_record(running.pid(), 5, true, &scratch)
         };
         let out = scratch.path("host.folded");
         let run = run_profiler(&[
@@ -505,39 +516,6 @@ impl ExecutedBodies {
         }
         found
     }
-}
-
-/// `py-spy record --subprocesses` of `pid` and the interpreters it starts, like
-/// [`py_spy_record`].
-fn py_spy_record_children(
-    pid: u32,
-    seconds: u32,
-    scratch: &Scratch,
-) -> Option<std::process::Child> {
-    let py_spy = workspace_root().join(".tools/py-spy/bin/py-spy");
-    if !py_spy.is_file() {
-        missing("py-spy under .tools/py-spy (`cargo xtask setup` installs it)");
-        return None;
-    }
-    Command::new(py_spy)
-        .args([
-            "record",
-            "--subprocesses",
-            "--format",
-            "raw",
-            "--rate",
-            "100",
-        ])
-        .arg("--duration")
-        .arg(seconds.to_string())
-        .arg("--output")
-        .arg(scratch.path("py-spy.folded"))
-        .arg("--pid")
-        .arg(pid.to_string())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_or_else(|error| panic!("start py-spy: {error}"), Some)
 }
 
 /// Generators and coroutines switch frames in `send`/`next`: every sample of them keeps its
