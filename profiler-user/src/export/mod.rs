@@ -26,8 +26,10 @@ pub enum ExportError {
     Write { path: PathBuf, source: io::Error },
     #[error("cannot create directory {}: {source}", path.display())]
     CreateDirectory { path: PathBuf, source: io::Error },
+    /// The embedded store refused or failed it. The store sits beside the exporters, not
+    /// below them, so its error is kept as a boxed source rather than named here.
     #[error("cannot store the profile: {0}")]
-    Store(String),
+    Store(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// The file formats the exporter can produce.

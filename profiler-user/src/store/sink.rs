@@ -29,9 +29,9 @@ impl ProfileSink for StoreSink {
             &profile.series_labels,
             profile.start_unix_ns,
         )
-        .map_err(|err| ExportError::Store(err.to_string()))?;
+        .map_err(|err| ExportError::Store(err.into()))?;
         self.store
             .ingest(&profiles)
-            .map_err(|err| ExportError::Store(err.to_string()))
+            .map_err(|err| ExportError::Store(err.into()))
     }
 }

@@ -162,7 +162,7 @@ impl PushQueue {
             let body = match (&entry.memory, &self.spool) {
                 (Some(body), _) => Ok(body.clone()),
                 (None, Some(spool)) => spool.read(entry.id).map(Arc::from),
-                (None, None) => Err(super::spool::SpoolReadError::Io("lost".into())),
+                (None, None) => Err(super::spool::SpoolReadError::Lost),
             };
             match body {
                 Ok(body) => {

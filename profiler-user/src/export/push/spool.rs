@@ -28,16 +28,18 @@ pub enum SpoolError {
 }
 
 /// Why a spool file could not be read back.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum SpoolReadError {
     #[error("cannot read it: {0}")]
-    Io(String),
+    Io(#[source] std::io::Error),
     #[error("it is not a spool file (bad header)")]
     BadHeader,
     #[error("it is truncated or has trailing bytes")]
     BadLength,
     #[error("its checksum does not match (corrupted)")]
     BadChecksum,
+    #[error("its body is neither in memory nor spooled")]
+    Lost,
 }
 
 /// A spooled request found at start-up.
@@ -134,7 +136,7 @@ impl Spool {
 
     /// Reads a request back, checking header, length and checksum.
     pub fn read(&self, id: u64) -> Result<Vec<u8>, SpoolReadError> {
-        let bytes = fs::read(self.path_of(id)).map_err(|e| SpoolReadError::Io(e.to_string()))?;
+        let bytes = fs::read(self.path_of(id)).map_err(SpoolReadError::Io)?;
         decode_file(&bytes).map(<[u8]>::to_vec)
     }
 
@@ -242,7 +244,8 @@ mod tests {
         ];
         for (id, (bytes, expected)) in cases.iter().enumerate() {
             fs::write(spool.path_of(id as u64), bytes).unwrap();
-            assert_eq!(spool.read(id as u64).unwrap_err(), *expected);
+            let error = spool.read(id as u64).unwrap_err();
+            assert_eq!(error.to_string(), expected.to_string());
         }
         assert!(matches!(spool.read(99), Err(SpoolReadError::Io(_))));
     }
