@@ -48,7 +48,7 @@ use profiler_common::{
 
 use crate::{
     python,
-    sampler::{CONFIG, PID_FILTER, SLOT_CUDA, count, output_sample, scratch_record},
+    shared::{CONFIG, PID_FILTER, SLOT_CUDA, count, output_sample, scratch_record},
     user_stack::{self, Registers},
 };
 

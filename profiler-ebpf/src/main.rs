@@ -15,6 +15,8 @@ mod python;
 #[cfg(target_arch = "bpf")]
 mod sampler;
 #[cfg(target_arch = "bpf")]
+mod shared;
+#[cfg(target_arch = "bpf")]
 mod user_stack;
 
 #[cfg(target_arch = "bpf")]

@@ -25,7 +25,7 @@ use profiler_common::{
     STAT_PYTHON_READ_ERROR, STAT_PYTHON_TRUNCATED, STAT_PYTHON_WALKS,
 };
 
-use crate::sampler::{SCRATCH_SLOTS, count, scratch_sample};
+use crate::shared::{SCRATCH_SLOTS, count, scratch_sample};
 
 #[map(name = "PYTHON_PROCESSES")]
 static PYTHON_PROCESSES: HashMap<u32, PyProcInfo> =

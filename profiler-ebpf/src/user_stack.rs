@@ -39,7 +39,7 @@ use profiler_common::{
 
 pub use profiler_common::unwind::Registers;
 
-use crate::sampler::{SCRATCH_SLOTS, count, count_by, scratch_sample};
+use crate::shared::{SCRATCH_SLOTS, count, count_by, scratch_sample};
 
 #[map(name = "UNWIND_ROWS")]
 static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(DEFAULT_ROW_CHUNKS, 0);
