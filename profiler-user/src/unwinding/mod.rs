@@ -4,7 +4,9 @@
 //! (file, file offset), so symbolization works on file identity and keeps working after the
 //! process exits. Return addresses are looked up at `ip - 1` so that a call at the very end of
 //! a function (e.g. to a `noreturn` callee) is attributed to the caller, not to the next
-//! function. The native user stack itself is collected in BPF (frame pointers for now).
+//! function. The native user stack itself is unwound in BPF, by the tables built here from each
+//! binary's `.eh_frame` (frame pointers only where a file provably keeps them), and finished
+//! here (`late`) when BPF could not prove a caller.
 pub mod late;
 pub mod native;
 pub mod tables;
