@@ -172,7 +172,7 @@ fn resource_attribute(attributes: &str, key: &str) -> Option<String> {
 }
 
 /// `%XX` escapes decoded; an invalid escape or a non-UTF-8 result is kept as written.
-fn percent_decode(text: &str) -> String {
+pub(crate) fn percent_decode(text: &str) -> String {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

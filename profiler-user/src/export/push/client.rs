@@ -79,33 +79,11 @@ fn url_secrets(url: &str) -> Vec<String> {
         return Vec::new();
     }
     let mut secrets = vec![secret.to_owned()];
-    let decoded = percent_decode(secret);
+    let decoded = crate::process::labels::percent_decode(secret);
     if decoded != secret {
         secrets.push(decoded);
     }
     secrets
-}
-
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && let (Some(high), Some(low)) = (
-                bytes.get(i + 1).copied().and_then(hex),
-                bytes.get(i + 2).copied().and_then(hex),
-            )
-        {
-            out.push((high * 16 + low) as u8);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Checks that `url` is an absolute http(s) URL with a host; returns it without a trailing `/`.

@@ -102,22 +102,9 @@ fn build_from_file(
             section: ".eh_frame",
             source,
         })?;
-        // The linker's count of the FDEs, in the header of `.eh_frame_hdr`: a file claiming
-        // more than the budget allows is rejected without reading `.eh_frame` at all (a file
-        // claiming fewer than it has is caught by the count below).
-        if let Some(claimed) = file
-            .section_by_name(".eh_frame_hdr")
-            .and_then(|hdr| hdr.data().ok())
-            .and_then(eh_frame_hdr_fde_count)
-            && claimed > limits.max_fdes() as u64
-        {
-            return Err(TableError::TooLarge {
-                what: "FDEs in .eh_frame_hdr",
-                count: claimed,
-                limit: limits.max_fdes() as u64,
-                rows_decoded: 0,
-            });
-        }
+        // A file claiming more FDEs than the budget allows is rejected without reading
+        // `.eh_frame` at all (a file claiming fewer than it has is caught by the count below).
+        check_claimed_fde_count(file, limits)?;
         // NOBITS in separate debug files: fall through to .debug_frame.
         if !data.is_empty() {
             return build_from_cfi_within(
@@ -169,6 +156,27 @@ fn build_from_file(
     UnwindTable::from_rows(Vec::new(), TableStats::default())
 }
 
+/// The linker's count of the FDEs, in the header of `.eh_frame_hdr`, against the budget:
+/// `TooLarge` when the file claims more than `limits` allows.
+fn check_claimed_fde_count(
+    file: &object::File<'_>,
+    limits: &BuildLimits,
+) -> Result<(), TableError> {
+    match file
+        .section_by_name(".eh_frame_hdr")
+        .and_then(|hdr| hdr.data().ok())
+        .and_then(eh_frame_hdr_fde_count)
+    {
+        Some(claimed) if claimed > limits.max_fdes() as u64 => Err(TableError::TooLarge {
+            what: "FDEs in .eh_frame_hdr",
+            count: claimed,
+            limit: limits.max_fdes() as u64,
+            rows_decoded: 0,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// `fde_count` from the header of an `.eh_frame_hdr` section, when it is encoded as a plain
 /// (absolute) number, as linkers write it; `None` for anything else.
 pub(super) fn eh_frame_hdr_fde_count(hdr: &[u8]) -> Option<u64> {
@@ -214,19 +222,7 @@ pub fn check_fde_count(
     let Some((offset, size)) = section.file_range() else {
         return Ok(());
     };
-    if let Some(claimed) = elf
-        .section_by_name(".eh_frame_hdr")
-        .and_then(|hdr| hdr.data().ok())
-        .and_then(eh_frame_hdr_fde_count)
-        && claimed > limits.max_fdes() as u64
-    {
-        return Err(TableError::TooLarge {
-            what: "FDEs in .eh_frame_hdr",
-            count: claimed,
-            limit: limits.max_fdes() as u64,
-            rows_decoded: 0,
-        });
-    }
+    check_claimed_fde_count(elf, limits)?;
     // Entry headers, read 64 KiB at a time: (length, CIE id) and, for 64-bit DWARF, the
     // length after a 0xffffffff escape.
     let mut buffer = vec![0u8; 64 << 10];
