@@ -388,3 +388,42 @@ impl Profile {
             .map(|(_, v)| v.as_str())
     }
 }
+
+/// A moment as the UTC calendar shows it, for names and reports (a corrupt store's file name,
+/// the benchmark report's date): the one civil-from-days conversion (Howard Hinnant's
+/// algorithm), instead of a date crate for two format strings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UtcTime {
+    pub year: i64,
+    pub month: i64,
+    pub day: i64,
+    pub hour: i64,
+    pub minute: i64,
+    pub second: i64,
+}
+
+impl UtcTime {
+    /// `time` in UTC; a time before 1970 counts as the epoch.
+    pub fn of(time: std::time::SystemTime) -> UtcTime {
+        let secs = time
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let day = doy - (153 * mp + 2) / 5 + 1;
+        let month = if mp < 10 { mp + 3 } else { mp - 9 };
+        UtcTime {
+            year: yoe + era * 400 + i64::from(month <= 2),
+            month,
+            day,
+            hour: rem / 3600,
+            minute: rem / 60 % 60,
+            second: rem % 60,
+        }
+    }
+}
