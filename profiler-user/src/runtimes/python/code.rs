@@ -126,10 +126,14 @@ pub fn bytecode_offset(
     if (0..code.bytecode_len as i64).contains(&offset) {
         return Some(offset);
     }
-    let array = mem.read_u64(code_addr + u64::from(tlbc_field)).ok()?;
+    let array = mem
+        .read_u64(code_addr.wrapping_add(u64::from(tlbc_field)))
+        .ok()?;
     // _PyCodeArray { Py_ssize_t size; char *entries[]; }
     let size = mem.read_u64(array).ok()?.min(MAX_THREAD_BYTECODE_COPIES);
-    let entries = mem.read_vec(array + 8, size as usize * 8).ok()?;
+    let entries = mem
+        .read_vec(array.wrapping_add(8), size as usize * 8)
+        .ok()?;
     let mut found = None;
     for entry in entries.chunks_exact(8) {
         let copy = u64::from_le_bytes(entry.try_into().ok()?);
@@ -317,7 +321,7 @@ fn read_raw_unicode(
     } else {
         layout.unicode_compact_data
     };
-    let data = mem.read_vec(addr + u64::from(data_offset), byte_len as usize)?;
+    let data = mem.read_vec(addr.wrapping_add(u64::from(data_offset)), byte_len as usize)?;
     Ok(RawString {
         length,
         ascii,
@@ -363,11 +367,14 @@ pub fn read_bytes_object(
     layout: &PyLayout,
     addr: u64,
 ) -> Result<Vec<u8>, CodeError> {
-    let size = mem.read_u64(addr + u64::from(layout.bytes_size))? as i64;
+    let size = mem.read_u64(addr.wrapping_add(u64::from(layout.bytes_size)))? as i64;
     if !(0..=MAX_LINE_TABLE_BYTES as i64).contains(&size) {
         return Err(CodeError::BadLineTable { addr, size });
     }
-    Ok(mem.read_vec(addr + u64::from(layout.bytes_data), size as usize)?)
+    Ok(mem.read_vec(
+        addr.wrapping_add(u64::from(layout.bytes_data)),
+        size as usize,
+    )?)
 }
 
 /// Reads the code object at `code_addr`, checking that its type is `PyCode_Type` (at

@@ -511,7 +511,11 @@ fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<CheckedThread
     // `tcb`/`self`): that is what a real thread id looks like, in any PID namespace.
     let thread_ids: Vec<u64> = threads
         .iter()
-        .filter_map(|&t| memory.read_u64(t + u64::from(layout.tstate_thread_id)).ok())
+        .filter_map(|&t| {
+            memory
+                .read_u64(t.wrapping_add(u64::from(layout.tstate_thread_id)))
+                .ok()
+        })
         .collect();
     if thread_ids.iter().all(|&id| id == 0) {
         // Created but not bound to a thread yet (a starting interpreter or thread).
@@ -529,7 +533,7 @@ fn self_check(runtime: &PythonRuntime, proc_root: &Path) -> Result<CheckedThread
     {
         let ids: Vec<u64> = threads
             .iter()
-            .filter_map(|&t| memory.read_u64(t + u64::from(offset)).ok())
+            .filter_map(|&t| memory.read_u64(t.wrapping_add(u64::from(offset))).ok())
             .collect();
         if !ids.iter().any(|id| tasks.ids.contains(id)) {
             return Err(CheckFailure::Mismatch(format!(

@@ -90,28 +90,31 @@ pub fn walk_frame_chain(
             return (frames, ChainEnd::Cycle);
         }
         let step = || -> Result<(u64, Option<RawFrame>), MemoryError> {
-            let back = mem.read_u64(frame + u64::from(layout.frame_back))?;
+            let back = mem.read_u64(frame.wrapping_add(u64::from(layout.frame_back)))?;
             let is_shim = match layout.entry_marker {
                 EntryMarker::ShimOwner { offset, value } => {
-                    mem.read_u8(frame + u64::from(offset))? == value
+                    mem.read_u8(frame.wrapping_add(u64::from(offset)))? == value
                 }
                 _ => false,
             };
             if is_shim {
                 return Ok((back, None));
             }
-            let code_addr =
-                mem.read_u64(frame + u64::from(layout.frame_code))? & !layout.stackref_tag_mask;
+            let code_addr = mem.read_u64(frame.wrapping_add(u64::from(layout.frame_code)))?
+                & !layout.stackref_tag_mask;
             let instruction = match layout.instruction_unit {
                 InstructionUnit::InstructionPointer => {
-                    mem.read_u64(frame + u64::from(layout.frame_instruction))?
+                    mem.read_u64(frame.wrapping_add(u64::from(layout.frame_instruction)))?
                 }
                 // `int f_lasti`: sign-extend so -1 stays -1.
-                _ => mem.read_i32(frame + u64::from(layout.frame_instruction))? as i64 as u64,
+                _ => mem.read_i32(frame.wrapping_add(u64::from(layout.frame_instruction)))? as i64
+                    as u64,
             };
             let entry = match layout.entry_marker {
                 EntryMarker::None => true,
-                EntryMarker::IsEntryFlag { offset } => mem.read_u8(frame + u64::from(offset))? != 0,
+                EntryMarker::IsEntryFlag { offset } => {
+                    mem.read_u8(frame.wrapping_add(u64::from(offset)))? != 0
+                }
                 // Decided when the shim below is seen.
                 EntryMarker::ShimOwner { .. } => false,
             };
@@ -153,17 +156,17 @@ pub fn thread_first_frame(
 ) -> Result<u64, MemoryError> {
     match layout.tstate_frame {
         FrameAnchor::ThreadFrame { offset } | FrameAnchor::ThreadCurrentFrame { offset } => {
-            mem.read_u64(thread_state + u64::from(offset))
+            mem.read_u64(thread_state.wrapping_add(u64::from(offset)))
         }
         FrameAnchor::CFrame {
             cframe,
             current_frame,
         } => {
-            let cframe = mem.read_u64(thread_state + u64::from(cframe))?;
+            let cframe = mem.read_u64(thread_state.wrapping_add(u64::from(cframe)))?;
             if cframe == 0 {
                 return Ok(0);
             }
-            mem.read_u64(cframe + u64::from(current_frame))
+            mem.read_u64(cframe.wrapping_add(u64::from(current_frame)))
         }
     }
 }
@@ -175,7 +178,7 @@ pub fn thread_states(
     runtime_addr: u64,
 ) -> Result<Vec<u64>, WalkError> {
     let mut interp = mem
-        .read_u64(runtime_addr + u64::from(layout.runtime_interpreters_head))
+        .read_u64(runtime_addr.wrapping_add(u64::from(layout.runtime_interpreters_head)))
         .map_err(WalkError::Runtime)?;
     if interp == 0 {
         return Err(WalkError::NoInterpreter);
@@ -185,18 +188,20 @@ pub fn thread_states(
     let mut interpreters = 0;
     while interp != 0 && interpreters < MAX_INTERPRETERS && seen.insert(interp) {
         interpreters += 1;
-        let Ok(mut tstate) = mem.read_u64(interp + u64::from(layout.interp_threads_head)) else {
+        let Ok(mut tstate) =
+            mem.read_u64(interp.wrapping_add(u64::from(layout.interp_threads_head)))
+        else {
             break;
         };
         while tstate != 0 && threads.len() < MAX_THREADS && seen.insert(tstate) {
             threads.push(tstate);
-            match mem.read_u64(tstate + u64::from(layout.tstate_next)) {
+            match mem.read_u64(tstate.wrapping_add(u64::from(layout.tstate_next))) {
                 Ok(next) => tstate = next,
                 Err(_) => break,
             }
         }
         interp = mem
-            .read_u64(interp + u64::from(layout.interp_next))
+            .read_u64(interp.wrapping_add(u64::from(layout.interp_next)))
             .unwrap_or(0);
     }
     Ok(threads)
@@ -212,11 +217,14 @@ pub fn walk_process(
     let mut stacks = Vec::new();
     for thread_state in thread_states(mem, layout, process.runtime_addr)? {
         let thread_id = mem
-            .read_u64(thread_state + u64::from(layout.tstate_thread_id))
+            .read_u64(thread_state.wrapping_add(u64::from(layout.tstate_thread_id)))
             .unwrap_or(0);
         let native_thread_id = layout
             .tstate_native_thread_id
-            .and_then(|offset| mem.read_u64(thread_state + u64::from(offset)).ok())
+            .and_then(|offset| {
+                mem.read_u64(thread_state.wrapping_add(u64::from(offset)))
+                    .ok()
+            })
             .map(|tid| tid as u32);
         let (raw_frames, end) = match thread_first_frame(mem, layout, thread_state) {
             Ok(first) => walk_frame_chain(mem, layout, first),

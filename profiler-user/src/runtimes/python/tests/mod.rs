@@ -646,3 +646,64 @@ fn cyclic_and_endless_chains_are_bounded() {
     assert!(frames.is_empty());
     assert!(matches!(end, ChainEnd::Unreadable(_)));
 }
+
+mod hostile_memory {
+    //! A process's memory is input: a frame or code object read while the interpreter changes
+    //! it, or planted by the process, may hold any pointer. Walking and symbolizing must end
+    //! with an error, never a panic (address arithmetic near `u64::MAX` once overflowed).
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Pointers that sit just below the top of the address space, where adding a field offset
+    /// overflows, mixed with ordinary ones.
+    fn pointer() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            (0u64..0x1000).prop_map(|below| u64::MAX - below),
+            Just(0x100_000u64),
+            Just(0x200_000u64),
+            any::<u64>(),
+        ]
+    }
+
+    /// 512 bytes whose every 8-byte word is such a pointer.
+    fn object() -> impl Strategy<Value = Vec<u8>> {
+        proptest::collection::vec(pointer(), 64)
+            .prop_map(|words| words.iter().flat_map(|w| w.to_le_bytes()).collect())
+    }
+
+    proptest! {
+        #[test]
+        fn walking_and_symbolizing_hostile_frames_never_panics(
+            frame in object(),
+            code in object(),
+            first in pointer(),
+            instruction in pointer(),
+        ) {
+            let mut image = MemoryImage::new();
+            image.insert(0x100_000, frame);
+            image.insert(0x200_000, code);
+            for layout in LAYOUT_TABLE {
+                let (frames, _end) = walk_frame_chain(&image, layout, first);
+                prop_assert!(frames.len() <= MAX_FRAMES);
+                for raw in &frames {
+                    let _ = symbolize_code(&image, layout, 0x200_000, raw.code_addr, instruction);
+                }
+                let _ = symbolize_code(&image, layout, u64::MAX - 7, u64::MAX - 3, instruction);
+            }
+        }
+    }
+
+    #[test]
+    fn a_frame_pointing_at_the_top_of_the_address_space_ends_the_chain_as_unreadable() {
+        for layout in LAYOUT_TABLE {
+            let image = MemoryImage::new();
+            let (frames, end) = walk_frame_chain(&image, layout, u64::MAX - 8);
+            assert!(frames.is_empty());
+            assert!(
+                matches!(end, ChainEnd::Unreadable(_)),
+                "{:?}: {end:?}",
+                layout.python
+            );
+        }
+    }
+}
