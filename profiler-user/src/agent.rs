@@ -302,7 +302,7 @@ impl Pipeline {
             events,
             cuda,
         } = kernel;
-        let cuda = cuda.then(|| CudaAttribution {
+        let mut cuda = cuda.then(|| CudaAttribution {
             ring: None,
             discovery: Discovery::new("/proc".into()),
             names: KernelNames::default(),
@@ -328,6 +328,12 @@ impl Pipeline {
                 "the kernel's mmap announcements are unavailable ({error}): the libraries of \
                  processes that exit before /proc is read stay [unknown]"
             ),
+        }
+        // With the announcements, a CUDA scan reads only the maps of processes that changed.
+        if let Some(cuda) = &mut cuda
+            && processes.track_mmap_changes()
+        {
+            cuda.discovery.watch_changes();
         }
         Pipeline {
             processes,
@@ -603,6 +609,16 @@ impl Pipeline {
 
     fn poll_cuda(&mut self, sampler: Option<&mut Sampler>, lifecycle: &[LifecycleEvent]) {
         let Some(cuda) = &mut self.cuda else { return };
+        match self.processes.take_mmap_changes() {
+            Some(changed) => changed
+                .into_iter()
+                .for_each(|pid| cuda.discovery.note_changed(pid)),
+            None => cuda.discovery.note_unknown_changes(),
+        }
+        // A fork inherits its parent's mappings without announcing them.
+        for event in lifecycle {
+            cuda.discovery.note_changed(Pid(event.pid()));
+        }
         let new_users = match sampler {
             Some(sampler) => {
                 let new_users = cuda.discovery.maybe_scan(sampler);

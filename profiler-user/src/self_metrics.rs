@@ -194,6 +194,18 @@ impl SelfMetrics {
             "gauge",
         );
         push(
+            "cuda_scan_maps_read_total",
+            "Process maps read by the CUDA library scans",
+            self.cuda.maps_read as f64,
+            "counter",
+        );
+        push(
+            "cuda_scan_maps_unchanged_total",
+            "Processes a CUDA library scan did not read again (no mapping, exec, fork or exit announced since the scan before)",
+            self.cuda.maps_unchanged as f64,
+            "counter",
+        );
+        push(
             "cuda_decode_errors_total",
             "CUDA probe records that did not decode",
             self.cuda_decode_errors as f64,
@@ -498,6 +510,24 @@ impl SelfMetrics {
                 "unwind_tables_too_large_total",
                 "Files whose unwind table alone exceeds the budget (frame pointers used)",
                 tables.tables_too_large,
+                "counter",
+            ),
+            (
+                "unwind_read_cache_entries",
+                "Page entries and row chunks the late unwinder keeps from the BPF maps (bounded)",
+                tables.read_cache.entries,
+                "gauge",
+            ),
+            (
+                "unwind_read_cache_hits_total",
+                "Late-walk reads of the unwind tables answered without a syscall",
+                tables.read_cache.hits,
+                "counter",
+            ),
+            (
+                "unwind_read_cache_misses_total",
+                "Late-walk reads of the unwind tables read from the BPF maps",
+                tables.read_cache.misses,
                 "counter",
             ),
             (

@@ -1323,6 +1323,48 @@ fn return_probes_are_attached_before_entry_probes() {
     assert_eq!(discovery.stats.attach_errors, 1);
 }
 
+/// With changes watched, a scan reads only the maps of new processes and of those reported
+/// changed; lost announcements make it read every process again. Judged by what the scan finds
+/// after the files under the fake /proc change behind its back.
+#[test]
+fn scans_read_only_the_maps_that_may_have_changed() {
+    let scratch = Scratch::new("gpu-scan-changes");
+    proc_with_the_runtime(&scratch);
+    let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
+    discovery.watch_changes();
+    let mut recorder = Recorder {
+        attached: Vec::new(),
+        fail_return_of: "",
+        programs_unavailable: false,
+    };
+    let pid = profiler::model::Pid(4242);
+    assert_eq!(discovery.scan(&mut recorder), vec![pid]);
+    assert_eq!(discovery.stats.maps_read, 1);
+
+    // The process unmaps the runtime, unannounced: the scan keeps what it knew, unread.
+    let maps = scratch.path("proc/4242/maps");
+    let mapping_the_runtime = std::fs::read(&maps).expect("read maps");
+    std::fs::write(&maps, "").expect("write maps");
+    assert!(discovery.scan(&mut recorder).is_empty(), "no new user");
+    assert!(discovery.users().contains(&pid));
+    assert_eq!(
+        (discovery.stats.maps_read, discovery.stats.maps_unchanged),
+        (1, 1)
+    );
+
+    // Announced: read again, and no longer a user.
+    discovery.note_changed(pid);
+    discovery.scan(&mut recorder);
+    assert!(discovery.users().is_empty());
+    assert_eq!(discovery.stats.maps_read, 2);
+
+    // Mapped again and announcements lost: every process is read.
+    std::fs::write(&maps, mapping_the_runtime).expect("write maps");
+    discovery.note_unknown_changes();
+    assert_eq!(discovery.scan(&mut recorder), vec![pid]);
+    assert_eq!(discovery.stats.maps_read, 3);
+}
+
 /// When the CUDA programs cannot load, a CUDA library is skipped whole: no attempt per probe
 /// (and no warning per probe), nothing counted as attached.
 #[test]

@@ -337,6 +337,10 @@ pub struct DiscoveryStats {
     pub probes_attached: u64,
     pub attach_errors: u64,
     pub processes_using_cuda: u64,
+    /// Process maps read by scans, and processes a scan did not read again (no change
+    /// announced since the scan before).
+    pub maps_read: u64,
+    pub maps_unchanged: u64,
 }
 
 /// Scans processes and attaches each CUDA library once.
@@ -347,9 +351,19 @@ pub struct Discovery {
     attached: HashSet<FileId>,
     /// Processes seen mapping a CUDA library at the last scan.
     users: HashSet<Pid>,
+    /// Every process the last scan found, with whether it maps a CUDA library.
+    scanned: HashMap<Pid, bool>,
+    /// With [`Self::watch_changes`]: the processes whose executable mappings may have changed
+    /// since the last scan (an mmap or exec announced, a fork or exit seen). The others are not
+    /// read again. `None` when that is not known: every process is read.
+    changed: Option<HashSet<Pid>>,
+    watching: bool,
     next_scan: Instant,
     pub stats: DiscoveryStats,
 }
+
+/// Changed processes remembered between two scans; beyond, the next scan reads every process.
+const MAX_CHANGED: usize = 65_536;
 
 impl Discovery {
     pub fn new(proc_root: PathBuf) -> Self {
@@ -358,6 +372,9 @@ impl Discovery {
             checked: HashMap::new(),
             attached: HashSet::new(),
             users: HashSet::new(),
+            scanned: HashMap::new(),
+            changed: None,
+            watching: false,
             next_scan: Instant::now(),
             stats: DiscoveryStats::default(),
         }
@@ -366,6 +383,30 @@ impl Discovery {
     /// Processes that mapped a CUDA library at the last scan.
     pub fn users(&self) -> &HashSet<Pid> {
         &self.users
+    }
+
+    /// From now on the caller reports every process whose executable mappings may change
+    /// ([`Self::note_changed`]) or that it cannot know ([`Self::note_unknown_changes`]), so a
+    /// scan reads only those maps. A host with hundreds of processes would otherwise have every
+    /// /proc/PID/maps (thousands of lines for a PyTorch process) read and parsed every scan.
+    pub fn watch_changes(&mut self) {
+        self.watching = true;
+    }
+
+    /// `pid` mapped code, exec'ed, forked or exited: the next scan reads its maps.
+    pub fn note_changed(&mut self, pid: Pid) {
+        if let Some(changed) = &mut self.changed {
+            if changed.len() >= MAX_CHANGED {
+                self.changed = None;
+            } else {
+                changed.insert(pid);
+            }
+        }
+    }
+
+    /// Announcements were lost: the next scan reads every process.
+    pub fn note_unknown_changes(&mut self) {
+        self.changed = None;
     }
 
     /// Scans when the interval has passed; returns the processes newly seen using CUDA.
@@ -385,6 +426,10 @@ impl Discovery {
         };
         let own_pid = std::process::id();
         let mut users = HashSet::new();
+        // Changes from here on are the next scan's: a mapping made after a process's maps are
+        // read below is announced after, and noted for the next scan.
+        let changed = std::mem::replace(&mut self.changed, self.watching.then(HashSet::new));
+        let previous = std::mem::take(&mut self.scanned);
         for entry in entries.flatten() {
             let Some(pid) = entry
                 .file_name()
@@ -396,8 +441,21 @@ impl Discovery {
             if pid == own_pid {
                 continue;
             }
-            if self.scan_process(Pid(pid), attacher) {
-                users.insert(Pid(pid));
+            let pid = Pid(pid);
+            let unchanged = changed.as_ref().is_some_and(|c| !c.contains(&pid));
+            let uses_cuda = match previous.get(&pid) {
+                Some(&uses_cuda) if unchanged => {
+                    self.stats.maps_unchanged += 1;
+                    uses_cuda
+                }
+                _ => match self.scan_process(pid, attacher) {
+                    Some(uses_cuda) => uses_cuda,
+                    None => continue,
+                },
+            };
+            self.scanned.insert(pid, uses_cuda);
+            if uses_cuda {
+                users.insert(pid);
             }
         }
         let new: Vec<Pid> = users.difference(&self.users).copied().collect();
@@ -406,12 +464,11 @@ impl Discovery {
         new
     }
 
-    /// Whether the process maps a CUDA library.
-    fn scan_process(&mut self, pid: Pid, attacher: &mut impl ProbeAttacher) -> bool {
+    /// Whether the process maps a CUDA library; `None` when its maps cannot be read.
+    fn scan_process(&mut self, pid: Pid, attacher: &mut impl ProbeAttacher) -> Option<bool> {
         let process_dir = self.proc_root.join(pid.0.to_string());
-        let Ok(maps) = std::fs::read_to_string(process_dir.join("maps")) else {
-            return false;
-        };
+        let maps = std::fs::read_to_string(process_dir.join("maps")).ok()?;
+        self.stats.maps_read += 1;
         let mut uses_cuda = false;
         for line in maps.lines() {
             let Some(entry) = parse_maps_line(line) else {
@@ -441,7 +498,7 @@ impl Discovery {
             };
             uses_cuda |= file_id.is_some();
         }
-        uses_cuda
+        Some(uses_cuda)
     }
 
     /// Parses a newly seen file; attaches it when it is a CUDA library not attached yet.

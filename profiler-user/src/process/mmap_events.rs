@@ -80,7 +80,15 @@ pub struct MmapLog {
     paths: HashSet<Arc<str>>,
     mappings: u64,
     stats: MmapLogStats,
+    /// With [`Self::track_changes`]: the processes announced since the last
+    /// [`Self::take_changes`], `None` once that is not known (records lost or unparsable, or
+    /// more than [`MAX_CHANGES`]).
+    changes: Option<Vec<Pid>>,
+    tracking: bool,
 }
+
+/// Processes remembered as changed between two [`MmapLog::take_changes`].
+const MAX_CHANGES: usize = 65_536;
 
 impl Default for MmapLog {
     fn default() -> Self {
@@ -95,7 +103,40 @@ impl MmapLog {
             paths: HashSet::new(),
             mappings: 0,
             stats: MmapLogStats::default(),
+            changes: None,
+            tracking: false,
         }
+    }
+
+    /// Starts remembering which processes each announcement is about.
+    pub fn track_changes(&mut self) {
+        if !self.tracking {
+            self.tracking = true;
+            self.changes = Some(Vec::new());
+        }
+    }
+
+    /// The processes that mapped code or exec'ed since the last call (a process may be listed
+    /// more than once); `None` when some announcements were lost, so any process may have.
+    pub fn take_changes(&mut self) -> Option<Vec<Pid>> {
+        if !self.tracking {
+            return None;
+        }
+        std::mem::replace(&mut self.changes, Some(Vec::new()))
+    }
+
+    fn changed(&mut self, pid: Pid) {
+        if let Some(changes) = &mut self.changes {
+            if changes.len() >= MAX_CHANGES {
+                self.changes = None;
+            } else {
+                changes.push(pid);
+            }
+        }
+    }
+
+    fn lost(&mut self) {
+        self.changes = None;
     }
 
     pub fn stats(&self) -> MmapLogStats {
@@ -108,6 +149,7 @@ impl MmapLog {
 
     /// `pid` exec'ed at `time_ns`: its mappings from then on are a new image's.
     pub fn exec(&mut self, pid: Pid, time_ns: u64) {
+        self.changed(pid);
         let image = Image {
             exec_ns: time_ns,
             mappings: Vec::new(),
@@ -142,6 +184,7 @@ impl MmapLog {
 
     /// `pid` mapped executable code.
     pub fn mapped(&mut self, pid: Pid, mut mapping: AnnouncedMapping) {
+        self.changed(pid);
         mapping.path = self.intern(&mapping.path);
         let time_ns = mapping.time_ns;
         let Some(images) = self.processes.get_mut(&pid) else {
@@ -261,9 +304,15 @@ impl MmapEvents {
                 match parser.parse_record_with_header(Announcement, header) {
                     Ok(Some(Parsed::Mapped(pid, mapping))) => self.log.mapped(pid, mapping),
                     Ok(Some(Parsed::Execed(pid, time_ns))) => self.log.exec(pid, time_ns),
-                    Ok(Some(Parsed::Lost(count))) => self.log.stats.records_lost += count,
+                    Ok(Some(Parsed::Lost(count))) => {
+                        self.log.stats.records_lost += count;
+                        self.log.lost();
+                    }
                     Ok(None) => {}
-                    Err(_) => self.log.stats.records_unparsable += 1,
+                    Err(_) => {
+                        self.log.stats.records_unparsable += 1;
+                        self.log.lost();
+                    }
                 }
             }
         }
@@ -430,5 +479,42 @@ mod tests {
             found,
             "{library:?} at {address:#x} not announced: {images:?}"
         );
+    }
+}
+
+#[cfg(test)]
+mod change_tests {
+    use super::*;
+
+    fn mapping(time_ns: u64) -> AnnouncedMapping {
+        AnnouncedMapping {
+            time_ns,
+            start: 0x1000,
+            end: 0x2000,
+            file_offset: 0,
+            file: None,
+            path: Arc::from("/lib/x.so"),
+        }
+    }
+
+    #[test]
+    fn changes_name_each_announced_process_until_records_are_lost() {
+        let mut log = MmapLog::new(8);
+        log.mapped(Pid(1), mapping(5));
+        assert_eq!(log.take_changes(), None, "not tracked yet");
+        log.track_changes();
+        log.mapped(Pid(2), mapping(6));
+        log.exec(Pid(3), 7);
+        assert_eq!(log.take_changes(), Some(vec![Pid(2), Pid(3)]));
+        assert_eq!(log.take_changes(), Some(vec![]));
+        log.mapped(Pid(4), mapping(8));
+        log.lost();
+        assert_eq!(
+            log.take_changes(),
+            None,
+            "lost records: anything may have changed"
+        );
+        log.mapped(Pid(5), mapping(9));
+        assert_eq!(log.take_changes(), Some(vec![Pid(5)]));
     }
 }

@@ -195,6 +195,24 @@ impl ProcessRegistry {
         }
     }
 
+    /// Starts remembering which processes the mmap announcements are about; false when the
+    /// announcements are not watched.
+    pub fn track_mmap_changes(&mut self) -> bool {
+        match &mut self.mmaps {
+            Some(events) => {
+                events.log.track_changes();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The processes that mapped code or exec'ed since the last call, as announced; `None`
+    /// when that is not known (announcements lost or not watched).
+    pub fn take_mmap_changes(&mut self) -> Option<Vec<Pid>> {
+        self.mmaps.as_mut()?.log.take_changes()
+    }
+
     pub fn mmap_stats(&self) -> Option<MmapLogStats> {
         self.mmaps.as_ref().map(|events| events.log.stats())
     }
@@ -518,11 +536,8 @@ pub fn read_process(
         return Err(ProcessError::Exiting { pid });
     }
 
-    let comm = fs::read_to_string(process_dir.join("comm"))
-        .ok()
-        .map(|c| c.trim_end_matches('\n').to_owned())
-        .filter(|c| !c.is_empty())
-        .unwrap_or_else(|| stat.comm.clone());
+    // The same `task->comm` as /proc/PID/comm, without opening another file.
+    let comm = stat.comm.clone();
     let cmdline = read_bytes(&process_dir.join("cmdline"))
         .map(|raw| parse_cmdline(&raw))
         .unwrap_or_default();

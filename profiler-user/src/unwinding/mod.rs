@@ -9,6 +9,7 @@
 //! here (`late`) when BPF could not prove a caller.
 pub mod late;
 pub mod native;
+pub mod read_cache;
 pub mod tables;
 
 use std::sync::Arc;

@@ -28,6 +28,7 @@ use profiler_common::unwind::{
     PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk, RowSource, UnwindRow, find_row,
 };
 
+use super::read_cache::{CachedReads, ReadCacheStats};
 use super::tables::{
     BuildLimits, TableCache, TableError, UnwindTable, build_table_within, check_fde_count,
 };
@@ -63,6 +64,8 @@ pub struct NativeTableStats {
     pub mapping_prefixes: u64,
     pub map_errors: u64,
     pub build_time: Duration,
+    /// The late unwinder's reads of placed tables (bounded).
+    pub read_cache: ReadCacheStats,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -312,7 +315,7 @@ pub fn address_prefixes(start: u64, end: u64) -> Vec<(u32, u64)> {
 }
 
 pub struct NativeTables<M: UnwindMaps> {
-    maps: M,
+    maps: CachedReads<M>,
     builder: TableBuilder,
     allocator: ChunkAllocator,
     slots: HashMap<TableKey, TableSlot>,
@@ -514,7 +517,7 @@ impl<M: UnwindMaps> NativeTables<M> {
         let capacity = maps.row_chunk_capacity();
         let vdso = own_vdso();
         NativeTables {
-            maps,
+            maps: CachedReads::new(maps),
             has_vdso: vdso.is_some(),
             builder: TableBuilder::spawn(
                 cache_dir.map(TableCache::new),
@@ -542,6 +545,7 @@ impl<M: UnwindMaps> NativeTables<M> {
         stats.rows_in_use = u64::from(self.allocator.in_use()) * ROWS_PER_CHUNK as u64;
         stats.processes_registered = self.processes.len() as u64;
         stats.table_slots = self.slots.len() as u64;
+        stats.read_cache = self.maps.stats();
         stats
     }
 
@@ -664,7 +668,7 @@ impl<M: UnwindMaps> NativeTables<M> {
     }
 
     pub fn maps(&self) -> &M {
-        &self.maps
+        self.maps.inner()
     }
 
     /// Makes BPF unwind `process` with its current snapshot; cheap when already done. Tables
