@@ -120,6 +120,18 @@ impl FileCache {
         entry: &MapsEntry<'_>,
         path: &str,
     ) -> Option<Arc<MappedFile>> {
+        // Known by the device and inode the maps line names: no lookup in /proc at all (each
+        // costs a walk of the process's memory map in the kernel). The inode is live while
+        // mapped, so the pair names this very file.
+        if let Some(dev) = entry.dev
+            && entry.inode != 0
+            && let Some(file) = self.files.get_mut(&FileId {
+                dev,
+                ino: entry.inode,
+            })
+        {
+            return Some(Arc::clone(file));
+        }
         let map_files_path = process_dir
             .join("map_files")
             .join(format!("{:x}-{:x}", entry.start, entry.end));

@@ -18,6 +18,9 @@ pub struct MapsEntry<'a> {
     /// `rwxp`-style permissions.
     pub perms: &'a str,
     pub offset: u64,
+    /// The device as `major:minor` says it, as a `dev_t` (what `stat` calls `st_dev` for
+    /// the same file on an ordinary file system).
+    pub dev: Option<u64>,
     pub inode: u64,
     /// Everything after the inode, leading blanks removed; may contain spaces. Empty for
     /// anonymous mappings.
@@ -79,7 +82,7 @@ pub fn parse_maps_line(line: &str) -> Option<MapsEntry<'_>> {
     let range = next_field(&mut rest)?;
     let perms = next_field(&mut rest)?;
     let offset = next_field(&mut rest)?;
-    let _device = next_field(&mut rest)?;
+    let device = next_field(&mut rest)?;
     let inode = next_field(&mut rest)?;
     let (start, end) = range.split_once('-')?;
     let start = u64::from_str_radix(start, 16).ok()?;
@@ -92,6 +95,12 @@ pub fn parse_maps_line(line: &str) -> Option<MapsEntry<'_>> {
         end,
         perms,
         offset: u64::from_str_radix(offset, 16).ok()?,
+        dev: device.split_once(':').and_then(|(major, minor)| {
+            Some(libc::makedev(
+                u32::from_str_radix(major, 16).ok()?,
+                u32::from_str_radix(minor, 16).ok()?,
+            ))
+        }),
         inode: inode.parse().ok()?,
         pathname: rest.trim_start_matches([' ', '\t']),
     })
@@ -145,6 +154,7 @@ mod tests {
         assert_eq!(entry.end, 0x7f2c_4a66_5000);
         assert_eq!(entry.offset, 0x28000);
         assert_eq!(entry.inode, 1_053_312);
+        assert_eq!(entry.dev, Some(libc::makedev(0xfd, 0x01)));
         assert!(entry.is_executable());
         assert_eq!(
             entry.backing(),

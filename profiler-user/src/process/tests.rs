@@ -553,6 +553,45 @@ fn file_cache_is_bounded_and_shared() {
     assert_eq!(bounded.stats().cached_files, 1);
 }
 
+/// A file already open is found by the device and inode its maps line names, without any
+/// lookup in /proc: the second process has neither map_files nor a root to look through.
+#[test]
+fn cached_files_are_found_by_the_device_and_inode_of_the_maps_line() {
+    use std::os::unix::fs::MetadataExt;
+    let root = tempfile::tempdir().expect("tempdir");
+    let inside = "/opt/profiler-test-not-on-host/app";
+    let copy = root
+        .path()
+        .join("100/root")
+        .join(inside.trim_start_matches('/'));
+    let inode = copy_file("/bin/true", &copy);
+    let dev = std::fs::metadata(&copy).expect("stat").dev();
+    let maps = format!(
+        "00100000-00101000 r-xp 00000000 {:x}:{:x} {inode}  {inside}\n",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    write_fake_process(root.path(), 100, 5000, &maps);
+    write_fake_process(root.path(), 102, 5000, &maps);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    let second = registry.lookup(Pid(102)).expect("snapshot");
+    let (Some(a), Some(b)) = (&first.mappings[0].file, &second.mappings[0].file) else {
+        panic!("not opened: {first:?} {second:?}");
+    };
+    assert!(Arc::ptr_eq(a, b));
+    // An unknown inode on that device is not taken for it.
+    let other = format!(
+        "00100000-00101000 r-xp 00000000 {:x}:{:x} {}  {inside}\n",
+        libc::major(dev),
+        libc::minor(dev),
+        inode + 1
+    );
+    write_fake_process(root.path(), 103, 5000, &other);
+    let third = registry.lookup(Pid(103)).expect("snapshot");
+    assert!(third.mappings[0].file.is_none(), "{third:?}");
+}
+
 // ---- Live processes ----
 
 /// A child process killed when the test ends.
