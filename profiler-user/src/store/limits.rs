@@ -25,6 +25,9 @@ pub const DEFAULT_MAX_LABEL_NAME_LENGTH: usize = 1024;
 pub const DEFAULT_MAX_LABEL_VALUE_LENGTH: usize = 2048;
 /// Default of `--max-stack-depth` (Pyroscope: 1000).
 pub const DEFAULT_MAX_STACK_DEPTH: usize = 1_000;
+/// Default of `--max-query-nodes`: call-tree nodes one merge may read (20-80 bytes each while it
+/// runs, so at most about 160 MiB at the limit; a busy service's day is tens of thousands).
+pub const DEFAULT_MAX_QUERY_NODES: usize = 2_000_000;
 
 /// The frame that replaces the root-side frames of a stack cut at `max_stack_depth`.
 pub const TRUNCATED_FRAME: &str = "[truncated]";
@@ -40,6 +43,7 @@ pub struct StoreLimits {
     pub max_label_name_length: usize,
     pub max_label_value_length: usize,
     pub max_stack_depth: usize,
+    pub max_query_nodes: usize,
 }
 
 impl Default for StoreLimits {
@@ -53,6 +57,7 @@ impl Default for StoreLimits {
             max_label_name_length: DEFAULT_MAX_LABEL_NAME_LENGTH,
             max_label_value_length: DEFAULT_MAX_LABEL_VALUE_LENGTH,
             max_stack_depth: DEFAULT_MAX_STACK_DEPTH,
+            max_query_nodes: DEFAULT_MAX_QUERY_NODES,
         }
     }
 }
@@ -98,6 +103,11 @@ pub struct StoreLimitArgs {
     /// `[truncated]` frame. 0: no limit.
     #[arg(long, env = "PROFILER_MAX_STACK_DEPTH", default_value_t = DEFAULT_MAX_STACK_DEPTH)]
     pub max_stack_depth: usize,
+    /// Most call-tree nodes one query may merge (the distinct call paths of the services it
+    /// selects); a bigger query is refused with 400 before it allocates anything, so a store
+    /// filled with distinct stacks cannot make one query take the server's memory. 0: no limit.
+    #[arg(long, env = "PROFILER_MAX_QUERY_NODES", default_value_t = DEFAULT_MAX_QUERY_NODES)]
+    pub max_query_nodes: usize,
     /// Skip the integrity check (`PRAGMA quick_check`) of the store when it opens. The check
     /// reads the whole file (about a second per GiB); a corrupt store is moved aside either way
     /// when opening it fails.
@@ -116,6 +126,7 @@ impl StoreLimitArgs {
             max_label_name_length: self.max_label_name_length,
             max_label_value_length: self.max_label_value_length,
             max_stack_depth: self.max_stack_depth,
+            max_query_nodes: self.max_query_nodes,
         }
     }
 }

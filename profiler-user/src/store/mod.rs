@@ -73,6 +73,10 @@ pub enum StoreError {
         "invalid profile type `{0}`: expected name:sample_type:sample_unit:period_type:period_unit"
     )]
     InvalidProfileType(String),
+    #[error(
+        "query too large: it would merge {nodes} call-tree nodes, over the limit of {limit} (--max-query-nodes); select fewer services"
+    )]
+    QueryTooLarge { nodes: usize, limit: usize },
 }
 
 impl StoreError {
@@ -108,6 +112,7 @@ impl StoreError {
             StoreError::InvalidProfileType(_)
                 | StoreError::Limit(_)
                 | StoreError::NegativeValue { .. }
+                | StoreError::QueryTooLarge { .. }
         )
     }
 }
@@ -245,6 +250,8 @@ pub struct StoreCounters {
     pub corruption_errors: AtomicU64,
     /// Writes that failed because the disk was full.
     pub disk_full_errors: AtomicU64,
+    /// Queries refused at --max-query-nodes.
+    pub queries_too_large: AtomicU64,
 }
 
 impl StoreCounters {
@@ -270,6 +277,11 @@ impl StoreCounters {
                 "profiler_store_stacks_truncated_total",
                 "Stacks cut at --max-stack-depth.",
                 load(&self.stacks_truncated),
+            ),
+            (
+                "profiler_store_queries_too_large_total",
+                "Queries refused because they would merge more call-tree nodes than --max-query-nodes.",
+                load(&self.queries_too_large),
             ),
             (
                 "profiler_store_negative_values_rejected_total",
@@ -669,6 +681,30 @@ impl Store {
 
     pub fn limits(&self) -> &StoreLimits {
         &self.inner.limits
+    }
+
+    /// Refuses a query over the stack spaces `spaces` when they hold more call-tree nodes than
+    /// `--max-query-nodes` (what a merge allocates is proportional to them).
+    pub(crate) fn check_query_size<'a>(
+        &self,
+        spaces: impl Iterator<Item = &'a i64>,
+    ) -> Result<(), StoreError> {
+        let limit = self.inner.limits.max_query_nodes;
+        let nodes: usize = {
+            let catalog = self.read_catalog();
+            spaces
+                .filter_map(|id| catalog.spaces.get(id))
+                .map(|space| space.nodes.len())
+                .sum()
+        };
+        if limits::exceeds(nodes, limit) {
+            self.inner
+                .counters
+                .queries_too_large
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::QueryTooLarge { nodes, limit });
+        }
+        Ok(())
     }
 
     /// Counts and logs (at most once a minute per kind) a failure that is the disk's or the

@@ -149,6 +149,7 @@ impl Store {
         for s in &series {
             by_space.entry(s.space).or_default().push(s.id);
         }
+        self.check_query_size(by_space.keys())?;
         // Self values per node, one dense vector per stack space.
         let mut sums: Vec<(i64, Vec<i64>)> = Vec::with_capacity(by_space.len());
         self.with_reader(|conn| {

@@ -909,3 +909,55 @@ fn limit_flags_parse_from_the_environment() {
     .limits();
     assert_eq!((set.max_series_per_service, set.max_services), (7, 0));
 }
+
+/// A query over more call-tree nodes than `--max-query-nodes` is refused before it allocates,
+/// counted, and answered as the client's error; a smaller one still merges.
+#[test]
+fn queries_over_the_node_limit_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_query_nodes: 6,
+            ..StoreLimits::default()
+        },
+    );
+    // "small": root + a + b = 3 nodes; "big": root + 4 distinct leaves under x = 6 nodes.
+    store
+        .ingest(&[
+            profile("small", &[], NOW, &[("a;b", 1)]),
+            profile(
+                "big",
+                &[],
+                NOW,
+                &[("x;1", 1), ("x;2", 1), ("x;3", 1), ("x;4", 1)],
+            ),
+        ])
+        .unwrap();
+    let window = |selector| selection(selector, NOW - SECOND, NOW + SECOND);
+    assert_eq!(
+        store
+            .merge(&window(r#"{service_name="small"}"#))
+            .unwrap()
+            .total(),
+        1
+    );
+    assert_eq!(
+        store
+            .merge(&window(r#"{service_name="big"}"#))
+            .unwrap()
+            .total(),
+        4
+    );
+    let error = store.merge(&window("{}")).unwrap_err();
+    assert!(
+        matches!(error, StoreError::QueryTooLarge { nodes: 9, limit: 6 }),
+        "{error}"
+    );
+    assert!(error.is_client_error());
+    assert!(error.to_string().contains("--max-query-nodes"), "{error}");
+    assert_eq!(
+        store.counters().queries_too_large.load(Ordering::Relaxed),
+        1
+    );
+}

@@ -28,6 +28,8 @@ mod python;
 mod report;
 #[path = "bench/store.rs"]
 mod store;
+#[path = "bench/store_hostile.rs"]
+mod store_hostile;
 #[path = "bench/tables.rs"]
 mod tables;
 #[path = "bench/unwind.rs"]
@@ -403,6 +405,8 @@ fn run(args: &[String]) -> Result<()> {
     if let (true, Some(profiler)) = (suites.store, &profiler) {
         let run = store::run(profiler, &scratch, options.store_intervals as usize)?;
         markdown.push_str(&store::render(&run));
+        let hostile = store_hostile::run(profiler, &scratch)?;
+        markdown.push_str(&store_hostile::render(&hostile));
     }
     if let (true, Some(profiler)) = (suites.gpu, &profiler) {
         let results = gpu::run(profiler, &scratch)?;
