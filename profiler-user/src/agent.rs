@@ -38,7 +38,7 @@ use crate::{
         FileId, Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid, UnwoundFrame,
         UnwoundStack,
     },
-    process::{ProcessRegistry, mmap_events::MmapEvents},
+    process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
     runtimes::python::PythonTracker,
     sampling::SampleReader,
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
@@ -1059,6 +1059,9 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         kernel,
         None,
     );
+    let default_files = RegistryConfig::default().max_open_files;
+    let budget = FdBudget::at_start(0, default_files, 0);
+    pipeline.processes.set_max_open_files(budget.mapped_files);
     pipeline.prepare(&config.sampling.pids);
     sampler.attach()?;
     pipeline.poll(Some(&mut sampler));
@@ -1242,10 +1245,17 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     // Sampling and push never depend on the store: one that cannot be opened (a corrupt file is
     // already moved aside by the store itself; this is e.g. an unwritable directory) is logged
     // and left out, and the server answers ingest and queries with 503.
-    let serving = match Serving::start(&config.serve) {
+    let budget = FdBudget::at_start(
+        config.serve.server.connections.max_connections,
+        RegistryConfig::default().max_open_files,
+        crate::server::listen::PROBE_RESERVE,
+    );
+    let mut serve = config.serve.clone();
+    serve.server.connections.max_connections = budget.connections;
+    let serving = match Serving::start(&serve) {
         Err(crate::server::serve::ServeError::Store(err)) => {
             tracing::error!("{err}; running without the embedded store");
-            let mut without_store = config.serve.clone();
+            let mut without_store = serve.clone();
             without_store.store = None;
             Serving::start(&without_store)?
         }
@@ -1272,6 +1282,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         kernel,
         Some(serving.health.gpu.clone()),
     );
+    pipeline.processes.set_max_open_files(budget.mapped_files);
     let gpu = &config.sampling.gpu;
     let nvml = if gpu.enabled {
         Some(NvmlPoller::spawn(

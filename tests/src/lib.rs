@@ -556,7 +556,19 @@ impl Agent {
 
     /// Like [`Agent::start`], with extra environment variables (they may override `RUST_LOG`).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Agent {
-        let mut command = Command::new(profiler_bin());
+        Agent::start_through(&[], args, env)
+    }
+
+    /// Like [`Agent::start_with_env`], run through `wrapper` (e.g. `prlimit --nofile=…`).
+    pub fn start_through(wrapper: &[&str], args: &[&str], env: &[(&str, &str)]) -> Agent {
+        let mut command = match wrapper.split_first() {
+            Some((program, wrapper_args)) => {
+                let mut command = Command::new(program);
+                command.args(wrapper_args).arg(profiler_bin());
+                command
+            }
+            None => Command::new(profiler_bin()),
+        };
         command
             .arg("agent")
             .args(agent_isolation_args(args))

@@ -366,6 +366,91 @@ fn agent_profiles_are_queryable_over_http() {
     assert!(flamegraph_total_of(&server.client().merge(CPU_TYPE, selector), "level4") > 0);
 }
 
+/// Under a low open-file limit the HTTP server gets a share of the descriptors and no more: a
+/// flood of idle connections cannot leave the agent without descriptors for /proc and the
+/// fixture's files (which turned every stack into `[truncated] ; [unknown]`).
+#[test]
+fn idle_connections_cannot_starve_the_agent_of_file_descriptors() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("fp_chain.c");
+    let scratch = Scratch::new("agent-fds");
+    let data_dir = scratch.path("data");
+    // The whole host: the fixture starts during the flood, so its snapshot needs descriptors
+    // (/proc/PID/*, its binary and libraries) while the sockets are held.
+    let mut agent = Agent::start_through(
+        &["prlimit", "--nofile=600:600", "--"],
+        &[
+            "--interval",
+            "1",
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--http-header-timeout",
+            "60s",
+        ],
+        &[],
+    );
+    // 600 - 256 reserved: a quarter, less the probes' 16, for connections.
+    let log = agent.stderr();
+    assert!(
+        log.contains("open-file limit 600") && log.contains("70 HTTP connections"),
+        "{log}"
+    );
+    let addr = agent.http_addr();
+    // (A timeout: once a listener stops accepting, its backlog fills and a connect would wait.)
+    let flood: Vec<std::net::TcpStream> = (0..700)
+        .filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok())
+        .collect();
+    // The most descriptors the agent holds while it accepts what it will of the flood.
+    let descriptors = || {
+        std::fs::read_dir(format!("/proc/{}/fd", agent.pid()))
+            .map(|entries| entries.count())
+            .unwrap_or(0)
+    };
+    let mut held = 0;
+    for _ in 0..15 {
+        std::thread::sleep(Duration::from_millis(200));
+        held = held.max(descriptors());
+    }
+    assert!(
+        held + 128 < 600,
+        "the connections took the agent's descriptors: {held} of 600 open"
+    );
+    let flooded_at = unix_now_ns();
+    let running = spawn_with_env(&fixture, &["60"], &[("OTEL_SERVICE_NAME", "fd-starved")]);
+    std::thread::sleep(Duration::from_secs(4));
+    let flood_end = unix_now_ns();
+    drop(flood);
+    drop(running);
+    let client = Client::new(addr);
+    let selector = r#"{service_name="fd-starved"}"#;
+    let graph = eventually(
+        "the fixture's samples taken during the flood",
+        Duration::from_secs(30),
+        || {
+            let graph = client.merge_range(
+                CPU_TYPE,
+                selector,
+                flooded_at / 1_000_000,
+                flood_end / 1_000_000,
+            );
+            (graph.total > 0).then_some(graph)
+        },
+    );
+    let names = flamegraph_names(&graph);
+    for bad in ["[unknown]", "[truncated]"] {
+        assert!(
+            !names.iter().any(|n| n == bad),
+            "{bad} during the flood: {names:?}"
+        );
+    }
+    assert!(
+        flamegraph_total_of(&graph, "level4") * 2 > graph.total,
+        "{names:?}"
+    );
+    let (status, stderr) = agent.stop();
+    assert!(status.success(), "{stderr}");
+}
+
 /// A small profile whose only stack is `main;handle_request;<function>` with `value` ns.
 fn marker_profile(function: &str, value: i64) -> proto::Profile {
     pprof_from_stacks(

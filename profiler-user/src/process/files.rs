@@ -28,6 +28,96 @@ pub(super) fn file_id(metadata: &fs::Metadata) -> FileId {
     }
 }
 
+/// Descriptors kept for everything else the process opens: BPF maps, programs and links, perf
+/// events (two per CPU), the store's database, the symbolizer's files, logs.
+pub const FD_RESERVE: u64 = 256;
+
+/// How the process's file descriptors are shared between the users that can each exhaust them:
+/// HTTP connections (a client can open as many as it likes) and the mapped-file cache (one per
+/// distinct binary or library on the host). Without a split, idle sockets up to the limit left
+/// no descriptor for /proc and every stack came out `[truncated] ; [unknown]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FdBudget {
+    /// The soft `RLIMIT_NOFILE` in force.
+    pub limit: u64,
+    /// `--max-connections`, lowered to fit (the probe reserve comes on top).
+    pub connections: usize,
+    /// Mapped files the cache keeps open, lowered to fit.
+    pub mapped_files: usize,
+}
+
+impl FdBudget {
+    /// Raises the soft open-file limit to the hard one (as Go's runtime does: a soft limit of
+    /// 1024 is an old `select()` constraint), then splits it with [`Self::split`], logging what
+    /// was lowered.
+    pub fn at_start(max_connections: usize, max_mapped_files: usize, probe_reserve: usize) -> Self {
+        let limit = raise_open_file_limit();
+        let budget = Self::split(limit, max_connections, max_mapped_files, probe_reserve);
+        let mut lowered = Vec::new();
+        if budget.connections < max_connections {
+            lowered.push(format!(
+                "{} HTTP connections (--max-connections {max_connections})",
+                budget.connections
+            ));
+        }
+        if budget.mapped_files < max_mapped_files {
+            lowered.push(format!(
+                "{} open mapped files (of {max_mapped_files})",
+                budget.mapped_files
+            ));
+        }
+        if !lowered.is_empty() {
+            tracing::warn!(
+                "open-file limit {limit}: at most {}, so none can take the descriptors the \
+                 others need; raise `ulimit -n` for more",
+                lowered.join(" and ")
+            );
+        }
+        budget
+    }
+
+    /// Beyond [`FD_RESERVE`], at most a quarter of the descriptors for connections (with the
+    /// probes' reserve) and half for mapped files; values already lower are kept.
+    pub fn split(
+        limit: u64,
+        max_connections: usize,
+        max_mapped_files: usize,
+        probe_reserve: usize,
+    ) -> Self {
+        let spare = usize::try_from(limit.saturating_sub(FD_RESERVE)).unwrap_or(usize::MAX);
+        FdBudget {
+            limit,
+            connections: max_connections.min((spare / 4).saturating_sub(probe_reserve).max(1)),
+            mapped_files: max_mapped_files.min((spare / 2).max(1)),
+        }
+    }
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (at most 2^20, what the kernel allows by
+/// default); returns the soft limit in force afterwards.
+fn raise_open_file_limit() -> u64 {
+    let mut limits = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limits) } != 0 {
+        return 1024;
+    }
+    let wanted = limits.rlim_max.min(1 << 20);
+    if limits.rlim_cur < wanted {
+        let raised = libc::rlimit {
+            rlim_cur: wanted,
+            rlim_max: limits.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the struct.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            return wanted;
+        }
+    }
+    limits.rlim_cur
+}
+
 /// File descriptors this process holds for files (see [`count_file_links`]), from
 /// /proc/self/fd.
 pub fn open_file_descriptors() -> u64 {
@@ -61,6 +151,11 @@ impl FileCache {
         Self {
             files: Lru::new(max_open_files),
         }
+    }
+
+    /// Keeps at most `max_open_files` open from the next file opened on.
+    pub fn set_max_open_files(&mut self, max_open_files: usize) {
+        self.files.set_capacity(max_open_files);
     }
 
     /// Whether the file `id` is held open.

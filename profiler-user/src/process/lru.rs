@@ -25,6 +25,11 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         }
     }
 
+    /// A new capacity; entries beyond it go at the next insert.
+    pub(crate) fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity.max(1);
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }

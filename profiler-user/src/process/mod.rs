@@ -183,6 +183,12 @@ impl ProcessRegistry {
     }
 
     /// Uses the kernel's mmap announcements for processes gone from /proc (their libraries).
+    /// Keeps at most `max_open_files` mapped files open (see [`files::FdBudget`]).
+    pub fn set_max_open_files(&mut self, max_open_files: usize) {
+        self.config.max_open_files = max_open_files;
+        self.files.set_max_open_files(max_open_files);
+    }
+
     pub fn watch_mmaps(&mut self, events: MmapEvents) {
         self.mmaps = Some(events);
     }

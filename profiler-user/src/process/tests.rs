@@ -843,3 +843,22 @@ fn open_file_descriptors_follow_what_the_process_holds() {
         "{after} after closing, {held} while held"
     );
 }
+
+#[test]
+fn file_descriptors_are_split_so_no_user_can_take_them_all() {
+    use super::files::{FD_RESERVE, FdBudget};
+    // A generous limit leaves the asked values alone.
+    let roomy = FdBudget::split(20_000, 1024, 4096, 16);
+    assert_eq!((roomy.connections, roomy.mapped_files), (1024, 4096));
+    // The common soft limit of 1024: a quarter of the spare for connections (less the probes'
+    // reserve), half for mapped files; their sum stays below the limit with the reserve.
+    let tight = FdBudget::split(1024, 1024, 4096, 16);
+    assert_eq!((tight.connections, tight.mapped_files), (176, 384));
+    assert!(
+        (tight.connections + 16 + tight.mapped_files) as u64 + FD_RESERVE <= tight.limit,
+        "{tight:?}"
+    );
+    // Absurdly low: still at least one of each.
+    let starved = FdBudget::split(100, 1024, 4096, 16);
+    assert_eq!((starved.connections, starved.mapped_files), (1, 1));
+}

@@ -310,7 +310,14 @@ impl Serving {
 
 /// `profiler server`: the store and the HTTP server without sampling, until `stop`.
 pub fn run_server(config: &ServeConfig, stop: &AtomicBool) -> Result<(), ServeError> {
-    let serving = Serving::start(config)?;
+    let budget = crate::process::files::FdBudget::at_start(
+        config.server.connections.max_connections,
+        0,
+        super::listen::PROBE_RESERVE,
+    );
+    let mut config = config.clone();
+    config.server.connections.max_connections = budget.connections;
+    let serving = Serving::start(&config)?;
     // Nothing to attach: ready as soon as it listens.
     serving.health.set_ready(true);
     while !stop.load(Ordering::Relaxed) {
