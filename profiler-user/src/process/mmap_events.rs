@@ -122,7 +122,7 @@ impl MmapLog {
         if !self.tracking {
             return None;
         }
-        std::mem::replace(&mut self.changes, Some(Vec::new()))
+        self.changes.replace(Vec::new())
     }
 
     fn changed(&mut self, pid: Pid) {
