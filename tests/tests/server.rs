@@ -436,13 +436,16 @@ fn idle_connections_cannot_starve_the_agent_of_file_descriptors() {
             (graph.total > 0).then_some(graph)
         },
     );
+    // Starved, every stack was `[truncated] ; [unknown]`; a process's first moments (ld.so)
+    // may legitimately give a few such samples.
     let names = flamegraph_names(&graph);
-    for bad in ["[unknown]", "[truncated]"] {
-        assert!(
-            !names.iter().any(|n| n == bad),
-            "{bad} during the flood: {names:?}"
-        );
-    }
+    let broken =
+        flamegraph_total_of(&graph, "[unknown]") + flamegraph_total_of(&graph, "[truncated]");
+    assert!(
+        broken * 10 < graph.total,
+        "{broken} of {}: {names:?}",
+        graph.total
+    );
     assert!(
         flamegraph_total_of(&graph, "level4") * 2 > graph.total,
         "{names:?}"
