@@ -19,8 +19,12 @@ use crate::model::{MappedFile, ProcessInfo};
 pub enum DetectError {
     #[error("no mapped file defines _PyRuntime")]
     NotPython,
-    #[error("cannot read {path}: {reason}")]
-    UnreadableFile { path: Arc<str>, reason: String },
+    #[error("cannot read {path}: {source}")]
+    UnreadableFile {
+        path: Arc<str>,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path} defines _PyRuntime but not {symbol}")]
     MissingSymbol {
         path: Arc<str>,
@@ -181,13 +185,13 @@ pub fn inspect_interpreter_elf(
     open_path: &Path,
     display_path: &Arc<str>,
 ) -> Result<Option<InterpreterElf>, DetectError> {
-    let unreadable = |reason: String| DetectError::UnreadableFile {
+    let unreadable = |source| DetectError::UnreadableFile {
         path: Arc::clone(display_path),
-        reason,
+        source,
     };
-    let handle = std::fs::File::open(open_path).map_err(|e| unreadable(e.to_string()))?;
+    let handle = std::fs::File::open(open_path).map_err(unreadable)?;
     // SAFETY: read-only private mapping of a file the agent holds open; see native.rs.
-    let mapped = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| unreadable(e.to_string()))?;
+    let mapped = unsafe { memmap2::Mmap::map(&handle) }.map_err(unreadable)?;
     let elf = match object::File::parse(&*mapped) {
         Ok(elf) => elf,
         // Not an ELF file (a script named python-something): not an interpreter.
