@@ -891,10 +891,18 @@ impl Pipeline {
             (metrics.pid_filter_entries, metrics.pid_filter_capacity) = sampler.pid_filter_fill();
         }
         if let Some(reader) = reader {
-            reader.stats.add_to(&mut metrics);
+            add_reader_counts(&mut metrics, reader.stats.counts());
         }
         metrics
     }
+}
+
+/// The sample reader's counters into the self-metrics (stages expose their counts; only the
+/// agent, at the top, writes them into [`SelfMetrics`]).
+fn add_reader_counts(metrics: &mut SelfMetrics, counts: crate::sampling::ReaderCounts) {
+    metrics.samples_received = counts.received;
+    metrics.decode_errors = counts.decode_errors;
+    metrics.agent_queue_full = counts.channel_full;
 }
 
 fn sampler_settings(sampling: &SamplingConfig) -> SamplerSettings {
@@ -1120,7 +1128,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
-    reader_stats.add_to(&mut metrics);
+    add_reader_counts(&mut metrics, reader_stats.counts());
     metrics.agent_queue_full += dropped_at_stop;
     metrics.profiles_written = written;
     metrics.log("recording finished");
@@ -1196,7 +1204,13 @@ impl Exporter {
         metrics.profiles_written = self.counters.written.load(Ordering::Relaxed);
         metrics.export_errors = self.counters.errors.load(Ordering::Relaxed);
         if let Some(pusher) = &self.pusher {
-            pusher.add_to(metrics);
+            let push = pusher.stats();
+            metrics.push_sent = push.sent;
+            metrics.push_failed = push.failed;
+            metrics.push_retries = push.retries;
+            metrics.push_dropped = push.dropped;
+            metrics.push_queue_bytes = push.queue_bytes;
+            metrics.spool_bytes = push.spool_bytes;
         }
     }
 }
@@ -1346,7 +1360,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
-    reader_stats.add_to(&mut metrics);
+    add_reader_counts(&mut metrics, reader_stats.counts());
     metrics.agent_queue_full += dropped_at_stop;
     exporter.add_to(&mut metrics);
     metrics.log("agent stopped");

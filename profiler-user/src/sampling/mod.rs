@@ -29,11 +29,21 @@ pub struct ReaderStats {
     pub channel_full: AtomicU64,
 }
 
+/// [`ReaderStats`] read at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReaderCounts {
+    pub received: u64,
+    pub decode_errors: u64,
+    pub channel_full: u64,
+}
+
 impl ReaderStats {
-    pub fn add_to(&self, metrics: &mut crate::self_metrics::SelfMetrics) {
-        metrics.samples_received = self.received.load(Ordering::Relaxed);
-        metrics.decode_errors = self.decode_errors.load(Ordering::Relaxed);
-        metrics.agent_queue_full = self.channel_full.load(Ordering::Relaxed);
+    pub fn counts(&self) -> ReaderCounts {
+        ReaderCounts {
+            received: self.received.load(Ordering::Relaxed),
+            decode_errors: self.decode_errors.load(Ordering::Relaxed),
+            channel_full: self.channel_full.load(Ordering::Relaxed),
+        }
     }
 }
 

@@ -34,7 +34,6 @@ use self::{
 use super::{ExportError, ProfileSink, pprof::build_pprof};
 use crate::{
     model::Profile,
-    self_metrics::SelfMetrics,
     server::api::{LabelPair, PushRequest, RawProfileSeries, RawSample},
     server::serve::{parse_age, parse_size},
 };
@@ -79,6 +78,17 @@ impl PartialEq<&str> for PushUrl {
     fn eq(&self, other: &&str) -> bool {
         self.0 == *other
     }
+}
+
+/// The pusher's counters and queue at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PushStats {
+    pub sent: u64,
+    pub failed: u64,
+    pub retries: u64,
+    pub dropped: u64,
+    pub queue_bytes: u64,
+    pub spool_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -491,15 +501,17 @@ impl Pusher {
         }
     }
 
-    pub fn add_to(&self, metrics: &mut SelfMetrics) {
+    pub fn stats(&self) -> PushStats {
         let counters = &self.shared.counters;
-        metrics.push_sent = counters.sent.load(Ordering::Relaxed);
-        metrics.push_failed = counters.failed.load(Ordering::Relaxed);
-        metrics.push_retries = counters.retries.load(Ordering::Relaxed);
         let queue = self.shared.queue();
-        metrics.push_dropped = queue.dropped();
-        metrics.push_queue_bytes = queue.memory_bytes();
-        metrics.spool_bytes = queue.spool_bytes();
+        PushStats {
+            sent: counters.sent.load(Ordering::Relaxed),
+            failed: counters.failed.load(Ordering::Relaxed),
+            retries: counters.retries.load(Ordering::Relaxed),
+            dropped: queue.dropped(),
+            queue_bytes: queue.memory_bytes(),
+            spool_bytes: queue.spool_bytes(),
+        }
     }
 }
 

@@ -40,12 +40,6 @@ fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn metrics(pusher: &Pusher) -> SelfMetrics {
-    let mut metrics = SelfMetrics::default();
-    pusher.add_to(&mut metrics);
-    metrics
-}
-
 #[test]
 fn requests_carry_the_profile_type_name_and_labels() {
     let mut profile = test_fixture::profile();
@@ -262,7 +256,7 @@ fn pushes_reach_our_own_receiver_with_labels() {
         profile.start_unix_ns = now_ns() + i as i64;
         sink.write(&profile).unwrap();
     }
-    eventually("three profiles sent", || metrics(&pusher).push_sent == 3);
+    eventually("three profiles sent", || pusher.stats().sent == 3);
     pusher.finish();
     // The receiver stores one profile per sample type and distinct set of sample string labels.
     let per_profile = ingest::profiles_from_pprof(&build_pprof(&profile), "process_cpu", &[], 1)
@@ -287,9 +281,9 @@ fn pushes_reach_our_own_receiver_with_labels() {
     config.auth = PushAuth::Bearer("wrong".into());
     let (pusher, mut sink) = Pusher::start(&config).unwrap();
     sink.write(&profile).unwrap();
-    eventually("the rejection", || metrics(&pusher).push_failed == 1);
-    let m = metrics(&pusher);
-    assert_eq!((m.push_sent, m.push_retries, m.push_queue_bytes), (0, 0, 0));
+    eventually("the rejection", || pusher.stats().failed == 1);
+    let m = pusher.stats();
+    assert_eq!((m.sent, m.retries, m.queue_bytes), (0, 0, 0));
     pusher.finish();
     assert_eq!(store.profile_count().unwrap(), 3 * per_profile);
 }
@@ -366,17 +360,17 @@ fn retries_429_5xx_and_drops_other_4xx() {
     let (pusher, mut sink) = Pusher::start(&config).unwrap();
     let profile = test_fixture::profile();
     sink.write(&profile).unwrap();
-    eventually("the first profile", || metrics(&pusher).push_sent == 1);
+    eventually("the first profile", || pusher.stats().sent == 1);
     sink.write(&profile).unwrap();
     eventually("the second profile's rejection", || {
-        metrics(&pusher).push_failed == 1
+        pusher.stats().failed == 1
     });
     sink.write(&profile).unwrap();
     eventually("the third profile's rejection", || {
-        metrics(&pusher).push_failed == 2
+        pusher.stats().failed == 2
     });
-    let m = metrics(&pusher);
-    assert_eq!((m.push_sent, m.push_retries, m.push_dropped), (1, 3, 0));
+    let m = pusher.stats();
+    assert_eq!((m.sent, m.retries, m.dropped), (1, 3, 0));
     assert_eq!(receiver.count(), 6);
     pusher.finish();
     let requests = receiver.requests.lock().unwrap();
@@ -409,17 +403,17 @@ fn a_rejected_batch_is_retried_profile_by_profile() {
     for _ in 0..3 {
         sink.write(&profile).unwrap();
     }
-    eventually("a failed attempt", || metrics(&pusher).push_retries > 0);
+    eventually("a failed attempt", || pusher.stats().retries > 0);
     let receiver = ScriptedReceiver::serve(
         TcpListener::bind(("127.0.0.1", port)).unwrap(),
         &[400, 200, 422, 200],
     );
     eventually("all three handled", || {
-        let m = metrics(&pusher);
-        m.push_sent + m.push_failed == 3
+        let m = pusher.stats();
+        m.sent + m.failed == 3
     });
-    let m = metrics(&pusher);
-    assert_eq!((m.push_sent, m.push_failed), (2, 1));
+    let m = pusher.stats();
+    assert_eq!((m.sent, m.failed), (2, 1));
     let requests = receiver.requests.lock().unwrap();
     let series = |i: usize| {
         PushRequest::decode(&requests[i].1[..])
@@ -446,9 +440,9 @@ fn without_a_spool_the_memory_bound_drops_the_oldest() {
     for _ in 0..5 {
         sink.write(&test_fixture::profile()).unwrap();
     }
-    let m = metrics(&pusher);
+    let m = pusher.stats();
     // Two fit; the first may be in flight (never dropped), so the bound can hold one more.
-    assert!(m.push_dropped == 3 || m.push_dropped == 2, "{m:?}");
-    assert!(m.push_queue_bytes <= config.queue_bytes + one);
+    assert!(m.dropped == 3 || m.dropped == 2, "{m:?}");
+    assert!(m.queue_bytes <= config.queue_bytes + one);
     pusher.finish();
 }
