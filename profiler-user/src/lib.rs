@@ -23,6 +23,8 @@
 //! | `process` | Per-process snapshots, open files and labels. |
 //! | `bpf` | The only module that uses aya: loads, attaches, exposes maps and rings. |
 //! | `model` | The types the stages pass to each other. |
+//! | `wire` | The pprof and Pyroscope messages other programs read and write. |
+//! | `units` | Ages and sizes as flags write them (`7d`, `10GiB`). |
 //!
 //! One CPU sample goes `sampling` → `process` → `unwinding` (with `runtimes`) →
 //! `symbolization` → `aggregation` → `store` and `export`.
@@ -48,4 +50,6 @@ pub mod self_metrics;
 pub mod server;
 pub mod store;
 pub mod symbolization;
+pub mod units;
 pub mod unwinding;
+pub mod wire;

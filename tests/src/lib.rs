@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub use profiler::export::proto;
+pub use profiler::wire::proto;
 
 pub mod server_harness;
 

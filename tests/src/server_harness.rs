@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-pub use profiler::server::api;
+pub use profiler::wire::api;
 use prost::Message;
 
 use crate::{SIGTERM, profiler_bin, proto, send_signal};

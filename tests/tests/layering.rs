@@ -1,7 +1,8 @@
 //! The modules of the eBPF crate form no import cycle: `sampler` (the perf-event and lifecycle
 //! programs) uses `cuda`, `python` and `user_stack`, which use `shared` (the maps and helpers
 //! all programs share), which uses no module of the crate. Read from the sources, so a new
-//! `use crate::…` that closes a loop fails here, not in a review.
+//! `use crate::…` that closes a loop fails here, not in a review. The same for profiler-user:
+//! its modules import only the layers below them (docs/architecture.md).
 use std::collections::{BTreeMap, BTreeSet};
 
 use integration_tests::workspace_root;
@@ -126,4 +127,98 @@ fn the_use_parser_sees_groups_and_paths_and_the_cycle_finder_finds_one() {
         find_cycle(&graph),
         Some(vec!["a".to_owned(), "b".to_owned(), "a".to_owned()])
     );
+}
+
+/// The modules of profiler-user from the top layer to the bottom one, as docs/architecture.md
+/// lists them ("Modules of profiler-user").
+const LAYERS: &[&str] = &[
+    "cli",
+    "agent",
+    "config",
+    "server",
+    "self_metrics",
+    "store",
+    "export",
+    "aggregation",
+    "gpu",
+    "symbolization",
+    "sampling",
+    "unwinding",
+    "runtimes",
+    "process",
+    "bpf",
+    "model",
+    "wire",
+    "units",
+];
+
+/// Imports that still point up, each named in docs/architecture.md as one to remove.
+const KNOWN_UPWARD: &[(&str, &str)] = &[("model", "runtimes")];
+
+/// The non-test source of one module: its file or every file of its directory, each cut at its
+/// first `#[cfg(test)]` (test modules sit at the end) and without `tests` files.
+fn module_source(src: &std::path::Path, module: &str) -> String {
+    let file = src.join(format!("{module}.rs"));
+    let mut files = Vec::new();
+    if file.exists() {
+        files.push(file);
+    }
+    let mut dirs = vec![src.join(module)];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.expect("a directory entry").path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            if name == "tests" || name == "tests.rs" {
+                continue;
+            }
+            if path.is_dir() {
+                dirs.push(path);
+            } else if name.ends_with(".rs") {
+                files.push(path);
+            }
+        }
+    }
+    assert!(!files.is_empty(), "no source for module {module}");
+    files
+        .iter()
+        .map(|path| {
+            let text = std::fs::read_to_string(path).expect("the source");
+            match text.find("#[cfg(test)]") {
+                Some(at) => text[..at].to_owned(),
+                None => text,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_agents_modules_import_only_downwards() {
+    let src = workspace_root().join("profiler-user/src");
+    // Every module of lib.rs is in the list, so a new one gets a place in it.
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    let declared: BTreeSet<&str> = lib
+        .lines()
+        .filter_map(|line| line.strip_prefix("pub mod "))
+        .map(|rest| rest.trim_end_matches(';'))
+        .collect();
+    assert_eq!(
+        declared,
+        LAYERS.iter().copied().collect(),
+        "lib.rs vs LAYERS"
+    );
+    let mut upward = Vec::new();
+    for (level, module) in LAYERS.iter().enumerate() {
+        for used in module_uses(&module_source(&src, module)) {
+            let Some(used_level) = LAYERS.iter().position(|m| *m == used) else {
+                continue;
+            };
+            if used_level < level && !KNOWN_UPWARD.contains(&(module, used.as_str())) {
+                upward.push(format!("{module} -> {used}"));
+            }
+        }
+    }
+    assert!(upward.is_empty(), "imports that point up: {upward:?}");
 }

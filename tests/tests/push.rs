@@ -16,7 +16,7 @@ use integration_tests::{
     server_harness::{Client, ServerProcess, unix_now_ms as unix_ms},
     *,
 };
-use profiler::server::api::{SelectSeriesRequest, SelectSeriesResponse};
+use profiler::wire::api::{SelectSeriesRequest, SelectSeriesResponse};
 
 const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
 

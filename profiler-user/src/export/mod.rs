@@ -5,7 +5,6 @@
 //! reader never sees a partial profile.
 pub mod folded;
 pub mod pprof;
-pub mod proto;
 pub mod push;
 
 use std::{

@@ -8,8 +8,8 @@ use std::{collections::HashMap, io::Write, sync::Arc};
 use flate2::{Compression, write::GzEncoder};
 use prost::Message;
 
-use super::proto;
 use crate::model::{FrameLine, LabelValue, MappingInfo, Profile, ProfileKind, SymbolizedFrame};
+use crate::wire::proto;
 
 /// Builds the pprof message. Never panics: stack indexes out of range are skipped.
 pub fn build_pprof(profile: &Profile) -> proto::Profile {

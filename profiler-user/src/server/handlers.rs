@@ -12,17 +12,17 @@ use prost::Message;
 
 use super::{
     AppState,
-    api::{self, *},
     connect::{self, ApiError, Codec},
     render,
 };
 use crate::{
-    export::proto,
     store::{
         NewProfile, ProfileType, Store, ingest,
         query::Selection,
         selector::{MAX_MATCHERS, Selector, parse_app_name},
     },
+    wire::api::{self, *},
+    wire::proto,
 };
 
 /// The web UI, embedded at build time (profiler-user/ui).

@@ -4,7 +4,6 @@
 //!
 //! Runs on its own small tokio runtime thread, so the sampling pipeline never waits for it;
 //! store work runs on tokio's blocking pool.
-pub mod api;
 pub mod connect;
 pub(crate) mod handlers;
 pub mod listen;

@@ -2,10 +2,10 @@
 //! (docs/pyroscope-protocol.md §7.4, §7.5), its diff form, and a pprof of a merged tree.
 use std::collections::HashMap;
 
-use super::api::{FlameGraph, FlameGraphDiff, Level};
+use crate::wire::api::{FlameGraph, FlameGraphDiff, Level};
 use crate::{
-    export::proto,
     store::{ProfileType, query::MergedTree},
+    wire::proto,
 };
 
 /// Server default for `max_nodes`, as Pyroscope's.

@@ -3,10 +3,11 @@ use std::io::Write;
 
 use prost::Message;
 
-use super::{api::*, *};
+use super::*;
 use crate::{
-    export::{pprof::build_pprof, proto, test_fixture},
+    export::{pprof::build_pprof, test_fixture},
     store::StoreSettings,
+    wire::{api::*, proto},
 };
 
 const CPU: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";

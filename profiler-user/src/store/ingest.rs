@@ -8,7 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 use prost::Message;
 
 use super::{NewProfile, ProfileType};
-use crate::export::proto;
+use crate::wire::proto;
 
 /// Why a payload was rejected. Display is one line for the client.
 #[derive(Debug, thiserror::Error)]

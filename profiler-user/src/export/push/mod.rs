@@ -34,8 +34,8 @@ use self::{
 use super::{ExportError, ProfileSink, pprof::build_pprof};
 use crate::{
     model::Profile,
-    server::api::{LabelPair, PushRequest, RawProfileSeries, RawSample},
-    server::serve::{parse_age, parse_size},
+    units::{parse_age, parse_size},
+    wire::api::{LabelPair, PushRequest, RawProfileSeries, RawSample},
 };
 
 /// Default bound of the in-memory queue.
