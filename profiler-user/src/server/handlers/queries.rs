@@ -1,0 +1,404 @@
+//! The Connect querier methods and the merged pprof download.
+use super::*;
+
+fn ms_to_ns(ms: i64) -> i64 {
+    ms.saturating_mul(1_000_000)
+}
+
+/// (start, end) in ns; end 0 means now, start 0 means an hour before end.
+fn time_range(start_ms: i64, end_ms: i64) -> (i64, i64) {
+    let end = if end_ms <= 0 {
+        unix_now_ns()
+    } else {
+        ms_to_ns(end_ms)
+    };
+    let start = if start_ms <= 0 {
+        end - 3_600_000_000_000
+    } else {
+        ms_to_ns(start_ms)
+    };
+    (start, end)
+}
+
+fn optional_range(start_ms: i64, end_ms: i64) -> Option<(i64, i64)> {
+    (start_ms > 0 || end_ms > 0).then(|| time_range(start_ms, end_ms))
+}
+
+/// Parses a label selector; one refused for its size is counted.
+fn parse_selector(state: &AppState, text: &str) -> Result<Selector, ApiError> {
+    Selector::parse(text).map_err(|err| {
+        if err.is_limit() {
+            state
+                .health
+                .selectors_rejected
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        ApiError::invalid(err)
+    })
+}
+
+fn selection(
+    state: &AppState,
+    profile_type_id: &str,
+    label_selector: &str,
+    start: i64,
+    end: i64,
+) -> Result<Selection, ApiError> {
+    ProfileType::parse(profile_type_id).map_err(store_error)?;
+    let selector = parse_selector(state, label_selector)?;
+    let (start_ns, end_ns) = time_range(start, end);
+    if start_ns > end_ns {
+        return Err(ApiError::invalid("start is after end"));
+    }
+    Ok(Selection {
+        // A trailing `:delta` names the same series.
+        profile_type: profile_type_id.trim_end_matches(":delta").to_owned(),
+        selector,
+        start_ns,
+        end_ns,
+    })
+}
+
+/// The `matchers` of LabelNames, LabelValues and Series: at most [`MAX_MATCHERS`] selectors
+/// (each within the limits of one selector).
+fn selectors(state: &AppState, matchers: &[String]) -> Result<Vec<Selector>, ApiError> {
+    if matchers.len() > MAX_MATCHERS {
+        state
+            .health
+            .selectors_rejected
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(ApiError::invalid(format!(
+            "{} matchers given, at most {MAX_MATCHERS} are allowed",
+            matchers.len()
+        )));
+    }
+    matchers.iter().map(|m| parse_selector(state, m)).collect()
+}
+
+fn max_nodes(requested: Option<i64>) -> usize {
+    match requested {
+        Some(n) if n > 0 => n as usize,
+        _ => render::DEFAULT_MAX_NODES,
+    }
+}
+
+/// `POST /querier.v1.QuerierService/{method}`.
+pub async fn querier(
+    State(state): State<AppState>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let store = state.store()?.clone();
+    let codec = Codec::from_headers(&headers)?;
+    let limit = state.config.max_body_bytes;
+    let body = connect::read_body(body, limit).await?;
+    let body = connect::decode_content_encoding(&headers, body, limit)?;
+    match method.as_str() {
+        "ProfileTypes" => {
+            let request: ProfileTypesRequest = connect::decode(codec, &body)?;
+            let range = optional_range(request.start, request.end);
+            let series = bounded_query(&state, move || Ok(store.series(range))).await?;
+            let mut ids: Vec<String> = series.into_iter().map(|s| s.profile_type).collect();
+            ids.sort();
+            ids.dedup();
+            let profile_types = ids
+                .iter()
+                .filter_map(|id| ProfileType::parse(id).ok())
+                .map(|t| api::ProfileType {
+                    id: t.id(),
+                    name: t.name,
+                    sample_type: t.sample_type,
+                    sample_unit: t.sample_unit,
+                    period_type: t.period_type,
+                    period_unit: t.period_unit,
+                })
+                .collect();
+            Ok(connect::encode(
+                codec,
+                &ProfileTypesResponse { profile_types },
+            ))
+        }
+        "LabelNames" => {
+            let request: LabelNamesRequest = connect::decode(codec, &body)?;
+            let selectors = selectors(&state, &request.matchers)?;
+            let range = optional_range(request.start, request.end);
+            let names =
+                bounded_query(&state, move || Ok(store.label_names(&selectors, range))).await?;
+            Ok(connect::encode(codec, &LabelNamesResponse { names }))
+        }
+        "LabelValues" => {
+            let request: LabelValuesRequest = connect::decode(codec, &body)?;
+            let selectors = selectors(&state, &request.matchers)?;
+            let range = optional_range(request.start, request.end);
+            let name = request.name;
+            let names = bounded_query(&state, move || {
+                Ok(store.label_values(&name, &selectors, range))
+            })
+            .await?;
+            Ok(connect::encode(codec, &LabelValuesResponse { names }))
+        }
+        "Series" => {
+            let request: SeriesRequest = connect::decode(codec, &body)?;
+            let selectors = selectors(&state, &request.matchers)?;
+            let range = optional_range(request.start, request.end);
+            let series = bounded_query(&state, move || Ok(store.series(range))).await?;
+            let mut sets: Vec<Vec<LabelPair>> = series
+                .into_iter()
+                .filter(|s| {
+                    selectors.is_empty() || selectors.iter().any(|sel| sel.matches(&s.labels))
+                })
+                .map(|s| {
+                    s.labels
+                        .into_iter()
+                        .filter(|(k, _)| {
+                            request.label_names.is_empty() || request.label_names.contains(k)
+                        })
+                        .map(|(name, value)| LabelPair { name, value })
+                        .collect()
+                })
+                .collect();
+            sets.sort();
+            sets.dedup();
+            let labels_set = sets.into_iter().map(|labels| Labels { labels }).collect();
+            Ok(connect::encode(codec, &SeriesResponse { labels_set }))
+        }
+        "SelectMergeStacktraces" => {
+            let request: SelectMergeStacktracesRequest = connect::decode(codec, &body)?;
+            if request.format > 1 {
+                return Err(ApiError::new(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "unimplemented",
+                    "only the flamegraph format is supported",
+                ));
+            }
+            let selection = selection(
+                &state,
+                &request.profile_type_id,
+                &request.label_selector,
+                request.start,
+                request.end,
+            )?;
+            let max_nodes = max_nodes(request.max_nodes);
+            let flamegraph = bounded_query(&state, move || {
+                let tree = store.merge(&selection).map_err(store_error)?;
+                Ok(render::flamegraph(&tree, max_nodes))
+            })
+            .await?;
+            Ok(connect::encode(
+                codec,
+                &SelectMergeStacktracesResponse {
+                    flamegraph: Some(flamegraph),
+                },
+            ))
+        }
+        "Diff" => {
+            let request: DiffRequest = connect::decode(codec, &body)?;
+            let (Some(left), Some(right)) = (request.left, request.right) else {
+                return Err(ApiError::invalid("Diff needs both `left` and `right`"));
+            };
+            let left_selection = selection(
+                &state,
+                &left.profile_type_id,
+                &left.label_selector,
+                left.start,
+                left.end,
+            )?;
+            let right_selection = selection(
+                &state,
+                &right.profile_type_id,
+                &right.label_selector,
+                right.start,
+                right.end,
+            )?;
+            let max_nodes = max_nodes(left.max_nodes.or(right.max_nodes));
+            let flamegraph = bounded_query(&state, move || {
+                let left = store.merge(&left_selection).map_err(store_error)?;
+                let right = store.merge(&right_selection).map_err(store_error)?;
+                Ok(render::flamegraph_diff(&left, &right, max_nodes))
+            })
+            .await?;
+            Ok(connect::encode(
+                codec,
+                &DiffResponse {
+                    flamegraph: Some(flamegraph),
+                },
+            ))
+        }
+        "SelectMergeProfile" => {
+            let request: SelectMergeProfileRequest = connect::decode(codec, &body)?;
+            if codec == Codec::Json {
+                return Err(ApiError::unsupported_media(
+                    "SelectMergeProfile answers a pprof message: use application/proto, or GET /api/pprof for a .pb.gz file",
+                ));
+            }
+            let selection = selection(
+                &state,
+                &request.profile_type_id,
+                &request.label_selector,
+                request.start,
+                request.end,
+            )?;
+            let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
+            Ok((
+                StatusCode::OK,
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/proto"),
+                )],
+                profile.encode_to_vec(),
+            )
+                .into_response())
+        }
+        "SelectSeries" => {
+            let request: SelectSeriesRequest = connect::decode(codec, &body)?;
+            let selection = selection(
+                &state,
+                &request.profile_type_id,
+                &request.label_selector,
+                request.start,
+                request.end,
+            )?;
+            let series =
+                bounded_query(&state, move || select_series(&store, &selection, &request)).await?;
+            Ok(connect::encode(codec, &SelectSeriesResponse { series }))
+        }
+        "GetProfileStats" => {
+            let series = bounded_query(&state, move || Ok(store.series(None))).await?;
+            let response = GetProfileStatsResponse {
+                data_ingested: !series.is_empty(),
+                oldest_profile_time: series
+                    .iter()
+                    .map(|s| s.first_ns / 1_000_000)
+                    .min()
+                    .unwrap_or(0),
+                newest_profile_time: series
+                    .iter()
+                    .map(|s| s.last_ns / 1_000_000)
+                    .max()
+                    .unwrap_or(0),
+            };
+            Ok(connect::encode(codec, &response))
+        }
+        other => Err(ApiError::not_found(format!(
+            "unknown method querier.v1.QuerierService/{}",
+            other.escape_debug()
+        ))),
+    }
+}
+
+fn merged_pprof(store: &Store, selection: &Selection) -> Result<proto::Profile, ApiError> {
+    let tree = store.merge(selection).map_err(store_error)?;
+    let profile_type = ProfileType::parse(&selection.profile_type).map_err(store_error)?;
+    Ok(render::pprof(
+        &tree,
+        &profile_type,
+        selection.start_ns,
+        selection.end_ns,
+    ))
+}
+
+/// Buckets profile totals at `start, start+step, ...`; a point's timestamp is its bucket's right
+/// edge and covers `(edge - step, edge]`; one series per distinct group-by label values.
+fn select_series(
+    store: &Store,
+    selection: &Selection,
+    request: &SelectSeriesRequest,
+) -> Result<Vec<Series>, ApiError> {
+    let step_ns = if request.step.is_finite() && request.step > 0.0 {
+        (request.step * 1e9) as i64
+    } else {
+        15_000_000_000
+    }
+    .max(1_000_000);
+    let average = request.aggregation == Some(1);
+    let mut groups: HashMap<Vec<LabelPair>, std::collections::BTreeMap<i64, (f64, u64)>> =
+        HashMap::new();
+    for (series, points) in store.totals(selection).map_err(store_error)? {
+        let key: Vec<LabelPair> = request
+            .group_by
+            .iter()
+            .filter_map(|name| {
+                series
+                    .labels
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(k, v)| LabelPair {
+                        name: k.clone(),
+                        value: v.clone(),
+                    })
+            })
+            .collect();
+        let buckets = groups.entry(key).or_default();
+        for (time_ns, total) in points {
+            // In i128: the range and step come from the client and may be extreme.
+            let (start, step) = (i128::from(selection.start_ns), i128::from(step_ns));
+            let index = (i128::from(time_ns) - start + step - 1).div_euclid(step);
+            let edge = (start + index * step).clamp(i64::MIN.into(), i64::MAX.into()) as i64;
+            let bucket = buckets.entry(edge).or_default();
+            bucket.0 += total as f64;
+            bucket.1 += 1;
+        }
+    }
+    let mut series: Vec<Series> = groups
+        .into_iter()
+        .map(|(labels, buckets)| Series {
+            labels,
+            points: buckets
+                .into_iter()
+                .map(|(edge, (sum, count))| Point {
+                    value: if average { sum / count as f64 } else { sum },
+                    timestamp: edge / 1_000_000,
+                })
+                .collect(),
+        })
+        .collect();
+    series.sort_by(|a, b| a.labels.cmp(&b.labels));
+    if let Some(limit) = request.limit.filter(|l| *l > 0) {
+        let total = |s: &Series| s.points.iter().map(|p| p.value).sum::<f64>();
+        series.sort_by(|a, b| total(b).total_cmp(&total(a)));
+        series.truncate(limit as usize);
+    }
+    Ok(series)
+}
+
+/// `GET /api/pprof?query=<type>{selector}&from=<ms>&until=<ms>`: the merged profile as a
+/// gzipped pprof file (the UI's download button).
+pub async fn pprof_download(State(state): State<AppState>, uri: Uri) -> Result<Response, ApiError> {
+    let store = state.store()?.clone();
+    let params: HashMap<String, String> = axum::extract::Query::try_from_uri(&uri)
+        .map(|q| q.0)
+        .map_err(|e| ApiError::invalid(format!("bad query string: {e}")))?;
+    let query = params.get("query").ok_or_else(|| {
+        ApiError::invalid("missing query parameter `query` (<profile type>{selector})")
+    })?;
+    let (profile_type, selector) = match query.find('{') {
+        Some(pos) => (&query[..pos], &query[pos..]),
+        None => (query.as_str(), "{}"),
+    };
+    let ms = |key: &str| -> Result<i64, ApiError> {
+        params.get(key).map_or(Ok(0), |v| {
+            v.parse().map_err(|_| {
+                ApiError::invalid(format!("`{key}` must be milliseconds since the epoch"))
+            })
+        })
+    };
+    let selection = selection(&state, profile_type, selector, ms("from")?, ms("until")?)?;
+    let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
+    let body = crate::store::ingest::gzip(&profile.encode_to_vec());
+    Ok((
+        StatusCode::OK,
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            ),
+            (
+                header::CONTENT_DISPOSITION,
+                HeaderValue::from_static("attachment; filename=\"profile.pb.gz\""),
+            ),
+        ],
+        body,
+    )
+        .into_response())
+}
