@@ -8,12 +8,6 @@ use crate::sample::RawSample;
 
 /// Bits 0..8 of a cookie: the `CALL_*` id. Ids are never reused.
 pub const CALL_ID_MASK: u64 = 0xff;
-/// Bit 32 of a cookie: the function is a trampoline that jumps (a tail call, the stack left as
-/// at its entry) into another probed runtime function of its family, as CUDA 13's
-/// `__cudaLaunchKernel` jumps into `cudaLaunchKernel`. Its entry counts the call and leaves the
-/// stack pointer in [`CudaThread::tail_call_sp`]; the entry of the function it jumps into, seen
-/// with that same stack pointer, is the same call and is not counted again.
-pub const CALL_FLAG_TAIL_CALL: u64 = 1 << 32;
 
 /// `cudaLaunchKernel(func, grid, block, args, smem, stream)` and the cooperative form: rdi = stub.
 pub const CALL_RT_LAUNCH: u32 = 1;
@@ -63,53 +57,15 @@ pub const CALL_DRV_GET_FUNCTION: u32 = 42;
 /// Runtime calls have ids below this; driver calls at or above it.
 pub const CALL_FIRST_DRIVER: u32 = 32;
 
-/// How long after a runtime call's entry a driver call of the same kind still counts as made by
-/// that runtime call. The real runtime calls the driver within microseconds; a runtime call that
-/// fails before reaching the driver leaves its mark for at most this long.
-pub const RUNTIME_TO_DRIVER_NS: u64 = 1_000_000;
-
-/// Whether a runtime call is probed at return too: synchronizations (time blocked),
-/// `__cudaGetKernel` and allocations (their out-parameters: a handle, a device pointer). The
-/// others (launches, copies, frees: the frequent calls) only leave a mark at entry that the
-/// driver call they make consumes ([`call_family`]), because a return probe costs more than the
-/// entry probe itself and hides the caller's frame from CPU samples taken inside the call.
-#[inline(always)]
-pub fn runtime_call_has_return_probe(call: u32) -> bool {
-    matches!(
-        call,
-        CALL_RT_SYNC | CALL_RT_GET_KERNEL | CALL_RT_MALLOC | CALL_RT_OTHER
-    )
-}
-
-/// Whether a call (runtime or driver) is probed at return too: see
-/// [`runtime_call_has_return_probe`]; for the driver, synchronizations, the naming calls and
-/// allocations.
-#[inline(always)]
-pub fn has_return_probe(call: u32) -> bool {
-    if call < CALL_FIRST_DRIVER {
-        runtime_call_has_return_probe(call)
-    } else {
-        matches!(call, CALL_DRV_SYNC | CALL_DRV_GET_FUNCTION | CALL_DRV_ALLOC)
-    }
-}
-
-/// The family of a counted call probed at entry only, shared by a runtime call and the driver
-/// call it makes (0: none; calls with a return probe are told apart by the runtime depth).
-#[inline(always)]
-pub fn call_family(call: u32) -> u32 {
-    match call {
-        CALL_RT_LAUNCH
-        | CALL_RT_LAUNCH_EXC
-        | CALL_RT_LAUNCH_HANDLE
-        | CALL_DRV_LAUNCH
-        | CALL_DRV_LAUNCH_EX => 1,
-        CALL_RT_GRAPH_LAUNCH | CALL_DRV_GRAPH_LAUNCH => 2,
-        CALL_RT_MEMCPY | CALL_DRV_MEMCPY_HTOD | CALL_DRV_MEMCPY_DTOH | CALL_DRV_MEMCPY_DTOD
-        | CALL_DRV_MEMCPY => 3,
-        CALL_RT_FREE | CALL_DRV_FREE => 5,
-        _ => 0,
-    }
-}
+/// Every probed function is probed at entry and at return: a call is reported at its return,
+/// and only when it succeeded (`cudaError_t` and `CUresult` are 0 on success), so a failed call
+/// is never counted as work. The entry of the outermost probed call on a thread notes what it
+/// will report; probed calls it makes meanwhile (the runtime's driver calls, a trampoline's jump
+/// into another probed function) are nested and not reported again.
+///
+/// Nesting this deep is followed; deeper probed calls are still counted as nested, but CPU
+/// samples taken inside them may show the kernel's return-probe trampoline.
+pub const MAX_PENDING_RETURNS: usize = 4;
 
 /// `cudaMemcpyKind` values, also used for the driver's directions.
 pub const MEMCPY_HOST_TO_HOST: u32 = 0;
@@ -126,8 +82,15 @@ pub const CUDA_EVENT_NAME: u32 = 1 << 1;
 /// `CudaEventHeader::flags`: the stack was not taken because the thread's stack budget
 /// (`--cuda-stacks-per-second`) was used up.
 pub const CUDA_EVENT_RATE_LIMITED: u32 = 1 << 2;
+/// `CudaEventHeader::flags`: the call failed; `value` is its error code (`cudaError_t` or
+/// `CUresult`), `handle` and `aux` are what a successful call would have reported.
+pub const CUDA_EVENT_FAILED: u32 = 1 << 3;
+/// `CudaEventHeader::flags`: the stack was taken because it is the first call of its kind
+/// (kernel, direction) on its thread, outside the thread's budget, so that every later call of
+/// that kind has a stack to stand on.
+pub const CUDA_EVENT_FIRST_OF_KIND: u32 = 1 << 4;
 /// All flags this ABI version defines.
-pub const CUDA_EVENT_KNOWN_FLAGS: u32 = (1 << 3) - 1;
+pub const CUDA_EVENT_KNOWN_FLAGS: u32 = (1 << 5) - 1;
 
 /// Bytes of a kernel name read from the process (longer names are cut).
 pub const KERNEL_NAME_BYTES: usize = 256;
@@ -135,6 +98,49 @@ pub const KERNEL_NAME_BYTES: usize = 256;
 pub const CUDA_EVENTS_RING_BYTES: u32 = 4 << 20;
 /// Entries of the per-thread `CUDA_THREADS` LRU map.
 pub const MAX_CUDA_THREADS: u32 = 16_384;
+/// Entries of the `CUDA_STACK_KINDS` LRU map: the (thread, call, kernel or direction) kinds
+/// that already had a stack.
+pub const MAX_CUDA_STACK_KINDS: u32 = 65_536;
+
+/// Key of `CUDA_STACK_KINDS`: what makes calls of a thread "of the same kind" for stack
+/// sampling. The agent weights a call that came without a stack onto the last stack of its kind.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CudaStackKind {
+    pub tid: u32,
+    /// The `CALL_*` id, with bit 8 set for failed calls.
+    pub call: u32,
+    /// The kernel handle or stub (launches), the direction (copies), the error code (failed
+    /// calls), else 0.
+    pub key: u64,
+}
+
+impl CudaStackKind {
+    /// The kind of a reported call (the fields of its [`CudaEventHeader`]).
+    #[inline(always)]
+    pub fn of(tid: u32, call: u32, flags: u32, value: u64, handle: u64, aux: u64) -> Self {
+        let id = call & CALL_ID_MASK as u32;
+        let failed = flags & CUDA_EVENT_FAILED != 0;
+        let key = match id {
+            _ if failed => value,
+            CALL_RT_MEMCPY | CALL_DRV_MEMCPY_HTOD | CALL_DRV_MEMCPY_DTOH | CALL_DRV_MEMCPY_DTOD
+            | CALL_DRV_MEMCPY => aux,
+            CALL_RT_LAUNCH
+            | CALL_RT_LAUNCH_EXC
+            | CALL_RT_LAUNCH_HANDLE
+            | CALL_RT_GRAPH_LAUNCH
+            | CALL_DRV_LAUNCH
+            | CALL_DRV_LAUNCH_EX
+            | CALL_DRV_GRAPH_LAUNCH => handle,
+            _ => 0,
+        };
+        CudaStackKind {
+            tid,
+            call: id | if failed { 0x100 } else { 0 },
+            key,
+        }
+    }
+}
 
 /// The fixed part of every `CUDA_EVENTS` record.
 #[repr(C)]
@@ -187,32 +193,34 @@ pub struct CudaThread {
     /// Stack budget in nanoseconds of refill time (one stack costs 1e9).
     pub tokens: u64,
     pub refilled_ns: u64,
-    /// When the outermost synchronization call began.
-    pub sync_start_ns: u64,
+    /// When the outermost call began (a synchronization's time blocked).
+    pub call_start_ns: u64,
     /// `__cudaGetKernel`: the out-parameter and the stub, read at return.
     pub rt_out: u64,
     pub rt_stub: u64,
     /// `cuModuleGetFunction` / `cuLibraryGetKernel`: the out-parameter and the name pointer.
     pub drv_out: u64,
     pub drv_name: u64,
-    /// Runtime calls in progress: driver calls made meanwhile are the runtime's own.
-    pub runtime_depth: u32,
-    /// Synchronization calls in progress (CPU samples meanwhile are waits for the GPU).
-    pub sync_depth: u32,
-    /// The last runtime call probed at entry only: when it began and its [`call_family`]
-    /// (0: none pending). The driver call it makes clears it.
-    pub runtime_call_ns: u64,
-    pub runtime_call_family: u32,
+    /// The outermost call's attach cookie (its `call`), 0 when it reports nothing.
+    pub pending_call: u32,
+    /// Probed calls in progress (the outermost and the calls it made).
+    pub depth: u32,
+    /// What the outermost call reports at return: value, handle, aux as in [`CudaEventHeader`];
+    /// for an allocation `handle` is the out-parameter, read at return for the device pointer.
+    pub pending_value: u64,
+    pub pending_handle: u64,
+    pub pending_aux: u64,
+    /// Non-zero while the outermost call is a synchronization (CPU samples are waits).
+    pub in_sync: u32,
     pub _pad: u32,
-    /// An allocation in progress: its out-parameter (the device pointer at return) and size.
-    pub alloc_out: u64,
-    pub alloc_bytes: u64,
-    /// The stack pointer at the entry of a trampoline ([`CALL_FLAG_TAIL_CALL`]) whose jump
-    /// target has not fired yet (0: none).
-    pub tail_call_sp: u64,
+    /// For calls in progress, by depth: the stack slot holding the return address (the stack
+    /// pointer at entry) and the real return address, which the kernel replaces there with its
+    /// return-probe trampoline. Unwinders reading that slot use the real one instead.
+    pub return_slots: [u64; MAX_PENDING_RETURNS],
+    pub return_addresses: [u64; MAX_PENDING_RETURNS],
 }
 
-const _: () = assert!(core::mem::size_of::<CudaThread>() == 104);
+const _: () = assert!(core::mem::size_of::<CudaThread>() == 160);
 
 /// Settings written by the agent into the single-entry `CUDA_CONFIG` array.
 #[repr(C)]
@@ -229,5 +237,6 @@ mod pod {
     use super::*;
     unsafe impl aya::Pod for CudaEventHeader {}
     unsafe impl aya::Pod for CudaThread {}
+    unsafe impl aya::Pod for CudaStackKind {}
     unsafe impl aya::Pod for CudaConfig {}
 }

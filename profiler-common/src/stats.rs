@@ -87,8 +87,15 @@ pub const STAT_UNWIND_STACK_COPY_EMPTY: u32 = 38;
 /// Walks that stopped for a copy while the ring was over half full: no copy was sent, the
 /// stack ends at the last proven frame (marked truncated).
 pub const STAT_UNWIND_STACK_COPY_SHED: u32 = 39;
+/// CUDA calls that returned an error (reported as failed, never as work).
+pub const STAT_CUDA_FAILED: u32 = 40;
+/// CUDA events given a stack outside the budget as the first of their kind on their thread.
+pub const STAT_CUDA_FIRST_STACKS: u32 = 41;
+/// Return addresses restored from a pending CUDA return probe (the stack slot held the
+/// kernel's uretprobe trampoline).
+pub const STAT_UNWIND_RETURN_PROBE_FRAMES: u32 = 42;
 /// Number of slots in `STATS`.
-pub const STAT_COUNT: u32 = 40;
+pub const STAT_COUNT: u32 = 43;
 
 /// The single value per CPU of the `STATS` map: all of that CPU's counters side by side, so a
 /// sample's counting touches a couple of cache lines instead of one allocation per counter.
@@ -110,7 +117,7 @@ impl Default for StatCounters {
 unsafe impl aya::Pod for StatCounters {}
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 40] = [
+pub const STAT_NAMES: [&str; 43] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -151,6 +158,9 @@ pub const STAT_NAMES: [&str; 40] = [
     "unwind_stack_copies",
     "unwind_stack_copy_empty",
     "unwind_stack_copy_shed",
+    "cuda_failed",
+    "cuda_first_stacks",
+    "unwind_return_probe_frames",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -8,19 +8,20 @@
 //! the registers already are the caller's. The walks are the sampler's own
 //! (`user_stack::collect`, `python::collect`), run in their own scratch slot.
 //!
-//! A runtime call that calls the driver is counted once. Synchronizations, `__cudaGetKernel` and
-//! allocations are probed at return too: their entries raise a per-thread depth that their
-//! return lowers, and driver calls made meanwhile are only counted as nested. The other runtime
-//! calls (launches, copies, frees: the frequent ones) are probed at entry only, because a return
-//! probe costs more than the entry probe: they leave a mark of their family, which the driver
-//! call of the same family that follows within `RUNTIME_TO_DRIVER_NS` consumes as nested.
+//! Every probed function is probed at entry and at return, and a call is reported at its
+//! return, when its result is known: a call that returned an error is reported as failed (with
+//! its error code), never as a launch, copy, allocation or wait. The entry of the outermost
+//! probed call on a thread notes what it will report; probed calls made meanwhile raise a
+//! per-thread depth and are nested: the runtime's own driver calls, and the jump of a trampoline
+//! such as CUDA 13's `__cudaLaunchKernel` into `cudaLaunchKernel` (the same stack pointer, the
+//! return address already replaced by the kernel's return-probe trampoline).
 //!
-//! A runtime function that only jumps into another probed one (CUDA 13's `__cudaLaunchKernel`
-//! into `cudaLaunchKernel`) is counted at its own entry, where its arguments are what the agent
-//! names; the entry of its jump target, seen with the same stack pointer, is not counted again.
+//! While a call is in progress, the kernel keeps its real return address aside and leaves a
+//! trampoline address in the stack slot. The entry notes the slot and the real address per
+//! depth, so the CPU sampler's walk (and its stack copies) see the real caller.
 //!
-//! Allocations are reported at return, where the out-parameter holds the device pointer (the
-//! agent pairs it with the free that names it); frees are reported without a stack.
+//! Allocations report the device pointer read from their out-parameter at return (the agent
+//! pairs it with the free that names it); frees are reported without a stack.
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, pt_regs},
@@ -35,15 +36,16 @@ use aya_ebpf::{
 use profiler_common::{
     CALL_DRV_ALLOC, CALL_DRV_FREE, CALL_DRV_GET_FUNCTION, CALL_DRV_GRAPH_LAUNCH, CALL_DRV_LAUNCH,
     CALL_DRV_LAUNCH_EX, CALL_DRV_MEMCPY, CALL_DRV_MEMCPY_DTOD, CALL_DRV_MEMCPY_DTOH,
-    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_FIRST_DRIVER, CALL_FLAG_TAIL_CALL, CALL_ID_MASK,
-    CALL_RT_FREE, CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC,
-    CALL_RT_LAUNCH_HANDLE, CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC, CUDA_EVENT_HAS_STACK,
-    CUDA_EVENT_HEADER_BYTES, CUDA_EVENT_NAME, CUDA_EVENT_RATE_LIMITED, CUDA_EVENTS_RING_BYTES,
-    CudaConfig, CudaEventHeader, CudaNameRecord, CudaThread, MAX_CUDA_THREADS, MEMCPY_DEFAULT,
-    MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, RUNTIME_TO_DRIVER_NS,
-    STAT_CUDA_EVENTS, STAT_CUDA_EVENTS_LOST, STAT_CUDA_NAMES, STAT_CUDA_NESTED, STAT_CUDA_STACKS,
-    STAT_CUDA_STACKS_RATE_LIMITED, STAT_CUDA_UNMATCHED_RETURNS, STAT_CUDA_UNREADABLE_RESULTS,
-    SamplerConfig, call_family, runtime_call_has_return_probe,
+    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_ID_MASK, CALL_RT_FREE, CALL_RT_GET_KERNEL,
+    CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC, CALL_RT_LAUNCH_HANDLE,
+    CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC, CUDA_EVENT_FAILED, CUDA_EVENT_FIRST_OF_KIND,
+    CUDA_EVENT_HAS_STACK, CUDA_EVENT_HEADER_BYTES, CUDA_EVENT_NAME, CUDA_EVENT_RATE_LIMITED,
+    CUDA_EVENTS_RING_BYTES, CudaConfig, CudaEventHeader, CudaNameRecord, CudaStackKind, CudaThread,
+    MAX_CUDA_STACK_KINDS, MAX_CUDA_THREADS, MAX_PENDING_RETURNS, MEMCPY_DEFAULT,
+    MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, STAT_CUDA_EVENTS,
+    STAT_CUDA_EVENTS_LOST, STAT_CUDA_FAILED, STAT_CUDA_FIRST_STACKS, STAT_CUDA_NAMES,
+    STAT_CUDA_NESTED, STAT_CUDA_STACKS, STAT_CUDA_STACKS_RATE_LIMITED, STAT_CUDA_UNMATCHED_RETURNS,
+    STAT_CUDA_UNREADABLE_RESULTS, SamplerConfig,
 };
 
 use crate::{
@@ -62,6 +64,12 @@ static CUDA_CONFIG: Array<CudaConfig> = Array::with_max_entries(1, 0);
 static CUDA_THREADS: LruHashMap<u32, CudaThread> =
     LruHashMap::with_max_entries(MAX_CUDA_THREADS, 0);
 
+/// The (thread, call, kernel or direction) kinds that already had a stack: the first call of a
+/// kind always gets one, so every later call of it has a sampled stack to be weighted onto.
+#[map(name = "CUDA_STACK_KINDS")]
+static CUDA_STACK_KINDS: LruHashMap<CudaStackKind, u8> =
+    LruHashMap::with_max_entries(MAX_CUDA_STACK_KINDS, 0);
+
 const NS_PER_STACK: u64 = 1_000_000_000;
 
 /// Drops an exiting thread's state, so a later thread with the same tid starts clean (a thread
@@ -71,27 +79,19 @@ pub fn forget_thread(tid: u32) {
     let _ = CUDA_THREADS.remove(&tid);
 }
 
-/// Whether thread `tid` is inside a CUDA synchronization call (for the CPU sampler).
+/// Thread `tid`'s CUDA state, for the CPU sampler: whether it is inside a synchronization
+/// call, and the return slots of its calls in progress.
 #[inline(always)]
-pub fn in_sync(tid: u32) -> bool {
-    match CUDA_THREADS.get_ptr(tid) {
-        // SAFETY: a map value; a torn read only misflags one sample.
-        Some(thread) => (unsafe { (*thread).sync_depth }) > 0,
-        None => false,
-    }
+pub fn thread(tid: u32) -> Option<*const CudaThread> {
+    CUDA_THREADS.get_ptr(tid)
 }
 
 /// The attach cookie: the `CALL_*` id in its low byte, the agent's function index above it
-/// (together the record's `call`), and whether the function is a trampoline into another
-/// probed function ([`CALL_FLAG_TAIL_CALL`]).
+/// (together the record's `call`).
 #[inline(always)]
-fn cookie(ctx: *mut core::ffi::c_void) -> (u32, u32, bool) {
+fn cookie(ctx: *mut core::ffi::c_void) -> (u32, u32) {
     let cookie = unsafe { bpf_get_attach_cookie(ctx) };
-    (
-        (cookie & CALL_ID_MASK) as u32,
-        cookie as u32,
-        cookie & CALL_FLAG_TAIL_CALL != 0,
-    )
+    ((cookie & CALL_ID_MASK) as u32, cookie as u32)
 }
 
 /// The current thread's ids, or `None` when the `--pid` filter excludes the process.
@@ -153,9 +153,29 @@ struct Event {
     value: u64,
     handle: u64,
     aux: u64,
+    /// `CUDA_EVENT_FAILED` or 0.
+    flags: u32,
 }
 
-/// Sends one event; with a stack (walked from `caller`) when the budget allows.
+/// Whether this is the first call of its kind on the thread (and notes the kind).
+#[inline(always)]
+fn first_of_kind(tid: u32, event: &Event) -> bool {
+    let kind = CudaStackKind::of(
+        tid,
+        event.call,
+        event.flags,
+        event.value,
+        event.handle,
+        event.aux,
+    );
+    if unsafe { CUDA_STACK_KINDS.get(&kind) }.is_some() {
+        return false;
+    }
+    CUDA_STACK_KINDS.insert(&kind, &0, 0).is_ok()
+}
+
+/// Sends one event; with a stack (walked from `caller`) for the first call of its kind on the
+/// thread, or when the thread's budget allows.
 #[inline(always)]
 fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Option<Registers>) {
     count(STAT_CUDA_EVENTS);
@@ -163,8 +183,15 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
         return;
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let with_stack = caller.is_some() && take_stack(thread, now);
-    let mut flags = 0;
+    let mut flags = event.flags;
+    let with_stack = caller.is_some()
+        && if first_of_kind(tid, &event) {
+            flags |= CUDA_EVENT_FIRST_OF_KIND;
+            count(STAT_CUDA_FIRST_STACKS);
+            true
+        } else {
+            take_stack(thread, now)
+        };
     if with_stack {
         flags |= CUDA_EVENT_HAS_STACK;
         count(STAT_CUDA_STACKS);
@@ -198,7 +225,7 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
             let fsbase_offset = CONFIG.get(0).map_or(0, |c| c.task_fsbase_offset);
             let copy_allowed =
                 CUDA_EVENTS.query(BPF_RB_AVAIL_DATA as u64) < (CUDA_EVENTS_RING_BYTES / 2) as u64;
-            user_stack::collect(SLOT_CUDA, pid, caller, false, copy_allowed, sample);
+            user_stack::collect(SLOT_CUDA, pid, caller, false, copy_allowed, None, sample);
             python::collect(SLOT_CUDA, pid, tid, fsbase_offset, sample);
             output_sample(
                 &CUDA_EVENTS,
@@ -270,125 +297,103 @@ fn emit_name(pid: u32, tid: u32, call: u32, out: u64, stub: u64, name: u64) {
 #[uprobe]
 pub fn cuda_entry(ctx: ProbeContext) -> u32 {
     let config = CONFIG.get(0).copied().unwrap_or_default();
-    let Some((pid, tid)) = current_ids(&config) else {
+    let Some((_, tid)) = current_ids(&config) else {
         return 0;
     };
-    let (call, full_cookie, tail_calls) = cookie(ctx.as_ptr());
+    let (call, full_cookie) = cookie(ctx.as_ptr());
     let Some(thread) = thread_state(tid) else {
         return 0;
     };
     let regs = ctx.regs as *const pt_regs;
-    // SAFETY: the probe's register snapshot and this thread's map entry.
-    let (rdi, rsi, rdx, rcx, rsp, rbp) = unsafe {
-        (
+    // SAFETY: the probe's register snapshot and this thread's map entry (only this thread's
+    // probes write it).
+    unsafe {
+        let (rdi, rsi, rdx, rcx, rsp) = (
             (*regs).rdi,
             (*regs).rsi,
             (*regs).rdx,
             (*regs).rcx,
             (*regs).rsp,
-            (*regs).rbp,
-        )
-    };
-    unsafe {
-        let family = call_family(call);
-        if call < CALL_FIRST_DRIVER {
-            // A trampoline jumped here: its entry, with this same stack pointer, counted the call.
-            if (*thread).tail_call_sp != 0 && (*thread).tail_call_sp == rsp {
-                (*thread).tail_call_sp = 0;
-                count(STAT_CUDA_NESTED);
-                return 0;
+        );
+        // The kernel places its return trampoline after this program ran: `[rsp]` is still this
+        // call's real return address, unless a trampoline jumped here (then it is the kernel's).
+        let return_address = read_u64(rsp).unwrap_or(0);
+        let mut depth = (*thread).depth;
+        if depth > 0 {
+            let outer_slot = (*thread).return_slots[0];
+            // Not deeper in the stack than the outermost call, and not a jump into this
+            // function: that call ended without its return being seen (longjmp, or no room
+            // for a return probe). Start over rather than count every later call as nested.
+            if rsp > outer_slot
+                || (rsp == outer_slot && return_address == (*thread).return_addresses[0])
+            {
+                count(STAT_CUDA_UNMATCHED_RETURNS);
+                depth = 0;
+                (*thread).pending_call = 0;
+                (*thread).in_sync = 0;
             }
-            (*thread).tail_call_sp = if tail_calls { rsp } else { 0 };
-            if runtime_call_has_return_probe(call) {
-                (*thread).runtime_depth += 1;
+        }
+        let index = depth as usize;
+        if index < MAX_PENDING_RETURNS {
+            (*thread).return_slots[index] = rsp;
+            (*thread).return_addresses[index] = if index > 0
+                && rsp == (*thread).return_slots[(index - 1) & (MAX_PENDING_RETURNS - 1)]
+            {
+                // A jump into this function: the slot holds the trampoline already.
+                (*thread).return_addresses[(index - 1) & (MAX_PENDING_RETURNS - 1)]
             } else {
-                (*thread).runtime_call_family = family;
-                (*thread).runtime_call_ns = bpf_ktime_get_ns();
-            }
-        } else if (*thread).runtime_depth > 0
-            || (family != 0
-                && (*thread).runtime_call_family == family
-                && bpf_ktime_get_ns().wrapping_sub((*thread).runtime_call_ns)
-                    < RUNTIME_TO_DRIVER_NS)
-        {
-            if family != 0 && (*thread).runtime_call_family == family {
-                (*thread).runtime_call_family = 0;
-            }
-            // The runtime's own driver call: names still count, events do not.
-            if call == CALL_DRV_GET_FUNCTION {
-                (*thread).drv_out = rdi;
-                (*thread).drv_name = rdx;
-            } else {
-                count(STAT_CUDA_NESTED);
-            }
-            return 0;
+                return_address
+            };
         }
-    }
-    let event = |value: u64, handle: u64, aux: u64| Event {
-        call: full_cookie,
-        value,
-        handle,
-        aux,
-    };
-    let event = match call {
-        CALL_RT_LAUNCH | CALL_RT_LAUNCH_HANDLE | CALL_DRV_LAUNCH => event(1, rdi, 0),
-        CALL_RT_LAUNCH_EXC | CALL_DRV_LAUNCH_EX => event(1, rsi, 0),
-        CALL_RT_GRAPH_LAUNCH | CALL_DRV_GRAPH_LAUNCH => event(1, rdi, 0),
-        CALL_RT_MEMCPY => event(rdx, 0, rcx),
-        CALL_DRV_MEMCPY_HTOD => event(rdx, 0, MEMCPY_HOST_TO_DEVICE as u64),
-        CALL_DRV_MEMCPY_DTOH => event(rdx, 0, MEMCPY_DEVICE_TO_HOST as u64),
-        CALL_DRV_MEMCPY_DTOD => event(rdx, 0, MEMCPY_DEVICE_TO_DEVICE as u64),
-        CALL_DRV_MEMCPY => event(rdx, 0, MEMCPY_DEFAULT as u64),
-        CALL_RT_MALLOC | CALL_DRV_ALLOC => {
-            // Reported at return, with the device pointer.
-            unsafe {
-                (*thread).alloc_out = rdi;
-                (*thread).alloc_bytes = rsi;
-            }
-            return 0;
-        }
-        CALL_RT_FREE | CALL_DRV_FREE => {
-            if rdi == 0 {
-                // Freeing NULL does nothing.
-                return 0;
-            }
-            // A free only needs its pointer: the agent knows the allocation's stack.
-            emit(pid, tid, thread, event(1, rdi, 0), None);
-            return 0;
-        }
-        CALL_RT_SYNC | CALL_DRV_SYNC => {
-            // SAFETY: this thread's entry.
-            unsafe {
-                if (*thread).sync_depth == 0 {
-                    (*thread).sync_start_ns = bpf_ktime_get_ns();
-                }
-                (*thread).sync_depth += 1;
-            }
-            return 0;
-        }
-        CALL_RT_GET_KERNEL => {
-            unsafe {
+        (*thread).depth = depth + 1;
+        // Naming calls name their handle at return, nested or not.
+        match call {
+            CALL_RT_GET_KERNEL => {
                 (*thread).rt_out = rdi;
                 (*thread).rt_stub = rsi;
             }
-            return 0;
-        }
-        CALL_DRV_GET_FUNCTION => {
-            unsafe {
+            CALL_DRV_GET_FUNCTION => {
                 (*thread).drv_out = rdi;
                 (*thread).drv_name = rdx;
             }
+            _ => {}
+        }
+        if depth > 0 {
+            // The runtime's own driver call, or a trampoline's jump target: the outermost call
+            // reports it.
+            if call != CALL_RT_GET_KERNEL && call != CALL_DRV_GET_FUNCTION {
+                count(STAT_CUDA_NESTED);
+            }
             return 0;
         }
-        _ => return 0,
-    };
-    // At entry the return address is on top of the stack: start the walk in the caller.
-    let caller = read_u64(rsp).map(|rip| Registers {
-        rip,
-        rsp: rsp + 8,
-        rbp,
-    });
-    emit(pid, tid, thread, event, caller);
+        let (value, handle, aux) = match call {
+            CALL_RT_LAUNCH | CALL_RT_LAUNCH_HANDLE | CALL_DRV_LAUNCH => (1, rdi, 0),
+            CALL_RT_LAUNCH_EXC | CALL_DRV_LAUNCH_EX => (1, rsi, 0),
+            CALL_RT_GRAPH_LAUNCH | CALL_DRV_GRAPH_LAUNCH => (1, rdi, 0),
+            CALL_RT_MEMCPY => (rdx, 0, rcx),
+            CALL_DRV_MEMCPY_HTOD => (rdx, 0, MEMCPY_HOST_TO_DEVICE as u64),
+            CALL_DRV_MEMCPY_DTOH => (rdx, 0, MEMCPY_DEVICE_TO_HOST as u64),
+            CALL_DRV_MEMCPY_DTOD => (rdx, 0, MEMCPY_DEVICE_TO_DEVICE as u64),
+            CALL_DRV_MEMCPY => (rdx, 0, MEMCPY_DEFAULT as u64),
+            // The out-parameter, read at return for the device pointer.
+            CALL_RT_MALLOC | CALL_DRV_ALLOC => (rsi, rdi, 0),
+            // Freeing NULL does nothing.
+            CALL_RT_FREE | CALL_DRV_FREE if rdi != 0 => (1, rdi, 0),
+            CALL_RT_SYNC | CALL_DRV_SYNC => {
+                (*thread).in_sync = 1;
+                (0, 0, 0)
+            }
+            _ => {
+                (*thread).pending_call = 0;
+                return 0;
+            }
+        };
+        (*thread).pending_call = full_cookie;
+        (*thread).pending_value = value;
+        (*thread).pending_handle = handle;
+        (*thread).pending_aux = aux;
+        (*thread).call_start_ns = bpf_ktime_get_ns();
+    }
     0
 }
 
@@ -398,23 +403,20 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
     let Some((pid, tid)) = current_ids(&config) else {
         return 0;
     };
-    let (call, full_cookie, _) = cookie(ctx.as_ptr());
+    let (call, _) = cookie(ctx.as_ptr());
     let Some(thread) = CUDA_THREADS.get_ptr_mut(tid) else {
         count(STAT_CUDA_UNMATCHED_RETURNS);
         return 0;
     };
     let regs = ctx.regs as *const pt_regs;
     // SAFETY: the probe's register snapshot and this thread's map entry.
-    let (rip, rsp, rbp, rax) = unsafe { ((*regs).rip, (*regs).rsp, (*regs).rbp, (*regs).rax) };
-    let is_runtime = call < CALL_FIRST_DRIVER;
     unsafe {
-        if is_runtime {
-            if (*thread).runtime_depth == 0 {
-                count(STAT_CUDA_UNMATCHED_RETURNS);
-                return 0;
-            }
-            (*thread).runtime_depth -= 1;
+        let (rip, rsp, rbp, rax) = ((*regs).rip, (*regs).rsp, (*regs).rbp, (*regs).rax);
+        if (*thread).depth == 0 {
+            count(STAT_CUDA_UNMATCHED_RETURNS);
+            return 0;
         }
+        (*thread).depth -= 1;
         match call {
             CALL_RT_GET_KERNEL => {
                 if (*thread).rt_out != 0 && succeeded(rax) {
@@ -428,61 +430,66 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
                 }
                 (*thread).drv_out = 0;
             }
+            _ => {}
+        }
+        if (*thread).depth > 0 {
+            return 0;
+        }
+        // The outermost call returned (a trampoline's return may come last: what is reported
+        // is what the outermost entry noted).
+        let pending = (*thread).pending_call;
+        (*thread).pending_call = 0;
+        (*thread).in_sync = 0;
+        if pending == 0 {
+            return 0;
+        }
+        let id = pending & CALL_ID_MASK as u32;
+        // The registers are the caller's, just after the call returned.
+        let caller = Registers { rip, rsp, rbp };
+        if !succeeded(rax) {
+            count(STAT_CUDA_FAILED);
+            let event = Event {
+                call: pending,
+                value: rax & 0xffff_ffff,
+                handle: if matches!(id, CALL_RT_MALLOC | CALL_DRV_ALLOC) {
+                    0
+                } else {
+                    (*thread).pending_handle
+                },
+                aux: (*thread).pending_aux,
+                flags: CUDA_EVENT_FAILED,
+            };
+            emit(pid, tid, thread, event, Some(caller));
+            return 0;
+        }
+        let mut event = Event {
+            call: pending,
+            value: (*thread).pending_value,
+            handle: (*thread).pending_handle,
+            aux: (*thread).pending_aux,
+            flags: 0,
+        };
+        match id {
             CALL_RT_MALLOC | CALL_DRV_ALLOC => {
-                if !is_runtime && (*thread).runtime_depth > 0 {
-                    // The runtime's own allocation: its return reports it.
-                    return 0;
-                }
-                let out = (*thread).alloc_out;
-                (*thread).alloc_out = 0;
-                if out == 0 {
-                    count(STAT_CUDA_UNMATCHED_RETURNS);
-                    return 0;
-                }
-                if !succeeded(rax) {
-                    // Nothing was allocated.
-                    return 0;
-                }
-                let pointer = match read_u64(out) {
+                event.handle = match read_u64(event.handle) {
                     Some(pointer) if pointer != 0 => pointer,
                     _ => {
                         count(STAT_CUDA_UNREADABLE_RESULTS);
                         return 0;
                     }
                 };
-                let event = Event {
-                    call: full_cookie,
-                    value: (*thread).alloc_bytes,
-                    handle: pointer,
-                    aux: 0,
-                };
-                // The registers are the caller's, just after the call returned.
-                emit(pid, tid, thread, event, Some(Registers { rip, rsp, rbp }));
             }
             CALL_RT_SYNC | CALL_DRV_SYNC => {
-                if !is_runtime && (*thread).runtime_depth > 0 {
-                    // Nested in a runtime call: the entry was not counted either.
-                    return 0;
-                }
-                if (*thread).sync_depth == 0 {
-                    count(STAT_CUDA_UNMATCHED_RETURNS);
-                    return 0;
-                }
-                (*thread).sync_depth -= 1;
-                if (*thread).sync_depth == 0 {
-                    let blocked = bpf_ktime_get_ns().saturating_sub((*thread).sync_start_ns);
-                    let event = Event {
-                        call: full_cookie,
-                        value: blocked,
-                        handle: 0,
-                        aux: 0,
-                    };
-                    // The registers are the caller's, just after the call returned.
-                    emit(pid, tid, thread, event, Some(Registers { rip, rsp, rbp }));
-                }
+                event.value = bpf_ktime_get_ns().saturating_sub((*thread).call_start_ns);
+            }
+            CALL_RT_FREE | CALL_DRV_FREE => {
+                // A free only needs its pointer: the agent knows the allocation's stack.
+                emit(pid, tid, thread, event, None);
+                return 0;
             }
             _ => {}
         }
+        emit(pid, tid, thread, event, Some(caller));
     }
     0
 }

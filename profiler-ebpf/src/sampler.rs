@@ -72,7 +72,14 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         if in_user_mode {
             flags |= SAMPLE_IN_USER_MODE;
         }
-        if config.cuda_probes != 0 && cuda::in_sync(tid) {
+        let cuda_thread = if config.cuda_probes != 0 {
+            cuda::thread(tid)
+        } else {
+            None
+        };
+        if let Some(thread) = cuda_thread
+            && (*thread).in_sync != 0
+        {
             flags |= SAMPLE_IN_CUDA_SYNC;
         }
 
@@ -111,7 +118,17 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         // records go on, the large ones are shed.
         let copy_allowed =
             SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < (SAMPLES_RING_BYTES / 2) as u64;
-        user_stack::collect(SLOT_SAMPLER, tgid, regs, true, copy_allowed, sample);
+        // SAFETY: a map value; a torn read only misplaces one frame of one sample.
+        let returns = cuda_thread.filter(|thread| (**thread).depth > 0);
+        user_stack::collect(
+            SLOT_SAMPLER,
+            tgid,
+            regs,
+            true,
+            copy_allowed,
+            returns,
+            sample,
+        );
         python::collect(SLOT_SAMPLER, tgid, tid, config.task_fsbase_offset, sample);
 
         if !output_sample(&SAMPLES, ptr::null::<u8>(), 0, sample) {

@@ -20,15 +20,16 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray, lpm_trie::Key},
 };
 use profiler_common::{
-    DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_UNWIND_PAGES, MAX_USER_FRAMES, NO_FALLBACK_FRAME,
-    RawSample, SAMPLE_USER_FRAME_POINTERS, SAMPLE_USER_STACK_COPY, SAMPLE_USER_STACK_ERROR,
-    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING,
-    STACK_COPY_BYTES, STACK_COPY_EXACT_PC, STACK_COPY_SLACK, STAT_UNWIND_BAD_FRAME,
-    STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT, STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI,
-    STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE, STAT_UNWIND_FRAME_POINTER_CODE,
-    STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES,
-    STAT_UNWIND_READ_ERROR, STAT_UNWIND_SIGNAL_FRAMES, STAT_UNWIND_STACK_COPIES,
-    STAT_UNWIND_STACK_COPY_EMPTY, STAT_UNWIND_STACK_COPY_SHED, StackCopyHeader,
+    CudaThread, DEFAULT_ROW_CHUNKS, MAX_MAPPING_PREFIXES, MAX_PENDING_RETURNS, MAX_UNWIND_PAGES,
+    MAX_USER_FRAMES, NO_FALLBACK_FRAME, RawSample, SAMPLE_USER_FRAME_POINTERS,
+    SAMPLE_USER_STACK_COPY, SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING,
+    SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, STACK_COPY_BYTES, STACK_COPY_EXACT_PC,
+    STACK_COPY_SLACK, STAT_UNWIND_BAD_FRAME, STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT,
+    STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI, STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE,
+    STAT_UNWIND_FRAME_POINTER_CODE, STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT,
+    STAT_UNWIND_PLT_FRAMES, STAT_UNWIND_READ_ERROR, STAT_UNWIND_RETURN_PROBE_FRAMES,
+    STAT_UNWIND_SIGNAL_FRAMES, STAT_UNWIND_STACK_COPIES, STAT_UNWIND_STACK_COPY_EMPTY,
+    STAT_UNWIND_STACK_COPY_SHED, StackCopyHeader,
     unwind::{
         CFA_PLT, CFA_SIGNAL, MAPPING_HAS_TABLE, MAPPING_PROCESS_MARKER,
         MAPPING_RELIABLE_FRAME_POINTERS, MAPPING_TABLE_PENDING, MappingKey, MappingValue,
@@ -76,6 +77,12 @@ pub struct UnwindState {
     /// The last page found, so frames in the same 64 KiB of code skip the hash lookup.
     page_key: PageKey,
     page: PageEntry,
+    /// Stack slots whose return address the kernel replaced with its return-probe trampoline
+    /// (calls in progress under a CUDA return probe), and the real addresses; `return_count`
+    /// of them are valid.
+    return_slots: [u64; MAX_PENDING_RETURNS],
+    return_addresses: [u64; MAX_PENDING_RETURNS],
+    return_count: u32,
 }
 
 #[map(name = "UNWIND_STATE")]
@@ -123,7 +130,9 @@ pub fn task_user_registers() -> Option<Registers> {
 /// while a probe runs cannot overwrite the probe's walk); `sample` must be that slot's sample.
 /// `exact_pc` says `regs.rip` is the current instruction rather than a return address.
 /// `copy_allowed` is false when the record's ring is too full for a stack copy: a walk that
-/// would stop for one is cut there instead (and counted).
+/// would stop for one is cut there instead (and counted). `returns` is the thread's CUDA state
+/// when it has calls in progress under return probes: their stack slots hold the kernel's
+/// trampoline, and the walk (and a stack copy) use the real return addresses instead.
 #[inline(always)]
 pub fn collect(
     slot: u32,
@@ -131,6 +140,7 @@ pub fn collect(
     regs: Option<Registers>,
     exact_pc: bool,
     copy_allowed: bool,
+    returns: Option<*const CudaThread>,
     sample: *mut RawSample,
 ) {
     // SAFETY: the caller's scratch sample for `slot`; only raw accesses, since the bpf_loop
@@ -160,6 +170,13 @@ pub fn collect(
         (*state).copy_requested = 0;
         (*state).mapping = MappingValue::default();
         (*state).page_key = PageKey::default();
+        (*state).return_count = 0;
+        if let Some(thread) = returns {
+            let depth = (*thread).depth as usize;
+            (*state).return_count = depth.min(MAX_PENDING_RETURNS) as u32;
+            (*state).return_slots = (*thread).return_slots;
+            (*state).return_addresses = (*thread).return_addresses;
+        }
         bpf_loop(
             MAX_USER_FRAMES as u32,
             unwind_step as *mut c_void,
@@ -185,6 +202,7 @@ pub fn collect(
                 let regs = (*state).copy_regs;
                 let exact = ptr::read_volatile(&raw const (*state).copy_exact_pc) != 0;
                 copy_stack(sample, &regs, exact);
+                restore_return_addresses(sample, &*state);
             } else {
                 // Shed under pressure: the stack ends at the last proven frame, marked.
                 (*sample).header.flags |= SAMPLE_USER_TRUNCATED;
@@ -238,6 +256,31 @@ fn copy_stack(sample: *mut RawSample, regs: &Registers, exact_pc: bool) {
     count(STAT_UNWIND_STACK_COPIES);
     if copied == 0 {
         count(STAT_UNWIND_STACK_COPY_EMPTY);
+    }
+}
+
+/// Writes the real return addresses into a stack copy over the kernel's return-probe
+/// trampolines, so the agent's walk of the copy sees the real callers.
+#[inline(always)]
+fn restore_return_addresses(sample: *mut RawSample, state: &UnwindState) {
+    const LIMIT: u64 = STACK_COPY_BYTES as u64;
+    // SAFETY: this slot's scratch sample; the offset is masked below LIMIT and the buffer has
+    // slack past it.
+    unsafe {
+        let copied = (*sample).copy.bytes as u64;
+        let rsp = (*sample).copy.rsp;
+        let buffer = (&raw mut (*sample).stack).cast::<u8>();
+        for i in 0..MAX_PENDING_RETURNS {
+            if i as u32 >= state.return_count {
+                break;
+            }
+            let offset = state.return_slots[i].wrapping_sub(rsp);
+            if offset.saturating_add(8) > copied {
+                continue;
+            }
+            let at = buffer.add((offset & (LIMIT - 1)) as usize).cast::<u64>();
+            ptr::write_unaligned(at, state.return_addresses[i]);
+        }
     }
 }
 
@@ -389,9 +432,21 @@ fn frame_pointer_run(state: &mut UnwindState, sample: &mut RawSample) -> i64 {
 /// Frames one `frame_pointer_run` walks at most: bounds the verifier's work per iteration.
 const FRAME_POINTER_RUN: u32 = 8;
 
-/// Moves to the caller, refusing frames that do not move up the stack.
+/// Moves to the caller, refusing frames that do not move up the stack. A return address read
+/// from a slot of a call in progress under a return probe is the kernel's trampoline: the real
+/// one is used.
 #[inline(always)]
-fn advance(state: &mut UnwindState, caller: Registers) -> i64 {
+fn advance(state: &mut UnwindState, mut caller: Registers) -> i64 {
+    if state.return_count > 0 {
+        // Every rule reads the return address just below the caller's stack pointer.
+        let slot = caller.rsp.wrapping_sub(8);
+        for i in 0..MAX_PENDING_RETURNS {
+            if (i as u32) < state.return_count && state.return_slots[i] == slot {
+                caller.rip = state.return_addresses[i];
+                count(STAT_UNWIND_RETURN_PROBE_FRAMES);
+            }
+        }
+    }
     if caller.rip == 0 {
         return stop(state, STAT_UNWIND_COMPLETE, 0);
     }

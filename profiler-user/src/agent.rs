@@ -13,6 +13,7 @@ use std::{
 };
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
+use profiler_common::CUDA_EVENT_FAILED;
 
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping, synthetic_frame},
@@ -27,7 +28,9 @@ use crate::{
     },
     gpu::{
         allocations::LiveAllocations,
+        call_stacks::{CallStacks, SampledStack},
         discovery::{Discovery, function_name},
+        errors::FailedCalls,
         events::{
             CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, is_free,
             profile_kind,
@@ -275,6 +278,10 @@ struct CudaAttribution {
     discovery: Discovery,
     names: KernelNames,
     allocations: LiveAllocations,
+    /// The stacks calls without one are weighted onto.
+    call_stacks: CallStacks,
+    /// Calls that returned an error, by function and code.
+    failed: FailedCalls,
     aggregators: Vec<(ProfileKind, Aggregator)>,
     decode_errors: u64,
 }
@@ -307,6 +314,8 @@ impl Pipeline {
             discovery: Discovery::new("/proc".into()),
             names: KernelNames::default(),
             allocations: LiveAllocations::default(),
+            call_stacks: CallStacks::default(),
+            failed: FailedCalls::default(),
             aggregators: ProfileKind::CUDA
                 .iter()
                 .map(|&kind| {
@@ -549,6 +558,7 @@ impl Pipeline {
             {
                 cuda.allocations
                     .release_process(Pid(event.pid()), event.ktime_ns());
+                cuda.call_stacks.forget_process(event.pid());
             }
         }
         // With no sample waiting, everything up to a moment ago is past.
@@ -683,14 +693,20 @@ impl Pipeline {
             }
             CudaRecord::Call { header, stack } => (header, stack),
         };
-        if is_free(header.call) {
+        let failed = header.flags & CUDA_EVENT_FAILED != 0;
+        if is_free(header.call) && !failed {
             if let Some(cuda) = &mut self.cuda {
                 cuda.allocations.freed(Pid(header.pid), header.handle);
             }
             return;
         }
-        let Some(kind) = profile_kind(header.call) else {
-            return;
+        let kind = if failed {
+            ProfileKind::CudaError
+        } else {
+            let Some(kind) = profile_kind(header.call) else {
+                return;
+            };
+            kind
         };
         let pid = Pid(header.pid);
         let (mut frames, process, truncated, sample) = match stack {
@@ -712,35 +728,71 @@ impl Pipeline {
                     None
                 };
                 let (frames, process, truncated) = self.symbolized_stack(&sample, pinned);
+                if let Some(cuda) = &mut self.cuda {
+                    cuda.call_stacks.remember(
+                        &header,
+                        SampledStack {
+                            frames: frames.clone(),
+                            truncated,
+                            process: process.clone(),
+                            sample: sample.clone(),
+                        },
+                    );
+                }
                 (frames, process, truncated, sample)
             }
             None => {
-                let process = self.processes.lookup(pid);
-                let sample = Sample {
-                    ktime_ns: header.ktime_ns,
-                    pid,
-                    tid: Tid(header.tid),
-                    cpu: 0,
-                    comm: process
-                        .as_ref()
-                        .map_or_else(|| Arc::from("unknown"), |p| p.comm.clone()),
-                    kernel_ips: Vec::new(),
-                    user_ips: Vec::new(),
-                    ..Default::default()
-                };
-                (
-                    vec![self.synthetic(STACK_NOT_SAMPLED_FRAME)],
-                    process,
-                    false,
-                    sample,
-                )
+                // Weighted onto the last stack of its kind on its thread (gpu::call_stacks).
+                let stand_in = self
+                    .cuda
+                    .as_mut()
+                    .and_then(|cuda| cuda.call_stacks.stand_in(&header));
+                match stand_in {
+                    Some(stack) => (
+                        stack.frames.clone(),
+                        stack.process.clone(),
+                        stack.truncated,
+                        stack.sample.clone(),
+                    ),
+                    None => {
+                        let process = self.processes.lookup(pid);
+                        let sample = Sample {
+                            ktime_ns: header.ktime_ns,
+                            pid,
+                            tid: Tid(header.tid),
+                            cpu: 0,
+                            comm: process
+                                .as_ref()
+                                .map_or_else(|| Arc::from("unknown"), |p| p.comm.clone()),
+                            kernel_ips: Vec::new(),
+                            user_ips: Vec::new(),
+                            ..Default::default()
+                        };
+                        (
+                            vec![self.synthetic(STACK_NOT_SAMPLED_FRAME)],
+                            process,
+                            false,
+                            sample,
+                        )
+                    }
+                }
             }
         };
-        let mut leaf = Vec::with_capacity(2);
-        match kind {
-            ProfileKind::CudaLaunch => leaf.push(self.kernel_frame(&header, process.as_ref())),
-            ProfileKind::CudaMemcpy => leaf.push(self.synthetic(direction_frame(header.aux))),
-            _ => {}
+        let mut leaf = Vec::with_capacity(3);
+        let mut call_label = None;
+        if failed {
+            let error = match &mut self.cuda {
+                Some(cuda) => cuda.failed.count(header.call, header.value),
+                None => return,
+            };
+            leaf.push(self.synthetic(&format!("[{error}]")));
+            call_label = Some(("cuda_error", Arc::from(error)));
+        } else {
+            match kind {
+                ProfileKind::CudaLaunch => leaf.push(self.kernel_frame(&header, process.as_ref())),
+                ProfileKind::CudaMemcpy => leaf.push(self.synthetic(direction_frame(header.aux))),
+                _ => {}
+            }
         }
         leaf.push(self.synthetic(function_name(header.call)));
         leaf.append(&mut frames);
@@ -753,11 +805,20 @@ impl Pipeline {
             cuda.allocations
                 .allocated(pid, header.handle, header.value, header.ktime_ns, site);
             [header.value, 1, 0, 0]
+        } else if failed {
+            [1, 0, 0, 0]
         } else {
             [header.value, 0, 0, 0]
         };
         if let Some((_, aggregator)) = cuda.aggregators.iter_mut().find(|(k, _)| *k == kind) {
-            aggregator.add_values(process.as_ref(), &sample, &leaf, truncated, &values);
+            aggregator.add_labelled_values(
+                process.as_ref(),
+                &sample,
+                &leaf,
+                truncated,
+                &values,
+                call_label,
+            );
         }
     }
 
@@ -880,6 +941,21 @@ impl Pipeline {
                 .cuda
                 .as_ref()
                 .map(|c| c.allocations.stats())
+                .unwrap_or_default(),
+            cuda_call_stacks: self
+                .cuda
+                .as_ref()
+                .map(|c| c.call_stacks.stats)
+                .unwrap_or_default(),
+            cuda_failed_calls: self
+                .cuda
+                .as_ref()
+                .map(|c| {
+                    c.failed
+                        .counts()
+                        .map(|(function, error, calls)| (function, error.to_owned(), calls))
+                        .collect()
+                })
                 .unwrap_or_default(),
             late_walks: self.late.stats(),
             guessed_callers_dropped: self.unwinder.stats.guessed_callers_dropped,

@@ -269,6 +269,24 @@ pub struct SymbolizedFrame {
     pub unsymbolized: bool,
 }
 
+impl SymbolizedFrame {
+    /// A frame that is no code address: a marker, a kernel name, a copy direction.
+    pub fn synthetic(name: &str) -> Arc<SymbolizedFrame> {
+        Arc::new(SymbolizedFrame {
+            kind: FrameKind::Synthetic,
+            address: 0,
+            mapping: None,
+            lines: vec![FrameLine {
+                function: name.into(),
+                system_name: None,
+                file: None,
+                line: 0,
+            }],
+            unsymbolized: false,
+        })
+    }
+}
+
 /// A per-sample label value.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum LabelValue {
@@ -309,14 +327,17 @@ pub enum ProfileKind {
     CudaMemcpy,
     /// Device memory allocated (bytes, allocations) and still in use at the window's end.
     CudaAlloc,
+    /// CUDA calls that returned an error (count), labelled with the error (`cuda_error`).
+    CudaError,
 }
 
 impl ProfileKind {
-    pub const CUDA: [ProfileKind; 4] = [
+    pub const CUDA: [ProfileKind; 5] = [
         ProfileKind::CudaLaunch,
         ProfileKind::CudaSync,
         ProfileKind::CudaMemcpy,
         ProfileKind::CudaAlloc,
+        ProfileKind::CudaError,
     ];
 
     /// The profile's `__name__` (Pyroscope's name for the series), also the file-name tag.
@@ -327,6 +348,7 @@ impl ProfileKind {
             ProfileKind::CudaSync => "cuda_sync",
             ProfileKind::CudaMemcpy => "cuda_memcpy",
             ProfileKind::CudaAlloc => "cuda_alloc",
+            ProfileKind::CudaError => "cuda_errors",
         }
     }
 
@@ -347,6 +369,7 @@ impl ProfileKind {
                 ("inuse_space", "bytes"),
                 ("inuse_objects", "count"),
             ],
+            ProfileKind::CudaError => &[("errors", "count")],
         }
     }
 

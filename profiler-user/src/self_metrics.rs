@@ -91,10 +91,20 @@ pub struct SelfMetrics {
     pub cuda_names: crate::gpu::events::NameStats,
     /// Device allocations and frees paired by the agent.
     pub cuda_allocations: crate::gpu::allocations::AllocationStats,
+    /// Stacks that CUDA calls without one are weighted onto.
+    pub cuda_call_stacks: crate::gpu::call_stacks::CallStackStats,
+    /// CUDA calls that returned an error: (function, error, calls).
+    pub cuda_failed_calls: Vec<(&'static str, String, u64)>,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
 }
+
+const FAILED_CALLS_HELP: &str =
+    "CUDA calls that returned an error, by function and error (not counted as work)";
+
+/// Metrics rendered only with labels, once they have a series: (name, type).
+pub const LABELLED_METRICS: [(&str, &str); 1] = [("cuda_failed_calls_total", "counter")];
 
 impl SelfMetrics {
     /// Samples lost anywhere between the perf event and the pipeline.
@@ -268,8 +278,34 @@ impl SelfMetrics {
                 memory.overflow,
                 "counter",
             ),
+            (
+                "cuda_call_stacks",
+                "Stacks held for the CUDA calls of their kind that come without one (bounded)",
+                self.cuda_call_stacks.entries,
+                "gauge",
+            ),
+            (
+                "cuda_weighted_calls_total",
+                "CUDA calls without a stack weighted onto the last stack of their kind and thread",
+                self.cuda_call_stacks.weighted_calls,
+                "counter",
+            ),
+            (
+                "cuda_unattributed_calls_total",
+                "CUDA calls without a stack that found no stack of their kind ([stack not sampled])",
+                self.cuda_call_stacks.unattributed_calls,
+                "counter",
+            ),
         ] {
             push(name, help, value as f64, kind);
+        }
+        for (function, error, calls) in &self.cuda_failed_calls {
+            push(
+                &format!("cuda_failed_calls_total{{function=\"{function}\",error=\"{error}\"}}"),
+                FAILED_CALLS_HELP,
+                *calls as f64,
+                "counter",
+            );
         }
         push(
             "samples_received_total",
@@ -696,6 +732,10 @@ impl SelfMetrics {
             tracing::info!(
                 cuda_events = self.bpf.get(profiler_common::STAT_CUDA_EVENTS),
                 cuda_stacks = self.bpf.get(profiler_common::STAT_CUDA_STACKS),
+                cuda_first_stacks = self.bpf.get(profiler_common::STAT_CUDA_FIRST_STACKS),
+                cuda_failed = self.bpf.get(profiler_common::STAT_CUDA_FAILED),
+                cuda_weighted_calls = self.cuda_call_stacks.weighted_calls,
+                cuda_unattributed_calls = self.cuda_call_stacks.unattributed_calls,
                 cuda_stacks_rate_limited =
                     self.bpf.get(profiler_common::STAT_CUDA_STACKS_RATE_LIMITED),
                 cuda_events_lost = self.bpf.get(profiler_common::STAT_CUDA_EVENTS_LOST),
@@ -852,6 +892,11 @@ mod tests {
             .into_iter()
             .map(|v| (v.name, v.kind))
             .chain(server_metrics())
+            .chain(
+                LABELLED_METRICS
+                    .iter()
+                    .map(|(name, kind)| (format!("profiler_{name}"), *kind)),
+            )
             .collect();
         let exported: std::collections::BTreeMap<String, &str> = rendered
             .iter()

@@ -426,14 +426,37 @@ fn cpu_samples_inside_synchronization_get_a_cuda_sync_frame() {
         "{in_sync} of {total} samples marked:\n{}",
         top_stacks(&cpu, 5)
     );
-    // The spinning function is under the marker. (The runtime function's own frame is the
-    // uretprobe trampoline while it runs, so it shows as `[unknown]`.)
+    // The spinning function is under the marker, and the whole stack above it is there: the
+    // return address the kernel replaced with its uretprobe trampoline while the call runs is
+    // restored, so the caller of each synchronization follows the runtime's frame.
+    let marked: Vec<&StackSample> = cpu
+        .iter()
+        .filter(|s| s.frames.last().map(String::as_str) == Some("[cuda sync]"))
+        .collect();
+    let summary = top_stacks(&cpu, 5);
     assert!(
-        cpu.iter()
-            .filter(|s| s.frames.last().map(String::as_str) == Some("[cuda sync]"))
+        marked
+            .iter()
             .all(|s| s.frames.iter().any(|f| f == "spin_wait")),
-        "{}",
-        top_stacks(&cpu, 5)
+        "{summary}"
+    );
+    let whole: i64 = marked
+        .iter()
+        .filter(|s| {
+            ["wait_for_gpu", "wait_for_streams"]
+                .iter()
+                .any(|caller| s.frames.iter().any(|f| f == caller))
+                && s.frames.iter().any(|f| f == "main")
+                && !s
+                    .frames
+                    .iter()
+                    .any(|f| f == "[unknown]" || f == "[truncated]")
+        })
+        .map(|s| s.count)
+        .sum();
+    assert!(
+        whole * 100 >= in_sync * 95,
+        "{whole} of {in_sync} marked samples have their whole stack:\n{summary}"
     );
 }
 
@@ -643,8 +666,9 @@ fn files_without_cuda_symbols_are_not_probed() {
     }
 }
 
-/// A launch storm beyond the per-thread stack budget: every launch is counted, those over the
-/// budget under `[stack not sampled]`, and the overflow counter agrees.
+/// A launch storm beyond the per-thread stack budget: every launch is counted, and every one
+/// sits on the full stack: the first launch of the kernel gets a stack, those over the budget are
+/// weighted onto the last stack of their kernel and thread. The counters agree.
 #[test]
 fn a_launch_storm_over_the_stack_budget_is_counted_in_full() {
     const LAUNCHES: i64 = 20_000;
@@ -673,22 +697,29 @@ fn a_launch_storm_over_the_stack_budget_is_counted_in_full() {
     let summary = top_stacks(&launches, 5);
     assert_eq!(total_count(&launches), LAUNCHES, "{summary}\n{log}");
     assert_eq!(count_with(&launches, "bench_kernel"), LAUNCHES, "{summary}");
-    let not_sampled = count_with(&launches, "[stack not sampled]");
-    let sampled = count_chain(&launches, &["main", "cudaLaunchKernel", "bench_kernel"]);
-    assert_eq!(sampled + not_sampled, LAUNCHES, "{summary}");
-    // A burst of 2 stacks, then 2 per second of the loop's run.
-    let budget = 2 + 2 * elapsed_ns.div_ceil(1_000_000_000) as i64;
-    assert!(
-        (1..=budget).contains(&sampled),
-        "{sampled} stacks taken over {elapsed_ns} ns, budget {budget}:\n{summary}"
+    assert_eq!(
+        count_chain(&launches, &["main", "cudaLaunchKernel", "bench_kernel"]),
+        LAUNCHES,
+        "every launch on the full stack:\n{summary}"
     );
     let marker = "recording finished: CUDA";
+    let stacks = log_number(&log, marker, "cuda_stacks") as i64;
+    let first = log_number(&log, marker, "cuda_first_stacks") as i64;
+    let over_budget = log_number(&log, marker, "cuda_stacks_rate_limited") as i64;
+    // The first launch of the kernel, then a burst of 2 stacks and 2 per second of the run.
+    let budget = 1 + 2 + 2 * elapsed_ns.div_ceil(1_000_000_000) as i64;
+    assert_eq!(first, 1, "{log}");
+    assert!(
+        (1..=budget).contains(&stacks),
+        "{stacks} stacks taken over {elapsed_ns} ns, budget {budget}:\n{log}"
+    );
+    assert_eq!(stacks + over_budget, LAUNCHES, "{log}");
     assert_eq!(
-        log_number(&log, marker, "cuda_stacks_rate_limited") as i64,
-        not_sampled,
+        log_number(&log, marker, "cuda_weighted_calls") as i64,
+        over_budget,
         "{log}"
     );
-    assert_eq!(log_number(&log, marker, "cuda_stacks") as i64, sampled);
+    assert_eq!(log_number(&log, marker, "cuda_unattributed_calls"), 0);
     assert_eq!(log_number(&log, marker, "cuda_events_lost"), 0);
 }
 
@@ -1294,10 +1325,10 @@ fn return_probes_are_attached_before_entry_probes() {
                 .iter()
                 .position(|&(symbol, r)| symbol == point.symbol && r == at_return)
         };
-        let needs_return = profiler_common::gpu::has_return_probe(point.call);
         if point.symbol == "__cudaGetKernel" {
             assert_eq!((position(true), position(false)), (None, None));
-        } else if needs_return {
+        } else {
+            // Every call is reported at its return, when its result is known.
             let (ret, entry) = (position(true), position(false));
             assert!(
                 matches!((ret, entry), (Some(r), Some(e)) if r < e),
@@ -1305,8 +1336,6 @@ fn return_probes_are_attached_before_entry_probes() {
                 point.symbol,
                 recorder.attached
             );
-        } else {
-            assert!(position(true).is_none() && position(false).is_some());
         }
     }
     for symbol in [
@@ -1450,23 +1479,158 @@ fn a_launch_through_the_real_runtimes_trampoline_is_counted_once() {
     );
     let log = recording.stop();
 
-    let launches = profile_of(&output, "cuda_launch");
-    let summary = top_stacks(&launches, 6);
+    // Without a driver every launch failed: none is work, each is one failed call, named by
+    // the call its program made.
     assert_eq!(
-        total_count(&launches),
+        total_count(&profile_if_written(&output, "cuda_launch")),
+        0,
+        "failed launches are no launches\n{log}"
+    );
+    let errors = profile_of(&output, "cuda_errors");
+    let summary = top_stacks(&errors, 6);
+    assert_eq!(
+        total_count(&errors),
         BY_HANDLE + DIRECT,
         "every launch once:\n{summary}\n{log}"
     );
     assert_eq!(
-        count_chain(&launches, &["launch_by_handle", "__cudaLaunchKernel"]),
+        count_chain(
+            &errors,
+            &[
+                "launch_by_handle",
+                "__cudaLaunchKernel",
+                "[cudaErrorInsufficientDriver]"
+            ]
+        ),
         BY_HANDLE,
         "{summary}"
     );
     assert_eq!(
-        count_chain(&launches, &["launch_directly", "cudaLaunchKernel"]),
+        count_chain(
+            &errors,
+            &[
+                "launch_directly",
+                "cudaLaunchKernel",
+                "[cudaErrorInsufficientDriver]"
+            ]
+        ),
         DIRECT,
         "{summary}"
     );
+}
+
+/// The samples of a profile kind, or none when the recording wrote no such profile.
+fn profile_if_written(output: &Path, kind: &str) -> Vec<StackSample> {
+    let path = output.with_file_name(format!("profile.{kind}.pb.gz"));
+    if path.exists() {
+        stack_samples(&decode_pprof(&path))
+    } else {
+        Vec::new()
+    }
+}
+
+/// NVIDIA's real CUDA 12 runtime, from the `nvidia-cuda-runtime-cu12` wheel `cargo xtask setup`
+/// installs, or `None` (a failure where external pieces are required).
+fn real_cuda_12_runtime() -> Option<PathBuf> {
+    let path = integration_tests::workspace_root()
+        .join(".tools/cuda-runtime-cu12/nvidia/cuda_runtime/lib/libcudart.so.12");
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(
+        !require_external(),
+        "no {} (`cargo xtask setup` installs nvidia-cuda-runtime-cu12)",
+        path.display()
+    );
+    eprintln!("skipping: no real CUDA 12 runtime at {}", path.display());
+    None
+}
+
+/// NVIDIA's real libcudart.so.12 (its symbols versioned `@@libcudart.so.12`) without a driver:
+/// every launch, copy, allocation, wait and free returns cudaErrorInsufficientDriver. None of
+/// them is counted as work; each is a failed call of its function, labelled with its error, on
+/// the stack that made it (the first failure of each kind gets a stack, the others are weighted
+/// onto it, so even at the smallest budget every call has one).
+#[test]
+fn failed_calls_of_the_real_runtime_are_errors_not_work() {
+    const CALLS: i64 = 500;
+    let _guard = exclusive();
+    let Some(runtime) = real_cuda_12_runtime() else {
+        return;
+    };
+    let program = cached_fixture("gpu/real_runtime_calls", |out| {
+        std::fs::create_dir_all(out.parent().expect("a directory")).expect("mkdir");
+        let mut cmd = Command::new("gcc");
+        cmd.args(["-O2", "-g", "-fno-omit-frame-pointer", "-o"])
+            .arg(out)
+            .arg(fixture_source("gpu/real_runtime_calls.c"))
+            .arg("-ldl");
+        run(cmd);
+    });
+    let scratch = Scratch::new("gpu-real-runtime-12");
+    let output = scratch.path("profile.pb.gz");
+    let runtime_arg = runtime.to_str().expect("UTF-8 path");
+    let mut fixture = spawn_waiting(&program, &[runtime_arg, &CALLS.to_string()], &[]);
+    let pid = fixture.id().to_string();
+    let mut recording = record_pid(&pid, &output, &["--cuda-stacks-per-second", "1"]);
+    wait_for_probes(&mut recording, &["libcudart.so.12"]);
+    say(&mut fixture, "go\n");
+    let done = wait_done(&mut fixture);
+    for field in ["launch_rc", "memcpy_rc", "malloc_rc", "sync_rc", "free_rc"] {
+        assert!(
+            done.contains(&format!("{field}=35")),
+            "the real runtime answered {done}"
+        );
+    }
+    let log = recording.stop();
+
+    for kind in ["cuda_launch", "cuda_memcpy", "cuda_alloc", "cuda_sync"] {
+        assert_eq!(
+            total_count(&profile_if_written(&output, kind)),
+            0,
+            "{kind}: failed calls are no work\n{log}"
+        );
+    }
+    let path = output.with_file_name("profile.cuda_errors.pb.gz");
+    assert!(path.exists(), "no cuda_errors profile:\n{log}");
+    let profile = decode_pprof(&path);
+    let errors = stack_samples(&profile);
+    let summary = top_stacks(&errors, 8);
+    assert_eq!(total_count(&errors), 5 * CALLS, "{summary}\n{log}");
+    for (caller, function) in [
+        ("fail_launches", "cudaLaunchKernel"),
+        ("fail_copies", "cudaMemcpy"),
+        ("fail_allocations", "cudaMalloc"),
+        ("fail_waits", "cudaDeviceSynchronize"),
+        ("fail_frees", "cudaFree"),
+    ] {
+        assert_eq!(
+            count_chain(
+                &errors,
+                &["main", caller, function, "[cudaErrorInsufficientDriver]"]
+            ),
+            CALLS,
+            "{function} from {caller}, on its stack:\n{summary}"
+        );
+    }
+    // The error is also a label of each sample.
+    let label_key = profile
+        .string_table
+        .iter()
+        .position(|s| s == "cuda_error")
+        .expect("a cuda_error label") as i64;
+    let labelled: i64 = profile
+        .sample
+        .iter()
+        .filter(|sample| {
+            sample.label.iter().any(|label| {
+                label.key == label_key
+                    && profile.string_table[label.str as usize] == "cudaErrorInsufficientDriver"
+            })
+        })
+        .map(|sample| sample.value[0])
+        .sum();
+    assert_eq!(labelled, 5 * CALLS);
 }
 
 /// `text` appears exactly once in the agent's `log`: said at the first occasion, not at every poll.

@@ -91,6 +91,9 @@ pub enum Prerequisite {
     /// PyTorch from PyPI (with NVIDIA's CUDA libraries it depends on) in a virtual environment
     /// under `.tools/`: the real large-library workload of the tests and the host benchmark.
     Torch,
+    /// NVIDIA's CUDA 12 runtime (`nvidia-cuda-runtime-cu12` from PyPI) under `.tools/`: the
+    /// real libcudart.so.12 the CUDA tests probe (without a driver every call fails).
+    CudaRuntime12,
 }
 
 impl Prerequisite {
@@ -137,6 +140,10 @@ impl Prerequisite {
             Prerequisite::Promtool => format!(
                 "promtool from Debian's prometheus package, unpacked into {PROMETHEUS_DIR}/ (checks and \
                  unit-tests the alert rules)"
+            ),
+            Prerequisite::CudaRuntime12 => format!(
+                "nvidia-cuda-runtime-cu12 {CUDA_RUNTIME_12_VERSION} from PyPI into {CUDA_RUNTIME_12_DIR}/ \
+                 (NVIDIA's real libcudart.so.12, about 3 MB; the CUDA tests probe it)"
             ),
             Prerequisite::Torch => format!(
                 "torch {TORCH_VERSION} and numpy {NUMPY_VERSION} from PyPI into a virtual environment in \
@@ -203,6 +210,15 @@ pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
     if !workspace.join(TORCH_VENV_DIR).join(TORCH_MARKER).is_file() {
         missing.push(Prerequisite::Torch);
     }
+    if !workspace
+        .join(CUDA_RUNTIME_12_DIR)
+        .join(format!(
+            "nvidia_cuda_runtime_cu12-{CUDA_RUNTIME_12_VERSION}.dist-info"
+        ))
+        .is_dir()
+    {
+        missing.push(Prerequisite::CudaRuntime12);
+    }
     missing
 }
 
@@ -235,6 +251,39 @@ fn install_torch(workspace: &Path) -> Result<()> {
     )?;
     let marker = dir.join(TORCH_MARKER);
     std::fs::write(&marker, "").with_context(|| format!("cannot write {}", marker.display()))
+}
+
+/// Where `nvidia-cuda-runtime-cu12` is installed (`pip install --target`); the runtime is
+/// `nvidia/cuda_runtime/lib/libcudart.so.12` under it.
+pub const CUDA_RUNTIME_12_DIR: &str = ".tools/cuda-runtime-cu12";
+pub const CUDA_RUNTIME_12_VERSION: &str = "12.9.79";
+
+fn install_cuda_runtime_12(workspace: &Path) -> Result<()> {
+    let python = python_with_pip("nvidia-cuda-runtime-cu12")?;
+    let dir = workspace.join(CUDA_RUNTIME_12_DIR);
+    // A fresh directory: `pip install --target` does not remove another version's files.
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    cmd::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-cache-dir",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg(format!(
+                "nvidia-cuda-runtime-cu12=={CUDA_RUNTIME_12_VERSION}"
+            )),
+    )
 }
 
 /// Where the deploy validators are installed; tests/tests/deploy.rs looks for them there.
@@ -522,6 +571,7 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
             Prerequisite::DeployValidators => install_deploy_validators(workspace)?,
             Prerequisite::Promtool => install_promtool(workspace)?,
             Prerequisite::Torch => install_torch(workspace)?,
+            Prerequisite::CudaRuntime12 => install_cuda_runtime_12(workspace)?,
             Prerequisite::Apt { .. } => unreachable!("installed above"),
         }
     }

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use foldhash::{HashMap, HashMapExt, HashSet};
 
 use crate::model::{
-    FrameKind, FrameLine, LabelValue, ProcessInfo, Profile, ProfileKind, ProfileSample, Sample,
-    SampleValues, SymbolizedFrame,
+    LabelValue, ProcessInfo, Profile, ProfileKind, ProfileSample, Sample, SampleValues,
+    SymbolizedFrame,
 };
 
 /// How processes are grouped into profiles.
@@ -48,6 +48,8 @@ struct StackKey {
     tid: u32,
     thread_name: Arc<str>,
     service_name: Option<Arc<str>>,
+    /// A label of the call itself (a failed CUDA call's `cuda_error`).
+    call_label: Option<(&'static str, Arc<str>)>,
 }
 
 #[derive(Debug, Default)]
@@ -85,18 +87,7 @@ pub struct Aggregator {
 
 /// A frame that is no code address: a marker, a kernel name, a copy direction.
 pub fn synthetic_frame(name: &str) -> Arc<SymbolizedFrame> {
-    Arc::new(SymbolizedFrame {
-        kind: FrameKind::Synthetic,
-        address: 0,
-        mapping: None,
-        lines: vec![FrameLine {
-            function: name.into(),
-            system_name: None,
-            file: None,
-            line: 0,
-        }],
-        unsymbolized: false,
-    })
+    SymbolizedFrame::synthetic(name)
 }
 
 impl Aggregator {
@@ -229,6 +220,19 @@ impl Aggregator {
         truncated: bool,
         values: &[u64],
     ) {
+        self.add_labelled_values(process, sample, frames, truncated, values, None);
+    }
+
+    /// [`Aggregator::add_values`] with a per-sample label of the event itself.
+    pub fn add_labelled_values(
+        &mut self,
+        process: Option<&Arc<ProcessInfo>>,
+        sample: &Sample,
+        frames: &[Arc<SymbolizedFrame>],
+        truncated: bool,
+        values: &[u64],
+        call_label: Option<(&'static str, Arc<str>)>,
+    ) {
         self.samples_in_window += 1;
         let mut stack: Vec<u32> = Vec::with_capacity(frames.len() + 2);
         for frame in frames {
@@ -267,6 +271,7 @@ impl Aggregator {
             tid: sample.tid.0,
             thread_name: sample.comm.clone(),
             service_name,
+            call_label,
         };
         let sums = data.counts.entry(key).or_default();
         for (sum, value) in sums.iter_mut().zip(values) {
@@ -366,6 +371,9 @@ fn build_profile(
         }
         if let Some(service) = key.service_name {
             labels.push(("service_name".into(), LabelValue::Str(service)));
+        }
+        if let Some((name, value)) = key.call_label {
+            labels.push((name.into(), LabelValue::Str(value)));
         }
         let sums = merged.entry((stack, labels)).or_default();
         for (sum, value) in sums.iter_mut().zip(values) {

@@ -17,19 +17,15 @@ use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::{
     CALL_DRV_ALLOC, CALL_DRV_FREE, CALL_DRV_GET_FUNCTION, CALL_DRV_GRAPH_LAUNCH, CALL_DRV_LAUNCH,
     CALL_DRV_LAUNCH_EX, CALL_DRV_MEMCPY, CALL_DRV_MEMCPY_DTOD, CALL_DRV_MEMCPY_DTOH,
-    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_FIRST_DRIVER, CALL_FLAG_TAIL_CALL, CALL_RT_FREE,
-    CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH, CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC,
-    CALL_RT_LAUNCH_HANDLE, CALL_RT_MALLOC, CALL_RT_MEMCPY, CALL_RT_SYNC, call_family,
-    has_return_probe,
+    CALL_DRV_MEMCPY_HTOD, CALL_DRV_SYNC, CALL_RT_FREE, CALL_RT_GET_KERNEL, CALL_RT_GRAPH_LAUNCH,
+    CALL_RT_LAUNCH, CALL_RT_LAUNCH_EXC, CALL_RT_LAUNCH_HANDLE, CALL_RT_MALLOC, CALL_RT_MEMCPY,
+    CALL_RT_SYNC,
 };
 
 use crate::{
     model::{FileId, Pid},
     process::maps::{Backing, parse_maps_line},
 };
-
-/// Bytes of a probed function's start decoded to tell a trampoline.
-const TRAMPOLINE_BYTES: usize = 32;
 
 /// Every probed function: its exported name and its `CALL_*` id.
 pub const PROBED_FUNCTIONS: &[(&str, u32)] = &[
@@ -108,62 +104,17 @@ pub struct ProbePoint {
     pub symbol: &'static str,
     pub call: u32,
     pub file_offset: u64,
-    /// The probed function this one only jumps into (a tail call: CUDA 13's
-    /// `__cudaLaunchKernel` is `push rbp; mov rbp, rsp; pop rbp; jmp cudaLaunchKernel`), so
-    /// both probes fire for one call; BPF counts it once ([`CALL_FLAG_TAIL_CALL`]).
-    pub tails_into: Option<&'static str>,
 }
 
 impl ProbePoint {
-    /// The attach cookie: the call id, the function's index in [`PROBED_FUNCTIONS`], and
-    /// [`CALL_FLAG_TAIL_CALL`] for a trampoline into another probed function.
+    /// The attach cookie: the call id and the function's index in [`PROBED_FUNCTIONS`].
     pub fn cookie(&self) -> u64 {
         let index = PROBED_FUNCTIONS
             .iter()
             .position(|(name, _)| *name == self.symbol)
             .unwrap_or(0);
-        let flags = if self.tails_into.is_some() {
-            CALL_FLAG_TAIL_CALL
-        } else {
-            0
-        };
-        u64::from(self.call | ((index as u32) << 8)) | flags
+        u64::from(self.call | ((index as u32) << 8))
     }
-}
-
-/// Where `code` (the first bytes of a function at virtual address `address`) jumps when it is
-/// a trampoline: only `endbr64`, `nop`s and a balanced `push rbp; mov rbp, rsp; pop rbp`
-/// before an unconditional direct `jmp`, so the stack at the jump is as it was at the entry.
-fn trampoline_target(code: &[u8], address: u64) -> Option<u64> {
-    use iced_x86::{Code, Decoder, DecoderOptions, Mnemonic, OpKind, Register};
-    let mut decoder = Decoder::with_ip(64, code, address, DecoderOptions::NONE);
-    let mut pushed = 0u32;
-    // A trampoline is a handful of instructions; anything longer does work of its own.
-    for _ in 0..8 {
-        if !decoder.can_decode() {
-            return None;
-        }
-        let instruction = decoder.decode();
-        match instruction.mnemonic() {
-            Mnemonic::Endbr64 | Mnemonic::Nop => {}
-            Mnemonic::Push if instruction.op0_register() == Register::RBP => pushed += 1,
-            Mnemonic::Pop if instruction.op0_register() == Register::RBP && pushed > 0 => {
-                pushed -= 1
-            }
-            Mnemonic::Mov
-                if instruction.op0_register() == Register::RBP
-                    && instruction.op1_kind() == OpKind::Register
-                    && instruction.op1_register() == Register::RSP => {}
-            Mnemonic::Jmp
-                if pushed == 0
-                    && matches!(instruction.code(), Code::Jmp_rel32_64 | Code::Jmp_rel8_64) =>
-            {
-                return Some(instruction.near_branch_target());
-            }
-            _ => return None,
-        }
-    }
-    None
 }
 
 /// The probed function a cookie names.
@@ -209,8 +160,6 @@ pub fn probe_points(path: &Path) -> Result<Vec<ProbePoint>, DiscoveryError> {
         .map(|&(name, call)| (name, (name, call)))
         .collect();
     let mut found: Vec<ProbePoint> = Vec::new();
-    // Per found point: its address and, if it is a trampoline, where it jumps.
-    let mut jumps: Vec<(u64, Option<u64>)> = Vec::new();
     let mut has_marker = false;
     for symbol in elf.dynamic_symbols() {
         if !symbol.is_definition() {
@@ -239,42 +188,11 @@ pub fn probe_points(path: &Path) -> Result<Vec<ProbePoint>, DiscoveryError> {
             continue;
         };
         has_marker |= MARKER_SYMBOLS.contains(&name);
-        let file_offset = section_offset + relative;
-        let code = usize::try_from(file_offset)
-            .ok()
-            .and_then(|start| data.get(start..))
-            .map(|rest| &rest[..TRAMPOLINE_BYTES.min(rest.len())]);
-        let target = code.and_then(|code| trampoline_target(code, symbol.address()));
-        jumps.push((symbol.address(), target));
         found.push(ProbePoint {
             symbol: static_name,
             call,
-            file_offset,
-            tails_into: None,
+            file_offset: section_offset + relative,
         });
-    }
-    // A trampoline into another probed function of its family, neither probed at return (a
-    // return probe must see its entry counted): the jump target's entry is the same call.
-    let by_address: HashMap<u64, usize> = jumps
-        .iter()
-        .enumerate()
-        .map(|(i, (address, _))| (*address, i))
-        .collect();
-    for (i, (_, target)) in jumps.iter().enumerate() {
-        let Some(&j) = target.and_then(|t| by_address.get(&t)) else {
-            continue;
-        };
-        let (from, to) = (&found[i], &found[j]);
-        if i != j
-            && to.call < CALL_FIRST_DRIVER
-            && from.call < CALL_FIRST_DRIVER
-            && call_family(from.call) != 0
-            && call_family(from.call) == call_family(to.call)
-            && !has_return_probe(from.call)
-            && !has_return_probe(to.call)
-        {
-            found[i].tails_into = Some(to.symbol);
-        }
     }
     if !has_marker {
         return Ok(Vec::new());
@@ -537,10 +455,8 @@ impl Discovery {
             // The return probe first: a call entered between the two attachments then has its
             // return seen without its entry (counted as unmatched, no state), never an entry
             // that raised a per-thread depth without the return that lowers it.
-            let mut ok = Ok(());
-            if has_return_probe(point.call) {
-                ok = attacher.attach(&target, point, true);
-            }
+            // Every call is reported at its return, when its result is known.
+            let mut ok = attacher.attach(&target, point, true);
             if ok.is_ok() {
                 ok = attacher.attach(&target, point, false);
             }
@@ -561,52 +477,5 @@ impl Discovery {
             "CUDA library found; probes attached"
         );
         Some(id)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::trampoline_target;
-
-    const AT: u64 = 0x24d40;
-
-    /// `jmp rel32` from the instruction at `AT + offset` (5 bytes) to `target`.
-    fn jmp(offset: u64, target: u64) -> Vec<u8> {
-        let rel = (target as i64 - (AT + offset + 5) as i64) as i32;
-        let mut code = vec![0xe9];
-        code.extend_from_slice(&rel.to_le_bytes());
-        code
-    }
-
-    #[test]
-    fn a_frame_set_up_and_torn_down_before_the_jump_is_a_trampoline() {
-        // libcudart 13's __cudaLaunchKernel: push rbp; mov rbp, rsp; pop rbp; jmp cudaLaunchKernel
-        let mut code = vec![0x55, 0x48, 0x89, 0xe5, 0x5d];
-        code.extend(jmp(5, 0x81e60));
-        assert_eq!(trampoline_target(&code, AT), Some(0x81e60));
-        // endbr64 and a plain jump.
-        let mut code = vec![0xf3, 0x0f, 0x1e, 0xfa];
-        code.extend(jmp(4, 0x1000));
-        assert_eq!(trampoline_target(&code, AT), Some(0x1000));
-    }
-
-    #[test]
-    fn a_function_that_works_or_jumps_with_its_frame_pushed_is_not() {
-        // The jump leaves rbp pushed: the stack at the target is not the entry's.
-        let mut code = vec![0x55, 0x48, 0x89, 0xe5];
-        code.extend(jmp(4, 0x81e60));
-        assert_eq!(trampoline_target(&code, AT), None);
-        // cudaLaunchKernel's own start: it saves registers and works.
-        let code = [
-            0x55, 0x48, 0x89, 0xe5, 0x41, 0x57, 0x41, 0x56, 0x49, 0x89, 0xce,
-        ];
-        assert_eq!(trampoline_target(&code, AT), None);
-        // An indirect jump (through the PLT's GOT slot) names no probed function.
-        let code = [0xff, 0x25, 0x00, 0x10, 0x00, 0x00];
-        assert_eq!(trampoline_target(&code, AT), None);
-        // A conditional jump is a branch, not a tail call.
-        let code = [0x74, 0x10];
-        assert_eq!(trampoline_target(&code, AT), None);
-        assert_eq!(trampoline_target(&[], AT), None);
     }
 }

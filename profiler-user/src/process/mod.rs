@@ -11,7 +11,7 @@ pub mod files;
 pub mod identity;
 pub mod kubernetes;
 pub mod labels;
-mod lru;
+pub(crate) mod lru;
 pub mod maps;
 pub mod mmap_events;
 
