@@ -184,7 +184,11 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
     };
     let now = unsafe { bpf_ktime_get_ns() };
     let mut flags = event.flags;
+    let stacks_wanted = CUDA_CONFIG
+        .get(0)
+        .is_some_and(|config| config.stacks_per_second != 0);
     let with_stack = caller.is_some()
+        && stacks_wanted
         && if first_of_kind(tid, &event) {
             flags |= CUDA_EVENT_FIRST_OF_KIND;
             count(STAT_CUDA_FIRST_STACKS);

@@ -280,6 +280,10 @@ struct CudaAttribution {
     allocations: LiveAllocations,
     /// The stacks calls without one are weighted onto.
     call_stacks: CallStacks,
+    /// The end of the current window in `bpf_ktime_get_ns` time, once known: calls made after
+    /// it wait in `deferred` for the next window, so a profile counts exactly its duration.
+    window_end_ns: Option<u64>,
+    deferred: Vec<CudaRecord>,
     /// Calls that returned an error, by function and code.
     failed: FailedCalls,
     aggregators: Vec<(ProfileKind, Aggregator)>,
@@ -315,6 +319,8 @@ impl Pipeline {
             names: KernelNames::default(),
             allocations: LiveAllocations::default(),
             call_stacks: CallStacks::default(),
+            window_end_ns: None,
+            deferred: Vec::new(),
             failed: FailedCalls::default(),
             aggregators: ProfileKind::CUDA
                 .iter()
@@ -676,6 +682,12 @@ impl Pipeline {
     }
 
     fn handle_cuda(&mut self, record: CudaRecord) {
+        if let (Some(cuda), CudaRecord::Call { header, .. }) = (&mut self.cuda, &record)
+            && cuda.window_end_ns.is_some_and(|end| header.ktime_ns > end)
+        {
+            cuda.deferred.push(record);
+            return;
+        }
         let (header, stack) = match record {
             CudaRecord::Name { header, name } => {
                 tracing::debug!(
@@ -857,7 +869,17 @@ impl Pipeline {
     /// Ends the window of every profile kind. The memory still allocated goes into the
     /// `cuda_alloc` profile as `inuse_*` values, by allocating stack.
     fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
+        // The CUDA calls made up to the window's end are counted in it, those after in the next.
+        if self.cuda.is_some() {
+            let ago = u64::try_from(unix_now_ns().saturating_sub(end_unix_ns)).unwrap_or(0);
+            self.end_cuda_window_at(monotonic_now_ns().saturating_sub(ago));
+            self.poll_cuda(None, &[]);
+        }
         let mut profiles = self.aggregator.flush(end_unix_ns);
+        let deferred = self.cuda.as_mut().map_or_else(Vec::new, |cuda| {
+            cuda.window_end_ns = None;
+            std::mem::take(&mut cuda.deferred)
+        });
         if let Some(cuda) = &mut self.cuda {
             if let Some((_, aggregator)) = cuda
                 .aggregators
@@ -879,7 +901,18 @@ impl Pipeline {
                 profiles.extend(aggregator.flush(end_unix_ns));
             }
         }
+        for record in deferred {
+            self.handle_cuda(record);
+        }
         profiles
+    }
+
+    /// CUDA calls made after `end_ns` (`bpf_ktime_get_ns` time) are left out of the current
+    /// window (kept for the next one); an earlier end already set stands.
+    fn end_cuda_window_at(&mut self, end_ns: u64) {
+        if let Some(cuda) = &mut self.cuda {
+            cuda.window_end_ns = Some(cuda.window_end_ns.map_or(end_ns, |set| set.min(end_ns)));
+        }
     }
 
     /// Before sampling starts: reads the kernel's symbols (a one-time cost that would otherwise
@@ -1160,6 +1193,8 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();
     let duration_ns = started.elapsed().as_nanos() as i64;
+    // CUDA calls still reported between here and the probes' detaching are outside the window.
+    pipeline.end_cuda_window_at(monotonic_now_ns());
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();

@@ -76,7 +76,8 @@ pub struct SamplingArgs {
     #[arg(long, env = "PROFILER_NO_GPU")]
     pub no_gpu: bool,
     /// Stacks taken per thread and second for CUDA calls (launches, copies, allocations,
-    /// synchronizations); calls beyond it are counted without a stack. 0 takes none.
+    /// synchronizations), besides the first call of each kernel or kind on a thread; the calls
+    /// beyond it are weighted onto the last stack of their kind. 0 takes none.
     #[arg(long, env = "PROFILER_CUDA_STACKS_PER_SECOND", default_value_t = DEFAULT_CUDA_STACKS_PER_SECOND)]
     pub cuda_stacks_per_second: u32,
     /// NVML library to open instead of libnvidia-ml.so.1 from the loader's search path.

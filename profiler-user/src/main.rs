@@ -16,6 +16,7 @@ fn main() {
             std::process::exit(1);
         }
     }
+    let loads_nvml = matches!(cli.command, Command::Agent(_));
     let result = match cli.command {
         Command::Record(args) => profiler::agent::record(&args.into(), &stop).map(|_| ()),
         Command::Agent(args) => profiler::agent::run_agent(&(*args).into(), stop),
@@ -23,10 +24,25 @@ fn main() {
             profiler::server::serve::run_server(&args.into(), &stop).map_err(Into::into)
         }
     };
-    if let Err(err) = result {
-        eprintln!("error: {}", anyhow::Error::from(err));
-        std::process::exit(1);
+    let code = match result {
+        Ok(()) => 0,
+        Err(err) => {
+            eprintln!("error: {}", anyhow::Error::from(err));
+            1
+        }
+    };
+    if loads_nvml {
+        // Everything is written and every Rust value dropped by now. NVIDIA's libraries
+        // (NVML, and the CUDA driver it loads for GPM) crashed in their own exit-time teardown
+        // on an H100 (SIGSEGV in nvmlShutdown, then at exit): leave without running C exit
+        // handlers and library destructors.
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        let _ = std::io::stderr().flush();
+        // SAFETY: _exit ends the process at once; nothing of ours is left to run.
+        unsafe { libc::_exit(code) };
     }
+    std::process::exit(code);
 }
 
 fn init_logging(format: LogFormat) {

@@ -95,6 +95,8 @@ pub struct SelfMetrics {
     pub cuda_call_stacks: crate::gpu::call_stacks::CallStackStats,
     /// CUDA calls that returned an error: (function, error, calls).
     pub cuda_failed_calls: Vec<(&'static str, String, u64)>,
+    /// NVML polls (device, GPM and process readings) and their cost.
+    pub nvml_polls: crate::gpu::nvml::PollStats,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
@@ -276,6 +278,12 @@ impl SelfMetrics {
                 "cuda_allocations_untracked_total",
                 "Allocations not tracked because the live-allocation map was full",
                 memory.overflow,
+                "counter",
+            ),
+            (
+                "nvml_polls_total",
+                "NVML polls made (device, GPM profiling and per-process readings)",
+                self.nvml_polls.polls,
                 "counter",
             ),
             (
@@ -683,6 +691,12 @@ impl SelfMetrics {
         ] {
             push(name, help, value as f64, kind);
         }
+        push(
+            "nvml_poll_cpu_seconds_total",
+            "CPU time NVML polls used (the cost of GPU metrics, GPM included)",
+            self.nvml_polls.cpu_time.as_secs_f64(),
+            "counter",
+        );
         push(
             "agent_cpu_seconds_total",
             "CPU time used by the agent",

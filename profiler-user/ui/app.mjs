@@ -577,7 +577,8 @@ async function loadGpu() {
     : currentRange();
   let body;
   try {
-    const response = await fetch(`/api/gpu?from=${Math.round(from)}&until=${Math.round(until)}`, {
+    const service = state.service ? `&service=${encodeURIComponent(state.service)}` : '';
+    const response = await fetch(`/api/gpu?from=${Math.round(from)}&until=${Math.round(until)}${service}`, {
       credentials: 'same-origin',
     });
     if (response.status === 404) {
@@ -603,6 +604,7 @@ async function loadGpu() {
   panel.hidden = false;
   const list = $('gpu-list');
   list.textContent = '';
+  if (body.service) list.appendChild(serviceGpuItem(body.service, from, until));
   for (const gpu of body.gpus ?? []) {
     const points = gpu.points ?? [];
     const item = document.createElement('div');
@@ -645,6 +647,41 @@ async function loadGpu() {
       { from, until, max: 100, fill: true, height: 56 },
     );
   }
+}
+
+// The selected service's own GPU use: its processes' SM utilization (summed, % of one GPU)
+// and device memory, over the selected range.
+function serviceGpuItem(service, from, until) {
+  const points = service.points ?? [];
+  const item = document.createElement('div');
+  item.className = 'gpu gpu-service';
+  item.dataset.service = service.name;
+  const title = document.createElement('div');
+  title.className = 'gpu-title';
+  title.textContent = `${service.name} on the GPUs`;
+  item.appendChild(title);
+  const stats = document.createElement('div');
+  stats.className = 'gpu-stats small';
+  if (points.length) {
+    const avg = points.reduce((s, p) => s + Number(p.sm_util), 0) / points.length;
+    const peakMemory = Math.max(...points.map((p) => Number(p.mem_used_bytes)));
+    stats.textContent = `SM avg ${avg.toFixed(0)}% · memory peak ${formatValue(peakMemory, 'bytes')}`;
+  } else {
+    stats.textContent = 'no GPU use in this range';
+  }
+  item.appendChild(stats);
+  const canvas = document.createElement('canvas');
+  canvas.className = 'gpu-chart';
+  canvas.setAttribute('role', 'img');
+  canvas.setAttribute('aria-label', `${service.name}: SM utilization over the selected range`);
+  item.appendChild(canvas);
+  const max = Math.max(100, ...points.map((p) => Number(p.sm_util)));
+  drawLineChart(
+    canvas,
+    [{ points: points.map((p) => ({ t: Number(p.t), v: Number(p.sm_util) })), color: '#e8590c' }],
+    { from, until, max, fill: true, height: 56 },
+  );
+  return item;
 }
 
 // ---- health panel ----
@@ -752,6 +789,7 @@ function wire() {
     }
     writeHash();
     state.mode === 'compare' ? runCompare() : loadFlamegraph();
+    loadGpu();
   });
   $('profile-type').addEventListener('change', (e) => {
     state.profileType = e.target.value;

@@ -325,20 +325,40 @@ async function main() {
         mem_used_bytes: 20 * 2 ** 30,
         mem_total_bytes: 80 * 2 ** 30,
       }));
-    await page.route('**/api/gpu?*', (route) =>
+    // The selected service is asked for by name; its own GPU use is drawn first.
+    const askedServices = [];
+    await page.route('**/api/gpu?*', (route) => {
+      const service = new URL(route.request().url()).searchParams.get('service');
+      askedServices.push(service);
       route.fulfill({
         contentType: 'application/json',
         body: JSON.stringify({
           available: true,
           reason: null,
           gpus: [0, 1].map((index) => ({ index, uuid: `GPU-standin-${index}`, name: 'Stand-in H100', points: points(index) })),
+          ...(service
+            ? {
+                service: {
+                  name: service,
+                  points: points(0).map((p) => ({ t: p.t, sm_util: p.util, mem_used_bytes: 12 * 2 ** 30 })),
+                },
+              }
+            : {}),
         }),
-      }),
-    );
+      });
+    });
     await page.click('#refresh');
-    await page.waitForFunction(() => document.querySelectorAll('#gpu-list .gpu').length === 2);
+    await page.waitForFunction(() => document.querySelectorAll('#gpu-list .gpu').length === 3);
+    const selectedService = await page.$eval('#service', (el) => el.value);
+    assert.ok(selectedService, 'a service is selected');
+    assert.equal(askedServices.at(-1), selectedService, `asked for ${JSON.stringify(askedServices)}`);
+    assert.equal(await page.$eval('#gpu-list .gpu-service', (el) => el.dataset.service), selectedService);
+    assert.match(
+      await page.textContent('#gpu-list .gpu-service'),
+      /on the GPUs.*SM avg \d+% · memory peak 12\.0 GiB/,
+    );
     assert.ok(!(await gpuHidden()));
-    const gpuPixels = await canvasPixels(page, '#gpu-list .gpu canvas');
+    const gpuPixels = await canvasPixels(page, '#gpu-list .gpu:not(.gpu-service) canvas');
     assert.ok(gpuPixels.green > 0, `utilization line drawn: ${JSON.stringify(gpuPixels)}`);
     assert.match(await page.textContent('#gpu-list'), /util avg \d+%, peak \d+% · memory 20\.0 GiB \/ 80\.0 GiB/);
     await shot(page, 'gpu-standin');

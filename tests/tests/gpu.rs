@@ -807,7 +807,13 @@ fn wait_for_metric(address: &str, prefix: &str) -> String {
 fn nvml_readings_are_served_with_dcgm_names_and_as_history() {
     let _guard = exclusive();
     let library = nvml_standin();
-    let sleeper = spawn(Path::new("sleep"), &["60"]);
+    // Named as a service is (OpenTelemetry's variable): the GPU process's metrics carry the
+    // service_name its profiles have.
+    let sleeper = spawn_with_env(
+        Path::new("sleep"),
+        &["60"],
+        &[("OTEL_SERVICE_NAME", "vllm-decoder")],
+    );
     let pid = sleeper.pid().to_string();
     let (agent, address) = start_agent(
         &[
@@ -859,8 +865,9 @@ fn nvml_readings_are_served_with_dcgm_names_and_as_history() {
         !metrics.contains("DCGM_FI_DEV_ECC"),
         "NotSupported readings are left out"
     );
-    let process_line =
-        format!("gpu_process_memory_used_bytes{{pid=\"{pid}\",comm=\"sleep\",gpu=\"0\"");
+    let process_line = format!(
+        "gpu_process_memory_used_bytes{{pid=\"{pid}\",comm=\"sleep\",service_name=\"vllm-decoder\",gpu=\"0\""
+    );
     assert!(
         metrics
             .lines()
@@ -870,7 +877,9 @@ fn nvml_readings_are_served_with_dcgm_names_and_as_history() {
     assert!(
         metrics
             .lines()
-            .any(|l| l.starts_with("gpu_process_sm_utilization_percent") && l.ends_with(" 73")),
+            .any(|l| l.starts_with("gpu_process_sm_utilization_percent")
+                && l.contains("service_name=\"vllm-decoder\"")
+                && l.ends_with(" 73")),
         "{metrics}"
     );
 

@@ -28,6 +28,10 @@ use nvml_wrapper::{
 use serde::Serialize;
 
 use super::gpm::GpmSampler;
+use crate::{
+    model::Pid,
+    process::{LabelledProcess, read_identity},
+};
 
 /// How long the in-memory history covers.
 pub const HISTORY: Duration = Duration::from_secs(24 * 3600);
@@ -65,6 +69,12 @@ pub struct DeviceReading {
 pub struct ProcessReading {
     pub pid: u32,
     pub comm: String,
+    /// The process's `service_name` and Kubernetes names, as its profiles have them (empty
+    /// when unknown or outside a pod).
+    pub service_name: String,
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
     pub gpu: u32,
     pub uuid: String,
     pub memory_bytes: Option<u64>,
@@ -80,6 +90,18 @@ pub struct HistoryPoint {
     pub mem_used_bytes: u64,
     pub mem_total_bytes: u64,
 }
+
+/// One point of a service's GPU use, summed over its processes on every GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ServicePoint {
+    pub t: i64,
+    /// Sum of its processes' SM utilization, in percent of one GPU (over 100 with several).
+    pub sm_util: u32,
+    pub mem_used_bytes: u64,
+}
+
+/// Services whose GPU history is kept; the one updated longest ago goes beyond.
+pub const MAX_GPU_SERVICES: usize = 256;
 
 #[derive(Debug, Default)]
 struct GpuHistory {
@@ -98,6 +120,30 @@ struct BoardState {
     processes: Vec<ProcessReading>,
     history: Vec<GpuHistory>,
     history_capacity: usize,
+    /// Per service name: its points, newest last.
+    services: HashMap<String, VecDeque<ServicePoint>>,
+    poll_stats: PollStats,
+}
+
+/// What polling NVML has cost: polls made and the CPU time they used (NVML, GPM and /proc
+/// reads, on the polling thread).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PollStats {
+    pub polls: u64,
+    pub cpu_time: Duration,
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we pass.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 /// The latest NVML readings and a bounded history, shared by the poller and the server.
@@ -123,10 +169,19 @@ struct ApiProfiling<'a> {
 }
 
 #[derive(Serialize)]
+struct ApiService<'a> {
+    name: &'a str,
+    points: Vec<ServicePoint>,
+}
+
+#[derive(Serialize)]
 struct ApiResponse<'a> {
     available: bool,
     reason: Option<&'a str>,
     gpus: Vec<ApiGpu<'a>>,
+    /// The asked-for service's GPU use, when it had any in the history.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service: Option<ApiService<'a>>,
 }
 
 /// A per-process metric: name, help, and how to read it.
@@ -200,8 +255,52 @@ impl GpuBoard {
                 });
             }
         }
+        let mut by_service: HashMap<&str, ServicePoint> = HashMap::new();
+        for process in &processes {
+            if process.service_name.is_empty() {
+                continue;
+            }
+            let point = by_service
+                .entry(&process.service_name)
+                .or_insert(ServicePoint {
+                    t: t_ms,
+                    sm_util: 0,
+                    mem_used_bytes: 0,
+                });
+            point.sm_util += process.sm_util_percent.unwrap_or(0);
+            point.mem_used_bytes += process.memory_bytes.unwrap_or(0);
+        }
+        let capacity = state.history_capacity;
+        for (service, point) in by_service {
+            if !state.services.contains_key(service) && state.services.len() >= MAX_GPU_SERVICES {
+                let stalest = state
+                    .services
+                    .iter()
+                    .min_by_key(|(_, points)| points.back().map_or(i64::MIN, |p| p.t))
+                    .map(|(name, _)| name.clone());
+                if let Some(stalest) = stalest {
+                    state.services.remove(&stalest);
+                }
+            }
+            let points = state.services.entry(service.to_owned()).or_default();
+            while points.len() >= capacity {
+                points.pop_front();
+            }
+            points.push_back(point);
+        }
         state.devices = devices;
         state.processes = processes;
+    }
+
+    /// Polls made so far and their cost.
+    pub fn poll_stats(&self) -> PollStats {
+        self.lock().poll_stats
+    }
+
+    fn add_poll(&self, cpu_time: Duration) {
+        let mut state = self.lock();
+        state.poll_stats.polls += 1;
+        state.poll_stats.cpu_time += cpu_time;
     }
 
     /// The GPU index a process uses, for the `gpu` label of its profiles.
@@ -276,11 +375,23 @@ impl GpuBoard {
                     let _ = writeln!(text, "# TYPE {name} gauge");
                     header = true;
                 }
+                // dcgm-exporter's Kubernetes labels, where the process is in a pod.
+                let mut kubernetes = String::new();
+                for (label, value) in [
+                    ("namespace", &process.namespace),
+                    ("pod", &process.pod),
+                    ("container", &process.container),
+                ] {
+                    if !value.is_empty() {
+                        let _ = write!(kubernetes, ",{label}=\"{}\"", escape_label(value));
+                    }
+                }
                 let _ = writeln!(
                     text,
-                    "{name}{{pid=\"{}\",comm=\"{}\",gpu=\"{}\",UUID=\"{}\",Hostname=\"{}\"}} {value}",
+                    "{name}{{pid=\"{}\",comm=\"{}\",service_name=\"{}\"{kubernetes},gpu=\"{}\",UUID=\"{}\",Hostname=\"{}\"}} {value}",
                     process.pid,
                     escape_label(&process.comm),
+                    escape_label(&process.service_name),
                     process.gpu,
                     escape_label(&process.uuid),
                     hostname
@@ -291,8 +402,8 @@ impl GpuBoard {
     }
 
     /// The `/api/gpu` answer for `[from_ms, until_ms]`, at most [`MAX_API_POINTS`] per GPU
-    /// (averaged buckets when there are more).
-    pub fn api_json(&self, from_ms: i64, until_ms: i64) -> String {
+    /// (averaged buckets when there are more), with `service`'s own use when asked for.
+    pub fn api_json(&self, from_ms: i64, until_ms: i64, service: Option<&str>) -> String {
         let state = self.lock();
         let gpus = state
             .history
@@ -321,13 +432,44 @@ impl GpuBoard {
                 }
             })
             .collect();
+        let service = service.and_then(|name| {
+            let (name, points) = state.services.get_key_value(name)?;
+            let points: Vec<ServicePoint> = points
+                .iter()
+                .filter(|p| p.t >= from_ms && p.t <= until_ms)
+                .copied()
+                .collect();
+            Some(ApiService {
+                name,
+                points: downsample_service(&points, MAX_API_POINTS),
+            })
+        });
         let response = ApiResponse {
             available: state.available,
             reason: state.reason.as_deref(),
             gpus,
+            service,
         };
         serde_json::to_string(&response).unwrap_or_else(|_| "{}".into())
     }
+}
+
+/// Averages consecutive service points into at most `max` buckets.
+fn downsample_service(points: &[ServicePoint], max: usize) -> Vec<ServicePoint> {
+    if points.len() <= max || max == 0 {
+        return points.to_vec();
+    }
+    points
+        .chunks(points.len().div_ceil(max))
+        .map(|chunk| {
+            let n = chunk.len() as u64;
+            ServicePoint {
+                t: chunk[0].t,
+                sm_util: (chunk.iter().map(|p| u64::from(p.sm_util)).sum::<u64>() / n) as u32,
+                mem_used_bytes: chunk.iter().map(|p| p.mem_used_bytes).sum::<u64>() / n,
+            }
+        })
+        .collect()
 }
 
 /// Averages consecutive points into at most `max` buckets.
@@ -532,10 +674,45 @@ fn read_device(device: &Device<'_>, index: u32) -> DeviceReading {
     out
 }
 
-fn process_comm(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm"))
-        .map(|c| c.trim().to_string())
-        .unwrap_or_default()
+/// How long a process's labels are trusted before /proc is read again.
+const LABELS_FRESH_FOR: Duration = Duration::from_secs(30);
+/// Processes whose labels are remembered; all are forgotten beyond.
+const MAX_LABELLED_PROCESSES: usize = 4096;
+
+/// The labels of the processes NVML reports, read from /proc as the profiler reads them for
+/// profiles (so a GPU process's metrics carry its profiles' `service_name`).
+#[derive(Default)]
+struct ProcessLabeller {
+    known: HashMap<u32, (Instant, Option<LabelledProcess>)>,
+}
+
+impl ProcessLabeller {
+    /// A reading of `pid` on GPU `gpu` with its names filled in.
+    fn reading(&mut self, pid: u32, gpu: u32, uuid: &str, host: &str) -> ProcessReading {
+        let now = Instant::now();
+        if self.known.len() >= MAX_LABELLED_PROCESSES {
+            self.known.clear();
+        }
+        let entry = self.known.entry(pid).or_insert((now, None));
+        if entry.1.is_none() || now.duration_since(entry.0) > LABELS_FRESH_FOR {
+            let dir = std::path::Path::new("/proc").join(pid.to_string());
+            *entry = (now, read_identity(Pid(pid), &dir, host).ok());
+        }
+        let mut reading = ProcessReading {
+            pid,
+            gpu,
+            uuid: uuid.to_owned(),
+            ..ProcessReading::default()
+        };
+        if let Some(process) = &entry.1 {
+            reading.comm = process.comm.clone();
+            reading.service_name = process.labels.service_name.clone();
+            reading.namespace = process.labels.namespace.clone().unwrap_or_default();
+            reading.pod = process.labels.pod.clone().unwrap_or_default();
+            reading.container = process.labels.container.clone().unwrap_or_default();
+        }
+        reading
+    }
 }
 
 /// Polls NVML every `interval` until `stop`; never fails the agent.
@@ -601,12 +778,14 @@ fn poll(
     let capacity = (HISTORY.as_secs_f64() / interval.as_secs_f64().max(0.001)).ceil() as usize;
     let mut last_seen: HashMap<u32, u64> = HashMap::new();
     let mut gpm = GpmSampler::default();
+    let mut labeller = ProcessLabeller::default();
     tracing::info!(
         gpus = reading("device count", nvml.device_count()).unwrap_or(0),
         "NVML polling started"
     );
     while !stop.load(Ordering::Relaxed) {
         let started = Instant::now();
+        let cpu_before = thread_cpu_time();
         let count = reading("device count", nvml.device_count()).unwrap_or(0);
         let mut devices = Vec::new();
         let mut processes = Vec::new();
@@ -622,12 +801,8 @@ fn poll(
             for process in
                 reading("processes", device.running_compute_processes()).unwrap_or_default()
             {
-                let entry = by_pid.entry(process.pid).or_insert_with(|| ProcessReading {
-                    pid: process.pid,
-                    comm: process_comm(process.pid),
-                    gpu: index,
-                    uuid: reading_now.uuid.clone(),
-                    ..ProcessReading::default()
+                let entry = by_pid.entry(process.pid).or_insert_with(|| {
+                    labeller.reading(process.pid, index, &reading_now.uuid, &hostname)
                 });
                 if let UsedGpuMemory::Used(bytes) = process.used_gpu_memory {
                     entry.memory_bytes = Some(bytes);
@@ -642,12 +817,8 @@ fn poll(
             };
             for sample in samples {
                 last_seen.insert(index, sample.timestamp.max(since));
-                let entry = by_pid.entry(sample.pid).or_insert_with(|| ProcessReading {
-                    pid: sample.pid,
-                    comm: process_comm(sample.pid),
-                    gpu: index,
-                    uuid: reading_now.uuid.clone(),
-                    ..ProcessReading::default()
+                let entry = by_pid.entry(sample.pid).or_insert_with(|| {
+                    labeller.reading(sample.pid, index, &reading_now.uuid, &hostname)
                 });
                 entry.sm_util_percent = Some(sample.sm_util);
             }
@@ -661,11 +832,17 @@ fn poll(
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0);
         board.update(&hostname, now_ms, devices, processes, capacity);
+        board.add_poll(thread_cpu_time().saturating_sub(cpu_before));
         let deadline = started + interval;
         while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50).min(interval));
         }
     }
+    // No nvmlShutdown: on an H100 with driver 580, the shutdown of an NVML that read GPM while
+    // CUDA processes ran jumped to an unmapped address (SIGSEGV in the "nvml" thread, 3 of 3
+    // stops). The agent is exiting; the driver releases the handle with the process.
+    drop(gpm);
+    std::mem::forget(nvml);
 }
 
 #[cfg(test)]
@@ -692,6 +869,55 @@ mod tests {
         assert_eq!(downsample(&points[..10], 1000).len(), 10);
     }
 
+    /// A service's GPU use is its processes' summed over GPUs, kept per poll and bounded.
+    #[test]
+    fn services_get_their_own_gpu_history() {
+        let board = GpuBoard::default();
+        let process = |pid, gpu, service: &str, sm, bytes| ProcessReading {
+            pid,
+            gpu,
+            service_name: service.into(),
+            sm_util_percent: Some(sm),
+            memory_bytes: Some(bytes),
+            ..ProcessReading::default()
+        };
+        for t in 0..4 {
+            board.update(
+                "host",
+                t,
+                Vec::new(),
+                vec![
+                    process(1, 0, "api", 30, 100),
+                    process(2, 1, "api", 20, 50),
+                    process(3, 0, "batch", 90, 7),
+                    process(4, 0, "", 5, 1),
+                ],
+                3,
+            );
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&board.api_json(0, 10, Some("api"))).unwrap();
+        let points = json["service"]["points"].as_array().expect("points");
+        assert_eq!(json["service"]["name"], "api");
+        assert_eq!(points.len(), 3, "bounded by the history capacity");
+        assert_eq!(points[0]["t"], 1);
+        assert_eq!(points[0]["sm_util"], 50);
+        assert_eq!(points[0]["mem_used_bytes"], 150);
+        let json: serde_json::Value =
+            serde_json::from_str(&board.api_json(0, 10, Some("unknown"))).unwrap();
+        assert!(json.get("service").is_none(), "{json}");
+        for n in 0..(MAX_GPU_SERVICES + 5) {
+            board.update(
+                "host",
+                10 + n as i64,
+                Vec::new(),
+                vec![process(9, 0, &format!("s{n}"), 1, 1)],
+                3,
+            );
+        }
+        assert!(board.lock().services.len() <= MAX_GPU_SERVICES);
+    }
+
     #[test]
     fn board_keeps_bounded_history_and_renders_dcgm_names() {
         let board = GpuBoard::default();
@@ -714,7 +940,7 @@ mod tests {
         for t in 0..5 {
             board.update("host", t, vec![device.clone()], Vec::new(), 3);
         }
-        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10, None)).unwrap();
         assert_eq!(json["available"], true);
         assert_eq!(json["gpus"][0]["points"].as_array().unwrap().len(), 3);
         assert_eq!(json["gpus"][0]["points"][0]["t"], 2);
@@ -742,7 +968,7 @@ mod tests {
             text.contains("DCGM_FI_PROF_SM_ACTIVE{gpu=\"0\",UUID=\"GPU-1\",device=\"nvidia0\",modelName=\"Test \\\"GPU\\\"\",Hostname=\"host\",GPU_I_ID=\"3\"} 0.25"),
             "{text}"
         );
-        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10, None)).unwrap();
         assert_eq!(json["gpus"][0]["profiling"]["available"], true, "{json}");
         assert_eq!(json["gpus"][1]["profiling"]["available"], false, "{json}");
         assert_eq!(
@@ -750,7 +976,7 @@ mod tests {
             "this GPU has no GPM"
         );
         board.set_unavailable("no driver".into());
-        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10)).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10, None)).unwrap();
         assert_eq!(json["available"], false);
         assert_eq!(json["reason"], "no driver");
     }

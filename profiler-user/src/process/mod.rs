@@ -35,7 +35,7 @@ use self::{
     maps::executable_mappings,
     mmap_events::{MmapEvents, MmapLogStats},
 };
-use crate::model::{ExecRecord, Mapping, Pid, ProcessInfo};
+use crate::model::{ExecRecord, Mapping, Pid, ProcessInfo, ProcessLabels};
 
 /// Why a process could not be read.
 #[derive(Debug, Error)]
@@ -523,14 +523,24 @@ pub struct Snapshot {
     pub provisional: bool,
 }
 
-/// Reads one process. Only /proc/PID/stat is required; every other file may vanish as the
+/// Who a process is, as read from /proc: its name, labels and start time.
+#[derive(Clone, Debug)]
+pub struct LabelledProcess {
+    pub comm: String,
+    pub start_time: u64,
+    pub labels: ProcessLabels,
+    pub is_kernel_thread: bool,
+    /// Read before the kernel wrote argv (see [`Snapshot::provisional`]).
+    pub provisional: bool,
+}
+
+/// Reads who a process is. Only /proc/PID/stat is required; every other file may vanish as the
 /// process exits and then contributes nothing.
-pub fn read_process(
+pub fn read_identity(
     pid: Pid,
     process_dir: &Path,
     host: &str,
-    files: &mut FileCache,
-) -> Result<Snapshot, ProcessError> {
+) -> Result<LabelledProcess, ProcessError> {
     let stat_path = process_dir.join("stat");
     let stat_text = fs::read_to_string(&stat_path).map_err(|source| ProcessError::Read {
         path: stat_path.clone(),
@@ -556,8 +566,8 @@ pub fn read_process(
     });
     let is_kernel_thread = is_kernel_thread(Some(stat.flags), cmdline.is_empty(), exe.is_some());
 
-    // Kernel threads have no environment, cgroup of interest, or user mappings.
-    let (env, cgroup, mappings) = if is_kernel_thread {
+    // Kernel threads have no environment or cgroup of interest.
+    let (env, cgroup) = if is_kernel_thread {
         Default::default()
     } else {
         let env = read_bytes(&process_dir.join("environ"))
@@ -566,10 +576,7 @@ pub fn read_process(
         let cgroup = fs::read_to_string(process_dir.join("cgroup"))
             .map(|text| parse_cgroup(&text))
             .unwrap_or_default();
-        let mappings = fs::read_to_string(process_dir.join("maps"))
-            .map(|text| executable_mappings(pid, process_dir, &text, files))
-            .unwrap_or_default();
-        (env, cgroup, mappings)
+        (env, cgroup)
     };
     let kubernetes = match (&cgroup.pod_uid, process_dir.parent()) {
         (Some(_), Some(proc_root)) => kubernetes_names(&KubernetesSources {
@@ -591,12 +598,43 @@ pub fn read_process(
         host,
         is_kernel_thread,
     });
+    Ok(LabelledProcess {
+        comm,
+        start_time: stat.start_time,
+        labels,
+        is_kernel_thread,
+        provisional: !is_kernel_thread && cmdline.is_empty(),
+    })
+}
+
+/// Reads one process: who it is ([`read_identity`]) and its executable mappings.
+pub fn read_process(
+    pid: Pid,
+    process_dir: &Path,
+    host: &str,
+    files: &mut FileCache,
+) -> Result<Snapshot, ProcessError> {
+    let LabelledProcess {
+        comm,
+        start_time,
+        labels,
+        is_kernel_thread,
+        provisional,
+    } = read_identity(pid, process_dir, host)?;
+    // Kernel threads have no user mappings.
+    let mappings = if is_kernel_thread {
+        Vec::new()
+    } else {
+        fs::read_to_string(process_dir.join("maps"))
+            .map(|text| executable_mappings(pid, process_dir, &text, files))
+            .unwrap_or_default()
+    };
     debug!(%pid, %comm, service_name = %labels.service_name, mappings = mappings.len(), "snapshot");
     Ok(Snapshot {
-        provisional: !is_kernel_thread && cmdline.is_empty(),
+        provisional,
         info: ProcessInfo {
             pid,
-            start_time: stat.start_time,
+            start_time,
             comm: Arc::from(comm),
             labels,
             mappings,

@@ -160,6 +160,7 @@ impl HealthBoard {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         metrics.http_requests = self.http_requests.load(Ordering::Relaxed);
+        metrics.nvml_polls = self.gpu.poll_stats();
         metrics.http_errors = self.http_errors.load(Ordering::Relaxed);
         if let Some(store) = store {
             let counters = store.counters();

@@ -103,7 +103,8 @@ pub async fn readyz(State(state): State<AppState>) -> Result<Response, ApiError>
     Ok(axum::Json(serde_json::json!({"status": "ready"})).into_response())
 }
 
-/// `GET /api/gpu?from=<unix ms>&until=<unix ms>`: NVML utilization history per GPU.
+/// `GET /api/gpu?from=<unix ms>&until=<unix ms>[&service=<service_name>]`: NVML utilization
+/// history per GPU, and the service's own GPU use when one is named.
 pub async fn gpu(
     State(state): State<AppState>,
     axum::extract::Query(range): axum::extract::Query<GpuRange>,
@@ -120,7 +121,10 @@ pub async fn gpu(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         )],
-        state.health.gpu.api_json(from, until),
+        state
+            .health
+            .gpu
+            .api_json(from, until, range.service.as_deref()),
     )
         .into_response()
 }
@@ -129,6 +133,7 @@ pub async fn gpu(
 pub struct GpuRange {
     from: Option<i64>,
     until: Option<i64>,
+    service: Option<String>,
 }
 
 /// `GET /api/health`: the numbers the UI's health panel shows.
