@@ -13,13 +13,12 @@ use std::{
 };
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
-use profiler_common::CUDA_EVENT_FAILED;
 
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping, synthetic_frame},
     bpf::{
-        BpfError, CudaEventRing, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent,
-        Sampler, SamplerSettings,
+        BpfError, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent, Sampler,
+        SamplerSettings,
     },
     config::{AgentConfig, RecordConfig, SamplingConfig},
     export::{
@@ -27,18 +26,11 @@ use crate::{
         push::{PushError, Pusher},
     },
     gpu::{
-        allocations::LiveAllocations,
-        call_stacks::{CallStacks, SampledStack},
-        discovery::{Discovery, function_name},
-        errors::FailedCalls,
-        events::{
-            CudaRecord, KernelNames, KernelRef, decode_cuda_record, direction_frame, is_free,
-            profile_kind,
-        },
+        attribution::{Accelerator, CudaAttribution, PipelineAccess, ProfileEvent},
         nvml::{GpuBoard, NvmlPoller},
     },
     model::{
-        FileId, Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, Tid, UnwoundFrame,
+        FileId, Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, UnwoundFrame,
         UnwoundStack,
     },
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
@@ -58,8 +50,7 @@ use crate::{
 
 /// The frame added to CPU samples taken inside a CUDA synchronization call.
 pub const CUDA_SYNC_FRAME: &str = "[cuda sync]";
-/// The frame standing for the stack of a CUDA call whose stack was not taken (rate limit).
-pub const STACK_NOT_SAMPLED_FRAME: &str = "[stack not sampled]";
+pub use crate::gpu::attribution::STACK_NOT_SAMPLED_FRAME;
 
 /// Samples buffered between the reader and the pipeline (about 10 s of 64 busy CPUs at 100 Hz).
 const SAMPLE_QUEUE: usize = 65_536;
@@ -121,7 +112,9 @@ struct Pipeline {
     symbolizer: Symbolizer,
     aggregator: Aggregator,
     samples_processed: u64,
-    cuda: Option<CudaAttribution>,
+    /// CUDA call attribution (`gpu::attribution`), and one aggregator per kind it reports.
+    accelerator: Option<Box<dyn Accelerator>>,
+    accelerator_aggregators: Vec<(ProfileKind, Aggregator)>,
     /// Synthetic frames by name, shared so the aggregators dedupe them (they key by pointer).
     synthetic: std::collections::HashMap<String, Arc<SymbolizedFrame>>,
     /// Samples whose user walk waits for a table (see `unwinding::late`).
@@ -270,24 +263,68 @@ impl KernelInputs {
     }
 }
 
-/// The CUDA side of the pipeline: library discovery, the probes' records, kernel names, live
-/// device allocations, one aggregator per CUDA profile kind.
-struct CudaAttribution {
-    /// The probes' records; `None` until the first CUDA library is probed.
-    ring: Option<CudaEventRing>,
-    discovery: Discovery,
-    names: KernelNames,
-    allocations: LiveAllocations,
-    /// The stacks calls without one are weighted onto.
-    call_stacks: CallStacks,
-    /// The end of the current window in `bpf_ktime_get_ns` time, once known: calls made after
-    /// it wait in `deferred` for the next window, so a profile counts exactly its duration.
-    window_end_ns: Option<u64>,
-    deferred: Vec<CudaRecord>,
-    /// Calls that returned an error, by function and code.
-    failed: FailedCalls,
-    aggregators: Vec<(ProfileKind, Aggregator)>,
-    decode_errors: u64,
+/// What the accelerator's attribution reaches of the pipeline (`gpu::attribution`).
+impl PipelineAccess for Pipeline {
+    fn changed_processes(&mut self) -> Option<Vec<Pid>> {
+        self.processes.take_mmap_changes()
+    }
+
+    fn process(&mut self, pid: Pid) -> Option<Arc<ProcessInfo>> {
+        self.processes.lookup(pid)
+    }
+
+    fn prepare_process(&mut self, pid: Pid) {
+        if let Some(process) = self.processes.lookup(pid) {
+            self.native_tables.sync(&process);
+            self.python.sync(&process);
+        }
+    }
+
+    fn probe_stack(
+        &mut self,
+        sample: &mut Sample,
+    ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool) {
+        let pinned = if sample.stack_copy.is_some() {
+            let process = self.processes.lookup(sample.pid);
+            match &process {
+                Some(process) => {
+                    self.finish_late_walk(sample, process, Patience::GiveUp);
+                }
+                None => {
+                    sample.stack_copy = None;
+                    sample.user_truncated = true;
+                }
+            }
+            process
+        } else {
+            None
+        };
+        self.symbolized_stack(sample, pinned)
+    }
+
+    fn symbol_at(
+        &mut self,
+        pid: Pid,
+        process: Option<&Arc<ProcessInfo>>,
+        address: u64,
+    ) -> Option<Arc<SymbolizedFrame>> {
+        // A snapshot older than the address's mapping (dlopen) is refreshed once.
+        let process = match process {
+            Some(p) if p.mapping_for(address).is_some() => Some(p.clone()),
+            _ => self
+                .processes
+                .refresh_for_address(pid, address)
+                .filter(|p| p.mapping_for(address).is_some()),
+        }?;
+        Some(
+            self.symbolizer
+                .symbolize(&resolve_address(&process, address)),
+        )
+    }
+
+    fn synthetic(&mut self, name: &str) -> Arc<SymbolizedFrame> {
+        Pipeline::synthetic(self, name)
+    }
 }
 
 impl Pipeline {
@@ -313,26 +350,6 @@ impl Pipeline {
             events,
             cuda,
         } = kernel;
-        let mut cuda = cuda.then(|| CudaAttribution {
-            ring: None,
-            discovery: Discovery::new("/proc".into()),
-            names: KernelNames::default(),
-            allocations: LiveAllocations::default(),
-            call_stacks: CallStacks::default(),
-            window_end_ns: None,
-            deferred: Vec::new(),
-            failed: FailedCalls::default(),
-            aggregators: ProfileKind::CUDA
-                .iter()
-                .map(|&kind| {
-                    (
-                        kind,
-                        Aggregator::new(aggregator_settings(kind), start_unix_ns),
-                    )
-                })
-                .collect(),
-            decode_errors: 0,
-        });
         let mut processes = ProcessRegistry::new("/proc".into(), host.clone());
         match aya::util::online_cpus()
             .map_err(|(_, error)| error)
@@ -345,11 +362,24 @@ impl Pipeline {
             ),
         }
         // With the announcements, a CUDA scan reads only the maps of processes that changed.
-        if let Some(cuda) = &mut cuda
-            && processes.track_mmap_changes()
-        {
-            cuda.discovery.watch_changes();
-        }
+        let watch_changes = cuda && processes.track_mmap_changes();
+        let accelerator: Option<Box<dyn Accelerator>> =
+            cuda.then(|| Box::new(CudaAttribution::new(watch_changes)) as Box<dyn Accelerator>);
+        let accelerator_aggregators = accelerator
+            .as_ref()
+            .map(|accelerator| {
+                accelerator
+                    .kinds()
+                    .iter()
+                    .map(|&kind| {
+                        (
+                            kind,
+                            Aggregator::new(aggregator_settings(kind), start_unix_ns),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         Pipeline {
             processes,
             unwinder: Unwinder::default(),
@@ -362,7 +392,8 @@ impl Pipeline {
             }),
             aggregator: Aggregator::new(aggregator_settings(ProfileKind::Cpu), start_unix_ns),
             samples_processed: 0,
-            cuda,
+            accelerator,
+            accelerator_aggregators,
             synthetic: std::collections::HashMap::new(),
             late: LateSamples::default(),
             pending_lifecycle: std::collections::VecDeque::new(),
@@ -556,17 +587,7 @@ impl Pipeline {
         self.retry_late_walks(false);
         self.drain_events();
         let lifecycle = std::mem::take(&mut self.drained_since_poll);
-        self.poll_cuda(sampler, &lifecycle);
-        for event in &lifecycle {
-            // Whatever a process allocated before it exited or exec'ed, the driver released.
-            if let Some(cuda) = &mut self.cuda
-                && !matches!(event, LifecycleEvent::Forked { .. })
-            {
-                cuda.allocations
-                    .release_process(Pid(event.pid()), event.ktime_ns());
-                cuda.call_stacks.forget_process(event.pid());
-            }
-        }
+        self.poll_accelerator(sampler, &lifecycle);
         // With no sample waiting, everything up to a moment ago is past.
         let horizon = if self.idle {
             monotonic_now_ns().saturating_sub(LIFECYCLE_SETTLE_NS)
@@ -584,7 +605,7 @@ impl Pipeline {
         if drained.is_empty() {
             return;
         }
-        if self.cuda.is_some() {
+        if self.accelerator.is_some() {
             self.drained_since_poll.extend(drained.iter().cloned());
         }
         self.pending_lifecycle.extend(drained);
@@ -623,295 +644,65 @@ impl Pipeline {
         }
     }
 
-    fn poll_cuda(&mut self, sampler: Option<&mut Sampler>, lifecycle: &[LifecycleEvent]) {
-        let Some(cuda) = &mut self.cuda else { return };
-        match self.processes.take_mmap_changes() {
-            Some(changed) => changed
-                .into_iter()
-                .for_each(|pid| cuda.discovery.note_changed(pid)),
-            None => cuda.discovery.note_unknown_changes(),
-        }
-        // A fork inherits its parent's mappings without announcing them.
-        for event in lifecycle {
-            cuda.discovery.note_changed(Pid(event.pid()));
-        }
-        let new_users = match sampler {
-            Some(sampler) => {
-                let new_users = cuda.discovery.maybe_scan(sampler);
-                if sampler.cuda_unavailable() {
-                    // The programs failed to load (logged once): stop scanning for libraries.
-                    self.cuda = None;
-                    return;
-                }
-                if cuda.ring.is_none() {
-                    cuda.ring = sampler.take_cuda_ring();
-                }
-                new_users
-            }
-            None => Vec::new(),
-        };
-        let mut records = Vec::new();
-        let mut errors = 0;
-        if let Some(ring) = &mut cuda.ring {
-            ring.drain(|bytes| match decode_cuda_record(bytes) {
-                Ok(record) => records.push(record),
-                Err(_) => errors += 1,
-            });
-        }
-        cuda.decode_errors += errors;
-        let now = Instant::now();
-        cuda.names.begin_batch(lifecycle, now);
-        // A process that uses CUDA gets its unwind tables now, so even the stacks of its
-        // first calls are unwound from tables rather than frame pointers.
-        for pid in new_users {
-            if let Some(process) = self.processes.lookup(pid) {
-                self.native_tables.sync(&process);
-                self.python.sync(&process);
-            }
-        }
-        // Names first: a handle named in this batch names the launches of the whole batch.
-        let (names, calls): (Vec<CudaRecord>, Vec<CudaRecord>) = records
-            .into_iter()
-            .partition(|r| matches!(r, CudaRecord::Name { .. }));
-        for record in names.into_iter().chain(calls) {
-            self.handle_cuda(record);
-        }
-        if let Some(cuda) = &mut self.cuda {
-            cuda.names.end_batch(now);
-        }
-    }
-
-    fn handle_cuda(&mut self, record: CudaRecord) {
-        if let (Some(cuda), CudaRecord::Call { header, .. }) = (&mut self.cuda, &record)
-            && cuda.window_end_ns.is_some_and(|end| header.ktime_ns > end)
-        {
-            cuda.deferred.push(record);
+    /// Finds new accelerator libraries and aggregates the events of the calls made since.
+    fn poll_accelerator(&mut self, sampler: Option<&mut Sampler>, lifecycle: &[LifecycleEvent]) {
+        let Some(mut accelerator) = self.accelerator.take() else {
             return;
-        }
-        let (header, stack) = match record {
-            CudaRecord::Name { header, name } => {
-                tracing::debug!(
-                    pid = header.pid,
-                    handle = header.handle,
-                    stub = header.aux,
-                    name,
-                    ktime = header.ktime_ns,
-                    "kernel handle named"
-                );
-                if let Some(cuda) = &mut self.cuda {
-                    cuda.names.learn(&header, &name);
-                }
-                return;
-            }
-            CudaRecord::Call { header, stack } => (header, stack),
         };
-        let failed = header.flags & CUDA_EVENT_FAILED != 0;
-        if is_free(header.call) && !failed {
-            if let Some(cuda) = &mut self.cuda {
-                cuda.allocations.freed(Pid(header.pid), header.handle);
-            }
-            return;
+        let mut events = Vec::new();
+        if accelerator.poll(self, sampler, lifecycle, &mut events) {
+            self.accelerator = Some(accelerator);
         }
-        let kind = if failed {
-            ProfileKind::CudaError
-        } else {
-            let Some(kind) = profile_kind(header.call) else {
-                return;
-            };
-            kind
-        };
-        let pid = Pid(header.pid);
-        let (mut frames, process, truncated, sample) = match stack {
-            Some(mut sample) => {
-                // The call is counted now, with the stack as far as it can be unwound now.
-                let pinned = if sample.stack_copy.is_some() {
-                    let process = self.processes.lookup(sample.pid);
-                    match &process {
-                        Some(process) => {
-                            self.finish_late_walk(&mut sample, process, Patience::GiveUp);
-                        }
-                        None => {
-                            sample.stack_copy = None;
-                            sample.user_truncated = true;
-                        }
-                    }
-                    process
-                } else {
-                    None
-                };
-                let (frames, process, truncated) = self.symbolized_stack(&sample, pinned);
-                if let Some(cuda) = &mut self.cuda {
-                    cuda.call_stacks.remember(
-                        &header,
-                        SampledStack {
-                            frames: frames.clone(),
-                            truncated,
-                            process: process.clone(),
-                            sample: sample.clone(),
-                        },
-                    );
-                }
-                (frames, process, truncated, sample)
-            }
-            None => {
-                // Weighted onto the last stack of its kind on its thread (gpu::call_stacks).
-                let stand_in = self
-                    .cuda
-                    .as_mut()
-                    .and_then(|cuda| cuda.call_stacks.stand_in(&header));
-                match stand_in {
-                    Some(stack) => (
-                        stack.frames.clone(),
-                        stack.process.clone(),
-                        stack.truncated,
-                        stack.sample.clone(),
-                    ),
-                    None => {
-                        let process = self.processes.lookup(pid);
-                        let sample = Sample {
-                            ktime_ns: header.ktime_ns,
-                            pid,
-                            tid: Tid(header.tid),
-                            cpu: 0,
-                            comm: process
-                                .as_ref()
-                                .map_or_else(|| Arc::from("unknown"), |p| p.comm.clone()),
-                            kernel_ips: Vec::new(),
-                            user_ips: Vec::new(),
-                            ..Default::default()
-                        };
-                        (
-                            vec![self.synthetic(STACK_NOT_SAMPLED_FRAME)],
-                            process,
-                            false,
-                            sample,
-                        )
-                    }
-                }
-            }
-        };
-        let mut leaf = Vec::with_capacity(3);
-        let mut call_label = None;
-        if failed {
-            let error = match &mut self.cuda {
-                Some(cuda) => cuda.failed.count(header.call, header.value),
-                None => return,
-            };
-            leaf.push(self.synthetic(&format!("[{error}]")));
-            call_label = Some(("cuda_error", Arc::from(error)));
-        } else {
-            match kind {
-                ProfileKind::CudaLaunch => leaf.push(self.kernel_frame(&header, process.as_ref())),
-                ProfileKind::CudaMemcpy => leaf.push(self.synthetic(direction_frame(header.aux))),
-                _ => {}
-            }
-        }
-        leaf.push(self.synthetic(function_name(header.call)));
-        leaf.append(&mut frames);
-        let Some(cuda) = &mut self.cuda else { return };
-        // In the order of the kind's sample types; an allocation is one object of its bytes.
-        let values = if kind == ProfileKind::CudaAlloc {
-            let site = cuda
-                .allocations
-                .site(process.clone(), &sample, leaf.clone(), truncated);
-            cuda.allocations
-                .allocated(pid, header.handle, header.value, header.ktime_ns, site);
-            [header.value, 1, 0, 0]
-        } else if failed {
-            [1, 0, 0, 0]
-        } else {
-            [header.value, 0, 0, 0]
-        };
-        if let Some((_, aggregator)) = cuda.aggregators.iter_mut().find(|(k, _)| *k == kind) {
-            aggregator.add_labelled_values(
-                process.as_ref(),
-                &sample,
-                &leaf,
-                truncated,
-                &values,
-                call_label,
-            );
-        }
+        self.aggregate_accelerator_events(events);
     }
 
-    /// The launched kernel as a frame: the host stub symbolized, a name learned from the
-    /// driver, else `kernel@0x…`.
-    fn kernel_frame(
-        &mut self,
-        header: &profiler_common::CudaEventHeader,
-        process: Option<&Arc<ProcessInfo>>,
-    ) -> Arc<SymbolizedFrame> {
-        let kernel = match &self.cuda {
-            Some(cuda) => cuda.names.kernel(header),
-            None => KernelRef::Unknown(header.handle),
-        };
-        match kernel {
-            KernelRef::Stub(stub) => {
-                // A snapshot older than the stub's mapping (dlopen) is refreshed once.
-                let process = match process {
-                    Some(p) if p.mapping_for(stub).is_some() => Some(p.clone()),
-                    _ => self
-                        .processes
-                        .refresh_for_address(Pid(header.pid), stub)
-                        .filter(|p| p.mapping_for(stub).is_some()),
-                };
-                match process {
-                    Some(process) => self.symbolizer.symbolize(&resolve_address(&process, stub)),
-                    None => self.synthetic(&format!("kernel@{stub:#x}")),
-                }
-            }
-            KernelRef::Named(name) => self.synthetic(&name),
-            KernelRef::Unknown(handle) => self.synthetic(&format!("kernel@{handle:#x}")),
-            KernelRef::Graph(exec) => self.synthetic(&format!("graph@{exec:#x}")),
-        }
-    }
-
-    /// Ends the window of every profile kind. The memory still allocated goes into the
-    /// `cuda_alloc` profile as `inuse_*` values, by allocating stack.
-    fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
-        // The CUDA calls made up to the window's end are counted in it, those after in the next.
-        if self.cuda.is_some() {
-            let ago = u64::try_from(unix_now_ns().saturating_sub(end_unix_ns)).unwrap_or(0);
-            self.end_cuda_window_at(monotonic_now_ns().saturating_sub(ago));
-            self.poll_cuda(None, &[]);
-        }
-        let mut profiles = self.aggregator.flush(end_unix_ns);
-        let deferred = self.cuda.as_mut().map_or_else(Vec::new, |cuda| {
-            cuda.window_end_ns = None;
-            std::mem::take(&mut cuda.deferred)
-        });
-        if let Some(cuda) = &mut self.cuda {
-            if let Some((_, aggregator)) = cuda
-                .aggregators
+    fn aggregate_accelerator_events(&mut self, events: Vec<ProfileEvent>) {
+        for event in events {
+            if let Some((_, aggregator)) = self
+                .accelerator_aggregators
                 .iter_mut()
-                .find(|(k, _)| *k == ProfileKind::CudaAlloc)
+                .find(|(kind, _)| *kind == event.kind)
             {
-                for (site, objects, bytes) in cuda.allocations.in_use() {
-                    aggregator.add_values(
-                        site.process.as_ref(),
-                        &site.sample,
-                        &site.frames,
-                        site.truncated,
-                        &[0, 0, bytes, objects],
-                    );
-                }
-            }
-            cuda.allocations.prune_sites();
-            for (_, aggregator) in &mut cuda.aggregators {
-                profiles.extend(aggregator.flush(end_unix_ns));
+                aggregator.add_labelled_values(
+                    event.process.as_ref(),
+                    &event.sample,
+                    &event.frames,
+                    event.truncated,
+                    &event.values,
+                    event.label,
+                );
             }
         }
-        for record in deferred {
-            self.handle_cuda(record);
+    }
+
+    /// Ends the window of every profile kind; the accelerator adds what is still held at the
+    /// end (device memory in use, as `inuse_*` values of `cuda_alloc`).
+    fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
+        let mut profiles = self.aggregator.flush(end_unix_ns);
+        let Some(mut accelerator) = self.accelerator.take() else {
+            return profiles;
+        };
+        // The calls made up to the window's end are counted in it, those after in the next.
+        let ago = u64::try_from(unix_now_ns().saturating_sub(end_unix_ns)).unwrap_or(0);
+        accelerator.end_window_at(monotonic_now_ns().saturating_sub(ago));
+        let mut events = Vec::new();
+        accelerator.finish_window(self, &mut events);
+        self.aggregate_accelerator_events(events);
+        for (_, aggregator) in &mut self.accelerator_aggregators {
+            profiles.extend(aggregator.flush(end_unix_ns));
         }
+        let mut events = Vec::new();
+        accelerator.start_window(self, &mut events);
+        self.aggregate_accelerator_events(events);
+        self.accelerator = Some(accelerator);
         profiles
     }
 
-    /// CUDA calls made after `end_ns` (`bpf_ktime_get_ns` time) are left out of the current
-    /// window (kept for the next one); an earlier end already set stands.
-    fn end_cuda_window_at(&mut self, end_ns: u64) {
-        if let Some(cuda) = &mut self.cuda {
-            cuda.window_end_ns = Some(cuda.window_end_ns.map_or(end_ns, |set| set.min(end_ns)));
+    /// Accelerator calls made after `end_ns` (`bpf_ktime_get_ns` time) are left out of the
+    /// current window (kept for the next one); an earlier end already set stands.
+    fn end_accelerator_window_at(&mut self, end_ns: u64) {
+        if let Some(accelerator) = &mut self.accelerator {
+            accelerator.end_window_at(end_ns);
         }
     }
 
@@ -959,37 +750,6 @@ impl Pipeline {
             agent_peak_rss_bytes: peak,
             native_tables: self.native_tables.stats(),
             python: self.python.stats(),
-            cuda: self
-                .cuda
-                .as_ref()
-                .map(|c| c.discovery.stats)
-                .unwrap_or_default(),
-            cuda_decode_errors: self.cuda.as_ref().map_or(0, |c| c.decode_errors),
-            cuda_names: self
-                .cuda
-                .as_ref()
-                .map(|c| c.names.stats)
-                .unwrap_or_default(),
-            cuda_allocations: self
-                .cuda
-                .as_ref()
-                .map(|c| c.allocations.stats())
-                .unwrap_or_default(),
-            cuda_call_stacks: self
-                .cuda
-                .as_ref()
-                .map(|c| c.call_stacks.stats)
-                .unwrap_or_default(),
-            cuda_failed_calls: self
-                .cuda
-                .as_ref()
-                .map(|c| {
-                    c.failed
-                        .counts()
-                        .map(|(function, error, calls)| (function, error.to_owned(), calls))
-                        .collect()
-                })
-                .unwrap_or_default(),
             late_walks: self.late.stats(),
             guessed_callers_dropped: self.unwinder.stats.guessed_callers_dropped,
             ..SelfMetrics::default()
@@ -1001,6 +761,15 @@ impl Pipeline {
         }
         if let Some(reader) = reader {
             add_reader_counts(&mut metrics, reader.stats.counts());
+        }
+        if let Some(accelerator) = &self.accelerator {
+            let stats = accelerator.stats();
+            metrics.cuda = stats.discovery;
+            metrics.cuda_decode_errors = stats.decode_errors;
+            metrics.cuda_names = stats.names;
+            metrics.cuda_allocations = stats.allocations;
+            metrics.cuda_call_stacks = stats.call_stacks;
+            metrics.cuda_failed_calls = stats.failed_calls;
         }
         metrics
     }
@@ -1194,7 +963,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let bpf_run_stats = sampler.program_run_stats();
     let duration_ns = started.elapsed().as_nanos() as i64;
     // CUDA calls still reported between here and the probes' detaching are outside the window.
-    pipeline.end_cuda_window_at(monotonic_now_ns());
+    pipeline.end_accelerator_window_at(monotonic_now_ns());
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();

@@ -445,6 +445,7 @@ fn alert_rules_pass_promtool_and_their_unit_tests() {
         "GpuMemoryNearlyFull",
         "GpuTemperatureHigh",
         "GpuSaturated",
+        "GpuBusyButSmIdle",
         "GpuExporterDown",
     ] {
         assert!(rules.contains(&format!("alert: {alert}")), "{alert}");
@@ -568,9 +569,10 @@ fn dashboards_parse_and_use_only_provisioned_datasources() {
     );
 
     let gpu: Value = serde_json::from_str(&read(&grafana.join("dashboards/gpu.json"))).unwrap();
+    // Rows have no targets.
     let exprs: String = panels(&gpu)
         .iter()
-        .flat_map(|p| p["targets"].as_array().unwrap())
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
         .map(|t| t["expr"].as_str().unwrap_or_default().to_owned())
         .collect();
     for metric in [
@@ -583,6 +585,15 @@ fn dashboards_parse_and_use_only_provisioned_datasources() {
         "DCGM_FI_DEV_MEM_CLOCK",
         "DCGM_FI_DEV_MEM_COPY_UTIL",
         "gpu_available",
+        "DCGM_FI_PROF_SM_ACTIVE",
+        "DCGM_FI_PROF_SM_OCCUPANCY",
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+        "DCGM_FI_PROF_DRAM_ACTIVE",
+        "DCGM_FI_PROF_PIPE_FP32_ACTIVE",
+        "DCGM_FI_PROF_PCIE_RX_BYTES",
+        "DCGM_FI_PROF_NVLINK_TX_BYTES",
+        "gpu_process_sm_utilization_percent",
+        "gpu_process_memory_used_bytes",
     ] {
         assert!(exprs.contains(metric), "GPU dashboard shows {metric}");
     }

@@ -149,11 +149,13 @@ pub fn render(r: &GpuResults) -> String {
     format!(
         "\n## GPU: CUDA probe cost\n\n\
          Stand-in runtime (tests/fixtures/gpu), `cudaLaunchKernel` → driver `cuLaunchKernel` through a \
-         cuGetProcAddress pointer: two entry probes fire per call (the runtime's, which reports the \
-         launch and leaves a mark, and the driver's, which the mark turns into a nested call).\n\n\
+         cuGetProcAddress pointer: two entry and two return probes fire per call (the runtime's entry \
+         notes the launch, the driver's entry and return are nested, the runtime's return reports \
+         it once it succeeded). At the default budget the first launch has a stack and the others \
+         are weighted onto it.\n\n\
          | measurement | value |\n|---|---|\n\
          | launch, no probes | {:.0} ns/call |\n\
-         | launch, probes attached (default stack budget: counted, stack-less) | {:.0} ns/call |\n\
+         | launch, probes attached (default stack budget: weighted onto the kernel's stack) | {:.0} ns/call |\n\
          | cost per probed call | **{:.0} ns** (target ≤ 2000) |\n\
          | launch with a stack for every call (`--cuda-stacks-per-second 100000000`) | {:.0} ns/call (+{:.0} ns) |\n\
          | loop paced at 100,000 launches/s, 200,000 launches, no probes | {:.3} s |\n\
