@@ -1107,11 +1107,13 @@ fn gpm_gives_dcgm_profiling_fields_per_mig_instance() {
             2,
             "{name}: one line per GPU instance: {lines:?}"
         );
-        for (instance, share) in [(1, 0.5), (2, 0.25)] {
+        for (instance, profile, share) in [(1, "3g.40gb", 0.5), (2, "2g.20gb", 0.25)] {
+            // dcgm-exporter's MIG labels: the profile (from the driver's MIG device name) and id.
+            let labels = format!(",GPU_I_PROFILE=\"{profile}\",GPU_I_ID=\"{instance}\"}}");
             let line = lines
                 .iter()
-                .find(|l| l.contains(&format!(",GPU_I_ID=\"{instance}\"}}")))
-                .unwrap_or_else(|| panic!("{name}: no GPU_I_ID {instance}: {lines:?}"));
+                .find(|l| l.contains(&labels))
+                .unwrap_or_else(|| panic!("{name}: no {labels}: {lines:?}"));
             let value: f64 = line
                 .rsplit_once(' ')
                 .and_then(|(_, v)| v.parse().ok())

@@ -162,7 +162,9 @@ impl<'nvml> GpmSampler<'nvml> {
             };
         }
         let mut reading = GpmReading::default();
-        for instance in targets(device) {
+        for target in targets(device) {
+            let instance = target.as_ref().map(|(id, _)| *id);
+            let profile = target.and_then(|(_, profile)| profile);
             let sample = match instance {
                 None => device.gpm_sample(),
                 Some(id) => device.gpm_mig_sample(id),
@@ -182,9 +184,13 @@ impl<'nvml> GpmSampler<'nvml> {
                     self.previous.insert(key, (older, at));
                 }
                 Some((older, _)) => {
-                    reading
-                        .values
-                        .extend(metrics(nvml, &older, &sample, instance, index));
+                    reading.values.extend(metrics(
+                        nvml,
+                        &older,
+                        &sample,
+                        (instance, profile.as_deref()),
+                        index,
+                    ));
                     self.previous.insert(key, (sample, now));
                 }
                 None => {
@@ -212,8 +218,9 @@ fn support(device: &Device<'_>) -> Result<(), String> {
 }
 
 /// What to sample on a GPU: the whole GPU, or in MIG mode each of its GPU instances (the
-/// whole GPU is not sampled then, as DCGM reports MIG GPUs per instance).
-fn targets(device: &Device<'_>) -> Vec<Option<u32>> {
+/// whole GPU is not sampled then, as DCGM reports MIG GPUs per instance), with the instance's
+/// profile name when the driver gives one.
+fn targets(device: &Device<'_>) -> Vec<Option<(u32, Option<String>)>> {
     let mig = device.mig_mode().is_ok_and(|mode| mode.current == 1);
     if !mig {
         return vec![None];
@@ -221,9 +228,23 @@ fn targets(device: &Device<'_>) -> Vec<Option<u32>> {
     let count = device.mig_device_count().unwrap_or(0);
     (0..count)
         .filter_map(|i| device.mig_device_by_index(i).ok())
-        .filter_map(|mig_device| gpu_instance_id(device.nvml(), &mig_device))
-        .map(Some)
+        .filter_map(|mig_device| {
+            let id = gpu_instance_id(device.nvml(), &mig_device)?;
+            let profile = mig_device
+                .name()
+                .ok()
+                .and_then(|name| mig_profile(&name).map(str::to_owned));
+            Some(Some((id, profile)))
+        })
         .collect()
+}
+
+/// The profile in a MIG device's name (`NVIDIA H100 80GB HBM3 MIG 1g.10gb` → `1g.10gb`), as
+/// dcgm-exporter's `GPU_I_PROFILE` has it.
+fn mig_profile(name: &str) -> Option<&str> {
+    let (_, profile) = name.rsplit_once(" MIG ")?;
+    let profile = profile.trim();
+    (!profile.is_empty() && !profile.contains(' ')).then_some(profile)
 }
 
 /// The GPU instance id of a MIG device handle (nvml-wrapper has no wrapper for it).
@@ -240,7 +261,7 @@ fn metrics<'nvml>(
     nvml: &'nvml Nvml,
     older: &GpmSample<'nvml>,
     newer: &GpmSample<'nvml>,
-    instance: Option<u32>,
+    (instance, profile): (Option<u32>, Option<&str>),
     index: u32,
 ) -> Vec<DeviceValue> {
     let ids: Vec<GpmMetricId> = GPM_FIELDS.iter().map(|f| f.metric).collect();
@@ -263,7 +284,27 @@ fn metrics<'nvml>(
                 kind: "gauge",
                 value: value * field.scale,
                 gpu_instance: instance,
+                gpu_instance_profile: profile.map(str::to_owned),
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mig_profile;
+
+    #[test]
+    fn a_mig_device_name_gives_its_profile() {
+        assert_eq!(
+            mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb"),
+            Some("1g.10gb")
+        );
+        assert_eq!(
+            mig_profile("NVIDIA A100-SXM4-40GB MIG 3g.20gb "),
+            Some("3g.20gb")
+        );
+        assert_eq!(mig_profile("NVIDIA H100 80GB HBM3"), None);
+        assert_eq!(mig_profile("NVIDIA H100 MIG "), None);
+    }
 }

@@ -47,6 +47,8 @@ pub struct DeviceValue {
     pub value: f64,
     /// The MIG GPU instance the value is of (`GPU_I_ID`), `None` for the whole GPU.
     pub gpu_instance: Option<u32>,
+    /// That instance's profile (`GPU_I_PROFILE`, e.g. `3g.40gb`), when the driver names it.
+    pub gpu_instance_profile: Option<String>,
 }
 
 /// One poll of one GPU.
@@ -337,10 +339,15 @@ impl GpuBoard {
                 let _ = writeln!(text, "# TYPE {} {}", value.name, value.kind);
                 last = value.name;
             }
-            // dcgm-exporter labels a MIG instance's fields with its GPU instance id.
+            // dcgm-exporter labels a MIG instance's fields with its profile and instance id.
+            let profile = value
+                .gpu_instance_profile
+                .as_deref()
+                .map(|profile| format!(",GPU_I_PROFILE=\"{}\"", escape_label(profile)))
+                .unwrap_or_default();
             let instance = value
                 .gpu_instance
-                .map(|id| format!(",GPU_I_ID=\"{id}\""))
+                .map(|id| format!("{profile},GPU_I_ID=\"{id}\""))
                 .unwrap_or_default();
             let _ = writeln!(
                 text,
@@ -527,6 +534,7 @@ fn value(name: &'static str, help: &'static str, kind: &'static str, v: f64) -> 
         kind,
         value: v,
         gpu_instance: None,
+        gpu_instance_profile: None,
     }
 }
 
@@ -956,6 +964,7 @@ mod tests {
         let mut with_mig = device.clone();
         with_mig.values.push(DeviceValue {
             gpu_instance: Some(3),
+            gpu_instance_profile: Some("1g.10gb".into()),
             ..value("DCGM_FI_PROF_SM_ACTIVE", "SM active.", "gauge", 0.25)
         });
         let mut without_gpm = device.clone();
