@@ -100,7 +100,7 @@ pub const CUDA_EVENTS_RING_BYTES: u32 = 4 << 20;
 pub const MAX_CUDA_THREADS: u32 = 16_384;
 /// Entries of the `CUDA_STACK_KINDS` LRU map: the (thread, call, kernel or direction) kinds
 /// that already had a stack.
-pub const MAX_CUDA_STACK_KINDS: u32 = 65_536;
+pub const MAX_CUDA_STACK_KINDS: u32 = 16_384;
 
 /// Key of `CUDA_STACK_KINDS`: what makes calls of a thread "of the same kind" for stack
 /// sampling. The agent weights a call that came without a stack onto the last stack of its kind.

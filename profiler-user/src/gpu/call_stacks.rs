@@ -17,8 +17,10 @@ use crate::{
     process::lru::Lru,
 };
 
-/// Kinds remembered (per process and thread); the least recently used go first.
-pub const MAX_CALL_STACKS: usize = 16_384;
+/// Kinds remembered (per process and thread); the least recently used go first. As many as
+/// BPF remembers kinds that had a stack, so a kind BPF takes no new first stack for still has
+/// its stack here.
+pub const MAX_CALL_STACKS: usize = profiler_common::MAX_CUDA_STACK_KINDS as usize;
 
 /// A stack taken for one call, standing for the calls of its kind that follow.
 #[derive(Debug)]
