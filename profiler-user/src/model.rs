@@ -210,8 +210,31 @@ pub enum UnwoundFrame {
     /// A Python frame, in place of the interpreter's native frame that ran it.
     Python {
         frame: PythonFrameRef,
-        runtime: Arc<crate::runtimes::python::PythonRuntime>,
+        runtime: RuntimeHandle,
     },
+}
+
+/// The interpreter state a frame needs to be symbolized, opaque here: the runtime that unwound
+/// the frame (`runtimes::python`) puts its state in and symbolization takes it out by type, so
+/// the model depends on neither.
+#[derive(Clone)]
+pub struct RuntimeHandle(Arc<dyn std::any::Any + Send + Sync>);
+
+impl RuntimeHandle {
+    pub fn new<T: std::any::Any + Send + Sync>(runtime: Arc<T>) -> Self {
+        RuntimeHandle(runtime)
+    }
+
+    /// The state, if it is a `T`.
+    pub fn get<T: std::any::Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl fmt::Debug for RuntimeHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RuntimeHandle")
+    }
 }
 
 /// A sample's stack after unwinding, innermost frame first.

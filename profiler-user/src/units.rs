@@ -3,6 +3,18 @@
 //! them.
 use std::time::Duration;
 
+/// Seconds in one of the time units ages are written in (`s`, `m`, `h`, `d`, `w`).
+pub(crate) fn unit_seconds(unit: &str) -> Option<u64> {
+    Some(match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        "w" => 7 * 86_400,
+        _ => return None,
+    })
+}
+
 /// `7d`, `12h`, `90m`, `30s` or plain seconds.
 pub(crate) fn parse_age(text: &str) -> Result<Duration, String> {
     let text = text.trim();
@@ -10,17 +22,10 @@ pub(crate) fn parse_age(text: &str) -> Result<Duration, String> {
         Some(pos) => text.split_at(pos),
         None => (text, "s"),
     };
-    let seconds = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        "w" => 7 * 86_400,
-        _ => {
-            return Err(format!(
-                "'{text}' is not a duration (e.g. 7d, 12h, 90m, 3600s)"
-            ));
-        }
+    let Some(seconds) = unit_seconds(unit) else {
+        return Err(format!(
+            "'{text}' is not a duration (e.g. 7d, 12h, 90m, 3600s)"
+        ));
     };
     match number.parse::<u64>() {
         Ok(n) if n > 0 => Ok(Duration::from_secs(n.saturating_mul(seconds))),

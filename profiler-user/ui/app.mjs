@@ -113,6 +113,13 @@ function readHash() {
     state.until = until;
   }
   state.search = params.get('search') ?? '';
+  // Compare mode and its two ranges.
+  const compare = ['base_from', 'base_until', 'comp_from', 'comp_until'].map((k) => Number(params.get(k)));
+  state.hashCompare =
+    params.get('mode') === 'compare' && compare[0] < compare[1] && compare[2] < compare[3] && compare[0] > 0
+      ? { baseFrom: compare[0], baseUntil: compare[1], compFrom: compare[2], compUntil: compare[3] }
+      : null;
+  state.hashMode = params.get('mode') === 'compare' ? 'compare' : 'single';
 }
 
 function writeHash() {
@@ -125,6 +132,13 @@ function writeHash() {
     params.set('until', String(state.until));
   }
   if (state.search) params.set('search', state.search);
+  if (state.mode === 'compare' && state.compare) {
+    params.set('mode', 'compare');
+    params.set('base_from', String(state.compare.baseFrom));
+    params.set('base_until', String(state.compare.baseUntil));
+    params.set('comp_from', String(state.compare.compFrom));
+    params.set('comp_until', String(state.compare.compUntil));
+  }
   history.replaceState(null, '', `${location.pathname}${location.search}#${params}`);
 }
 
@@ -142,7 +156,7 @@ function hideTokenFromAddressBar() {
 function toLocalInput(ms) {
   const d = new Date(ms);
   const pad = (n) => String(n).padStart(2, '0');
-  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}T${pad(d.getHours())}:${pad(d.getMinutes())}`;
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}T${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
 }
 
 function fromLocalInput(value) {
@@ -479,14 +493,20 @@ function setSearch(text) {
 // ---- compare ----
 
 /** The two halves of the selected range, or of the part of it that has data. */
+/** Two halves of equal length (whole seconds, as the inputs show them) of the data's span. */
 function defaultCompareRanges() {
   const { from, until } = state.dataSpan ?? currentRange();
-  const middle = Math.round((from + until) / 2);
-  state.compare = { baseFrom: from, baseUntil: middle, compFrom: middle, compUntil: until };
-  $('base-from').value = toLocalInput(from);
-  $('base-until').value = toLocalInput(middle);
-  $('comp-from').value = toLocalInput(middle);
-  $('comp-until').value = toLocalInput(until);
+  const start = Math.floor(from / 1000) * 1000;
+  const half = Math.max(1000, Math.floor((until - start) / 2000) * 1000);
+  setCompareRanges({ baseFrom: start, baseUntil: start + half, compFrom: start + half, compUntil: start + 2 * half });
+}
+
+function setCompareRanges(ranges) {
+  state.compare = ranges;
+  $('base-from').value = toLocalInput(ranges.baseFrom);
+  $('base-until').value = toLocalInput(ranges.baseUntil);
+  $('comp-from').value = toLocalInput(ranges.compFrom);
+  $('comp-until').value = toLocalInput(ranges.compUntil);
 }
 
 async function runCompare() {
@@ -504,6 +524,8 @@ async function runCompare() {
     setStatus('Pick a service first.', true);
     return;
   }
+  state.compare = { baseFrom: base.from, baseUntil: base.until, compFrom: comp.from, compUntil: comp.until };
+  writeHash();
   const side = (range) => ({
     profileTypeID: state.profileType,
     labelSelector: serviceSelector(state.service),
@@ -535,17 +557,29 @@ async function runCompare() {
   }
 }
 
-function setMode(mode) {
+/** Shows `mode`'s controls; compare starts from the ranges in the URL, else the default. */
+function showMode(mode) {
   state.mode = mode;
   for (const tab of document.querySelectorAll('[role=tab]')) {
     tab.setAttribute('aria-selected', String(tab.dataset.mode === mode));
   }
   $('compare-controls').hidden = mode !== 'compare';
   document.body.dataset.mode = mode;
-  if (mode === 'compare') {
+  if (mode !== 'compare') return;
+  if (state.hashCompare) {
+    setCompareRanges(state.hashCompare);
+    state.hashCompare = null;
+  } else {
     defaultCompareRanges();
+  }
+}
+
+function setMode(mode) {
+  showMode(mode);
+  if (mode === 'compare') {
     runCompare();
   } else {
+    writeHash();
     loadFlamegraph();
   }
 }
@@ -768,6 +802,7 @@ function wire() {
       state.from = from;
       state.until = until;
       $('custom-error').textContent = '';
+      $('custom-range').open = false;
       markPreset();
       refresh();
     } catch (err) {
@@ -812,9 +847,16 @@ function wire() {
     clearInterval(liveTimer);
     if (e.target.checked) liveTimer = setInterval(() => state.preset && refresh(true), LIVE_EVERY_MS);
   });
+  // Charts are drawn for the width they had: draw them again when it changes.
+  let resizeTimer;
+  window.addEventListener('resize', () => {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(() => refresh(true), 200);
+  });
   window.addEventListener('hashchange', () => {
     readHash();
     markPreset();
+    if (state.hashMode !== state.mode || state.hashCompare) showMode(state.hashMode);
     refresh(true);
   });
 }
@@ -834,6 +876,7 @@ function main() {
   view.setSearch(state.search);
   wire();
   markPreset();
+  if (state.hashMode === 'compare') showMode('compare');
   refresh();
   loadHealth();
   setInterval(loadHealth, HEALTH_EVERY_MS);

@@ -371,3 +371,12 @@ export function serviceSelector(service) {
   const escaped = String(service).replace(/\\/g, '\\\\').replace(/"/g, '\\"');
   return `{service_name="${escaped}"}`;
 }
+
+/** A relative change as the tooltip shows it: `new`, `+12.3%`, `-4.0%`, and `0.0%` for what
+ * rounds to nothing (never `-0.0%`). */
+export function describeChange(change) {
+  if (change === Infinity) return 'new';
+  const percent = (100 * change).toFixed(1);
+  if (Number(percent) === 0) return '0.0%';
+  return `${change > 0 ? '+' : ''}${percent}%`;
+}

@@ -1,6 +1,7 @@
 // The canvas flame graph: drawing, hover tooltip, click to zoom, search highlighting. It also
 // keeps a hidden list of the frames it drew (for screen readers and the browser tests).
 import {
+  describeChange,
   diffColor,
   findPath,
   formatPercent,
@@ -82,7 +83,7 @@ export class FlameView {
     const lines = [];
     if (tree.diff) {
       const change = relativeChange(node, tree.leftTicks, tree.rightTicks);
-      const changeText = change === Infinity ? 'new' : `${change >= 0 ? '+' : ''}${(100 * change).toFixed(1)}%`;
+      const changeText = describeChange(change);
       lines.push(['Baseline', `${fmt(node.left.total)} (${formatPercent(node.left.total, tree.leftTicks)})`]);
       lines.push(['Comparison', `${fmt(node.right.total)} (${formatPercent(node.right.total, tree.rightTicks)})`]);
       lines.push(['Self (base → comp)', `${fmt(node.left.self)} → ${fmt(node.right.self)}`]);
@@ -235,3 +236,4 @@ export class FlameView {
     this.tooltip.hidden = true;
   }
 }
+

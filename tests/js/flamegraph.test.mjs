@@ -5,6 +5,7 @@ import { test } from 'node:test';
 
 import {
   decodeDiff,
+  describeChange,
   decodeFlamegraph,
   diffColor,
   findPath,
@@ -292,4 +293,12 @@ test('formatting and selectors', () => {
   assert.equal(serviceSelector('api'), '{service_name="api"}');
   assert.equal(serviceSelector('a"b\\c'), '{service_name="a\\"b\\\\c"}');
   assert.equal(serviceSelector(''), '{}');
+});
+
+test('a change that rounds to nothing reads 0.0%, never -0.0%', () => {
+  assert.equal(describeChange(-0.0001), '0.0%');
+  assert.equal(describeChange(0.0001), '0.0%');
+  assert.equal(describeChange(0.123), '+12.3%');
+  assert.equal(describeChange(-0.04), '-4.0%');
+  assert.equal(describeChange(Infinity), 'new');
 });

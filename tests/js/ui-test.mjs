@@ -166,6 +166,10 @@ async function main() {
     const page = await browser.newPage({ viewport: { width: 1440, height: 900 } });
     page.setDefaultTimeout(UI_TIMEOUT_MS);
     page.on('pageerror', (err) => problems.push(`page error: ${err.message}`));
+    // The page asks for no favicon (a 404 on every load counted as an HTTP error before).
+    page.on('request', (request) => {
+      if (new URL(request.url()).pathname === '/favicon.ico') problems.push('favicon requested');
+    });
     page.on('console', (msg) => {
       // Refused requests (the 401s before login, a missing /api/gpu) are checked where they happen.
       if (msg.type() === 'error' && !msg.text().startsWith('Failed to load resource')) {
@@ -415,6 +419,37 @@ async function main() {
     assert.match(await page.textContent('#tooltip'), /Baseline.*Comparison/s);
     log(`compare: ${functions.phaseTwo} +${(100 * share(functions.phaseTwo)).toFixed(1)} pts, ${functions.phaseOne} ${(100 * share(functions.phaseOne)).toFixed(1)} pts`);
     await shot(page, 'compare');
+
+    // The comparison is in the URL: a reload (or a shared link) shows the same one.
+    const hash = new URLSearchParams(new URL(page.url()).hash.slice(1));
+    assert.equal(hash.get('mode'), 'compare', page.url());
+    assert.equal(Number(hash.get('base_from')), second(ranges.baseFrom), page.url());
+    assert.equal(Number(hash.get('comp_until')), second(comparisonUntil), page.url());
+    await page.reload();
+    await page.waitForSelector('#compare-controls:not([hidden])');
+    await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, expectedRun);
+    assert.equal(await page.getAttribute('#flame canvas', 'data-mode'), 'diff');
+    log('compare: restored from the URL after a reload');
+
+    // Default compare ranges: two halves of equal length, to the second.
+    await page.click('[role=tab][data-mode=single]');
+    await page.click('[role=tab][data-mode=compare]');
+    const lengths = await page.evaluate(() => {
+      const ms = (id) => new Date(document.getElementById(id).value).getTime();
+      return [ms('base-until') - ms('base-from'), ms('comp-until') - ms('comp-from'), ms('comp-from') - ms('base-until')];
+    });
+    assert.ok(lengths[0] > 0 && lengths[0] === lengths[1] && lengths[2] === 0, `default halves: ${lengths}`);
+
+    // A custom range closes its popover once applied.
+    await page.click('[role=tab][data-mode=single]');
+    await page.click('#custom-range summary');
+    await page.waitForFunction(() => document.querySelector('#custom-range').open);
+    await page.fill('#custom-from', localInput(Date.now() - 10 * 60e3));
+    await page.fill('#custom-until', localInput(Date.now() + 60e3));
+    await page.click('#custom-apply');
+    await page.waitForFunction(() => !document.querySelector('#custom-range').open);
+    assert.ok(!page.url().includes('range=5m'), `a custom range in the URL: ${page.url()}`);
+    log('custom range: applied, popover closed');
 
     assert.deepEqual(problems, [], 'no errors in the page');
   } finally {

@@ -153,7 +153,7 @@ const LAYERS: &[&str] = &[
 ];
 
 /// Imports that still point up, each named in docs/architecture.md as one to remove.
-const KNOWN_UPWARD: &[(&str, &str)] = &[("model", "runtimes")];
+const KNOWN_UPWARD: &[(&str, &str)] = &[];
 
 /// The non-test source of one module: its file or every file of its directory, each cut at its
 /// first `#[cfg(test)]` (test modules sit at the end) and without `tests` files.

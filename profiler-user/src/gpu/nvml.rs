@@ -974,7 +974,7 @@ mod tests {
         board.update("host", 6, vec![with_mig, without_gpm], Vec::new(), 3);
         let text = board.render_prometheus();
         assert!(
-            text.contains("DCGM_FI_PROF_SM_ACTIVE{gpu=\"0\",UUID=\"GPU-1\",device=\"nvidia0\",modelName=\"Test \\\"GPU\\\"\",Hostname=\"host\",GPU_I_ID=\"3\"} 0.25"),
+            text.contains("DCGM_FI_PROF_SM_ACTIVE{gpu=\"0\",UUID=\"GPU-1\",device=\"nvidia0\",modelName=\"Test \\\"GPU\\\"\",Hostname=\"host\",GPU_I_PROFILE=\"1g.10gb\",GPU_I_ID=\"3\"} 0.25"),
             "{text}"
         );
         let json: serde_json::Value = serde_json::from_str(&board.api_json(0, 10, None)).unwrap();

@@ -524,15 +524,9 @@ pub fn parse_time(text: &str, now_ns: i64) -> Option<i64> {
         return Some(now_ns);
     }
     if let Some(offset) = text.strip_prefix("now-") {
+        // The unit is required here (`now-90` is no time), unlike in flags.
         let (number, unit) = offset.split_at(offset.len().checked_sub(1)?);
-        let seconds = match unit {
-            "s" => 1,
-            "m" => 60,
-            "h" => 3600,
-            "d" => 86_400,
-            "w" => 7 * 86_400,
-            _ => return None,
-        };
+        let seconds = i64::try_from(crate::units::unit_seconds(unit)?).ok()?;
         let n: i64 = number.parse().ok()?;
         return Some(now_ns - n.checked_mul(seconds)?.checked_mul(1_000_000_000)?);
     }

@@ -32,7 +32,7 @@ use crate::{
         UnwoundStack,
     },
     process::maps::ANONYMOUS_NAME,
-    runtimes::python::CodeCache,
+    runtimes::python::{CodeCache, PythonRuntime},
 };
 
 /// Errors reading a file's ELF layout (they only make its frames unsymbolized).
@@ -248,6 +248,11 @@ impl Symbolizer {
                 self.remember(key, symbolized)
             }
             UnwoundFrame::Python { frame, runtime } => {
+                let Some(runtime) = runtime.get::<PythonRuntime>() else {
+                    // Only the Python runtime makes Python frames.
+                    self.stats.misses += 1;
+                    return Arc::new(python::unknown_python_frame(frame));
+                };
                 let key = FrameKey::Python {
                     pid: runtime.pid,
                     code_addr: frame.code_addr,

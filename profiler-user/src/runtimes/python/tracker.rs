@@ -24,7 +24,7 @@ use super::{
 };
 use crate::{
     bpf::PythonMaps,
-    model::{FileId, Pid, ProcessInfo, Sample, UnwoundFrame, UnwoundStack},
+    model::{FileId, Pid, ProcessInfo, RuntimeHandle, Sample, UnwoundFrame, UnwoundStack},
 };
 
 /// How long to wait before checking again a process whose interpreter is not initialised yet.
@@ -335,7 +335,7 @@ impl<M: PythonMaps> PythonTracker<M> {
         let mut frames = Vec::with_capacity(stack.frames.len() + python.len());
         let python_frame = |index: usize| UnwoundFrame::Python {
             frame: python[index],
-            runtime: Arc::clone(runtime),
+            runtime: RuntimeHandle::new(Arc::clone(runtime)),
         };
         // A walk cut at the depth limit has the innermost frames only: once they are placed,
         // the frames further out (native and Python) belong to the part not recorded, so the
