@@ -447,6 +447,7 @@ impl Client {
                 end: end_ms,
                 max_nodes: Some(1 << 20),
                 format: 1,
+                stack_trace_selector: None,
             },
         );
         response.flamegraph.unwrap_or_default()

@@ -703,6 +703,7 @@ fn queries_over_fuzzed_data() {
                         start,
                         end,
                         max_nodes,
+                        stack_trace_selector: None,
                     };
                     return check_http(
                         &client,

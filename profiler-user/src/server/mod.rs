@@ -207,6 +207,8 @@ pub fn router(state: AppState) -> Router {
         .route("/api/health", get(handlers::health))
         .route("/api/gpu", get(handlers::gpu))
         .route("/api/pprof", get(handlers::pprof_download))
+        .route("/pyroscope/render", get(handlers::render_single))
+        .route("/pyroscope/render-diff", get(handlers::render_diff))
         .route("/", get(handlers::ui))
         .fallback(handlers::ui_or_not_found)
         .method_not_allowed_fallback(method_not_allowed)

@@ -153,6 +153,7 @@ fn merge_request(selector: &str) -> SelectMergeStacktracesRequest {
         end: now_ns() / 1_000_000 + 60_000,
         max_nodes: None,
         format: 1,
+        stack_trace_selector: None,
     }
 }
 
@@ -294,6 +295,7 @@ fn push_then_query_in_both_codecs() {
         start: merge_request("").start,
         end: merge_request("").end,
         max_nodes: None,
+        stack_trace_selector: None,
     };
     let (status, body) = server.post(
         "/querier.v1.QuerierService/SelectMergeProfile",
@@ -816,4 +818,147 @@ fn too_many_matchers_are_a_400_and_counted() {
     );
     assert_json_error(status, &body, 400, "more than 64 matchers");
     assert_eq!(server.health.selectors_rejected.load(Ordering::Relaxed), 1);
+}
+
+/// Pyroscope's HTTP render API in flamebearer JSON: `/pyroscope/render` for one selection and
+/// `/pyroscope/render-diff` as Grafana's Profiles Drilldown asks for its diff view (its
+/// `DiffProfileApiClient`: `leftQuery`, `leftFrom`, `leftUntil`, `rightQuery`, `rightFrom`,
+/// `rightUntil` in Unix milliseconds, and `max-nodes`).
+#[test]
+fn render_and_render_diff_answer_flamebearer_json() {
+    let server = TestServer::start();
+    for (range, folded) in [
+        (
+            "from=now-10m&until=now-9m",
+            &b"main;work 3\nmain;idle 1\n"[..],
+        ),
+        (
+            "from=now-3m&until=now-2m",
+            &b"main;work 1\nmain;idle 3\n"[..],
+        ),
+    ] {
+        let (status, body) = server.post(
+            &format!("/ingest?name=folded.cpu&sampleRate=100&{range}"),
+            "text/plain",
+            folded,
+        );
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    let cpu = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
+    let query = |text: &str| -> String {
+        text.replace('{', "%7B")
+            .replace('}', "%7D")
+            .replace('"', "%22")
+            .replace('=', "%3D")
+    };
+    let selector = query(&format!(r#"{cpu}{{service_name="folded"}}"#));
+
+    let (status, body) = server.get(&format!(
+        "/pyroscope/render?query={selector}&from=now-1h&until=now&format=json"
+    ));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let single: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    // 8 samples at 100 Hz, in nanoseconds.
+    assert_eq!(single["flamebearer"]["numTicks"], 80_000_000, "{single}");
+    let names: Vec<&str> = single["flamebearer"]["names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    for name in ["main", "work", "idle"] {
+        assert!(names.contains(&name), "{names:?}");
+    }
+    let levels = single["flamebearer"]["levels"].as_array().unwrap();
+    assert_eq!(levels[0][1], 80_000_000, "the root level holds the total");
+    assert!(levels.iter().all(|l| l.as_array().unwrap().len() % 4 == 0));
+    assert_eq!(single["metadata"]["format"], "single");
+    assert_eq!(single["metadata"]["units"], "samples");
+    let timeline_total: f64 = single["timeline"]["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    assert_eq!(timeline_total, 80_000_000.0, "{}", single["timeline"]);
+
+    let now_ms = now_ns() / 1_000_000;
+    let (status, body) = server.get(&format!(
+        "/pyroscope/render-diff?leftQuery={selector}&leftFrom={}&leftUntil={}&rightQuery={selector}&rightFrom={}&rightUntil={now_ms}&max-nodes=16384",
+        now_ms - 11 * 60_000,
+        now_ms - 8 * 60_000,
+        now_ms - 4 * 60_000,
+    ));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let diff: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(diff["metadata"]["format"], "double");
+    assert_eq!(diff["leftTicks"], 40_000_000, "{diff}");
+    assert_eq!(diff["rightTicks"], 40_000_000, "{diff}");
+    let names: Vec<&str> = diff["flamebearer"]["names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    // `work`: 3 samples on the left, 1 on the right.
+    let work = names.iter().position(|n| *n == "work").expect("work") as i64;
+    let node = diff["flamebearer"]["levels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|level| {
+            level
+                .as_array()
+                .unwrap()
+                .chunks(7)
+                .map(|c| c.iter().map(|v| v.as_i64().unwrap()).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        })
+        .find(|node| node[6] == work)
+        .expect("a work node");
+    assert_eq!((node[1], node[4]), (30_000_000, 10_000_000), "{node:?}");
+
+    let (status, body) = server.get(&format!("/pyroscope/render?query={selector}&format=dot"));
+    assert_json_error(status, &body, 501, "only json");
+    let (status, body) = server.get("/pyroscope/render-diff?leftQuery=process_cpu:cpu:nanoseconds:cpu:nanoseconds&rightQuery=memory:alloc_space:bytes:space:bytes");
+    assert_json_error(status, &body, 400, "same profile type");
+}
+
+/// `stack_trace_selector` (call-site views) is not supported: a request that sets it, over
+/// protobuf or JSON, is refused with 501 instead of being answered with the whole profile.
+#[test]
+fn a_stack_trace_selector_is_refused_not_ignored() {
+    let server = TestServer::start();
+    let mut request = merge_request("{}");
+    // A `StackTraceSelector` with one call-site location (`call_site`(1) { `name`(1) "main" }).
+    request.stack_trace_selector = Some(vec![0x0a, 0x06, 0x0a, 0x04, b'm', b'a', b'i', b'n']);
+    let (status, body) = server.post(
+        "/querier.v1.QuerierService/SelectMergeStacktraces",
+        "application/proto",
+        &request.encode_to_vec(),
+    );
+    assert_json_error(status, &body, 501, "stack_trace_selector");
+    let (status, body) = server.post(
+        "/querier.v1.QuerierService/SelectSeries",
+        "application/json",
+        serde_json::json!({
+            "profileTypeID": CPU,
+            "labelSelector": "{}",
+            "start": "0",
+            "end": "0",
+            "step": 15,
+            "stackTraceSelector": {"callSite": [{"name": "main"}]},
+        })
+        .to_string()
+        .as_bytes(),
+    );
+    assert_json_error(status, &body, 501, "stack_trace_selector");
+    // Without it, the same request is answered.
+    request.stack_trace_selector = None;
+    let (status, _) = server.post(
+        "/querier.v1.QuerierService/SelectMergeStacktraces",
+        "application/proto",
+        &request.encode_to_vec(),
+    );
+    assert_eq!(status, 200);
 }

@@ -91,6 +91,13 @@ mod json {
         }
     }
 
+    /// Any value but `null` → `Some` (empty): a field whose content is not read, only whether
+    /// it was set.
+    pub fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
+        let value = Option::<serde::de::IgnoredAny>::deserialize(d)?;
+        Ok(value.map(|_| Vec::new()))
+    }
+
     /// `null` → default, for every field (proto3 JSON allows null for any field).
     pub fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
     where
@@ -391,6 +398,16 @@ pub struct SelectMergeStacktracesRequest {
     #[prost(int32, tag = "6")]
     #[serde(with = "json::profile_format")]
     pub format: i32,
+    /// `stack_trace_selector` (a message, kept only as its bytes): not supported, so a request
+    /// that sets it is refused rather than answered as if it had not.
+    #[prost(bytes = "vec", optional, tag = "7")]
+    #[serde(
+        rename = "stackTraceSelector",
+        alias = "stack_trace_selector",
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "json::present"
+    )]
+    pub stack_trace_selector: Option<Vec<u8>>,
 }
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
@@ -454,6 +471,16 @@ pub struct SelectMergeProfileRequest {
         with = "json::opt_i64_string"
     )]
     pub max_nodes: Option<i64>,
+    /// `stack_trace_selector` (a message, kept only as its bytes): not supported, so a request
+    /// that sets it is refused rather than answered as if it had not.
+    #[prost(bytes = "vec", optional, tag = "6")]
+    #[serde(
+        rename = "stackTraceSelector",
+        alias = "stack_trace_selector",
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "json::present"
+    )]
+    pub stack_trace_selector: Option<Vec<u8>>,
 }
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
@@ -493,6 +520,16 @@ pub struct SelectSeriesRequest {
     #[prost(int32, optional, tag = "7")]
     #[serde(with = "json::aggregation")]
     pub aggregation: Option<i32>,
+    /// `stack_trace_selector` (a message, kept only as its bytes): not supported, so a request
+    /// that sets it is refused rather than answered as if it had not.
+    #[prost(bytes = "vec", optional, tag = "8")]
+    #[serde(
+        rename = "stackTraceSelector",
+        alias = "stack_trace_selector",
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "json::present"
+    )]
+    pub stack_trace_selector: Option<Vec<u8>>,
     #[prost(int64, optional, tag = "9")]
     #[serde(with = "json::opt_i64_string")]
     pub limit: Option<i64>,

@@ -75,6 +75,19 @@ fn selectors(state: &AppState, matchers: &[String]) -> Result<Vec<Selector>, Api
     matchers.iter().map(|m| parse_selector(state, m)).collect()
 }
 
+/// A request that sets `stack_trace_selector` (call-site and Go PGO views) is refused: it is not
+/// supported, and answering the whole profile instead would be silently wrong.
+fn refuse_stack_trace_selector(selector: &Option<Vec<u8>>) -> Result<(), ApiError> {
+    match selector {
+        Some(_) => Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unimplemented",
+            "stack_trace_selector is not supported",
+        )),
+        None => Ok(()),
+    }
+}
+
 fn max_nodes(requested: Option<i64>) -> usize {
     match requested {
         Some(n) if n > 0 => n as usize,
@@ -165,6 +178,7 @@ pub async fn querier(
         }
         "SelectMergeStacktraces" => {
             let request: SelectMergeStacktracesRequest = connect::decode(codec, &body)?;
+            refuse_stack_trace_selector(&request.stack_trace_selector)?;
             if request.format > 1 {
                 return Err(ApiError::new(
                     StatusCode::NOT_IMPLEMENTED,
@@ -197,6 +211,8 @@ pub async fn querier(
             let (Some(left), Some(right)) = (request.left, request.right) else {
                 return Err(ApiError::invalid("Diff needs both `left` and `right`"));
             };
+            refuse_stack_trace_selector(&left.stack_trace_selector)?;
+            refuse_stack_trace_selector(&right.stack_trace_selector)?;
             let left_selection = selection(
                 &state,
                 &left.profile_type_id,
@@ -227,6 +243,7 @@ pub async fn querier(
         }
         "SelectMergeProfile" => {
             let request: SelectMergeProfileRequest = connect::decode(codec, &body)?;
+            refuse_stack_trace_selector(&request.stack_trace_selector)?;
             if codec == Codec::Json {
                 return Err(ApiError::unsupported_media(
                     "SelectMergeProfile answers a pprof message: use application/proto, or GET /api/pprof for a .pb.gz file",
@@ -252,6 +269,7 @@ pub async fn querier(
         }
         "SelectSeries" => {
             let request: SelectSeriesRequest = connect::decode(codec, &body)?;
+            refuse_stack_trace_selector(&request.stack_trace_selector)?;
             let selection = selection(
                 &state,
                 &request.profile_type_id,
@@ -401,4 +419,202 @@ pub async fn pprof_download(State(state): State<AppState>, uri: Uri) -> Result<R
         body,
     )
         .into_response())
+}
+
+/// The query string of a GET request.
+fn query_params(uri: &Uri) -> Result<HashMap<String, String>, ApiError> {
+    axum::extract::Query::try_from_uri(uri)
+        .map(|q| q.0)
+        .map_err(|e| ApiError::invalid(format!("bad query string: {e}")))
+}
+
+/// `<profile type>{selector}` → (profile type, selector).
+fn split_query(query: &str) -> (&str, &str) {
+    match query.find('{') {
+        Some(pos) => (&query[..pos], &query[pos..]),
+        None => (query, "{}"),
+    }
+}
+
+/// A render API time (`now`, `now-1h`, Unix seconds or milliseconds) in milliseconds; `default`
+/// when absent.
+fn render_time(
+    params: &HashMap<String, String>,
+    key: &str,
+    default: &str,
+    now_ns: i64,
+) -> Result<i64, ApiError> {
+    let text = params.get(key).map_or(default, String::as_str);
+    crate::store::ingest::parse_time(text, now_ns)
+        .map(|ns| ns / 1_000_000)
+        .ok_or_else(|| {
+            ApiError::invalid(format!(
+                "`{key}` must be now, now-<n><s|m|h|d|w>, or Unix seconds or milliseconds"
+            ))
+        })
+}
+
+/// One side of a render request: the selection and the profile type it names.
+fn render_selection(
+    state: &AppState,
+    params: &HashMap<String, String>,
+    [query_key, from_key, until_key]: [&str; 3],
+) -> Result<(Selection, ProfileType), ApiError> {
+    let query = params.get(query_key).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "missing `{query_key}` (<profile type>{{selector}})"
+        ))
+    })?;
+    let (profile_type, selector) = split_query(query);
+    let now_ns = unix_now_ns();
+    let until = render_time(params, until_key, "now", now_ns)?;
+    let from = render_time(params, from_key, "now-1h", now_ns)?;
+    let selection = selection(state, profile_type, selector, from, until)?;
+    let parsed = ProfileType::parse(profile_type).map_err(store_error)?;
+    Ok((selection, parsed))
+}
+
+/// Only JSON is answered (the flamebearer format); Pyroscope's other render formats are not.
+fn check_render_format(params: &HashMap<String, String>) -> Result<(), ApiError> {
+    match params.get("format").map(String::as_str) {
+        None | Some("json") => Ok(()),
+        Some(other) => Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unimplemented",
+            format!(
+                "format={} is not supported: only json (flamebearer) is",
+                other.escape_debug()
+            ),
+        )),
+    }
+}
+
+/// The flamebearer `metadata` of a profile type: units and sample rate as Pyroscope's own
+/// render API sets them (CPU time in nanoseconds reads as samples at 1e9 per second).
+fn flamebearer_metadata(profile_type: &ProfileType, format: &str) -> serde_json::Value {
+    let sample_type = profile_type.sample_type.as_str();
+    let (units, sample_rate) = if sample_type == "cpu" {
+        ("samples", 1_000_000_000)
+    } else if sample_type.ends_with("objects")
+        || matches!(sample_type, "goroutine" | "goroutines" | "samples")
+        || profile_type.sample_unit == "count"
+    {
+        ("objects", 100)
+    } else if profile_type.sample_unit == "bytes" {
+        ("bytes", 100)
+    } else {
+        (profile_type.sample_unit.as_str(), 100)
+    };
+    serde_json::json!({
+        "format": format,
+        "spyName": "",
+        "sampleRate": sample_rate,
+        "units": units,
+        "name": profile_type.name,
+    })
+}
+
+fn level_values(levels: &[Level]) -> Vec<&[i64]> {
+    levels.iter().map(|level| level.values.as_slice()).collect()
+}
+
+fn json_response(value: &serde_json::Value) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        value.to_string(),
+    )
+        .into_response()
+}
+
+/// `GET /pyroscope/render?query=<type>{selector}&from=&until=[&max-nodes=][&format=json]`:
+/// Pyroscope's HTTP render API, the merged profile as flamebearer JSON (levels of
+/// `[x delta, total, self, name index]`, as the querier's flame graph) with a timeline.
+pub async fn render_single(State(state): State<AppState>, uri: Uri) -> Result<Response, ApiError> {
+    let store = state.store()?.clone();
+    let params = query_params(&uri)?;
+    check_render_format(&params)?;
+    let (selection, profile_type) = render_selection(&state, &params, ["query", "from", "until"])?;
+    let max_nodes = max_nodes(params.get("max-nodes").and_then(|n| n.parse().ok()));
+    // About a thousand timeline points, at least 10 s apart.
+    let step_s = ((selection.end_ns - selection.start_ns) / 1_000_000_000 / 1000).max(10);
+    let request = SelectSeriesRequest {
+        step: step_s as f64,
+        ..SelectSeriesRequest::default()
+    };
+    let start_ns = selection.start_ns;
+    let span_ms = (selection.end_ns - selection.start_ns) / 1_000_000;
+    let (flamegraph, series) = bounded_query(&state, move || {
+        let tree = store.merge(&selection).map_err(store_error)?;
+        let series = select_series(&store, &selection, &request)?;
+        Ok((render::flamegraph(&tree, max_nodes), series))
+    })
+    .await?;
+    // Buckets end at start + k·step (see select_series); the timeline's k-th sample is bucket k+1.
+    let step_ms = step_s * 1000;
+    let buckets = (span_ms.max(1) + step_ms - 1) / step_ms;
+    let mut samples = vec![0f64; buckets.clamp(1, 100_000) as usize];
+    for point in series.iter().flat_map(|s| &s.points) {
+        let index = (point.timestamp - start_ns / 1_000_000) / step_ms - 1;
+        if let Some(slot) = usize::try_from(index).ok().and_then(|i| samples.get_mut(i)) {
+            *slot += point.value;
+        }
+    }
+    Ok(json_response(&serde_json::json!({
+        "version": 1,
+        "flamebearer": {
+            "names": flamegraph.names,
+            "levels": level_values(&flamegraph.levels),
+            "numTicks": flamegraph.total,
+            "maxSelf": flamegraph.max_self,
+        },
+        "metadata": flamebearer_metadata(&profile_type, "single"),
+        "timeline": {
+            "startTime": start_ns / 1_000_000_000,
+            "samples": samples,
+            "durationDelta": step_s,
+        },
+        "groups": {},
+    })))
+}
+
+/// `GET /pyroscope/render-diff?leftQuery=&leftFrom=&leftUntil=&rightQuery=&rightFrom=&rightUntil=
+/// [&max-nodes=][&format=json]`: two selections as one flamebearer of format `double` (levels
+/// of `[left x delta, left total, left self, right x delta, right total, right self, name
+/// index]`), as Grafana's Profiles Drilldown asks for its diff view.
+pub async fn render_diff(State(state): State<AppState>, uri: Uri) -> Result<Response, ApiError> {
+    let store = state.store()?.clone();
+    let params = query_params(&uri)?;
+    check_render_format(&params)?;
+    let (left, left_type) =
+        render_selection(&state, &params, ["leftQuery", "leftFrom", "leftUntil"])?;
+    let (right, _) = render_selection(&state, &params, ["rightQuery", "rightFrom", "rightUntil"])?;
+    if left.profile_type != right.profile_type {
+        return Err(ApiError::invalid(
+            "leftQuery and rightQuery must name the same profile type",
+        ));
+    }
+    let max_nodes = max_nodes(params.get("max-nodes").and_then(|n| n.parse().ok()));
+    let diff = bounded_query(&state, move || {
+        let left = store.merge(&left).map_err(store_error)?;
+        let right = store.merge(&right).map_err(store_error)?;
+        Ok(render::flamegraph_diff(&left, &right, max_nodes))
+    })
+    .await?;
+    Ok(json_response(&serde_json::json!({
+        "version": 1,
+        "flamebearer": {
+            "names": diff.names,
+            "levels": level_values(&diff.levels),
+            "numTicks": diff.total,
+            "maxSelf": diff.max_self,
+        },
+        "metadata": flamebearer_metadata(&left_type, "double"),
+        "leftTicks": diff.left_ticks,
+        "rightTicks": diff.right_ticks,
+        "timeline": null,
+    })))
 }
