@@ -201,6 +201,10 @@ pub fn router(state: AppState) -> Router {
             "/querier.v1.QuerierService/{method}",
             post(handlers::querier),
         )
+        .route(
+            "/settings.v1.SettingsService/{method}",
+            post(handlers::settings),
+        )
         .route("/metrics", get(handlers::metrics))
         .route(LIVENESS_PATH, get(handlers::healthz))
         .route(READINESS_PATH, get(handlers::readyz))

@@ -962,3 +962,69 @@ fn a_stack_trace_selector_is_refused_not_ignored() {
     );
     assert_eq!(status, 200);
 }
+
+/// `settings.v1.SettingsService`, which Profiles Drilldown keeps its preferences in: Set and Get
+/// in both codecs, kept in the store (a reopened store has them), an outdated write refused.
+#[test]
+fn settings_are_set_got_and_kept() {
+    use crate::wire::api::{GetSettingsResponse, SetSettingsRequest, SetSettingsResponse, Setting};
+    let server = TestServer::start();
+    let (status, body) = server.post(
+        "/settings.v1.SettingsService/Set",
+        "application/json",
+        br#"{"setting":{"name":"pluginSettings","value":"{\"maxNodes\":16384}","modifiedAt":"1700000000000"}}"#,
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(answer["setting"]["name"], "pluginSettings");
+    let request = SetSettingsRequest {
+        setting: Some(Setting {
+            name: "theme".into(),
+            value: "dark".into(),
+            modified_at: 0,
+        }),
+    };
+    let (status, body) = server.post(
+        "/settings.v1.SettingsService/Set",
+        "application/proto",
+        &request.encode_to_vec(),
+    );
+    assert_eq!(status, 200);
+    let stamped = SetSettingsResponse::decode(body.as_slice()).unwrap();
+    assert!(
+        stamped.setting.unwrap().modified_at > 1_700_000_000_000,
+        "stamped now"
+    );
+    // Older than what is stored: refused, and the stored value stays.
+    let (status, body) = server.post(
+        "/settings.v1.SettingsService/Set",
+        "application/json",
+        br#"{"setting":{"name":"pluginSettings","value":"old","modifiedAt":"1600000000000"}}"#,
+    );
+    assert_json_error(status, &body, 400, "after this change");
+
+    let (status, body) = server.post("/settings.v1.SettingsService/Get", "application/proto", &[]);
+    assert_eq!(status, 200);
+    let got = GetSettingsResponse::decode(body.as_slice()).unwrap();
+    let names: Vec<(&str, &str)> = got
+        .settings
+        .iter()
+        .map(|s| (s.name.as_str(), s.value.as_str()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("pluginSettings", r#"{"maxNodes":16384}"#),
+            ("theme", "dark")
+        ]
+    );
+    // The store keeps them across a restart.
+    let reopened = Store::open(StoreSettings::new(server._dir.path())).unwrap();
+    assert_eq!(reopened.user_settings().unwrap().len(), 2);
+    let (status, body) = server.post(
+        "/settings.v1.SettingsService/Nope",
+        "application/json",
+        b"{}",
+    );
+    assert_json_error(status, &body, 404, "Nope");
+}

@@ -77,6 +77,31 @@ pub enum StoreError {
         "query too large: it would merge {nodes} call-tree nodes, over the limit of {limit} (--max-query-nodes); select fewer services"
     )]
     QueryTooLarge { nodes: usize, limit: usize },
+    #[error("setting `{name}` was changed at {stored_ms} ms, after this change ({modified_ms} ms)")]
+    SettingOutdated {
+        name: String,
+        stored_ms: i64,
+        modified_ms: i64,
+    },
+    #[error(
+        "a setting needs a name of at most {MAX_SETTING_NAME} bytes and a value of at most {MAX_SETTING_VALUE}"
+    )]
+    InvalidSetting,
+}
+
+/// Bounds of one setting (Grafana's apps store small JSON documents).
+pub const MAX_SETTING_NAME: usize = 256;
+pub const MAX_SETTING_VALUE: usize = 64 * 1024;
+/// Settings kept at most; a new name beyond is refused.
+pub const MAX_SETTINGS: i64 = 1024;
+
+/// A setting as Pyroscope's `settings.v1` API has it: name, value, and the client's time of the
+/// change in milliseconds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Setting {
+    pub name: String,
+    pub value: String,
+    pub modified_ms: i64,
 }
 
 impl StoreError {
@@ -113,6 +138,8 @@ impl StoreError {
                 | StoreError::Limit(_)
                 | StoreError::NegativeValue { .. }
                 | StoreError::QueryTooLarge { .. }
+                | StoreError::SettingOutdated { .. }
+                | StoreError::InvalidSetting
         )
     }
 }
@@ -518,6 +545,8 @@ CREATE TABLE IF NOT EXISTS profiles(id INTEGER PRIMARY KEY, series_id INTEGER NO
     stacks BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS profiles_by_series_time ON profiles(series_id, time_ns);
 CREATE INDEX IF NOT EXISTS profiles_by_time ON profiles(time_ns);
+CREATE TABLE IF NOT EXISTS settings(name TEXT PRIMARY KEY, value TEXT NOT NULL,
+    modified_at INTEGER NOT NULL);
 ";
 
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
@@ -1445,6 +1474,70 @@ fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
 
 /// Looks up a profile row count, for tests and the benchmark.
 impl Store {
+    /// Every user setting (`settings.v1`), by name.
+    pub fn user_settings(&self) -> Result<Vec<Setting>, StoreError> {
+        self.with_reader(|conn| {
+            let mut statement =
+                conn.prepare("SELECT name, value, modified_at FROM settings ORDER BY name")?;
+            let rows = statement.query_map([], |row| {
+                Ok(Setting {
+                    name: row.get(0)?,
+                    value: row.get(1)?,
+                    modified_ms: row.get(2)?,
+                })
+            })?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
+    /// Stores a setting, unless the stored one was changed later (as Pyroscope refuses an
+    /// outdated write); a change without a time is stamped `now_ms`.
+    pub fn set_user_setting(
+        &self,
+        mut setting: Setting,
+        now_ms: i64,
+    ) -> Result<Setting, StoreError> {
+        if setting.name.is_empty()
+            || setting.name.len() > MAX_SETTING_NAME
+            || setting.value.len() > MAX_SETTING_VALUE
+        {
+            return Err(StoreError::InvalidSetting);
+        }
+        if setting.modified_ms <= 0 {
+            setting.modified_ms = now_ms;
+        }
+        let writer = self.inner.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let stored: Option<i64> = writer
+            .query_row(
+                "SELECT modified_at FROM settings WHERE name = ?",
+                [&setting.name],
+                |row| row.get(0),
+            )
+            .optional()?;
+        match stored {
+            Some(stored_ms) if stored_ms > setting.modified_ms => {
+                return Err(StoreError::SettingOutdated {
+                    name: setting.name,
+                    stored_ms,
+                    modified_ms: setting.modified_ms,
+                });
+            }
+            None => {
+                let count: i64 =
+                    writer.query_row("SELECT COUNT(*) FROM settings", [], |row| row.get(0))?;
+                if count >= MAX_SETTINGS {
+                    return Err(StoreError::InvalidSetting);
+                }
+            }
+            Some(_) => {}
+        }
+        writer.execute(
+            "INSERT OR REPLACE INTO settings(name, value, modified_at) VALUES (?, ?, ?)",
+            rusqlite::params![setting.name, setting.value, setting.modified_ms],
+        )?;
+        Ok(setting)
+    }
+
     pub fn profile_count(&self) -> Result<u64, StoreError> {
         self.with_reader(|conn| {
             Ok(conn

@@ -609,6 +609,54 @@ pub struct GetProfileStatsResponse {
     pub newest_profile_time: i64,
 }
 
+// settings.v1.SettingsService: per-tenant key/value settings Grafana's apps keep (Profiles
+// Drilldown stores its user preferences there).
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Setting {
+    #[prost(string, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub name: String,
+    #[prost(string, tag = "2")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub value: String,
+    /// Milliseconds since the epoch (the field is `modifiedAt` in the .proto too).
+    #[prost(int64, tag = "3")]
+    #[serde(
+        rename = "modifiedAt",
+        alias = "modified_at",
+        with = "json::i64_string"
+    )]
+    pub modified_at: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GetSettingsRequest {}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GetSettingsResponse {
+    #[prost(message, repeated, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub settings: Vec<Setting>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SetSettingsRequest {
+    #[prost(message, optional, tag = "1")]
+    pub setting: Option<Setting>,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SetSettingsResponse {
+    #[prost(message, optional, tag = "1")]
+    pub setting: Option<Setting>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@ mod queries;
 
 pub use ingestion::{ingest, push};
 pub use operations::*;
-pub use queries::{pprof_download, querier, render_diff, render_single};
+pub use queries::{pprof_download, querier, render_diff, render_single, settings};
 
 use std::{collections::HashMap, fmt::Write as _};
 

@@ -618,3 +618,62 @@ pub async fn render_diff(State(state): State<AppState>, uri: Uri) -> Result<Resp
         "timeline": null,
     })))
 }
+
+/// `POST /settings.v1.SettingsService/{Get,Set}` (Connect, protobuf or JSON): the settings
+/// Grafana's apps keep, persisted in the store.
+pub async fn settings(
+    State(state): State<AppState>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let store = state.store()?.clone();
+    let codec = Codec::from_headers(&headers)?;
+    let limit = state.config.max_body_bytes;
+    let body = connect::read_body(body, limit).await?;
+    let body = connect::decode_content_encoding(&headers, body, limit)?;
+    let to_wire = |setting: crate::store::Setting| api::Setting {
+        name: setting.name,
+        value: setting.value,
+        modified_at: setting.modified_ms,
+    };
+    match method.as_str() {
+        "Get" => {
+            let _: api::GetSettingsRequest = connect::decode(codec, &body)?;
+            let settings =
+                bounded_query(&state, move || store.user_settings().map_err(store_error)).await?;
+            Ok(connect::encode(
+                codec,
+                &api::GetSettingsResponse {
+                    settings: settings.into_iter().map(to_wire).collect(),
+                },
+            ))
+        }
+        "Set" => {
+            let request: api::SetSettingsRequest = connect::decode(codec, &body)?;
+            let setting = request
+                .setting
+                .ok_or_else(|| ApiError::invalid("Set needs a `setting`"))?;
+            let setting = crate::store::Setting {
+                name: setting.name,
+                value: setting.value,
+                modified_ms: setting.modified_at,
+            };
+            let now_ms = unix_now_ns() / 1_000_000;
+            let stored = bounded_query(&state, move || {
+                store.set_user_setting(setting, now_ms).map_err(store_error)
+            })
+            .await?;
+            Ok(connect::encode(
+                codec,
+                &api::SetSettingsResponse {
+                    setting: Some(to_wire(stored)),
+                },
+            ))
+        }
+        other => Err(ApiError::not_found(format!(
+            "unknown method settings.v1.SettingsService/{}",
+            other.escape_debug()
+        ))),
+    }
+}
