@@ -33,6 +33,8 @@ const LIVE_EVERY_MS = 15000;
 
 const state = {
   service: '',
+  // Flame graph, top table, or both side by side.
+  view: 'both',
   profileType: '',
   preset: '1h',
   // Custom range in ms (when preset is '').
@@ -113,6 +115,8 @@ function readHash() {
     state.until = until;
   }
   state.search = params.get('search') ?? '';
+  const view = params.get('view');
+  if (['flame', 'table', 'both'].includes(view)) state.view = view;
   // Compare mode and its two ranges.
   const compare = ['base_from', 'base_until', 'comp_from', 'comp_until'].map((k) => Number(params.get(k)));
   state.hashCompare =
@@ -132,6 +136,7 @@ function writeHash() {
     params.set('until', String(state.until));
   }
   if (state.search) params.set('search', state.search);
+  if (state.view !== 'both') params.set('view', state.view);
   if (state.mode === 'compare' && state.compare) {
     params.set('mode', 'compare');
     params.set('base_from', String(state.compare.baseFrom));
@@ -322,6 +327,7 @@ async function loadTimeline(query, range, sequence) {
       stepMs: step * 1000,
       color: '#e8590c',
     });
+    state.timelineRange = range;
     canvas.dataset.points = String(points.length);
     const times = points.filter((p) => p.v > 0).map((p) => p.t);
     // SelectSeries stamps a point with its bucket's right edge.
@@ -847,6 +853,50 @@ function wire() {
     clearInterval(liveTimer);
     if (e.target.checked) liveTimer = setInterval(() => state.preset && refresh(true), LIVE_EVERY_MS);
   });
+  // Drag across the timeline to select that range (a click alone does nothing).
+  const timeline = $('timeline');
+  let brushFrom = null;
+  const brushX = (e) => {
+    const box = timeline.getBoundingClientRect();
+    return Math.min(Math.max(e.clientX - box.left, 0), box.width);
+  };
+  const showBrush = (a, b) => {
+    const brush = $('brush');
+    brush.hidden = false;
+    brush.style.left = `${Math.min(a, b)}px`;
+    brush.style.width = `${Math.abs(b - a)}px`;
+  };
+  timeline.addEventListener('mousedown', (e) => {
+    if (state.mode !== 'single') return;
+    brushFrom = brushX(e);
+    showBrush(brushFrom, brushFrom);
+    e.preventDefault();
+  });
+  window.addEventListener('mousemove', (e) => {
+    if (brushFrom !== null) showBrush(brushFrom, brushX(e));
+  });
+  window.addEventListener('mouseup', (e) => {
+    if (brushFrom === null) return;
+    const [a, b] = [brushFrom, brushX(e)].sort((x, y) => x - y);
+    brushFrom = null;
+    $('brush').hidden = true;
+    if (b - a < 4) return;
+    const { from, until } = state.timelineRange ?? currentRange();
+    const width = timeline.getBoundingClientRect().width || 1;
+    const at = (x) => Math.round(from + (x / width) * (until - from));
+    state.preset = '';
+    state.from = at(a);
+    state.until = at(b);
+    markPreset();
+    refresh();
+  });
+  for (const button of $('views-toggle').querySelectorAll('button')) {
+    button.addEventListener('click', () => {
+      state.view = button.dataset.view;
+      showView();
+      writeHash();
+    });
+  }
   // Charts are drawn for the width they had: draw them again when it changes.
   let resizeTimer;
   window.addEventListener('resize', () => {
@@ -859,6 +909,14 @@ function wire() {
     if (state.hashMode !== state.mode || state.hashCompare) showMode(state.hashMode);
     refresh(true);
   });
+}
+
+/** Shows the flame graph, the table or both (the flame view redraws for its new width). */
+function showView() {
+  $('views').dataset.view = state.view;
+  for (const button of $('views-toggle').querySelectorAll('button')) {
+    button.setAttribute('aria-pressed', String(button.dataset.view === state.view));
+  }
 }
 
 function markPreset() {
@@ -876,6 +934,7 @@ function main() {
   view.setSearch(state.search);
   wire();
   markPreset();
+  showView();
   if (state.hashMode === 'compare') showMode('compare');
   refresh();
   loadHealth();

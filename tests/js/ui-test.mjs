@@ -451,6 +451,35 @@ async function main() {
     assert.ok(!page.url().includes('range=5m'), `a custom range in the URL: ${page.url()}`);
     log('custom range: applied, popover closed');
 
+    // Flame graph and table side by side by default; either alone with the toggle (in the URL).
+    const shown = (selector) => page.$eval(selector, (el) => getComputedStyle(el).display !== 'none');
+    const flameBox = await (await page.$('#flame')).boundingBox();
+    const tableBox = await (await page.$('.top')).boundingBox();
+    assert.ok(flameBox.x + flameBox.width <= tableBox.x + 1, `side by side: ${JSON.stringify([flameBox, tableBox])}`);
+    await page.click('#views-toggle [data-view=table]');
+    assert.ok(!(await shown('#flame')) && (await shown('.top')), 'the table alone');
+    assert.match(page.url(), /view=table/);
+    await page.click('#views-toggle [data-view=flame]');
+    assert.ok((await shown('#flame')) && !(await shown('.top')), 'the flame graph alone');
+    await page.click('#views-toggle [data-view=both]');
+    assert.ok((await shown('#flame')) && (await shown('.top')));
+    log('views: both side by side, table alone, flame graph alone');
+
+    // Dragging across the timeline selects that part of the range.
+    await page.click('#presets button[data-preset="5m"]');
+    await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, `single:${service}:5m`);
+    const timelineBox = await (await page.$('#timeline')).boundingBox();
+    const y = timelineBox.y + timelineBox.height / 2;
+    await page.mouse.move(timelineBox.x + timelineBox.width * 0.4, y);
+    await page.mouse.down();
+    await page.mouse.move(timelineBox.x + timelineBox.width * 0.6, y, { steps: 5 });
+    await page.mouse.up();
+    await page.waitForFunction(() => /from=\d+&until=\d+/.test(location.hash));
+    const brushed = new URLSearchParams(new URL(page.url()).hash.slice(1));
+    const brushedSpan = Number(brushed.get('until')) - Number(brushed.get('from'));
+    assert.ok(brushedSpan > 0.15 * 300e3 && brushedSpan < 0.25 * 300e3, `a fifth of 5 minutes: ${brushedSpan} ms`);
+    log(`timeline brush: selected ${Math.round(brushedSpan / 1000)} s`);
+
     assert.deepEqual(problems, [], 'no errors in the page');
   } finally {
     await browser.close();
