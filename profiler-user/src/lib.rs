@@ -15,7 +15,7 @@
 //! | `store` | The embedded SQLite profile store and the sink for the agent's profiles. |
 //! | `export` | Profiles → pprof or folded files; pushing to Grafana Pyroscope (`push`). |
 //! | `aggregation` | Counts identical stacks per series over one interval. |
-//! | `gpu` | CUDA libraries probed, their records turned into profiles; NVML and GPM. |
+//! | `gpu` | The accelerator interface the pipeline calls and CUDA's implementation: libraries probed, records turned into profile events; NVML and GPM. |
 //! | `symbolization` | Unwound frames → function names (blazesym, kallsyms, Python code). |
 //! | `sampling` | The `sample-reader` thread: ring buffer → decoded samples → channel. |
 //! | `unwinding` | Addresses → (file, offset); the unwind tables BPF uses; late walks. |
