@@ -189,25 +189,107 @@ function describeRange({ from, until }) {
 
 // ---- pickers ----
 
+/** The agent's CPU profile: what the service overview ranks services by. */
+const CPU_TYPE = 'process_cpu:cpu:nanoseconds:cpu:nanoseconds';
+
+/** CPU time per service over the range (empty when no CPU profiles were stored). */
+async function cpuByService(from, until) {
+  try {
+    const response = await rpc('SelectSeries', {
+      profileTypeID: CPU_TYPE,
+      labelSelector: '{}',
+      start: String(from),
+      end: String(until),
+      step: Math.max(1, Math.ceil((until - from) / 1000)),
+      groupBy: ['service_name'],
+    });
+    const totals = new Map();
+    for (const series of response.series ?? []) {
+      const name = (series.labels ?? []).find((l) => l.name === 'service_name')?.value;
+      if (!name) continue;
+      const total = (series.points ?? []).reduce((sum, p) => sum + Number(p.value), 0);
+      totals.set(name, (totals.get(name) ?? 0) + total);
+    }
+    return totals;
+  } catch {
+    return new Map();
+  }
+}
+
 async function loadServices() {
   const { from, until } = currentRange();
-  const response = await rpc('LabelValues', {
-    name: 'service_name',
-    matchers: [],
-    start: String(from),
-    end: String(until),
-  });
-  const services = response.names ?? [];
-  const select = $('service');
-  select.textContent = '';
+  const [response, cpu] = await Promise.all([
+    rpc('LabelValues', {
+      name: 'service_name',
+      matchers: [],
+      start: String(from),
+      end: String(until),
+    }),
+    cpuByService(from, until),
+  ]);
+  // Busiest first (by CPU over the range), then by name: the default is the busiest service,
+  // not the alphabetically first.
+  const services = (response.names ?? []).slice().sort((a, b) => (cpu.get(b) ?? 0) - (cpu.get(a) ?? 0) || a.localeCompare(b));
   if (state.service && !services.includes(state.service)) services.unshift(state.service);
-  if (!services.length) {
-    select.appendChild(new Option('(no services yet)', ''));
-  }
-  for (const service of services) select.appendChild(new Option(service, service));
   if (!state.service && services.length) state.service = services[0];
+  state.services = services;
+  fillServiceOptions();
+  $('service').dataset.count = String(services.length);
+  drawServiceOverview(cpu);
+}
+
+/** The service picker's options, narrowed by the filter box (the selected one always stays). */
+function fillServiceOptions() {
+  const select = $('service');
+  const filter = $('service-filter').value.trim().toLowerCase();
+  const services = (state.services ?? []).filter((s) => !filter || s.toLowerCase().includes(filter) || s === state.service);
+  select.textContent = '';
+  if (!services.length) select.appendChild(new Option('(no services yet)', ''));
+  for (const service of services) select.appendChild(new Option(service, service));
   select.value = state.service;
-  select.dataset.count = String(services.length);
+}
+
+/** The services with the most CPU in the range, as bars; a click selects one. */
+function drawServiceOverview(cpu) {
+  const list = $('service-overview');
+  list.textContent = '';
+  const total = [...cpu.values()].reduce((a, b) => a + b, 0);
+  const top = [...cpu.entries()].sort((a, b) => b[1] - a[1]).slice(0, 12);
+  $('services-panel').hidden = top.length === 0;
+  for (const [service, value] of top) {
+    const row = document.createElement('button');
+    row.type = 'button';
+    row.className = 'service-row';
+    row.dataset.service = service;
+    row.dataset.share = String(total ? value / total : 0);
+    row.setAttribute('aria-pressed', String(service === state.service));
+    const bar = document.createElement('span');
+    bar.className = 'service-bar';
+    bar.style.width = `${total ? (100 * value) / total : 0}%`;
+    const label = document.createElement('span');
+    label.className = 'service-label';
+    label.textContent = `${service} · ${formatPercent(value, total)}`;
+    row.append(bar, label);
+    row.addEventListener('click', () => selectService(service));
+    list.appendChild(row);
+  }
+}
+
+async function selectService(service) {
+  state.service = service;
+  fillServiceOptions();
+  for (const row of $('service-overview').querySelectorAll('.service-row')) {
+    row.setAttribute('aria-pressed', String(row.dataset.service === service));
+  }
+  view.reset();
+  try {
+    await loadProfileTypes();
+  } catch (err) {
+    setStatus(err.message, true);
+  }
+  writeHash();
+  state.mode === 'compare' ? runCompare() : loadFlamegraph();
+  loadGpu();
 }
 
 function profileTypeLabel(type) {
@@ -810,6 +892,7 @@ function wire() {
       $('custom-error').textContent = '';
       $('custom-range').open = false;
       markPreset();
+      writeHash();
       refresh();
     } catch (err) {
       $('custom-error').textContent = err.message;
@@ -820,18 +903,8 @@ function wire() {
     $('custom-from').value = toLocalInput(from);
     $('custom-until').value = toLocalInput(until);
   });
-  $('service').addEventListener('change', async (e) => {
-    state.service = e.target.value;
-    view.reset();
-    try {
-      await loadProfileTypes();
-    } catch (err) {
-      setStatus(err.message, true);
-    }
-    writeHash();
-    state.mode === 'compare' ? runCompare() : loadFlamegraph();
-    loadGpu();
-  });
+  $('service').addEventListener('change', (e) => selectService(e.target.value));
+  $('service-filter').addEventListener('input', () => fillServiceOptions());
   $('profile-type').addEventListener('change', (e) => {
     state.profileType = e.target.value;
     writeHash();
@@ -888,6 +961,7 @@ function wire() {
     state.from = at(a);
     state.until = at(b);
     markPreset();
+    writeHash();
     refresh();
   });
   for (const button of $('views-toggle').querySelectorAll('button')) {
