@@ -260,11 +260,19 @@ pub const CUDA_RUNTIME_12_VERSION: &str = "12.9.79";
 
 fn install_cuda_runtime_12(workspace: &Path) -> Result<()> {
     let python = python_with_pip("nvidia-cuda-runtime-cu12")?;
-    let dir = workspace.join(CUDA_RUNTIME_12_DIR);
-    // A fresh directory: `pip install --target` does not remove another version's files.
+    pip_install_fresh(
+        python,
+        &workspace.join(CUDA_RUNTIME_12_DIR),
+        "--no-deps",
+        &format!("nvidia-cuda-runtime-cu12=={CUDA_RUNTIME_12_VERSION}"),
+    )
+}
+
+/// `pip install --target dir` of one binary package into a fresh directory (`--target` does not
+/// remove another version's files); `option` is one more pip option.
+fn pip_install_fresh(python: &str, dir: &Path, option: &str, package: &str) -> Result<()> {
     if dir.exists() {
-        std::fs::remove_dir_all(&dir)
-            .with_context(|| format!("cannot remove {}", dir.display()))?;
+        std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
     }
     cmd::run(
         Command::new(python)
@@ -274,15 +282,13 @@ fn install_cuda_runtime_12(workspace: &Path) -> Result<()> {
                 "install",
                 "--disable-pip-version-check",
                 "--no-cache-dir",
-                "--no-deps",
+                option,
                 "--only-binary",
                 ":all:",
                 "--target",
             ])
-            .arg(&dir)
-            .arg(format!(
-                "nvidia-cuda-runtime-cu12=={CUDA_RUNTIME_12_VERSION}"
-            )),
+            .arg(dir)
+            .arg(package),
     )
 }
 
@@ -357,26 +363,11 @@ fn pyroscope_io_missing(workspace: &Path) -> bool {
 fn install_pyroscope_io(workspace: &Path) -> Result<()> {
     let python = python_with_pip("pyroscope-io")?;
     let dir = workspace.join(PYROSCOPE_IO_DIR);
-    // A fresh directory: `pip install --target` does not remove another version's files.
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir)
-            .with_context(|| format!("cannot remove {}", dir.display()))?;
-    }
-    cmd::run(
-        Command::new(python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                "--no-cache-dir",
-                "--no-warn-script-location",
-                "--only-binary",
-                ":all:",
-                "--target",
-            ])
-            .arg(&dir)
-            .arg(format!("pyroscope-io=={PYROSCOPE_IO_VERSION}")),
+    pip_install_fresh(
+        python,
+        &dir,
+        "--no-warn-script-location",
+        &format!("pyroscope-io=={PYROSCOPE_IO_VERSION}"),
     )?;
     // Through a pyenv shim `python3` is a script; record the real interpreter.
     let output = Command::new(python)

@@ -161,6 +161,19 @@ pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     })
 }
 
+/// A Connect unary request's codec and message bytes: the body read within `limit`, its
+/// `Content-Encoding` undone.
+pub async fn read_request(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<(Codec, Bytes), ApiError> {
+    let codec = Codec::from_headers(headers)?;
+    let body = read_body(body, limit).await?;
+    let body = decode_content_encoding(headers, body, limit)?;
+    Ok((codec, body))
+}
+
 /// Undoes `Content-Encoding` (gzip or identity) with the same size limit after decompression.
 pub fn decode_content_encoding(
     headers: &HeaderMap,

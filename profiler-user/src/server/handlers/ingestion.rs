@@ -172,9 +172,7 @@ pub async fn push(
 ) -> Result<Response, ApiError> {
     let store = state.store()?.clone();
     let limit = state.config.max_body_bytes;
-    let codec = Codec::from_headers(&headers)?;
-    let body = connect::read_body(body, limit).await?;
-    let body = connect::decode_content_encoding(&headers, body, limit)?;
+    let (codec, body) = connect::read_request(&headers, body, limit).await?;
     let request: PushRequest = connect::decode(codec, &body)?;
     let now = unix_now_ns();
     let profiles = blocking(move || {

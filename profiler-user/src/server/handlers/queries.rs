@@ -103,10 +103,7 @@ pub async fn querier(
     body: Body,
 ) -> Result<Response, ApiError> {
     let store = state.store()?.clone();
-    let codec = Codec::from_headers(&headers)?;
-    let limit = state.config.max_body_bytes;
-    let body = connect::read_body(body, limit).await?;
-    let body = connect::decode_content_encoding(&headers, body, limit)?;
+    let (codec, body) = connect::read_request(&headers, body, state.config.max_body_bytes).await?;
     match method.as_str() {
         "ProfileTypes" => {
             let request: ProfileTypesRequest = connect::decode(codec, &body)?;
@@ -628,10 +625,7 @@ pub async fn settings(
     body: Body,
 ) -> Result<Response, ApiError> {
     let store = state.store()?.clone();
-    let codec = Codec::from_headers(&headers)?;
-    let limit = state.config.max_body_bytes;
-    let body = connect::read_body(body, limit).await?;
-    let body = connect::decode_content_encoding(&headers, body, limit)?;
+    let (codec, body) = connect::read_request(&headers, body, state.config.max_body_bytes).await?;
     let to_wire = |setting: crate::store::Setting| api::Setting {
         name: setting.name,
         value: setting.value,
