@@ -511,8 +511,15 @@ fn flamebearer_metadata(profile_type: &ProfileType, format: &str) -> serde_json:
     })
 }
 
-fn level_values(levels: &[Level]) -> Vec<&[i64]> {
-    levels.iter().map(|level| level.values.as_slice()).collect()
+/// The `flamebearer` object of a render answer: the querier's flame graph fields renamed.
+fn flamebearer(names: &[String], levels: &[Level], total: i64, max_self: i64) -> serde_json::Value {
+    let levels: Vec<&[i64]> = levels.iter().map(|level| level.values.as_slice()).collect();
+    serde_json::json!({
+        "names": names,
+        "levels": levels,
+        "numTicks": total,
+        "maxSelf": max_self,
+    })
 }
 
 fn json_response(value: &serde_json::Value) -> Response {
@@ -562,12 +569,12 @@ pub async fn render_single(State(state): State<AppState>, uri: Uri) -> Result<Re
     }
     Ok(json_response(&serde_json::json!({
         "version": 1,
-        "flamebearer": {
-            "names": flamegraph.names,
-            "levels": level_values(&flamegraph.levels),
-            "numTicks": flamegraph.total,
-            "maxSelf": flamegraph.max_self,
-        },
+        "flamebearer": flamebearer(
+            &flamegraph.names,
+            &flamegraph.levels,
+            flamegraph.total,
+            flamegraph.max_self,
+        ),
         "metadata": flamebearer_metadata(&profile_type, "single"),
         "timeline": {
             "startTime": start_ns / 1_000_000_000,
@@ -603,12 +610,7 @@ pub async fn render_diff(State(state): State<AppState>, uri: Uri) -> Result<Resp
     .await?;
     Ok(json_response(&serde_json::json!({
         "version": 1,
-        "flamebearer": {
-            "names": diff.names,
-            "levels": level_values(&diff.levels),
-            "numTicks": diff.total,
-            "maxSelf": diff.max_self,
-        },
+        "flamebearer": flamebearer(&diff.names, &diff.levels, diff.total, diff.max_self),
         "metadata": flamebearer_metadata(&left_type, "double"),
         "leftTicks": diff.left_ticks,
         "rightTicks": diff.right_ticks,
