@@ -7,12 +7,14 @@
 #![no_std]
 
 pub mod gpu;
+pub mod off_cpu;
 pub mod python;
 pub mod sample;
 pub mod stats;
 pub mod unwind;
 
 pub use gpu::*;
+pub use off_cpu::*;
 pub use python::*;
 pub use sample::*;
 pub use stats::*;
@@ -41,6 +43,9 @@ pub mod names {
     pub const PROGRAM_CUDA_RETURN: &str = "cuda_return";
     pub const MAP_CUDA_EVENTS: &str = "CUDA_EVENTS";
     pub const MAP_CUDA_CONFIG: &str = "CUDA_CONFIG";
+    pub const PROGRAM_OFF_CPU: &str = "off_cpu_switch";
+    pub const TRACEPOINT_SCHED_SWITCH: &str = "sched_switch";
+    pub const MAP_OFF_CPU: &str = "OFF_CPU";
 }
 
 /// Default capacity of `UNWIND_ROWS` in chunks (the agent sets it from its memory budget).
@@ -71,6 +76,11 @@ pub struct SamplerConfig {
     pub cuda_probes: u32,
     /// Offsets the exec and fork events read (0 when the BTF lacks one; that part is left 0).
     pub identity: IdentityOffsets,
+    /// Off-CPU profiling: a blocking switch is sampled when `bpf_get_prandom_u32()` is below
+    /// this (0: off; [`OFF_CPU_EVERY_SWITCH`]: every one).
+    pub off_cpu_threshold: u32,
+    /// The agent's own process, whose threads' waits are left out.
+    pub off_cpu_exclude_pid: u32,
 }
 
 /// Kernel struct offsets (from the BTF) behind the exec and fork events.
@@ -95,7 +105,7 @@ pub struct IdentityOffsets {
 }
 
 const _: () = assert!(core::mem::size_of::<IdentityOffsets>() == 56);
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 80);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 88);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -195,8 +195,11 @@ const _: () = assert!(core::mem::size_of::<PyFrameRecord>() == 16);
 
 /// How long a thread found to have no thread state is not scanned again (milliseconds): a
 /// process's non-Python threads (a framework's C++ workers) would otherwise cost a thread-list
-/// scan per sample, yet a C thread may attach to the interpreter later.
-pub const PY_NO_THREAD_STATE_RETRY_MS: u32 = 1000;
+/// scan per sample, yet a C thread may attach to the interpreter later. Short, because a new
+/// Python thread is often first seen (blocked on the GIL, by the off-CPU program) in the
+/// moment before its state is bound to it: with a second here, a two-thread program lost
+/// half of one thread's Python frames for its first second.
+pub const PY_NO_THREAD_STATE_RETRY_MS: u32 = 200;
 
 /// One cached thread state of `PYTHON_THREADS`, keyed by tid.
 #[repr(C)]

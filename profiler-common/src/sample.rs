@@ -8,10 +8,11 @@ pub const MAX_KERNEL_FRAMES: usize = 127;
 pub const MAX_USER_FRAMES: usize = 256;
 /// Size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page size).
 pub const SAMPLES_RING_BYTES: u32 = 4 << 20;
-/// Scratch records per CPU in `SCRATCH_SAMPLE`: the CPU sampler's and the CUDA probes'. A
-/// cpu-clock sample can interrupt a uprobe program on the same CPU, so the two never share
+/// Scratch records per CPU in `SCRATCH_SAMPLE`: the CPU sampler's, the CUDA probes' and the
+/// off-CPU program's. A cpu-clock sample can interrupt a uprobe program on the same CPU, and
+/// a uprobe program can be preempted (a `sched_switch` in the middle of it), so no two share
 /// scratch memory.
-pub const SCRATCH_SLOTS: u32 = 2;
+pub const SCRATCH_SLOTS: u32 = 3;
 /// Entries of the `PID_FILTER` hash map.
 pub const MAX_FILTERED_PIDS: u32 = 1024;
 

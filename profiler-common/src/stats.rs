@@ -94,8 +94,16 @@ pub const STAT_CUDA_FIRST_STACKS: u32 = 41;
 /// Return addresses restored from a pending CUDA return probe (the stack slot held the
 /// kernel's uretprobe trampoline).
 pub const STAT_UNWIND_RETURN_PROBE_FRAMES: u32 = 42;
+/// Blocking switches of user threads off-CPU profiling looked at (before sampling).
+pub const STAT_OFF_CPU_SWITCHES: u32 = 43;
+/// Of those, switches sampled: a stack was taken and sent.
+pub const STAT_OFF_CPU_STACKS: u32 = 44;
+/// Sampled threads switched in again (an `OFF_CPU_WOKEN` record sent).
+pub const STAT_OFF_CPU_WOKEN: u32 = 45;
+/// Off-CPU records lost because the `OFF_CPU` ring buffer was full.
+pub const STAT_OFF_CPU_LOST: u32 = 46;
 /// Number of slots in `STATS`.
-pub const STAT_COUNT: u32 = 43;
+pub const STAT_COUNT: u32 = 47;
 
 /// The single value per CPU of the `STATS` map: all of that CPU's counters side by side, so a
 /// sample's counting touches a couple of cache lines instead of one allocation per counter.
@@ -117,7 +125,7 @@ impl Default for StatCounters {
 unsafe impl aya::Pod for StatCounters {}
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 43] = [
+pub const STAT_NAMES: [&str; 47] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -161,6 +169,10 @@ pub const STAT_NAMES: [&str; 43] = [
     "cuda_failed",
     "cuda_first_stacks",
     "unwind_return_probe_frames",
+    "off_cpu_switches",
+    "off_cpu_stacks",
+    "off_cpu_woken",
+    "off_cpu_lost",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

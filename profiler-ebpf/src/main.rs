@@ -11,6 +11,8 @@
 #[cfg(target_arch = "bpf")]
 mod cuda;
 #[cfg(target_arch = "bpf")]
+mod off_cpu;
+#[cfg(target_arch = "bpf")]
 mod python;
 #[cfg(target_arch = "bpf")]
 mod sampler;

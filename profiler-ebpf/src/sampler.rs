@@ -82,12 +82,74 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
         {
             flags |= SAMPLE_IN_CUDA_SYNC;
         }
+        header.flags = flags;
 
+        let regs = if in_user_mode {
+            Some(user_stack::Registers {
+                rip: (*data).regs.rip,
+                rsp: (*data).regs.rsp,
+                rbp: (*data).regs.rbp,
+            })
+        } else {
+            user_stack::task_user_registers()
+        };
+        // Stack copies only while the ring is less than half full: under pressure the small
+        // records go on, the large ones are shed.
+        let copy_allowed =
+            SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < (SAMPLES_RING_BYTES / 2) as u64;
+        take_stacks(
+            ctx.as_ptr(),
+            SLOT_SAMPLER,
+            sample,
+            &config,
+            in_user_mode,
+            regs,
+            copy_allowed,
+            cuda_thread,
+        );
+
+        if !output_sample(&SAMPLES, ptr::null::<u8>(), 0, sample) {
+            count(STAT_RINGBUF_FULL);
+            return 0;
+        }
+    }
+    count(STAT_SAMPLES_SENT);
+    if let Some(stats) = STATS.get_ptr_mut(0) {
+        unsafe {
+            (*stats).counters[STAT_RINGBUF_PENDING_BYTES as usize] =
+                SAMPLES.query(BPF_RB_AVAIL_DATA as u64)
+        };
+    }
+    0
+}
+
+/// Fills `sample` (this CPU's scratch sample for `slot`, its header's pid, tid and flags set)
+/// with the current task's stacks: the kernel stack (unless the context is user mode), the
+/// native user stack from `regs`, and the Python frames. Shared by the CPU sampler and the
+/// off-CPU program, so a blocked thread's stack is taken exactly as a sampled one's.
+///
+/// # Safety
+/// `ctx` must be the program's context and `sample` the scratch sample of `slot`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn take_stacks(
+    ctx: *mut c_void,
+    slot: u32,
+    sample: *mut profiler_common::RawSample,
+    config: &SamplerConfig,
+    in_user_mode: bool,
+    regs: Option<user_stack::Registers>,
+    copy_allowed: bool,
+    cuda_thread: Option<*const profiler_common::CudaThread>,
+) {
+    unsafe {
+        let header = &mut (*sample).header;
+        let mut flags = header.flags;
         // A sample taken in user mode has no kernel stack: skip the helper's callchain set-up.
         header.kernel_frames = 0;
         if !in_user_mode {
             let kernel_bytes = bpf_get_stack(
-                ctx.as_ptr(),
+                ctx,
                 (*sample).kernel_ips.as_mut_ptr().cast(),
                 (MAX_KERNEL_FRAMES * 8) as u32,
                 0,
@@ -104,46 +166,12 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             }
         }
         header.flags = flags;
-
-        let regs = if in_user_mode {
-            Some(user_stack::Registers {
-                rip: (*data).regs.rip,
-                rsp: (*data).regs.rsp,
-                rbp: (*data).regs.rbp,
-            })
-        } else {
-            user_stack::task_user_registers()
-        };
-        // Stack copies only while the ring is less than half full: under pressure the small
-        // records go on, the large ones are shed.
-        let copy_allowed =
-            SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < (SAMPLES_RING_BYTES / 2) as u64;
         // SAFETY: a map value; a torn read only misplaces one frame of one sample.
         let returns = cuda_thread.filter(|thread| (**thread).depth > 0);
-        user_stack::collect(
-            SLOT_SAMPLER,
-            tgid,
-            regs,
-            true,
-            copy_allowed,
-            returns,
-            sample,
-        );
-        python::collect(SLOT_SAMPLER, tgid, tid, config.task_fsbase_offset, sample);
-
-        if !output_sample(&SAMPLES, ptr::null::<u8>(), 0, sample) {
-            count(STAT_RINGBUF_FULL);
-            return 0;
-        }
+        let (tgid, tid) = (header.pid, header.tid);
+        user_stack::collect(slot, tgid, regs, true, copy_allowed, returns, sample);
+        python::collect(slot, tgid, tid, config.task_fsbase_offset, sample);
     }
-    count(STAT_SAMPLES_SENT);
-    if let Some(stats) = STATS.get_ptr_mut(0) {
-        unsafe {
-            (*stats).counters[STAT_RINGBUF_PENDING_BYTES as usize] =
-                SAMPLES.query(BPF_RB_AVAIL_DATA as u64)
-        };
-    }
-    0
 }
 
 /// Tells the agent a process is gone so it drops the process's mappings at once (a reused pid

@@ -37,6 +37,7 @@ pub(crate) static CONFIG: Array<SamplerConfig> = Array::with_max_entries(1, 0);
 pub(crate) use profiler_common::SCRATCH_SLOTS;
 pub(crate) const SLOT_SAMPLER: u32 = 0;
 pub(crate) const SLOT_CUDA: u32 = 1;
+pub(crate) const SLOT_OFF_CPU: u32 = 2;
 
 /// The records under construction, `SCRATCH_SLOTS` per CPU (the agent sizes the map to the
 /// possible CPUs): too large for the 512-byte BPF stack, and the unwinder's bpf_loop callback

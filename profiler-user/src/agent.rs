@@ -17,8 +17,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping, synthetic_frame},
     bpf::{
-        BpfError, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent, Sampler,
-        SamplerSettings,
+        BpfError, EventRing, KernelPythonMaps, KernelUnwindMaps, LifecycleEvent, OffCpuRing,
+        Sampler, SamplerSettings,
     },
     config::{AgentConfig, RecordConfig, SamplingConfig},
     export::{
@@ -26,13 +26,14 @@ use crate::{
         push::{PushError, Pusher},
     },
     gpu::{
-        attribution::{Accelerator, CudaAttribution, PipelineAccess, ProfileEvent},
+        attribution::{Accelerator, CudaAttribution},
         nvml::{GpuBoard, NvmlPoller},
     },
     model::{
-        FileId, Pid, ProcessInfo, Profile, ProfileKind, Sample, SymbolizedFrame, UnwoundFrame,
-        UnwoundStack,
+        FileId, Pid, PipelineAccess, ProcessInfo, Profile, ProfileEvent, ProfileKind, Sample,
+        SymbolizedFrame, UnwoundFrame, UnwoundStack,
     },
+    off_cpu::OffCpu,
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
     runtimes::python::PythonTracker,
     sampling::SampleReader,
@@ -112,9 +113,12 @@ struct Pipeline {
     symbolizer: Symbolizer,
     aggregator: Aggregator,
     samples_processed: u64,
-    /// CUDA call attribution (`gpu::attribution`), and one aggregator per kind it reports.
+    /// CUDA call attribution (`gpu::attribution`).
     accelerator: Option<Box<dyn Accelerator>>,
-    accelerator_aggregators: Vec<(ProfileKind, Aggregator)>,
+    /// Off-CPU and GIL-wait time (`off_cpu`).
+    off_cpu: Option<OffCpu>,
+    /// One aggregator per kind the accelerator and the off-CPU stage report.
+    event_aggregators: Vec<(ProfileKind, Aggregator)>,
     /// Synthetic frames by name, shared so the aggregators dedupe them (they key by pointer).
     synthetic: std::collections::HashMap<String, Arc<SymbolizedFrame>>,
     /// Samples whose user walk waits for a table (see `unwinding::late`).
@@ -247,6 +251,7 @@ struct KernelInputs {
     python_maps: KernelPythonMaps,
     events: EventRing,
     cuda: bool,
+    off_cpu: Option<OffCpuRing>,
 }
 
 impl KernelInputs {
@@ -257,6 +262,7 @@ impl KernelInputs {
                 python_maps: parts.python_maps,
                 events: parts.events,
                 cuda: parts.cuda,
+                off_cpu: parts.off_cpu,
             },
             parts.samples,
         )
@@ -325,6 +331,10 @@ impl PipelineAccess for Pipeline {
     fn synthetic(&mut self, name: &str) -> Arc<SymbolizedFrame> {
         Pipeline::synthetic(self, name)
     }
+
+    fn free_threaded_python(&mut self, pid: Pid) -> bool {
+        self.python.is_free_threaded(pid)
+    }
 }
 
 impl Pipeline {
@@ -349,6 +359,7 @@ impl Pipeline {
             python_maps,
             events,
             cuda,
+            off_cpu,
         } = kernel;
         let mut processes = ProcessRegistry::new("/proc".into(), host.clone());
         match aya::util::online_cpus()
@@ -365,21 +376,25 @@ impl Pipeline {
         let watch_changes = cuda && processes.track_mmap_changes();
         let accelerator: Option<Box<dyn Accelerator>> =
             cuda.then(|| Box::new(CudaAttribution::new(watch_changes)) as Box<dyn Accelerator>);
-        let accelerator_aggregators = accelerator
-            .as_ref()
-            .map(|accelerator| {
-                accelerator
-                    .kinds()
-                    .iter()
-                    .map(|&kind| {
-                        (
-                            kind,
-                            Aggregator::new(aggregator_settings(kind), start_unix_ns),
-                        )
-                    })
-                    .collect()
+        let off_cpu = off_cpu
+            .zip(sampling.off_cpu)
+            .map(|(ring, settings)| OffCpu::new(ring, settings));
+        let accelerator_kinds = accelerator.as_ref().map_or(&[][..], |a| a.kinds());
+        let off_cpu_kinds = if off_cpu.is_some() {
+            &OffCpu::KINDS[..]
+        } else {
+            &[]
+        };
+        let event_aggregators = accelerator_kinds
+            .iter()
+            .chain(off_cpu_kinds)
+            .map(|&kind| {
+                (
+                    kind,
+                    Aggregator::new(aggregator_settings(kind), start_unix_ns),
+                )
             })
-            .unwrap_or_default();
+            .collect();
         Pipeline {
             processes,
             unwinder: Unwinder::default(),
@@ -393,7 +408,8 @@ impl Pipeline {
             aggregator: Aggregator::new(aggregator_settings(ProfileKind::Cpu), start_unix_ns),
             samples_processed: 0,
             accelerator,
-            accelerator_aggregators,
+            off_cpu,
+            event_aggregators,
             synthetic: std::collections::HashMap::new(),
             late: LateSamples::default(),
             pending_lifecycle: std::collections::VecDeque::new(),
@@ -588,6 +604,7 @@ impl Pipeline {
         self.drain_events();
         let lifecycle = std::mem::take(&mut self.drained_since_poll);
         self.poll_accelerator(sampler, &lifecycle);
+        self.poll_off_cpu();
         // With no sample waiting, everything up to a moment ago is past.
         let horizon = if self.idle {
             monotonic_now_ns().saturating_sub(LIFECYCLE_SETTLE_NS)
@@ -653,13 +670,24 @@ impl Pipeline {
         if accelerator.poll(self, sampler, lifecycle, &mut events) {
             self.accelerator = Some(accelerator);
         }
-        self.aggregate_accelerator_events(events);
+        self.aggregate_events(events);
     }
 
-    fn aggregate_accelerator_events(&mut self, events: Vec<ProfileEvent>) {
+    /// Pairs the off-CPU records in since the last poll and aggregates the finished blocks.
+    fn poll_off_cpu(&mut self) {
+        let Some(mut off_cpu) = self.off_cpu.take() else {
+            return;
+        };
+        let mut events = Vec::new();
+        off_cpu.poll(self, &mut events);
+        self.off_cpu = Some(off_cpu);
+        self.aggregate_events(events);
+    }
+
+    fn aggregate_events(&mut self, events: Vec<ProfileEvent>) {
         for event in events {
             if let Some((_, aggregator)) = self
-                .accelerator_aggregators
+                .event_aggregators
                 .iter_mut()
                 .find(|(kind, _)| *kind == event.kind)
             {
@@ -679,22 +707,26 @@ impl Pipeline {
     /// end (device memory in use, as `inuse_*` values of `cuda_alloc`).
     fn flush(&mut self, end_unix_ns: i64) -> Vec<Profile> {
         let mut profiles = self.aggregator.flush(end_unix_ns);
-        let Some(mut accelerator) = self.accelerator.take() else {
-            return profiles;
-        };
-        // The calls made up to the window's end are counted in it, those after in the next.
-        let ago = u64::try_from(unix_now_ns().saturating_sub(end_unix_ns)).unwrap_or(0);
-        accelerator.end_window_at(monotonic_now_ns().saturating_sub(ago));
-        let mut events = Vec::new();
-        accelerator.finish_window(self, &mut events);
-        self.aggregate_accelerator_events(events);
-        for (_, aggregator) in &mut self.accelerator_aggregators {
+        // Blocks that ended by now count in this window.
+        self.poll_off_cpu();
+        let mut accelerator = self.accelerator.take();
+        if let Some(accelerator) = &mut accelerator {
+            // The calls made up to the window's end are counted in it, those after in the next.
+            let ago = u64::try_from(unix_now_ns().saturating_sub(end_unix_ns)).unwrap_or(0);
+            accelerator.end_window_at(monotonic_now_ns().saturating_sub(ago));
+            let mut events = Vec::new();
+            accelerator.finish_window(self, &mut events);
+            self.aggregate_events(events);
+        }
+        for (_, aggregator) in &mut self.event_aggregators {
             profiles.extend(aggregator.flush(end_unix_ns));
         }
-        let mut events = Vec::new();
-        accelerator.start_window(self, &mut events);
-        self.aggregate_accelerator_events(events);
-        self.accelerator = Some(accelerator);
+        if let Some(accelerator) = &mut accelerator {
+            let mut events = Vec::new();
+            accelerator.start_window(self, &mut events);
+            self.aggregate_events(events);
+        }
+        self.accelerator = accelerator;
         profiles
     }
 
@@ -758,6 +790,10 @@ impl Pipeline {
             metrics.bpf = sampler.stats();
             (metrics.bpf_run_time_ns, metrics.bpf_run_count) = sampler.program_run_stats();
             (metrics.pid_filter_entries, metrics.pid_filter_capacity) = sampler.pid_filter_fill();
+            (metrics.off_cpu_run_time_ns, metrics.off_cpu_run_count) = sampler.off_cpu_run_stats();
+        }
+        if let Some(off_cpu) = &self.off_cpu {
+            metrics.off_cpu = off_cpu.stats();
         }
         if let Some(reader) = reader {
             add_reader_counts(&mut metrics, reader.stats.counts());
@@ -790,6 +826,7 @@ fn sampler_settings(sampling: &SamplingConfig) -> SamplerSettings {
         unwind_table_bytes: sampling.unwind_table_bytes,
         cuda: sampling.gpu.enabled,
         cuda_stacks_per_second: sampling.gpu.cuda_stacks_per_second,
+        off_cpu_probability: sampling.off_cpu.map(|settings| settings.probability),
     }
 }
 
@@ -961,6 +998,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     // Detach first so no sample is taken after the window, then take everything in flight.
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();
+    let off_cpu_run_stats = sampler.off_cpu_run_stats();
     let duration_ns = started.elapsed().as_nanos() as i64;
     // CUDA calls still reported between here and the probes' detaching are outside the window.
     pipeline.end_accelerator_window_at(monotonic_now_ns());
@@ -1001,13 +1039,14 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
         cuda_profile.duration_ns = duration_ns;
         let path = sibling_path(&config.output, cuda_profile.kind, config.format);
         export::write_atomically(&path, &export::render(&cuda_profile, config.format))?;
-        tracing::info!(path = %path.display(), total = cuda_profile.total_samples(), "CUDA profile written");
+        tracing::info!(path = %path.display(), kind = cuda_profile.kind.name(), total = cuda_profile.total_samples(), "profile written");
         written += 1;
     }
 
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
+    (metrics.off_cpu_run_time_ns, metrics.off_cpu_run_count) = off_cpu_run_stats;
     add_reader_counts(&mut metrics, reader_stats.counts());
     metrics.agent_queue_full += dropped_at_stop;
     metrics.profiles_written = written;
@@ -1224,6 +1263,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     tracing::info!("stopping: flushing the current interval");
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();
+    let off_cpu_run_stats = sampler.off_cpu_run_stats();
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();
@@ -1240,6 +1280,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let mut metrics = pipeline.metrics(None, None);
     metrics.bpf = bpf_stats;
     (metrics.bpf_run_time_ns, metrics.bpf_run_count) = bpf_run_stats;
+    (metrics.off_cpu_run_time_ns, metrics.off_cpu_run_count) = off_cpu_run_stats;
     add_reader_counts(&mut metrics, reader_stats.counts());
     metrics.agent_queue_full += dropped_at_stop;
     exporter.add_to(&mut metrics);

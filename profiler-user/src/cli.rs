@@ -7,9 +7,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::{
     config::{
         AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_CUDA_STACKS_PER_SECOND, DEFAULT_UNWIND_TABLE_MIB,
-        GpuConfig, RecordConfig, SamplingConfig,
+        GpuConfig, OffCpuSettings, RecordConfig, SamplingConfig,
     },
     export::{OutputFormat, push::PushArgs},
+    off_cpu::DEFAULT_OFF_CPU_PROBABILITY,
     server::serve::{ServerArgs, Switch},
 };
 
@@ -86,6 +87,26 @@ pub struct SamplingArgs {
     /// Seconds between NVML polls (fractions allowed).
     #[arg(long, env = "PROFILER_NVML_INTERVAL", default_value = "1", value_parser = parse_seconds)]
     pub nvml_interval: Duration,
+    /// Also profile where threads wait: time switched out (`off_cpu`) and, for CPython, time
+    /// waiting for the GIL (`gil_wait`), under the stack each thread blocked at.
+    #[arg(long, env = "PROFILER_OFF_CPU")]
+    pub off_cpu: bool,
+    /// Share of blocking context switches whose stack is taken (0-1]; each one's time counts
+    /// 1/share, so totals are estimates of all the time blocked.
+    #[arg(long, env = "PROFILER_OFF_CPU_PROBABILITY", default_value_t = DEFAULT_OFF_CPU_PROBABILITY, value_parser = parse_probability)]
+    pub off_cpu_probability: f64,
+    /// Leave out blocks shorter than this many microseconds (counted in a metric).
+    #[arg(long, env = "PROFILER_OFF_CPU_MIN_BLOCK_US", default_value_t = 0)]
+    pub off_cpu_min_block_us: u64,
+}
+
+fn parse_probability(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(p) if p.is_finite() && p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!(
+            "'{text}' is not a probability above 0 and at most 1"
+        )),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -167,6 +188,10 @@ impl SamplingArgs {
                 nvml_library: self.nvml_library,
                 nvml_interval: self.nvml_interval,
             },
+            off_cpu: self.off_cpu.then(|| OffCpuSettings {
+                probability: self.off_cpu_probability,
+                min_block: Duration::from_micros(self.off_cpu_min_block_us),
+            }),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Validated settings, independent of the command line that produced them.
 use std::{path::PathBuf, time::Duration};
 
+pub use crate::off_cpu::OffCpuSettings;
 use crate::{
     export::{OutputFormat, push::PushConfig},
     server::serve::ServeConfig,
@@ -23,6 +24,8 @@ pub struct SamplingConfig {
     pub python_frames: bool,
     /// CUDA attribution and NVML counters.
     pub gpu: GpuConfig,
+    /// Off-CPU and GIL-wait profiles (`None`: off).
+    pub off_cpu: Option<OffCpuSettings>,
 }
 
 /// CUDA uprobes and NVML polling.
@@ -62,6 +65,7 @@ impl Default for SamplingConfig {
             source_lines: false,
             python_frames: true,
             gpu: GpuConfig::default(),
+            off_cpu: None,
         }
     }
 }

@@ -16,6 +16,7 @@
 //! | `export` | Profiles → pprof or folded files; pushing to Grafana Pyroscope (`push`). |
 //! | `aggregation` | Counts identical stacks per series over one interval. |
 //! | `gpu` | The accelerator interface the pipeline calls and CUDA's implementation: libraries probed, records turned into profile events; NVML and GPM. |
+//! | `off_cpu` | Off-CPU and GIL-wait time: the scheduler program's records paired into profile events. |
 //! | `symbolization` | Unwound frames → function names (blazesym, kallsyms, Python code). |
 //! | `sampling` | The `sample-reader` thread: ring buffer → decoded samples → channel. |
 //! | `unwinding` | Addresses → (file, offset); the unwind tables BPF uses; late walks. |
@@ -43,6 +44,7 @@ pub mod config;
 pub mod export;
 pub mod gpu;
 pub mod model;
+pub mod off_cpu;
 pub mod process;
 pub mod runtimes;
 pub mod sampling;

@@ -352,6 +352,10 @@ pub enum ProfileKind {
     CudaAlloc,
     /// CUDA calls that returned an error (count), labelled with the error (`cuda_error`).
     CudaError,
+    /// Time threads spent blocked, switched out (nanoseconds), under the stack they blocked at.
+    OffCpu,
+    /// Of that, time CPython threads waited to take the GIL (nanoseconds).
+    GilWait,
 }
 
 impl ProfileKind {
@@ -372,6 +376,8 @@ impl ProfileKind {
             ProfileKind::CudaMemcpy => "cuda_memcpy",
             ProfileKind::CudaAlloc => "cuda_alloc",
             ProfileKind::CudaError => "cuda_errors",
+            ProfileKind::OffCpu => "off_cpu",
+            ProfileKind::GilWait => "gil_wait",
         }
     }
 
@@ -393,6 +399,8 @@ impl ProfileKind {
                 ("inuse_objects", "count"),
             ],
             ProfileKind::CudaError => &[("errors", "count")],
+            ProfileKind::OffCpu => &[("off_cpu", "nanoseconds")],
+            ProfileKind::GilWait => &[("gil_wait", "nanoseconds")],
         }
     }
 
@@ -472,4 +480,49 @@ impl UtcTime {
             second: rem % 60,
         }
     }
+}
+
+/// What a stage that takes stacks outside the CPU sampler (accelerator calls, off-CPU
+/// blocks) needs from the CPU pipeline.
+pub trait PipelineAccess {
+    /// The processes whose mappings changed since the last call (`None`: unknown, all may
+    /// have).
+    fn changed_processes(&mut self) -> Option<Vec<Pid>>;
+    /// A process's snapshot.
+    fn process(&mut self, pid: Pid) -> Option<Arc<ProcessInfo>>;
+    /// Registers a process's unwind tables and interpreter now (a new user of the
+    /// accelerator), so even its first calls unwind from tables.
+    fn prepare_process(&mut self, pid: Pid);
+    /// The symbolized stack of a sample a probe took, its walk finished as far as it goes now:
+    /// frames (innermost first), the process, whether it was cut.
+    fn probe_stack(
+        &mut self,
+        sample: &mut Sample,
+    ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool);
+    /// The symbol at `address` of `pid` (a snapshot older than the address's mapping is
+    /// refreshed once), or `None` when no mapping holds it.
+    fn symbol_at(
+        &mut self,
+        pid: Pid,
+        process: Option<&Arc<ProcessInfo>>,
+        address: u64,
+    ) -> Option<Arc<SymbolizedFrame>>;
+    /// A frame that is no code address (shared, so aggregators dedupe it).
+    fn synthetic(&mut self, name: &str) -> Arc<SymbolizedFrame>;
+    /// Whether `pid` runs a free-threaded CPython, which has no GIL.
+    fn free_threaded_python(&mut self, pid: Pid) -> bool;
+}
+
+/// One event for a profile of [`ProfileEvent::kind`]: values in the kind's sample-type order.
+#[derive(Debug)]
+pub struct ProfileEvent {
+    pub kind: ProfileKind,
+    pub process: Option<Arc<ProcessInfo>>,
+    pub sample: Sample,
+    /// Innermost first.
+    pub frames: Vec<Arc<SymbolizedFrame>>,
+    pub truncated: bool,
+    pub values: SampleValues,
+    /// A label of the event itself (a failed call's `cuda_error`).
+    pub label: Option<(&'static str, Arc<str>)>,
 }

@@ -97,6 +97,11 @@ pub struct SelfMetrics {
     pub cuda_failed_calls: Vec<(&'static str, String, u64)>,
     /// NVML polls (device, GPM and process readings) and their cost.
     pub nvml_polls: crate::gpu::nvml::PollStats,
+    /// Off-CPU blocks paired, left out and waiting.
+    pub off_cpu: crate::off_cpu::OffCpuStats,
+    /// Kernel-accounted run time and count of the off-CPU program (every context switch).
+    pub off_cpu_run_time_ns: u64,
+    pub off_cpu_run_count: u64,
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
@@ -284,6 +289,72 @@ impl SelfMetrics {
                 "nvml_polls_total",
                 "NVML polls made (device, GPM profiling and per-process readings)",
                 self.nvml_polls.polls,
+                "counter",
+            ),
+            (
+                "off_cpu_blocks_total",
+                "Sampled blocks (a thread switched out, then in again) counted in off_cpu",
+                self.off_cpu.blocks,
+                "counter",
+            ),
+            (
+                "off_cpu_blocked_ns_total",
+                "Nanoseconds the sampled blocks lasted (before scaling by the sampling probability)",
+                self.off_cpu.blocked_ns,
+                "counter",
+            ),
+            (
+                "off_cpu_gil_waits_total",
+                "Sampled blocks that waited for the CPython GIL (also in gil_wait)",
+                self.off_cpu.gil_waits,
+                "counter",
+            ),
+            (
+                "off_cpu_short_blocks_total",
+                "Sampled blocks shorter than --off-cpu-min-block-us, left out",
+                self.off_cpu.short_blocks,
+                "counter",
+            ),
+            (
+                "off_cpu_unpaired_total",
+                "Block durations whose stack record was lost or dropped (not counted)",
+                self.off_cpu.unpaired,
+                "counter",
+            ),
+            (
+                "off_cpu_evicted_total",
+                "Block stacks dropped while waiting for their duration (bounds reached)",
+                self.off_cpu.evicted,
+                "counter",
+            ),
+            (
+                "off_cpu_decode_errors_total",
+                "Off-CPU records that did not decode",
+                self.off_cpu.decode_errors,
+                "counter",
+            ),
+            (
+                "off_cpu_pending_blocks",
+                "Block stacks waiting for their thread to run again (bounded)",
+                self.off_cpu.pending,
+                "gauge",
+            ),
+            (
+                "off_cpu_pending_bytes",
+                "Bytes of the block stacks waiting (bounded)",
+                self.off_cpu.pending_bytes,
+                "gauge",
+            ),
+            (
+                "off_cpu_program_run_time_ns_total",
+                "Kernel-accounted run time of the off-CPU program (kernel.bpf_stats_enabled)",
+                self.off_cpu_run_time_ns,
+                "counter",
+            ),
+            (
+                "off_cpu_program_runs_total",
+                "Kernel-accounted runs of the off-CPU program: context switches seen",
+                self.off_cpu_run_count,
                 "counter",
             ),
             (
@@ -741,6 +812,22 @@ impl SelfMetrics {
             peak_rss_bytes = self.agent_peak_rss_bytes,
             "{what}"
         );
+        let off_cpu_switches = self.bpf.get(profiler_common::STAT_OFF_CPU_SWITCHES);
+        if off_cpu_switches > 0 || self.off_cpu.blocks > 0 {
+            tracing::info!(
+                off_cpu_switches,
+                off_cpu_stacks = self.bpf.get(profiler_common::STAT_OFF_CPU_STACKS),
+                off_cpu_lost = self.bpf.get(profiler_common::STAT_OFF_CPU_LOST),
+                off_cpu_blocks = self.off_cpu.blocks,
+                off_cpu_blocked_ns = self.off_cpu.blocked_ns,
+                off_cpu_gil_waits = self.off_cpu.gil_waits,
+                off_cpu_unpaired = self.off_cpu.unpaired,
+                off_cpu_evicted = self.off_cpu.evicted,
+                off_cpu_program_runs = self.off_cpu_run_count,
+                off_cpu_program_run_time_ns = self.off_cpu_run_time_ns,
+                "{what}: off-CPU"
+            );
+        }
         if self.cuda.libraries_attached > 0 {
             let memory = &self.cuda_allocations;
             tracing::info!(

@@ -141,6 +141,7 @@ const LAYERS: &[&str] = &[
     "export",
     "aggregation",
     "gpu",
+    "off_cpu",
     "symbolization",
     "sampling",
     "unwinding",

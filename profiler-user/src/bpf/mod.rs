@@ -113,6 +113,35 @@ pub struct SamplerSettings {
     pub cuda: bool,
     /// Stacks per thread and second the CUDA probes may take.
     pub cuda_stacks_per_second: u32,
+    /// Off-CPU profiling: the share of blocking switches sampled (`None`: off).
+    pub off_cpu_probability: Option<f64>,
+}
+
+/// `SamplerConfig::off_cpu_threshold` for sampling a blocking switch with `probability`
+/// (`bpf_get_prandom_u32()` below it).
+pub fn off_cpu_threshold(probability: f64) -> u32 {
+    if probability >= 1.0 {
+        profiler_common::OFF_CPU_EVERY_SWITCH
+    } else {
+        ((probability.max(0.0) * 4_294_967_296.0) as u32).max(1)
+    }
+}
+
+/// The off-CPU program's records (`profiler_common::off_cpu`).
+pub struct OffCpuRing {
+    ring: RingBuf<MapData>,
+}
+
+impl OffCpuRing {
+    /// Calls `f` for every record waiting; returns how many there were.
+    pub fn drain(&mut self, mut f: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
+        while let Some(item) = self.ring.next() {
+            f(&item);
+            n += 1;
+        }
+        n
+    }
 }
 
 /// Writes the unwinder's maps, named by intent. The agent's table manager talks to this trait
@@ -422,6 +451,8 @@ pub struct SamplerParts {
     pub cuda: bool,
     pub unwind_maps: KernelUnwindMaps,
     pub python_maps: KernelPythonMaps,
+    /// The off-CPU records, when off-CPU profiling is on and its program is attached.
+    pub off_cpu: Option<OffCpuRing>,
 }
 
 fn btf_path() -> PathBuf {
@@ -544,6 +575,15 @@ impl Sampler {
             .btf(None)
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
+            // Off, the ring is one page: no memory for a program that never runs.
+            .map_max_entries(
+                names::MAP_OFF_CPU,
+                if settings.off_cpu_probability.is_some() {
+                    profiler_common::OFF_CPU_RING_BYTES
+                } else {
+                    4096
+                },
+            )
             .load(EBPF_OBJECT)
             .map_err(BpfError::Load)?;
 
@@ -575,6 +615,16 @@ impl Sampler {
             );
             IdentityOffsets::default()
         });
+        // A woken thread is found by its tid, read from the task_struct.
+        let off_cpu_probability = settings.off_cpu_probability.filter(|_| {
+            let known = identity.task_pid != 0 && identity.task_tgid != 0;
+            if !known {
+                tracing::warn!(
+                    "off-CPU profiling is off: the kernel's BTF lacks task_struct's pid and tgid"
+                );
+            }
+            known
+        });
         let config = SamplerConfig {
             filter_pids: u32::from(!settings.pids.is_empty()),
             keep_idle: 0,
@@ -583,6 +633,8 @@ impl Sampler {
             signal_live_offset,
             cuda_probes: 0,
             identity,
+            off_cpu_threshold: off_cpu_probability.map_or(0, off_cpu_threshold),
+            off_cpu_exclude_pid: std::process::id(),
         };
         // Borrowed, not taken: the CUDA programs, loaded later, refer to these maps by the file
         // descriptors the object holds.
@@ -621,6 +673,21 @@ impl Sampler {
                 .map_err(program_error(program))?;
         }
 
+        let off_cpu = match off_cpu_probability {
+            Some(_) => {
+                let ring: RingBuf<_> = take_map(&mut ebpf, names::MAP_OFF_CPU)?;
+                let program: &mut RawTracePoint = program_mut(&mut ebpf, names::PROGRAM_OFF_CPU)?;
+                program
+                    .load()
+                    .map_err(program_error(names::PROGRAM_OFF_CPU))?;
+                program
+                    .attach(names::TRACEPOINT_SCHED_SWITCH)
+                    .map_err(program_error(names::PROGRAM_OFF_CPU))?;
+                Some(OffCpuRing { ring })
+            }
+            None => None,
+        };
+
         let program: &mut PerfEvent = program_mut(&mut ebpf, names::PROGRAM_SAMPLE_CPU)?;
         program
             .load()
@@ -647,6 +714,7 @@ impl Sampler {
                 cuda: settings.cuda,
                 unwind_maps,
                 python_maps,
+                off_cpu,
             },
         ))
     }
@@ -701,8 +769,17 @@ impl Sampler {
     /// Total run time and run count of the sampler program, as the kernel accounts them while
     /// `kernel.bpf_stats_enabled` is 1 (zeros otherwise).
     pub fn program_run_stats(&self) -> (u64, u64) {
+        self.named_program_run_stats(names::PROGRAM_SAMPLE_CPU)
+    }
+
+    /// The same for the off-CPU program (zeros when it is not loaded).
+    pub fn off_cpu_run_stats(&self) -> (u64, u64) {
+        self.named_program_run_stats(names::PROGRAM_OFF_CPU)
+    }
+
+    fn named_program_run_stats(&self, name: &str) -> (u64, u64) {
         self.ebpf
-            .program(names::PROGRAM_SAMPLE_CPU)
+            .program(name)
             .and_then(|program| program.info().ok())
             .map(|info| (info.run_time().as_nanos() as u64, info.run_count()))
             .unwrap_or((0, 0))

@@ -20,55 +20,14 @@ use super::{
         is_free, profile_kind,
     },
 };
+pub use crate::model::{PipelineAccess, ProfileEvent};
 use crate::{
     bpf::{CudaEventRing, LifecycleEvent, Sampler},
-    model::{Pid, ProcessInfo, ProfileKind, Sample, SampleValues, SymbolizedFrame, Tid},
+    model::{Pid, ProcessInfo, ProfileKind, Sample, SymbolizedFrame, Tid},
 };
 
 /// The frame standing for the stack of a call whose stack was not taken and has no stand-in.
 pub const STACK_NOT_SAMPLED_FRAME: &str = "[stack not sampled]";
-
-/// What an accelerator's attribution needs from the CPU pipeline.
-pub trait PipelineAccess {
-    /// The processes whose mappings changed since the last call (`None`: unknown, all may
-    /// have).
-    fn changed_processes(&mut self) -> Option<Vec<Pid>>;
-    /// A process's snapshot.
-    fn process(&mut self, pid: Pid) -> Option<Arc<ProcessInfo>>;
-    /// Registers a process's unwind tables and interpreter now (a new user of the
-    /// accelerator), so even its first calls unwind from tables.
-    fn prepare_process(&mut self, pid: Pid);
-    /// The symbolized stack of a sample a probe took, its walk finished as far as it goes now:
-    /// frames (innermost first), the process, whether it was cut.
-    fn probe_stack(
-        &mut self,
-        sample: &mut Sample,
-    ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool);
-    /// The symbol at `address` of `pid` (a snapshot older than the address's mapping is
-    /// refreshed once), or `None` when no mapping holds it.
-    fn symbol_at(
-        &mut self,
-        pid: Pid,
-        process: Option<&Arc<ProcessInfo>>,
-        address: u64,
-    ) -> Option<Arc<SymbolizedFrame>>;
-    /// A frame that is no code address (shared, so aggregators dedupe it).
-    fn synthetic(&mut self, name: &str) -> Arc<SymbolizedFrame>;
-}
-
-/// One event for a profile of [`ProfileEvent::kind`]: values in the kind's sample-type order.
-#[derive(Debug)]
-pub struct ProfileEvent {
-    pub kind: ProfileKind,
-    pub process: Option<Arc<ProcessInfo>>,
-    pub sample: Sample,
-    /// Innermost first.
-    pub frames: Vec<Arc<SymbolizedFrame>>,
-    pub truncated: bool,
-    pub values: SampleValues,
-    /// A label of the event itself (a failed call's `cuda_error`).
-    pub label: Option<(&'static str, Arc<str>)>,
-}
 
 /// What an accelerator reports about itself.
 #[derive(Clone, Debug, Default)]

@@ -226,6 +226,15 @@ impl<M: PythonMaps> PythonTracker<M> {
         stats
     }
 
+    /// Whether `pid` is known to run a free-threaded CPython (no GIL to wait for).
+    pub fn is_free_threaded(&self, pid: Pid) -> bool {
+        matches!(
+            self.processes.get(&pid).map(|tracked| &tracked.state),
+            Some(State::Active(runtime) | State::Pending { runtime, .. })
+                if runtime.process.layout.free_threaded
+        )
+    }
+
     /// Looks at `process` if it is a snapshot not seen yet, and retries pending processes.
     /// Cheap when nothing changed: a hash lookup and a pointer comparison.
     pub fn sync(&mut self, process: &Arc<ProcessInfo>) {

@@ -1,0 +1,321 @@
+//! Off-CPU and GIL-wait profiles end to end: the real `sched_switch` program times real
+//! fixture processes while they block, and the agent pairs, unwinds and symbolizes the blocks.
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use integration_tests::*;
+
+const SIGUSR1: i32 = 10;
+const SLEEP_CHAIN: [&str; 4] = ["main", "sleep_outer", "sleep_middle", "sleep_inner"];
+
+/// The fixture's and recording's files.
+struct Run {
+    scratch: Scratch,
+}
+
+impl Run {
+    fn new(tag: &str) -> Run {
+        Run {
+            scratch: Scratch::new(tag),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.scratch.path(name)
+    }
+
+    /// The stacks of the `kind` profile (`off_cpu`, `gil_wait`) the recording wrote next to
+    /// `stacks.folded`; none when it wrote no such profile (nothing blocked).
+    fn stacks(&self, kind: &str) -> Vec<FoldedStack> {
+        std::fs::read_to_string(self.path(&format!("stacks.{kind}.folded")))
+            .map(|text| parse_folded(&text))
+            .unwrap_or_default()
+    }
+}
+
+/// Starts `profiler record --off-cpu` of `pid` (every blocking switch, or `probability` of
+/// them), once it is attached signals the fixture to begin, waits for the fixture to end and
+/// stops the recording. Returns the recording's log.
+fn record_waits(run: &Run, fixture: &mut Running, probability: &str) -> String {
+    let out = run.path("stacks.folded");
+    let pid = fixture.pid().to_string();
+    let recording = Recording::until_stopped(&[
+        "--pid",
+        &pid,
+        "--off-cpu",
+        "--off-cpu-probability",
+        probability,
+        "--format",
+        "folded",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    send_signal(fixture.pid(), SIGUSR1);
+    let (status, _) = fixture.wait_measuring_cpu();
+    assert!(status.success(), "the fixture failed: {status}");
+    recording.stop()
+}
+
+fn has_frame(stack: &FoldedStack, name: &str) -> bool {
+    stack
+        .frames
+        .iter()
+        .any(|frame| frame == name || frame.starts_with(&format!("{name} ")))
+}
+
+fn sum(stacks: &[FoldedStack], keep: impl Fn(&FoldedStack) -> bool) -> u64 {
+    stacks.iter().filter(|s| keep(s)).map(|s| s.count).sum()
+}
+
+fn slept_ns(path: &Path) -> f64 {
+    std::fs::read_to_string(path)
+        .expect("the fixture wrote the time it slept")
+        .trim()
+        .parse()
+        .expect("a number of nanoseconds")
+}
+
+/// Every blocking switch timed: the blocked time under the sleeping chain is the time the
+/// fixture measured around its sleeps, within 10 %.
+#[test]
+fn blocked_time_under_a_sleeping_chain_matches_the_time_slept() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("off_cpu_waits.c");
+    let run = Run::new("off-cpu-sleep");
+    let result = run.path("slept");
+    let mut running = spawn(&fixture, &["sleep", "2", result.to_str().unwrap()]);
+    let log = record_waits(&run, &mut running, "1");
+    let slept = slept_ns(&result);
+    let stacks = run.stacks("off_cpu");
+    let in_chain = sum(&stacks, |s| {
+        find_chain(&s.frames, &SLEEP_CHAIN).is_some() && has_frame(s, "do_nanosleep")
+    });
+    let total = sum(&stacks, |_| true);
+    assert!(
+        (in_chain as f64 - slept).abs() <= 0.10 * slept,
+        "{in_chain} ns blocked under {SLEEP_CHAIN:?} in do_nanosleep, the fixture slept {slept} \
+         ns ({total} ns blocked in all); stacks: {:#?}\nlog: {log}",
+        stacks.iter().take(5).collect::<Vec<_>>()
+    );
+    // The stack ends in the scheduler, without the tracepoint's and the program's frames.
+    let leaf = stacks
+        .iter()
+        .filter(|s| find_chain(&s.frames, &SLEEP_CHAIN).is_some())
+        .map(|s| s.frames.last().unwrap().as_str())
+        .collect::<Vec<_>>();
+    assert!(
+        leaf.iter().all(|l| *l == "__schedule"),
+        "leaf frames: {leaf:?}"
+    );
+}
+
+/// A share of the switches sampled: each block stands for 1/share, so the total still
+/// estimates the time slept (1,000 blocks, a quarter sampled: 25 % is over four standard
+/// deviations).
+#[test]
+fn sampled_blocks_estimate_the_time_blocked() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("off_cpu_waits.c");
+    let run = Run::new("off-cpu-sampled");
+    let result = run.path("slept");
+    let mut running = spawn(&fixture, &["sleep", "2", result.to_str().unwrap()]);
+    let log = record_waits(&run, &mut running, "0.25");
+    let slept = slept_ns(&result);
+    let in_chain = sum(&run.stacks("off_cpu"), |s| {
+        find_chain(&s.frames, &SLEEP_CHAIN).is_some()
+    });
+    assert!(
+        (in_chain as f64 - slept).abs() <= 0.25 * slept,
+        "estimated {in_chain} ns blocked under the chain, the fixture slept {slept} ns\nlog: {log}"
+    );
+    assert!(
+        log.contains("off_cpu_stacks"),
+        "the BPF counters are logged: {log}"
+    );
+}
+
+/// A mutex, a pipe read and a futex: each thread's time shows under its own function, with
+/// the kernel's and the C library's frames of its cause.
+#[test]
+fn each_cause_of_waiting_shows_under_its_function() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("off_cpu_waits.c");
+    let run = Run::new("off-cpu-causes");
+    let mut running = spawn(&fixture, &["causes", "2"]);
+    let log = record_waits(&run, &mut running, "1");
+    let stacks = run.stacks("off_cpu");
+    let causes: [(&str, &[&str]); 3] = [
+        ("wait_on_mutex", &["__lll_lock_wait", "futex_wait"]),
+        ("wait_on_pipe", &["anon_pipe_read"]),
+        ("wait_on_futex", &["futex_wait"]),
+    ];
+    for (function, cause) in causes {
+        let blocked = sum(&stacks, |s| {
+            has_frame(s, function) && cause.iter().all(|frame| has_frame(s, frame))
+        });
+        // Each thread waits for about 20 ms in every 20 ms of the 2 s.
+        assert!(
+            blocked >= 1_000_000_000,
+            "{function}: {blocked} ns blocked in {cause:?}; top stacks: {:#?}\nlog: {log}",
+            stacks
+                .iter()
+                .filter(|s| has_frame(s, function))
+                .take(3)
+                .collect::<Vec<_>>()
+        );
+    }
+    // No thread waits for a GIL here.
+    assert!(run.stacks("gil_wait").is_empty());
+}
+
+/// The whole host, briefly: the agent's own threads' waits are left out.
+#[test]
+fn the_profilers_own_waits_are_left_out() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("off_cpu_waits.c");
+    let run = Run::new("off-cpu-host");
+    let result = run.path("slept");
+    let running = spawn(&fixture, &["sleep", "3", result.to_str().unwrap()]);
+    let out = run.path("stacks.folded");
+    let recording = Recording::until_stopped(&[
+        "--off-cpu",
+        "--off-cpu-probability",
+        "1",
+        "--format",
+        "folded",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    send_signal(running.pid(), SIGUSR1);
+    std::thread::sleep(Duration::from_millis(1500));
+    recording.stop();
+    let stacks = run.stacks("off_cpu");
+    // The thread name, as the kernel keeps it: 15 bytes.
+    let name = fixture.file_name().unwrap().to_str().unwrap();
+    let comm = &name[..name.len().min(15)];
+    assert!(
+        stacks.iter().any(|s| s.frames[0] == comm),
+        "the fixture's waits are recorded ({} stacks)",
+        stacks.len()
+    );
+    // The recording's threads: the pipeline (named after the program), the reader, the
+    // table builder.
+    let own: Vec<&FoldedStack> = stacks
+        .iter()
+        .filter(|s| ["profiler", "sample-reader", "unwind-tables"].contains(&s.frames[0].as_str()))
+        .collect();
+    assert!(own.is_empty(), "the profiler's own waits: {own:#?}");
+}
+
+/// An interpreter for the GIL test, and whether it has a GIL.
+struct Python {
+    label: String,
+    path: PathBuf,
+    has_gil: bool,
+}
+
+fn pythons() -> Vec<Python> {
+    let mut found = Vec::new();
+    for (version, executable) in [
+        ("3.8.18", "python3.8"),
+        ("3.11.7", "python3.11"),
+        ("3.12.1", "python3.12"),
+        ("3.13.0", "python3.13"),
+    ] {
+        match pyenv_python(version, executable) {
+            Some(path) => found.push(Python {
+                label: format!("pyenv {version}"),
+                path,
+                has_gil: true,
+            }),
+            None => skip_or_fail(&format!("pyenv Python {version} is not installed")),
+        }
+    }
+    for (label, path, has_gil) in [
+        (
+            "debian sid 3.14 (stripped)",
+            ".tools/python3.14/usr/bin/python3.14",
+            true,
+        ),
+        (
+            "free-threaded 3.14t",
+            ".tools/python3.14t/bin/python3.14t",
+            false,
+        ),
+    ] {
+        let path = workspace_root().join(path);
+        if path.is_file() {
+            found.push(Python {
+                label: label.into(),
+                path,
+                has_gil,
+            });
+        } else {
+            skip_or_fail(&format!(
+                "{} is missing (`cargo xtask setup`)",
+                path.display()
+            ));
+        }
+    }
+    found
+}
+
+fn skip_or_fail(what: &str) {
+    assert!(
+        !require_external(),
+        "{what} (PROFILER_REQUIRE_EXTERNAL=1 forbids skipping)"
+    );
+    eprintln!("skipping: {what}");
+}
+
+/// Two Python threads fighting for the GIL: each waits about as long as it runs, and the
+/// `gil_wait` profile shows that time under the Python function that waits (`spin_a`,
+/// `spin_b`), in `take_gil` or its caller. A free-threaded build has no GIL: nothing is
+/// reported.
+#[test]
+fn gil_waits_show_under_the_python_function_that_waits() {
+    let _guard = exclusive();
+    let script = fixture_source("gil_contention.py");
+    for python in pythons() {
+        let run = Run::new("gil-wait");
+        let mut running = spawn(&python.path, &[script.to_str().unwrap(), "2"]);
+        let log = record_waits(&run, &mut running, "1");
+        let gil = run.stacks("gil_wait");
+        let by_function: BTreeMap<&str, u64> = ["spin_a", "spin_b"]
+            .into_iter()
+            .map(|f| (f, sum(&gil, |s| has_frame(s, f))))
+            .collect();
+        if !python.has_gil {
+            assert!(
+                gil.is_empty(),
+                "{}: GIL waits reported for a build without a GIL: {gil:#?}",
+                python.label
+            );
+            continue;
+        }
+        for (function, waited) in &by_function {
+            // Two threads share one GIL for 2 s: each waits for about half of it.
+            assert!(
+                *waited >= 400_000_000,
+                "{}: {function} waited {waited} ns for the GIL ({by_function:?}); stacks: \
+                 {:#?}\nlog: {log}",
+                python.label,
+                gil.iter().take(3).collect::<Vec<_>>()
+            );
+        }
+        // The same time is in off_cpu, where the GIL waits are most of the blocked time.
+        let off_cpu = run.stacks("off_cpu");
+        let waited: u64 = by_function.values().sum();
+        let blocked_in_spin = sum(&off_cpu, |s| {
+            has_frame(s, "spin_a") || has_frame(s, "spin_b")
+        });
+        assert!(
+            blocked_in_spin >= waited,
+            "{}: off_cpu has {blocked_in_spin} ns under the spin functions, gil_wait {waited}",
+            python.label
+        );
+    }
+}
