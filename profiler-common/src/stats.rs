@@ -94,9 +94,9 @@ pub const STAT_CUDA_FIRST_STACKS: u32 = 41;
 /// Return addresses restored from a pending CUDA return probe (the stack slot held the
 /// kernel's uretprobe trampoline).
 pub const STAT_UNWIND_RETURN_PROBE_FRAMES: u32 = 42;
-/// Blocking switches of user threads off-CPU profiling looked at (before sampling).
+/// Blocking switches off-CPU profiling saw (every thread's, before the draw and the filters).
 pub const STAT_OFF_CPU_SWITCHES: u32 = 43;
-/// Of those, switches sampled: a stack was taken and sent.
+/// Blocks sampled (drawn, of a user thread the filters keep): a stack was taken and sent.
 pub const STAT_OFF_CPU_STACKS: u32 = 44;
 /// Sampled threads switched in again (an `OFF_CPU_WOKEN` record sent).
 pub const STAT_OFF_CPU_WOKEN: u32 = 45;

@@ -48,7 +48,10 @@ static HEADER: PerCpuArray<OffCpuHeader> = PerCpuArray::with_max_entries(1, 0);
 /// unsigned int prev_state)`, as a raw tracepoint: the arguments are the context's words.
 #[raw_tracepoint(tracepoint = "sched_switch")]
 pub fn off_cpu_switch(ctx: RawTracePointContext) -> i32 {
-    let config = CONFIG.get(0).copied().unwrap_or_default();
+    // A reference, not a copy: this runs on every context switch of the machine.
+    let Some(config) = CONFIG.get(0) else {
+        return 0;
+    };
     if config.off_cpu_threshold == 0 {
         return 0;
     }
@@ -58,9 +61,15 @@ pub fn off_cpu_switch(ctx: RawTracePointContext) -> i32 {
         (*args.add(2), *args.add(3) as u32)
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    woken(next, now, &config);
+    woken(next, now, config);
     if prev_state & TASK_BLOCKED_STATES != 0 && prev_state & TASK_DEAD_STATE == 0 {
-        blocked(ctx.as_ptr(), now, &config);
+        count(STAT_OFF_CPU_SWITCHES);
+        // The draw first: most blocks are not sampled, and need no other check.
+        if config.off_cpu_threshold == OFF_CPU_EVERY_SWITCH
+            || unsafe { bpf_get_prandom_u32() } < config.off_cpu_threshold
+        {
+            blocked(ctx.as_ptr(), now, config);
+        }
     }
     0
 }
@@ -102,7 +111,8 @@ fn woken(next: u64, now: u64, config: &SamplerConfig) {
     }
 }
 
-/// The current task blocks: maybe samples this block (stack now, duration at its switch-in).
+/// The current task blocks and this block was drawn: unless the task is left out, takes its
+/// stack now (the duration comes at its switch-in).
 #[inline(always)]
 fn blocked(ctx: *mut core::ffi::c_void, now: u64, config: &SamplerConfig) {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -124,12 +134,6 @@ fn blocked(ctx: *mut core::ffi::c_void, now: u64, config: &SamplerConfig) {
         }
     }
     if config.filter_pids != 0 && unsafe { PID_FILTER.get(&tgid) }.is_none() {
-        return;
-    }
-    count(STAT_OFF_CPU_SWITCHES);
-    if config.off_cpu_threshold != OFF_CPU_EVERY_SWITCH
-        && unsafe { bpf_get_prandom_u32() } >= config.off_cpu_threshold
-    {
         return;
     }
     let Some(sample) = scratch_sample(SLOT_OFF_CPU) else {

@@ -27,6 +27,9 @@ const PRESETS = [
   ['7d', 7 * 24 * 3600e3],
 ];
 const DEFAULT_PROFILE_TYPE = 'process_cpu:cpu:nanoseconds:cpu:nanoseconds';
+// A service with off-CPU profiles has a wall-clock view: its CPU and off-CPU time together.
+const OFF_CPU_PROFILE_TYPE = 'off_cpu:off_cpu:nanoseconds:off_cpu:nanoseconds';
+const WALL_PROFILE_TYPE = 'wall:wall:nanoseconds:wall:nanoseconds';
 const TABLE_ROWS = 300;
 const HEALTH_EVERY_MS = 5000;
 const LIVE_EVERY_MS = 15000;
@@ -293,6 +296,7 @@ async function selectService(service) {
 }
 
 function profileTypeLabel(type) {
+  if (type.ID === WALL_PROFILE_TYPE) return 'wall · on-CPU + off-CPU (nanoseconds)';
   const parts = type.ID.split(':');
   const [name, sampleType, unit] = parts;
   return `${name} · ${sampleType} (${unit})`;
@@ -312,7 +316,11 @@ async function loadProfileTypes() {
       : Promise.resolve({ names: null }),
   ]);
   let types = all.profileTypes ?? [];
-  if (forService.names) types = types.filter((t) => forService.names.includes(t.ID));
+  if (forService.names) {
+    const own = new Set(forService.names);
+    if (own.has(OFF_CPU_PROFILE_TYPE)) own.add(WALL_PROFILE_TYPE);
+    types = types.filter((t) => own.has(t.ID));
+  }
   state.profileTypes = types;
   const select = $('profile-type');
   select.textContent = '';

@@ -6,7 +6,7 @@ use std::{
     time::Duration,
 };
 
-use integration_tests::*;
+use integration_tests::{server_harness::*, *};
 
 const SIGUSR1: i32 = 10;
 const SLEEP_CHAIN: [&str; 4] = ["main", "sleep_outer", "sleep_middle", "sleep_inner"];
@@ -318,4 +318,87 @@ fn gil_waits_show_under_the_python_function_that_waits() {
             python.label
         );
     }
+}
+
+/// `profiler agent --off-cpu` into its store: the service's off-CPU profile and its wall view
+/// (CPU and off-CPU time together) answer through the query API Grafana uses.
+#[test]
+fn the_agent_stores_off_cpu_profiles_and_a_wall_view() {
+    let _guard = exclusive();
+    let fixture = fp_fixture("off_cpu_waits.c");
+    let service = "off-cpu-agent-check";
+    let run = Run::new("off-cpu-agent");
+    let result = run.path("slept");
+    let running = spawn_with_env(
+        &fixture,
+        &["sleep", "30", result.to_str().unwrap()],
+        &[("OTEL_SERVICE_NAME", service)],
+    );
+    let data_dir = run.path("data");
+    let ServerProcess {
+        process: mut agent,
+        addr,
+    } = ServerProcess::try_start_subcommand(
+        &profiler_bin(),
+        "agent",
+        &[
+            "--interval",
+            "2",
+            "--off-cpu",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data_dir.to_str().expect("UTF-8 scratch path"),
+        ],
+    )
+    .unwrap_or_else(|err| panic!("the agent did not listen: {err}"));
+    agent
+        .wait_for_line(Duration::from_secs(120), |line| {
+            line.contains("sampler attached").then_some(())
+        })
+        .unwrap_or_else(|err| panic!("no `sampler attached`: {err}"));
+    send_signal(running.pid(), SIGUSR1);
+    let client = Client::new(addr);
+    let selector = format!(r#"{{service_name="{service}"}}"#);
+    const OFF_CPU: &str = "off_cpu:off_cpu:nanoseconds:off_cpu:nanoseconds";
+    const WALL: &str = "wall:wall:nanoseconds:wall:nanoseconds";
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let graph = loop {
+        let graph = client.merge(OFF_CPU, &selector);
+        if flamegraph_total_of(&graph, "sleep_inner") > 0 {
+            break graph;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no sleep_inner in {service}'s off_cpu after 120 s:\n{}",
+            agent.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let names = flamegraph_names(&graph);
+    for function in ["sleep_outer", "sleep_middle", "do_nanosleep"] {
+        assert!(names.iter().any(|n| n == function), "{function}: {names:?}");
+    }
+    let types = client.connect_json(
+        "querier.v1.QuerierService/ProfileTypes",
+        serde_json::json!({}),
+    );
+    for id in [OFF_CPU, WALL] {
+        assert!(
+            types["profileTypes"]
+                .as_array()
+                .is_some_and(|all| all.iter().any(|t| t["ID"] == id)),
+            "{id} not listed: {types}"
+        );
+    }
+    // The wall view holds the off-CPU time, and the CPU time on top of it.
+    let wall = client.merge(WALL, &selector);
+    assert!(
+        flamegraph_total_of(&wall, "sleep_inner") >= flamegraph_total_of(&graph, "sleep_inner"),
+        "wall {} < off_cpu {}",
+        flamegraph_total_of(&wall, "sleep_inner"),
+        flamegraph_total_of(&graph, "sleep_inner")
+    );
+    let (status, stderr) = agent.stop();
+    assert!(status.success(), "{stderr}");
 }

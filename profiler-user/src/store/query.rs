@@ -132,12 +132,61 @@ impl TreeBuilder {
     }
 }
 
+/// Wall-clock time, as Pyroscope's `wall` profiles read: time on a CPU and time off it.
+pub const WALL_TYPE: &str = "wall:wall:nanoseconds:wall:nanoseconds";
+/// The two profiles a service's wall view is made of when it has no `wall` profile of its own.
+pub const CPU_NANOSECONDS_TYPE: &str = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
+pub const OFF_CPU_TYPE: &str = "off_cpu:off_cpu:nanoseconds:off_cpu:nanoseconds";
+
+fn service_of(series: &SeriesInfo) -> Option<&str> {
+    series
+        .labels
+        .iter()
+        .find(|(name, _)| name == "service_name")
+        .map(|(_, value)| value.as_str())
+}
+
+/// The series a `wall` selection reads among `series`: every stored `wall` series, and for a
+/// service that has off-CPU profiles and no `wall` profile of its own, its CPU time
+/// (`process_cpu` in nanoseconds) and its off-CPU time, which add up to the wall-clock time
+/// of its threads (each thread is either running or switched out).
+pub fn wall_series(series: Vec<SeriesInfo>) -> Vec<SeriesInfo> {
+    use std::collections::HashSet;
+    let own_wall: HashSet<String> = series
+        .iter()
+        .filter(|s| s.profile_type == WALL_TYPE)
+        .filter_map(|s| service_of(s).map(str::to_owned))
+        .collect();
+    let off_cpu: HashSet<String> = series
+        .iter()
+        .filter(|s| s.profile_type == OFF_CPU_TYPE)
+        .filter_map(|s| service_of(s).map(str::to_owned))
+        .collect();
+    series
+        .into_iter()
+        .filter(|s| {
+            s.profile_type == WALL_TYPE
+                || ((s.profile_type == CPU_NANOSECONDS_TYPE || s.profile_type == OFF_CPU_TYPE)
+                    && service_of(s)
+                        .is_some_and(|name| off_cpu.contains(name) && !own_wall.contains(name)))
+        })
+        .collect()
+}
+
 impl Store {
-    /// The series a selection reads.
+    /// The series a selection reads (for [`WALL_TYPE`], see [`wall_series`]).
     pub fn select_series(&self, selection: &Selection) -> Vec<SeriesInfo> {
-        self.series(Some((selection.start_ns, selection.end_ns)))
+        let in_range = self.series(Some((selection.start_ns, selection.end_ns)));
+        let of_type = if selection.profile_type == WALL_TYPE {
+            wall_series(in_range)
+        } else {
+            in_range
+                .into_iter()
+                .filter(|s| s.profile_type == selection.profile_type)
+                .collect()
+        };
+        of_type
             .into_iter()
-            .filter(|s| s.profile_type == selection.profile_type)
             .filter(|s| selection.selector.matches(&s.labels))
             .collect()
     }

@@ -961,3 +961,53 @@ fn queries_over_the_node_limit_are_refused() {
         1
     );
 }
+
+/// A service with off-CPU profiles gets a wall view: its CPU and off-CPU time in one tree. A
+/// service with a `wall` profile of its own keeps it, and one without off-CPU data has none.
+#[test]
+fn wall_view_adds_cpu_and_off_cpu_time_of_a_service() {
+    use super::query::{OFF_CPU_TYPE, WALL_TYPE};
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let of_type = |mut profile: NewProfile, id: &str| {
+        profile.profile_type = Some(ProfileType::parse(id).unwrap());
+        profile
+    };
+    store
+        .ingest(&[
+            profile("api", &[], NOW, &[("main;handle;parse", 30_000_000)]),
+            of_type(
+                profile(
+                    "api",
+                    &[],
+                    NOW,
+                    &[("main;handle;recv;__schedule", 70_000_000)],
+                ),
+                OFF_CPU_TYPE,
+            ),
+            // Only CPU data: no wall view.
+            profile("batch", &[], NOW, &[("main;crunch", 10_000_000)]),
+            // Its own wall profile (an SDK's), and off-CPU data too: its own is kept alone.
+            of_type(profile("java", &[], NOW, &[("main;run", 5)]), WALL_TYPE),
+            of_type(profile("java", &[], NOW, &[("main;wait", 7)]), OFF_CPU_TYPE),
+            profile("java", &[], NOW, &[("main;spin", 11)]),
+        ])
+        .unwrap();
+    let wall = |service: &str| {
+        store
+            .merge(&Selection {
+                profile_type: WALL_TYPE.into(),
+                selector: Selector::parse(&format!("{{service_name=\"{service}\"}}")).unwrap(),
+                start_ns: NOW - SECOND,
+                end_ns: NOW + SECOND,
+            })
+            .unwrap()
+    };
+    let api = wall("api");
+    assert_eq!(api.total(), 100_000_000);
+    let folded = api.folded();
+    assert!(folded.contains(&("main;handle;parse".to_owned(), 30_000_000)));
+    assert!(folded.contains(&("main;handle;recv;__schedule".to_owned(), 70_000_000)));
+    assert_eq!(wall("batch").total(), 0);
+    assert_eq!(wall("java").folded(), vec![("main;run".to_owned(), 5)]);
+}

@@ -4,8 +4,9 @@
 //! `depth` (BPF cost and stack completeness at 10-128 frames without frame pointers), `tables`
 //! (table build time and size) and `shared` (agent RSS and table sharing with 100 processes),
 //! and `store` (the embedded store behind the HTTP server: ingest throughput, 24-hour merge
-//! latency, bytes per service per day), and `host` (the whole-host agent on a reproduced busy
-//! host: memory over time, CPU per sample, stack quality, service names).
+//! latency, bytes per service per day), `gpu` (CUDA probe cost), `off-cpu` (off-CPU profiling's
+//! cost per context switch and on a switch-heavy program), and `host` (the whole-host agent on
+//! a reproduced busy host: memory over time, CPU per sample, stack quality, service names).
 //! It measures and reports; it asserts nothing about timing. See docs/benchmarks.md.
 // A crate root resolves `mod` next to itself (src/bin/), so point into bench/.
 #[path = "bench/gpu.rs"]
@@ -18,6 +19,8 @@ mod host_profiles;
 mod host_report;
 #[path = "bench/host_workload.rs"]
 mod host_workload;
+#[path = "bench/off_cpu.rs"]
+mod off_cpu;
 #[path = "bench/parse.rs"]
 mod parse;
 #[path = "bench/procs.rs"]
@@ -52,8 +55,8 @@ usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-second
              [--store-intervals N] [--host-seconds N] [--output FILE] [--no-build]
 
   --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
-                       store, gpu, host, unwind (= depth,tables,shared), all (default: all,
-                       which leaves out host)
+                       store, gpu, off-cpu, host, unwind (= depth,tables,shared), all
+                       (default: all, which leaves out host)
   --seconds N          overhead suite: length of each scenario in seconds (default 20)
   --depth-seconds N    depth suite: recording per stack depth in seconds (default 8)
   --shared-seconds N   shared suite: recording per variant in seconds (default 10)
@@ -93,6 +96,7 @@ struct Suites {
     python: bool,
     store: bool,
     gpu: bool,
+    off_cpu: bool,
     host: bool,
 }
 
@@ -110,6 +114,7 @@ impl Suites {
                         python: true,
                         store: true,
                         gpu: true,
+                        off_cpu: true,
                         // Five minutes of a saturated machine: only when asked for.
                         host: false,
                     }
@@ -126,9 +131,10 @@ impl Suites {
                 "python" => suites.python = true,
                 "store" => suites.store = true,
                 "gpu" => suites.gpu = true,
+                "off-cpu" => suites.off_cpu = true,
                 "host" => suites.host = true,
                 other => bail!(
-                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, gpu, host, unwind or all"
+                    "unknown suite {other:?}: use overhead, depth, tables, shared, python, store, gpu, off-cpu, host, unwind or all"
                 ),
             }
         }
@@ -137,7 +143,13 @@ impl Suites {
 
     /// Whether a suite needs the BPF program (root, the release profiler, the sysctl).
     fn needs_bpf(&self) -> bool {
-        self.overhead || self.depth || self.shared || self.python || self.gpu || self.host
+        self.overhead
+            || self.depth
+            || self.shared
+            || self.python
+            || self.gpu
+            || self.off_cpu
+            || self.host
     }
 }
 
@@ -411,6 +423,11 @@ fn run(args: &[String]) -> Result<()> {
     if let (true, Some(profiler)) = (suites.gpu, &profiler) {
         let results = gpu::run(profiler, &scratch)?;
         markdown.push_str(&gpu::render(&results));
+        settle()?;
+    }
+    if let (true, Some(profiler)) = (suites.off_cpu, &profiler) {
+        let results = off_cpu::run(profiler, &scratch)?;
+        markdown.push_str(&off_cpu::render(&results));
         settle()?;
     }
     if let (true, Some(profiler)) = (suites.host, &profiler) {

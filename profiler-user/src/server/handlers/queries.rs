@@ -110,6 +110,10 @@ pub async fn querier(
             let range = optional_range(request.start, request.end);
             let series = bounded_query(&state, move || Ok(store.series(range))).await?;
             let mut ids: Vec<String> = series.into_iter().map(|s| s.profile_type).collect();
+            // Off-CPU profiles make a wall-clock view of their services (store::wall_series).
+            if ids.iter().any(|id| id == OFF_CPU_TYPE) {
+                ids.push(WALL_TYPE.to_owned());
+            }
             ids.sort();
             ids.dedup();
             let profile_types = ids
