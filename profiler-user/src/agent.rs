@@ -380,11 +380,7 @@ impl Pipeline {
             .zip(sampling.off_cpu)
             .map(|(ring, settings)| OffCpu::new(ring, settings));
         let accelerator_kinds = accelerator.as_ref().map_or(&[][..], |a| a.kinds());
-        let off_cpu_kinds = if off_cpu.is_some() {
-            &OffCpu::KINDS[..]
-        } else {
-            &[]
-        };
+        let off_cpu_kinds = off_cpu.as_ref().map_or(&[][..], OffCpu::kinds);
         let event_aggregators = accelerator_kinds
             .iter()
             .chain(off_cpu_kinds)

@@ -98,6 +98,10 @@ pub struct SamplingArgs {
     /// Leave out blocks shorter than this many microseconds (counted in a metric).
     #[arg(long, env = "PROFILER_OFF_CPU_MIN_BLOCK_US", default_value_t = 0)]
     pub off_cpu_min_block_us: u64,
+    /// With --off-cpu, do not file CPython's GIL waits as their own `gil_wait` profile (they
+    /// stay in `off_cpu`).
+    #[arg(long, env = "PROFILER_NO_GIL_WAIT")]
+    pub no_gil_wait: bool,
 }
 
 fn parse_probability(text: &str) -> Result<f64, String> {
@@ -191,6 +195,7 @@ impl SamplingArgs {
             off_cpu: self.off_cpu.then(|| OffCpuSettings {
                 probability: self.off_cpu_probability,
                 min_block: Duration::from_micros(self.off_cpu_min_block_us),
+                gil_wait: !self.no_gil_wait,
             }),
         }
     }

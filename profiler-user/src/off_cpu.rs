@@ -38,6 +38,8 @@ pub struct OffCpuSettings {
     pub probability: f64,
     /// Blocks shorter than this are counted in a metric, not in the profile.
     pub min_block: Duration,
+    /// Also file CPython's GIL waits as `gil_wait`.
+    pub gil_wait: bool,
 }
 
 /// The probability is validated finite (`cli`), so equality is total.
@@ -48,6 +50,7 @@ impl Default for OffCpuSettings {
         OffCpuSettings {
             probability: DEFAULT_OFF_CPU_PROBABILITY,
             min_block: Duration::ZERO,
+            gil_wait: true,
         }
     }
 }
@@ -127,7 +130,13 @@ pub struct OffCpu {
 
 impl OffCpu {
     /// The profile kinds its events go to.
-    pub const KINDS: [ProfileKind; 2] = [ProfileKind::OffCpu, ProfileKind::GilWait];
+    pub fn kinds(&self) -> &'static [ProfileKind] {
+        if self.settings.gil_wait {
+            &[ProfileKind::OffCpu, ProfileKind::GilWait]
+        } else {
+            &[ProfileKind::OffCpu]
+        }
+    }
 
     pub fn new(ring: OffCpuRing, settings: OffCpuSettings) -> Self {
         OffCpu {
@@ -222,7 +231,10 @@ impl OffCpu {
         values[0] = (duration_ns as f64 / self.settings.probability).round() as u64;
         // Free-threaded builds have no GIL: their waits in the thread-state machinery are not
         // GIL waits, even where a stripped build hides the function names.
-        if waits_for_gil(&frames) && !pipeline.free_threaded_python(sample.pid) {
+        if self.settings.gil_wait
+            && waits_for_gil(&frames)
+            && !pipeline.free_threaded_python(sample.pid)
+        {
             self.stats.gil_waits += 1;
             events.push(ProfileEvent {
                 kind: ProfileKind::GilWait,

@@ -219,6 +219,33 @@ async function main() {
     const filtered = await page.$$eval('#service option', (opts) => opts.map((o) => o.value));
     assert.ok(filtered.includes(otherService) && filtered.every((o) => o.includes(otherService.slice(-4))), `filtered: ${filtered}`);
     await page.fill('#service-filter', '');
+
+    // Wall view: the other service sleeps 9 ms in every 10 (the agent runs with --off-cpu), so
+    // it has off-CPU profiles, and the picker offers its wall-clock view: its CPU frames and,
+    // beside them, the stack it sleeps at, down to the kernel's nanosleep.
+    const WALL = 'wall:wall:nanoseconds:wall:nanoseconds';
+    const wallDeadline = Date.now() + 60_000;
+    for (;;) {
+      await page.selectOption('#service', service);
+      await page.waitForSelector(`#flame-frames li[data-name="${functions.main}"]`, { state: 'attached' });
+      await page.selectOption('#service', otherService);
+      await page.waitForSelector(`#flame-frames li[data-name="${functions.other}"]`, { state: 'attached' });
+      const offered = await page.$$eval('#profile-type option', (opts) => opts.map((o) => [o.value, o.textContent]));
+      const wall = offered.find(([value]) => value === WALL);
+      if (wall) {
+        assert.match(wall[1], /on-CPU \+ off-CPU/, `the wall option's label: ${wall[1]}`);
+        break;
+      }
+      assert.ok(Date.now() < wallDeadline, `no wall view for ${otherService} after 60 s: ${JSON.stringify(offered)}`);
+      await page.waitForTimeout(2000);
+    }
+    await page.selectOption('#profile-type', WALL);
+    await page.waitForSelector('#flame-frames li[data-name="do_nanosleep"]', { state: 'attached' });
+    const wallFrames = await frames(page);
+    assert.ok(wallFrames.some((f) => f.name === functions.other), `CPU frames in the wall view: ${wallFrames.map((f) => f.name)}`);
+    assert.match(page.url(), /type=wall/);
+    log(`wall view of ${otherService}: ${wallFrames.length} frames, its sleep included`);
+    await page.selectOption('#profile-type', 'process_cpu:cpu:nanoseconds:cpu:nanoseconds');
     await page.selectOption('#service', service);
     await page.waitForSelector(`#flame-frames li[data-name="${functions.main}"]`, { state: 'attached' });
     log(`services by CPU: ${overview.map((r) => `${r.name} ${(100 * r.share).toFixed(0)}%`).join(', ')}`);

@@ -76,6 +76,10 @@ impl Agent {
                 "127.0.0.1:0",
                 "--interval",
                 "2",
+                // The other service sleeps most of the time: its wall view is checked.
+                "--off-cpu",
+                "--off-cpu-probability",
+                "0.2",
                 "--data-dir",
             ])
             .arg(data_dir)

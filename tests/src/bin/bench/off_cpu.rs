@@ -33,10 +33,10 @@ pub const SCENARIOS: [Scenario; 3] = [
         pace_ns: 80_000,
     },
     Scenario {
-        name: "about 200,000 switches/s (two pairs, a round every 40 µs each)",
+        name: "about 200,000 switches/s (two pairs, a round every 20 µs each)",
         processes: 2,
-        rounds: 100_000,
-        pace_ns: 40_000,
+        rounds: 200_000,
+        pace_ns: 20_000,
     },
     Scenario {
         name: "as fast as it goes (two pairs)",
