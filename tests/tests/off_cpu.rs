@@ -402,3 +402,88 @@ fn the_agent_stores_off_cpu_profiles_and_a_wall_view() {
     let (status, stderr) = agent.stop();
     assert!(status.success(), "{stderr}");
 }
+
+/// py-spy as the oracle: `py-spy record --gil` samples only the thread holding the GIL, so the
+/// share of its ticks a function holds the GIL is what `gil_wait` does not count. Both run
+/// over the same contention on CPython 3.11; each function's waiting share agrees within 25
+/// points (py-spy samples from outside, at 100 Hz, and may miss ticks on a busy machine).
+#[test]
+fn gil_waits_agree_with_py_spy() {
+    let _guard = exclusive();
+    let py_spy = workspace_root().join(".tools/py-spy/bin/py-spy");
+    let Some(python) = pyenv_python("3.11.7", "python3.11") else {
+        skip_or_fail("pyenv Python 3.11.7 is not installed");
+        return;
+    };
+    if !py_spy.is_file() {
+        skip_or_fail("py-spy is not installed under .tools (`cargo xtask setup`)");
+        return;
+    }
+    let script = fixture_source("gil_contention.py");
+    let run = Run::new("gil-py-spy");
+    let mut running = spawn(&python, &[script.to_str().unwrap(), "3"]);
+    let pid = running.pid().to_string();
+    let out = run.path("stacks.folded");
+    let recording = Recording::until_stopped(&[
+        "--pid",
+        &pid,
+        "--off-cpu",
+        "--off-cpu-probability",
+        "1",
+        "--format",
+        "folded",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    send_signal(running.pid(), SIGUSR1);
+    // Inside the 3 s of contention: 0.5 s in, for 2 s. --gil counts the holder per tick;
+    // --idle counts every thread at every tick (the main thread's samples are the ticks).
+    std::thread::sleep(Duration::from_millis(500));
+    let py_spy_run = |mode: &str, name: &str| {
+        let path = run.path(name);
+        let child = std::process::Command::new(&py_spy)
+            .args(["record", mode, "--nonblocking", "-d", "2", "-r", "100", "-f", "raw"])
+            .arg("-o")
+            .arg(&path)
+            .args(["--pid", &pid])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start py-spy");
+        (child, path)
+    };
+    let (mut holders, holders_path) = py_spy_run("--gil", "holders.txt");
+    let (mut all, all_path) = py_spy_run("--idle", "all.txt");
+    holders.wait().expect("py-spy --gil");
+    all.wait().expect("py-spy --idle");
+    let (status, _) = running.wait_measuring_cpu();
+    assert!(status.success());
+    recording.stop();
+
+    let count = |path: &Path, function: &str| -> u64 {
+        parse_folded(&std::fs::read_to_string(path).unwrap_or_default())
+            .iter()
+            .filter(|s| s.frames.iter().any(|f| f.contains(function)))
+            .map(|s| s.count)
+            .sum()
+    };
+    let ticks = count(&all_path, "spin_a").max(1) as f64;
+    let gil = run.stacks("gil_wait");
+    for function in ["spin_a", "spin_b"] {
+        let holding = count(&holders_path, function) as f64 / ticks;
+        // The 3 s of contention, all inside the recording.
+        let waiting = sum(&gil, |s| has_frame(s, function)) as f64 / 3e9;
+        eprintln!(
+            "{function}: gil_wait {:.0} % of the time, py-spy: holds the GIL {:.0} % of {ticks} ticks",
+            waiting * 100.0,
+            holding * 100.0
+        );
+        assert!(
+            (waiting - (1.0 - holding)).abs() <= 0.25,
+            "{function}: waits {:.0} % of the time for the GIL here, py-spy saw it hold the GIL \
+             {:.0} % of {ticks} ticks",
+            waiting * 100.0,
+            holding * 100.0
+        );
+    }
+}
