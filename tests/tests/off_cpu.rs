@@ -442,7 +442,17 @@ fn gil_waits_agree_with_py_spy() {
     let py_spy_run = |mode: &str, name: &str| {
         let path = run.path(name);
         let child = std::process::Command::new(&py_spy)
-            .args(["record", mode, "--nonblocking", "-d", "2", "-r", "100", "-f", "raw"])
+            .args([
+                "record",
+                mode,
+                "--nonblocking",
+                "-d",
+                "2",
+                "-r",
+                "100",
+                "-f",
+                "raw",
+            ])
             .arg("-o")
             .arg(&path)
             .args(["--pid", &pid])

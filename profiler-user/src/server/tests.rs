@@ -308,6 +308,29 @@ fn push_then_query_in_both_codecs() {
         pprof.sample.iter().map(|s| s.value[0]).sum::<i64>(),
         11 * test_fixture::PERIOD_NS
     );
+    // Over Connect JSON: the same profile in proto3's JSON form (64-bit integers as strings),
+    // as Drilldown's pprof export decodes it.
+    let (status, body) = server.post(
+        "/querier.v1.QuerierService/SelectMergeProfile",
+        "application/json",
+        serde_json::to_string(&request).unwrap().as_bytes(),
+    );
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let total: i64 = json["sample"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["value"][0].as_str().unwrap().parse::<i64>().unwrap())
+        .sum();
+    assert_eq!(total, 11 * test_fixture::PERIOD_NS);
+    assert_eq!(
+        json["stringTable"].as_array().unwrap().len(),
+        pprof.string_table.len()
+    );
+    let first_location = &json["location"][0];
+    assert!(first_location["id"].is_string() && first_location["line"].is_array());
+    assert_eq!(json["period"], serde_json::json!(pprof.period.to_string()));
     let (status, body) = server.get(&format!(
         "/api/pprof?query={}%7Bservice_name%3D%22api%22%7D",
         CPU

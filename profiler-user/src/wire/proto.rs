@@ -135,3 +135,61 @@ pub struct Function {
     #[prost(int64, tag = "5")]
     pub start_line: i64,
 }
+
+/// Proto3's JSON form of a profile (what a Connect JSON client decodes): lowerCamelCase names,
+/// 64-bit integers as decimal strings, every field present.
+pub fn profile_json(profile: &Profile) -> serde_json::Value {
+    use serde_json::{Value, json};
+    let text = |n: i64| Value::String(n.to_string());
+    let unsigned = |n: u64| Value::String(n.to_string());
+    let value_type = |t: &ValueType| json!({"type": text(t.r#type), "unit": text(t.unit)});
+    json!({
+        "sampleType": profile.sample_type.iter().map(value_type).collect::<Vec<_>>(),
+        "sample": profile.sample.iter().map(|s| json!({
+            "locationId": s.location_id.iter().map(|&id| unsigned(id)).collect::<Vec<_>>(),
+            "value": s.value.iter().map(|&v| text(v)).collect::<Vec<_>>(),
+            "label": s.label.iter().map(|l| json!({
+                "key": text(l.key), "str": text(l.str), "num": text(l.num), "numUnit": text(l.num_unit),
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "mapping": profile.mapping.iter().map(|m| json!({
+            "id": unsigned(m.id),
+            "memoryStart": unsigned(m.memory_start),
+            "memoryLimit": unsigned(m.memory_limit),
+            "fileOffset": unsigned(m.file_offset),
+            "filename": text(m.filename),
+            "buildId": text(m.build_id),
+            "hasFunctions": m.has_functions,
+            "hasFilenames": m.has_filenames,
+            "hasLineNumbers": m.has_line_numbers,
+            "hasInlineFrames": m.has_inline_frames,
+        })).collect::<Vec<_>>(),
+        "location": profile.location.iter().map(|l| json!({
+            "id": unsigned(l.id),
+            "mappingId": unsigned(l.mapping_id),
+            "address": unsigned(l.address),
+            "line": l.line.iter().map(|line| json!({
+                "functionId": unsigned(line.function_id),
+                "line": text(line.line),
+                "column": text(line.column),
+            })).collect::<Vec<_>>(),
+            "isFolded": l.is_folded,
+        })).collect::<Vec<_>>(),
+        "function": profile.function.iter().map(|f| json!({
+            "id": unsigned(f.id),
+            "name": text(f.name),
+            "systemName": text(f.system_name),
+            "filename": text(f.filename),
+            "startLine": text(f.start_line),
+        })).collect::<Vec<_>>(),
+        "stringTable": profile.string_table,
+        "dropFrames": text(profile.drop_frames),
+        "keepFrames": text(profile.keep_frames),
+        "timeNanos": text(profile.time_nanos),
+        "durationNanos": text(profile.duration_nanos),
+        "periodType": profile.period_type.as_ref().map(value_type),
+        "period": text(profile.period),
+        "comment": profile.comment.iter().map(|&c| text(c)).collect::<Vec<_>>(),
+        "defaultSampleType": text(profile.default_sample_type),
+    })
+}

@@ -245,11 +245,6 @@ pub async fn querier(
         "SelectMergeProfile" => {
             let request: SelectMergeProfileRequest = connect::decode(codec, &body)?;
             refuse_stack_trace_selector(&request.stack_trace_selector)?;
-            if codec == Codec::Json {
-                return Err(ApiError::unsupported_media(
-                    "SelectMergeProfile answers a pprof message: use application/proto, or GET /api/pprof for a .pb.gz file",
-                ));
-            }
             let selection = selection(
                 &state,
                 &request.profile_type_id,
@@ -258,6 +253,18 @@ pub async fn querier(
                 request.end,
             )?;
             let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
+            if codec == Codec::Json {
+                // Proto3's JSON form of the pprof message, as Connect JSON clients decode it.
+                return Ok((
+                    StatusCode::OK,
+                    [(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("application/json"),
+                    )],
+                    proto::profile_json(&profile).to_string(),
+                )
+                    .into_response());
+            }
             Ok((
                 StatusCode::OK,
                 [(
