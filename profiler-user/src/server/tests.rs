@@ -331,6 +331,41 @@ fn push_then_query_in_both_codecs() {
     let first_location = &json["location"][0];
     assert!(first_location["id"].is_string() && first_location["line"].is_array());
     assert_eq!(json["period"], serde_json::json!(pprof.period.to_string()));
+
+    // AnalyzeQuery: what that query reads (the request Grafana's data source sends, Connect
+    // JSON with the query as `<type>{selector}`).
+    let analysis = server.query_json(
+        "AnalyzeQuery",
+        serde_json::json!({
+            "start": request.start.to_string(),
+            "end": request.end.to_string(),
+            "query": format!("{CPU}{{service_name=\"api\"}}"),
+        }),
+    );
+    let scope = &analysis["queryScopes"][0];
+    assert_eq!(scope["componentType"], "embedded store", "{analysis}");
+    // The pushes above made three series of `api` (different label sets).
+    assert_eq!(scope["seriesCount"], "3", "{analysis}");
+    assert_eq!(
+        analysis["queryImpact"]["totalQueriedSeries"], "3",
+        "{analysis}"
+    );
+    let profiles: u64 = scope["profileCount"].as_str().unwrap().parse().unwrap();
+    let bytes: u64 = scope["profileBytes"].as_str().unwrap().parse().unwrap();
+    let in_range: u64 = analysis["queryImpact"]["totalBytesInTimeRange"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        profiles >= 1 && bytes > 0 && in_range >= bytes,
+        "{analysis}"
+    );
+    let nothing = server.query_json(
+        "AnalyzeQuery",
+        serde_json::json!({"start": "1", "end": "2", "query": format!("{CPU}{{}}")}),
+    );
+    assert_eq!(nothing["queryScopes"][0]["profileCount"], "0", "{nothing}");
     let (status, body) = server.get(&format!(
         "/api/pprof?query={}%7Bservice_name%3D%22api%22%7D",
         CPU

@@ -14,6 +14,20 @@ pub struct Selection {
     pub end_ns: i64,
 }
 
+/// What a selection reads ([`Store::analyze`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueryAnalysis {
+    pub series: u64,
+    /// Stack spaces (the store's unit of shared stacks) the series use.
+    pub spaces: u64,
+    pub profiles: u64,
+    /// Stacks with a value, over the profiles read.
+    pub stack_entries: u64,
+    pub profile_bytes: u64,
+    /// Bytes of every stored profile in the time range, of any series.
+    pub bytes_in_range: u64,
+}
+
 /// A series and the (time ns, total) of its selected profiles.
 pub type SeriesTotals = (SeriesInfo, Vec<(i64, i64)>);
 
@@ -263,6 +277,43 @@ impl Store {
             root.self_value = root.self_value.saturating_add(values[0]);
         }
         Ok(builder.finish())
+    }
+
+    /// What a selection reads: its series, stack spaces, profiles, stack entries and bytes,
+    /// and the bytes of every profile in its time range (`AnalyzeQuery`).
+    pub fn analyze(&self, selection: &Selection) -> Result<QueryAnalysis, StoreError> {
+        let series = self.select_series(selection);
+        let spaces: std::collections::HashSet<i64> = series.iter().map(|s| s.space).collect();
+        self.with_reader(|conn| {
+            let mut analysis = QueryAnalysis {
+                series: series.len() as u64,
+                spaces: spaces.len() as u64,
+                ..QueryAnalysis::default()
+            };
+            let mut stmt = conn.prepare_cached(
+                "SELECT stacks FROM profiles WHERE series_id = ? AND time_ns >= ? AND time_ns <= ?",
+            )?;
+            for s in &series {
+                let mut rows = stmt.query(rusqlite::params![
+                    s.id,
+                    selection.start_ns,
+                    selection.end_ns
+                ])?;
+                while let Some(row) = rows.next()? {
+                    let blob = row.get_ref(0)?.as_blob().map_err(rusqlite::Error::from)?;
+                    analysis.profiles += 1;
+                    analysis.profile_bytes += blob.len() as u64;
+                    codec::decode(blob, |_, _| analysis.stack_entries += 1)?;
+                }
+            }
+            analysis.bytes_in_range = conn.query_row(
+                "SELECT COALESCE(SUM(LENGTH(stacks)), 0) FROM profiles \
+                 WHERE time_ns >= ? AND time_ns <= ?",
+                rusqlite::params![selection.start_ns, selection.end_ns],
+                |row| row.get::<_, i64>(0),
+            )? as u64;
+            Ok(analysis)
+        })
     }
 
     /// (time ns, total) of every selected profile, per series.

@@ -40,6 +40,18 @@ mod json {
         }
     }
 
+    /// proto3 JSON writes uint64 as a decimal string.
+    pub mod u64_string {
+        use super::*;
+        pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_str(v)
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+            let value = Option::<IntOrString>::deserialize(d)?.map_or(Ok(0), to_i64)?;
+            u64::try_from(value).map_err(|_| Error::custom(format!("{value} is negative")))
+        }
+    }
+
     pub mod opt_i64_string {
         use super::*;
         pub fn serialize<S: Serializer>(v: &Option<i64>, s: S) -> Result<S::Ok, S::Error> {
@@ -655,6 +667,120 @@ pub struct SetSettingsRequest {
 pub struct SetSettingsResponse {
     #[prost(message, optional, tag = "1")]
     pub setting: Option<Setting>,
+}
+
+/// `querier.v1.AnalyzeQueryRequest`: what a query would read.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AnalyzeQueryRequest {
+    /// Milliseconds since the epoch.
+    #[prost(int64, tag = "2")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "3")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+    /// `<profile type>{selector}`.
+    #[prost(string, tag = "4")]
+    pub query: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AnalyzeQueryResponse {
+    #[prost(message, repeated, tag = "1")]
+    #[serde(rename = "queryScopes", alias = "query_scopes")]
+    pub query_scopes: Vec<QueryScope>,
+    #[prost(message, optional, tag = "2")]
+    #[serde(rename = "queryImpact", alias = "query_impact")]
+    pub query_impact: Option<QueryImpact>,
+}
+
+/// One kind of component that serves part of a query and what it reads.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct QueryScope {
+    #[prost(string, tag = "1")]
+    #[serde(rename = "componentType", alias = "component_type")]
+    pub component_type: String,
+    #[prost(uint64, tag = "2")]
+    #[serde(
+        rename = "componentCount",
+        alias = "component_count",
+        with = "json::u64_string"
+    )]
+    pub component_count: u64,
+    #[prost(uint64, tag = "3")]
+    #[serde(
+        rename = "blockCount",
+        alias = "block_count",
+        with = "json::u64_string"
+    )]
+    pub block_count: u64,
+    #[prost(uint64, tag = "4")]
+    #[serde(
+        rename = "seriesCount",
+        alias = "series_count",
+        with = "json::u64_string"
+    )]
+    pub series_count: u64,
+    #[prost(uint64, tag = "5")]
+    #[serde(
+        rename = "profileCount",
+        alias = "profile_count",
+        with = "json::u64_string"
+    )]
+    pub profile_count: u64,
+    #[prost(uint64, tag = "6")]
+    #[serde(
+        rename = "sampleCount",
+        alias = "sample_count",
+        with = "json::u64_string"
+    )]
+    pub sample_count: u64,
+    #[prost(uint64, tag = "7")]
+    #[serde(
+        rename = "indexBytes",
+        alias = "index_bytes",
+        with = "json::u64_string"
+    )]
+    pub index_bytes: u64,
+    #[prost(uint64, tag = "8")]
+    #[serde(
+        rename = "profileBytes",
+        alias = "profile_bytes",
+        with = "json::u64_string"
+    )]
+    pub profile_bytes: u64,
+    #[prost(uint64, tag = "9")]
+    #[serde(
+        rename = "symbolBytes",
+        alias = "symbol_bytes",
+        with = "json::u64_string"
+    )]
+    pub symbol_bytes: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct QueryImpact {
+    #[prost(uint64, tag = "2")]
+    #[serde(
+        rename = "totalBytesInTimeRange",
+        alias = "total_bytes_in_time_range",
+        with = "json::u64_string"
+    )]
+    pub total_bytes_in_time_range: u64,
+    #[prost(uint64, tag = "3")]
+    #[serde(
+        rename = "totalQueriedSeries",
+        alias = "total_queried_series",
+        with = "json::u64_string"
+    )]
+    pub total_queried_series: u64,
+    #[prost(bool, tag = "4")]
+    #[serde(rename = "deduplicationNeeded", alias = "deduplication_needed")]
+    pub deduplication_needed: bool,
 }
 
 #[cfg(test)]

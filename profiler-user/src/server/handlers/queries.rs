@@ -289,6 +289,41 @@ pub async fn querier(
                 bounded_query(&state, move || select_series(&store, &selection, &request)).await?;
             Ok(connect::encode(codec, &SelectSeriesResponse { series }))
         }
+        "AnalyzeQuery" => {
+            let request: AnalyzeQueryRequest = connect::decode(codec, &body)?;
+            let (profile_type, label_selector) = split_query(request.query.trim());
+            let selection = selection(
+                &state,
+                profile_type,
+                label_selector,
+                request.start,
+                request.end,
+            )?;
+            let analysis = bounded_query(&state, move || {
+                store.analyze(&selection).map_err(store_error)
+            })
+            .await?;
+            // One component, the embedded store, reads everything: no replicas to dedupe.
+            let response = AnalyzeQueryResponse {
+                query_scopes: vec![QueryScope {
+                    component_type: "embedded store".into(),
+                    component_count: 1,
+                    block_count: analysis.spaces,
+                    series_count: analysis.series,
+                    profile_count: analysis.profiles,
+                    sample_count: analysis.stack_entries,
+                    index_bytes: 0,
+                    profile_bytes: analysis.profile_bytes,
+                    symbol_bytes: 0,
+                }],
+                query_impact: Some(QueryImpact {
+                    total_bytes_in_time_range: analysis.bytes_in_range,
+                    total_queried_series: analysis.series,
+                    deduplication_needed: false,
+                }),
+            };
+            Ok(connect::encode(codec, &response))
+        }
         "GetProfileStats" => {
             let series = bounded_query(&state, move || Ok(store.series(None))).await?;
             let response = GetProfileStatsResponse {
