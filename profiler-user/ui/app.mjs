@@ -7,6 +7,7 @@ import {
   decodeFlamegraph,
   formatPercent,
   formatValue,
+  labelSelector,
   matcher,
   serviceSelector,
   shareChange,
@@ -36,6 +37,8 @@ const LIVE_EVERY_MS = 15000;
 
 const state = {
   service: '',
+  // Label filters ([{name, value}]) narrowing the service: SDK tags, pod, thread, executable.
+  filters: [],
   // Flame graph, top table, or both side by side.
   view: 'both',
   profileType: '',
@@ -118,6 +121,11 @@ function readHash() {
     state.until = until;
   }
   state.search = params.get('search') ?? '';
+  state.filters = params
+    .getAll('filter')
+    .map((text) => text.split(/=(.*)/s))
+    .filter(([name, value]) => name && value !== undefined)
+    .map(([name, value]) => ({ name, value }));
   const view = params.get('view');
   if (['flame', 'table', 'both'].includes(view)) state.view = view;
   // Compare mode and its two ranges.
@@ -139,6 +147,7 @@ function writeHash() {
     params.set('until', String(state.until));
   }
   if (state.search) params.set('search', state.search);
+  for (const { name, value } of state.filters) params.append('filter', `${name}=${value}`);
   if (state.view !== 'both') params.set('view', state.view);
   if (state.mode === 'compare' && state.compare) {
     params.set('mode', 'compare');
@@ -278,7 +287,85 @@ function drawServiceOverview(cpu) {
   }
 }
 
+/** The selector of every query: the service and the label filters. */
+function currentSelector() {
+  return labelSelector(state.service, state.filters);
+}
+
+// ---- label filters ----
+
+/** The label names of the service's series (SDK tags, pod, thread_name, executable...). */
+async function loadLabelNames() {
+  const { from, until } = currentRange();
+  const select = $('filter-name');
+  const response = await rpc('LabelNames', {
+    matchers: [currentSelector()],
+    start: String(from),
+    end: String(until),
+  });
+  const taken = new Set(state.filters.map((f) => f.name));
+  const names = (response.names ?? []).filter((n) => !n.startsWith('__') && n !== 'service_name' && !taken.has(n));
+  select.textContent = '';
+  select.appendChild(new Option('label…', ''));
+  for (const name of names) select.appendChild(new Option(name, name));
+  $('filter-value').textContent = '';
+  $('filter-value').disabled = true;
+  $('filter-add').disabled = true;
+}
+
+async function loadLabelValues(name) {
+  const values = $('filter-value');
+  values.textContent = '';
+  values.disabled = true;
+  $('filter-add').disabled = true;
+  if (!name) return;
+  const { from, until } = currentRange();
+  const response = await rpc('LabelValues', {
+    name,
+    matchers: [currentSelector()],
+    start: String(from),
+    end: String(until),
+  });
+  for (const value of response.names ?? []) values.appendChild(new Option(value, value));
+  values.disabled = !values.options.length;
+  $('filter-add').disabled = !values.options.length;
+}
+
+function renderFilters() {
+  const box = $('filters');
+  box.textContent = '';
+  for (const [index, { name, value }] of state.filters.entries()) {
+    const chip = document.createElement('button');
+    chip.type = 'button';
+    chip.className = 'chip';
+    chip.dataset.name = name;
+    chip.dataset.value = value;
+    chip.title = 'Remove this filter';
+    chip.textContent = `${name}=${value} ×`;
+    chip.addEventListener('click', () => {
+      state.filters.splice(index, 1);
+      filtersChanged();
+    });
+    box.appendChild(chip);
+  }
+}
+
+async function filtersChanged() {
+  renderFilters();
+  writeHash();
+  view.reset();
+  try {
+    await loadLabelNames();
+  } catch (err) {
+    setStatus(err.message, true);
+  }
+  state.mode === 'compare' ? runCompare() : loadFlamegraph();
+}
+
 async function selectService(service) {
+  // Another service's labels may not apply: its filters start empty.
+  if (service !== state.service) state.filters = [];
+  renderFilters();
   state.service = service;
   fillServiceOptions();
   for (const row of $('service-overview').querySelectorAll('.service-row')) {
@@ -287,6 +374,7 @@ async function selectService(service) {
   view.reset();
   try {
     await loadProfileTypes();
+    await loadLabelNames();
   } catch (err) {
     setStatus(err.message, true);
   }
@@ -351,7 +439,7 @@ function markDone(what) {
 
 function downloadHref(range) {
   const params = new URLSearchParams({
-    query: `${state.profileType}${serviceSelector(state.service)}`,
+    query: `${state.profileType}${currentSelector()}`,
     from: String(Math.round(range.from)),
     until: String(Math.round(range.until)),
   });
@@ -376,7 +464,7 @@ async function loadFlamegraph(keepZoom = false) {
   setStatus('Loading…');
   const query = {
     profileTypeID: state.profileType,
-    labelSelector: serviceSelector(state.service),
+    labelSelector: currentSelector(),
     start: String(Math.round(range.from)),
     end: String(Math.round(range.until)),
   };
@@ -624,7 +712,7 @@ async function runCompare() {
   writeHash();
   const side = (range) => ({
     profileTypeID: state.profileType,
-    labelSelector: serviceSelector(state.service),
+    labelSelector: currentSelector(),
     start: String(range.from),
     end: String(range.until),
   });
@@ -687,6 +775,8 @@ async function refresh(keepZoom = false) {
   try {
     await loadServices();
     await loadProfileTypes();
+    renderFilters();
+    await loadLabelNames();
   } catch (err) {
     setStatus(`Cannot reach the agent: ${err.message}`, true);
     return;
@@ -913,6 +1003,16 @@ function wire() {
   });
   $('service').addEventListener('change', (e) => selectService(e.target.value));
   $('service-filter').addEventListener('input', () => fillServiceOptions());
+  $('filter-name').addEventListener('change', (e) =>
+    loadLabelValues(e.target.value).catch((err) => setStatus(err.message, true)),
+  );
+  $('filter-add').addEventListener('click', () => {
+    const name = $('filter-name').value;
+    const value = $('filter-value').value;
+    if (!name || value === '') return;
+    state.filters.push({ name, value });
+    filtersChanged();
+  });
   $('profile-type').addEventListener('change', (e) => {
     state.profileType = e.target.value;
     writeHash();

@@ -367,9 +367,22 @@ export function diffColor(change, scale = 0.2) {
 
 /** The label selector of one service (`{service_name="api"}`), quotes and backslashes escaped. */
 export function serviceSelector(service) {
-  if (!service) return '{}';
-  const escaped = String(service).replace(/\\/g, '\\\\').replace(/"/g, '\\"');
-  return `{service_name="${escaped}"}`;
+  return labelSelector(service, []);
+}
+
+/** The label selector of a service narrowed by label filters (`[{name, value}]`, each an
+ * equality matcher): `{service_name="api",pod="web-1"}`. Names that are not label names are
+ * left out (the query API would refuse the whole selector). */
+export function labelSelector(service, filters) {
+  const quote = (value) => String(value).replace(/\\/g, '\\\\').replace(/"/g, '\\"');
+  const matchers = [];
+  if (service) matchers.push(`service_name="${quote(service)}"`);
+  for (const { name, value } of filters) {
+    if (/^[A-Za-z_][A-Za-z0-9_.]*$/.test(name) && name !== 'service_name') {
+      matchers.push(`${name}="${quote(value)}"`);
+    }
+  }
+  return `{${matchers.join(',')}}`;
 }
 
 /** A relative change as the tooltip shows it: `new`, `+12.3%`, `-4.0%`, and `0.0%` for what

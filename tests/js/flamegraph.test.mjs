@@ -17,6 +17,7 @@ import {
   relativeChange,
   rowCount,
   search,
+  labelSelector,
   serviceSelector,
   shareChange,
   sortRows,
@@ -293,6 +294,13 @@ test('formatting and selectors', () => {
   assert.equal(serviceSelector('api'), '{service_name="api"}');
   assert.equal(serviceSelector('a"b\\c'), '{service_name="a\\"b\\\\c"}');
   assert.equal(serviceSelector(''), '{}');
+  assert.equal(
+    labelSelector('api', [{ name: 'pod', value: 'web-1' }, { name: 'otel.scope.name', value: 'x"y' }]),
+    '{service_name="api",pod="web-1",otel.scope.name="x\\"y"}',
+  );
+  // Not a label name, or the service's own label: left out rather than a refused selector.
+  assert.equal(labelSelector('api', [{ name: 'a b', value: '1' }, { name: 'service_name', value: 'x' }]), '{service_name="api"}');
+  assert.equal(labelSelector('', [{ name: 'pod', value: 'p' }]), '{pod="p"}');
 });
 
 test('a change that rounds to nothing reads 0.0%, never -0.0%', () => {

@@ -248,6 +248,35 @@ async function main() {
     await page.selectOption('#profile-type', 'process_cpu:cpu:nanoseconds:cpu:nanoseconds');
     await page.selectOption('#service', service);
     await page.waitForSelector(`#flame-frames li[data-name="${functions.main}"]`, { state: 'attached' });
+    // Label filter: a label of the service's own series (the agent's: host, executable...)
+    // narrows every query; it goes into the URL and comes off with its chip.
+    await page.waitForFunction(() => document.querySelector('#filter-name').options.length > 1);
+    const labelNames = await page.$$eval('#filter-name option', (opts) => opts.map((o) => o.value).filter(Boolean));
+    assert.ok(!labelNames.includes('service_name') && !labelNames.some((n) => n.startsWith('__')), `label names: ${labelNames}`);
+    const filterName = labelNames.includes('executable') ? 'executable' : labelNames[0];
+    await page.selectOption('#filter-name', filterName);
+    await page.waitForFunction(() => !document.querySelector('#filter-add').disabled);
+    const filterValue = await page.$eval('#filter-value', (el) => el.value);
+    const filterQueries = [];
+    const onFilterRequest = (req) => {
+      if (req.url().includes('SelectMergeStacktraces')) filterQueries.push(req.postData() ?? '');
+    };
+    page.on('request', onFilterRequest);
+    await page.click('#filter-add');
+    await page.waitForSelector(`#filters .chip[data-name="${filterName}"]`);
+    await page.waitForFunction(() => location.hash.includes('filter='));
+    await page.waitForSelector(`#flame-frames li[data-name="${functions.main}"]`, { state: 'attached' });
+    await page.waitForFunction(() => document.querySelector('#status').dataset.done !== undefined);
+    page.off('request', onFilterRequest);
+    assert.ok(
+      filterQueries.some((body) => JSON.parse(body).labelSelector.includes(`${filterName}=`)),
+      `the flame graph query carries the filter: ${filterQueries}`,
+    );
+    assert.ok(decodeURIComponent(page.url()).includes(`filter=${filterName}=${filterValue}`), page.url());
+    await page.click(`#filters .chip[data-name="${filterName}"]`);
+    await page.waitForFunction(() => !location.hash.includes('filter='));
+    assert.equal(await page.$$eval('#filters .chip', (chips) => chips.length), 0);
+    log(`label filter ${filterName}=${filterValue}: applied and removed`);
     log(`services by CPU: ${overview.map((r) => `${r.name} ${(100 * r.share).toFixed(0)}%`).join(', ')}`);
     assert.match(page.url(), new RegExp(`service=${service}`));
     const pixels = await canvasPixels(page, '#flame canvas');
