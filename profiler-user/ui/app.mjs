@@ -132,7 +132,13 @@ function readHash() {
   const compare = ['base_from', 'base_until', 'comp_from', 'comp_until'].map((k) => Number(params.get(k)));
   state.hashCompare =
     params.get('mode') === 'compare' && compare[0] < compare[1] && compare[2] < compare[3] && compare[0] > 0
-      ? { baseFrom: compare[0], baseUntil: compare[1], compFrom: compare[2], compUntil: compare[3] }
+      ? {
+          baseFrom: compare[0],
+          baseUntil: compare[1],
+          compFrom: compare[2],
+          compUntil: compare[3],
+          compService: params.get('comp_service') ?? '',
+        }
       : null;
   state.hashMode = params.get('mode') === 'compare' ? 'compare' : 'single';
 }
@@ -155,6 +161,7 @@ function writeHash() {
     params.set('base_until', String(state.compare.baseUntil));
     params.set('comp_from', String(state.compare.compFrom));
     params.set('comp_until', String(state.compare.compUntil));
+    if (state.compare.compService) params.set('comp_service', state.compare.compService);
   }
   history.replaceState(null, '', `${location.pathname}${location.search}#${params}`);
 }
@@ -259,6 +266,13 @@ function fillServiceOptions() {
   if (!services.length) select.appendChild(new Option('(no services yet)', ''));
   for (const service of services) select.appendChild(new Option(service, service));
   select.value = state.service;
+  // Compare may set another service against this one.
+  const other = $('comp-service');
+  const chosen = other.value || state.compare?.compService || '';
+  other.textContent = '';
+  other.appendChild(new Option('the same service', ''));
+  for (const service of state.services ?? []) other.appendChild(new Option(service, service));
+  other.value = (state.services ?? []).includes(chosen) ? chosen : '';
 }
 
 /** The services with the most CPU in the range, as bars; a click selects one. */
@@ -691,6 +705,12 @@ function setCompareRanges(ranges) {
   $('base-until').value = toLocalInput(ranges.baseUntil);
   $('comp-from').value = toLocalInput(ranges.compFrom);
   $('comp-until').value = toLocalInput(ranges.compUntil);
+  if (ranges.compService !== undefined) {
+    if (![...$('comp-service').options].some((o) => o.value === ranges.compService)) {
+      $('comp-service').appendChild(new Option(ranges.compService, ranges.compService));
+    }
+    $('comp-service').value = ranges.compService;
+  }
 }
 
 async function runCompare() {
@@ -708,11 +728,19 @@ async function runCompare() {
     setStatus('Pick a service first.', true);
     return;
   }
-  state.compare = { baseFrom: base.from, baseUntil: base.until, compFrom: comp.from, compUntil: comp.until };
+  // The comparison may be another service (with the same label filters): any two selections.
+  const compService = $('comp-service').value;
+  state.compare = {
+    baseFrom: base.from,
+    baseUntil: base.until,
+    compFrom: comp.from,
+    compUntil: comp.until,
+    compService,
+  };
   writeHash();
-  const side = (range) => ({
+  const side = (range, service) => ({
     profileTypeID: state.profileType,
-    labelSelector: currentSelector(),
+    labelSelector: service ? labelSelector(service, state.filters) : currentSelector(),
     start: String(range.from),
     end: String(range.until),
   });
@@ -720,18 +748,19 @@ async function runCompare() {
   $('range-label').textContent = `${describeRange(base)}  vs  ${describeRange(comp)}`;
   $('download').href = downloadHref(comp);
   try {
-    const response = await rpc('Diff', { left: side(base), right: side(comp) });
+    const response = await rpc('Diff', { left: side(base, ''), right: side(comp, compService) });
     if (sequence !== loadSequence) return;
     const tree = decodeDiff(response.flamegraph);
     const unit = unitOf(state.profileType);
     view.setTree(tree, unit);
-    markDone(`compare:${state.service}:${base.from}-${base.until}:${comp.from}-${comp.until}`);
+    const against = compService ? `:vs:${compService}` : '';
+    markDone(`compare:${state.service}:${base.from}-${base.until}:${comp.from}-${comp.until}${against}`);
     const empty = [tree.leftTicks ? '' : 'the baseline', tree.rightTicks ? '' : 'the comparison'].filter(Boolean);
     setStatus(
       `Baseline ${formatValue(tree.leftTicks, unit)}, comparison ${formatValue(tree.rightTicks, unit)}. ` +
         (empty.length
           ? `No profiles in ${empty.join(' and ')} range.`
-          : 'Red: larger share in the comparison; green: smaller.'),
+          : 'Red: larger share in the comparison; blue: smaller.'),
       empty.length > 0,
     );
   } catch (err) {

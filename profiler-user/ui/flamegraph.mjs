@@ -354,14 +354,15 @@ export function nameColor(name) {
 }
 
 /**
- * Diff colour: red where the comparison spends a larger share than the baseline, green where
+ * Diff colour: red where the comparison spends a larger share than the baseline, blue where
  * smaller, grey when unchanged; saturation grows with the change (full at ±`scale` of the
- * total, 20 points by default).
+ * total, 20 points by default). Red against blue, not green: the two stay apart for the
+ * red-green colour blind (deuteranopia, protanopia), and lightness differs as well.
  */
 export function diffColor(change, scale = 0.2) {
   const strength = Math.min(1, Math.abs(change) / scale);
   if (strength < 0.01) return 'hsl(0, 0%, 78%)';
-  const hue = change > 0 ? 0 : 130;
+  const hue = change > 0 ? 0 : 215;
   return `hsl(${hue}, ${Math.round(30 + 60 * strength)}%, ${Math.round(80 - 30 * strength)}%)`;
 }
 

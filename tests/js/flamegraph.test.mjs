@@ -180,7 +180,7 @@ test('diff: both sides kept, drawn side by side, change of share', () => {
   assert.ok(Math.abs(relativeChange(c, 10, 14) - (8 / 14 / 0.4 - 1)) < 1e-12);
   assert.equal(relativeChange({ left: { total: 0 }, right: { total: 3 } }, 10, 14), Infinity);
   assert.match(diffColor(0.1), /^hsl\(0,/);
-  assert.match(diffColor(-0.1), /^hsl\(130,/);
+  assert.match(diffColor(-0.1), /^hsl\(215,/);
   assert.equal(diffColor(0), 'hsl(0, 0%, 78%)');
   assert.notEqual(diffColor(0.05), diffColor(0.2));
   const rows = topFunctions(tree);

@@ -75,7 +75,7 @@ function localInput(ms) {
   );
 }
 
-/** Painted pixels of a canvas: how many, how many distinct colours, how many red/green. */
+/** Painted pixels of a canvas: how many, how many distinct colours, how many red/green/blue. */
 function canvasPixels(page, selector) {
   return page.evaluate((sel) => {
     const canvas = document.querySelector(sel);
@@ -83,6 +83,7 @@ function canvasPixels(page, selector) {
     let painted = 0;
     let red = 0;
     let green = 0;
+    let blue = 0;
     const colours = new Set();
     for (let i = 0; i < data.length; i += 4) {
       if (data[i + 3] === 0) continue;
@@ -90,8 +91,9 @@ function canvasPixels(page, selector) {
       colours.add((data[i] << 16) | (data[i + 1] << 8) | data[i + 2]);
       if (data[i] > data[i + 1] + 60 && data[i] > data[i + 2] + 60) red++;
       if (data[i + 1] > data[i] + 40 && data[i + 1] > data[i + 2] + 20) green++;
+      if (data[i + 2] > data[i] + 40 && data[i + 2] > data[i + 1] + 10) blue++;
     }
-    return { painted, pixels: data.length / 4, colours: colours.size, red, green };
+    return { painted, pixels: data.length / 4, colours: colours.size, red, green, blue };
   }, selector);
 }
 
@@ -487,7 +489,8 @@ async function main() {
     assert.ok(share(functions.phaseTwo) > 0.2, `${functions.phaseTwo} grew: ${share(functions.phaseTwo)}`);
     assert.ok(share(functions.phaseOne) < -0.2, `${functions.phaseOne} shrank: ${share(functions.phaseOne)}`);
     const diffPixels = await canvasPixels(page, '#flame canvas');
-    assert.ok(diffPixels.red > 0 && diffPixels.green > 0, `diff colours: ${JSON.stringify(diffPixels)}`);
+    // Red for more, blue for less (a colour-blind-safe pair), never green.
+    assert.ok(diffPixels.red > 0 && diffPixels.blue > 0 && diffPixels.green === 0, `diff colours: ${JSON.stringify(diffPixels)}`);
     const grown = (await frames(page)).find((f) => f.name === functions.phaseTwo);
     const diffBox = await (await page.$('#flame canvas')).boundingBox();
     await page.mouse.move(diffBox.x + grown.x + grown.width / 2, diffBox.y + grown.y + 9);
@@ -506,6 +509,28 @@ async function main() {
     await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, expectedRun);
     assert.equal(await page.getAttribute('#flame canvas', 'data-mode'), 'diff');
     log('compare: restored from the URL after a reload');
+
+    // Any two selections: this service's whole run against the other service's.
+    await page.fill('#base-from', localInput(ranges.baseFrom));
+    await page.fill('#base-until', localInput(comparisonUntil));
+    await page.fill('#comp-from', localInput(ranges.baseFrom));
+    await page.fill('#comp-until', localInput(comparisonUntil));
+    await page.selectOption('#comp-service', otherService);
+    await page.click('#run-compare');
+    const acrossRun = `compare:${service}:${second(ranges.baseFrom)}-${second(comparisonUntil)}:${second(ranges.baseFrom)}-${second(comparisonUntil)}:vs:${otherService}`;
+    await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, acrossRun);
+    await page.waitForSelector(`#top-table tbody tr[data-name="${functions.other}"]`);
+    rows = await tableRows(page);
+    const acrossRight = Number(await page.getAttribute('#flame canvas', 'data-right-ticks'));
+    const acrossLeft = Number(await page.getAttribute('#flame canvas', 'data-left-ticks'));
+    const otherRow = rows.find((r) => r.name === functions.other);
+    const mainRow = rows.find((r) => r.name === functions.phaseOne);
+    assert.ok(otherRow.values[4] > 0 && otherRow.values[3] === 0, `only the comparison runs ${functions.other}: ${JSON.stringify(otherRow)}`);
+    assert.ok(mainRow.values[3] > 0 && mainRow.values[4] === 0, `only the baseline runs ${functions.phaseOne}: ${JSON.stringify(mainRow)}`);
+    assert.ok(acrossLeft > 0 && acrossRight > 0);
+    assert.equal(new URLSearchParams(new URL(page.url()).hash.slice(1)).get('comp_service'), otherService);
+    await page.selectOption('#comp-service', '');
+    log(`compare across services: ${service} vs ${otherService}`);
 
     // Default compare ranges: two halves of equal length, to the second.
     await page.click('[role=tab][data-mode=single]');
