@@ -9,6 +9,7 @@ import {
   formatValue,
   labelSelector,
   matcher,
+  sandwich,
   serviceSelector,
   shareChange,
   sortRows,
@@ -37,6 +38,8 @@ const LIVE_EVERY_MS = 15000;
 
 const state = {
   service: '',
+  // The function whose callers and callees are shown (the sandwich view), or ''.
+  sandwich: '',
   // Label filters ([{name, value}]) narrowing the service: SDK tags, pod, thread, executable.
   filters: [],
   // Flame graph, top table, or both side by side.
@@ -121,6 +124,7 @@ function readHash() {
     state.until = until;
   }
   state.search = params.get('search') ?? '';
+  state.sandwich = params.get('sandwich') ?? '';
   state.filters = params
     .getAll('filter')
     .map((text) => text.split(/=(.*)/s))
@@ -153,6 +157,7 @@ function writeHash() {
     params.set('until', String(state.until));
   }
   if (state.search) params.set('search', state.search);
+  if (state.sandwich) params.set('sandwich', state.sandwich);
   for (const { name, value } of state.filters) params.append('filter', `${name}=${value}`);
   if (state.view !== 'both') params.set('view', state.view);
   if (state.mode === 'compare' && state.compare) {
@@ -376,6 +381,43 @@ async function filtersChanged() {
   state.mode === 'compare' ? runCompare() : loadFlamegraph();
 }
 
+// ---- sandwich view: callers and callees of one function ----
+
+let sandwichViews = null;
+
+function openSandwich(name) {
+  state.sandwich = name;
+  writeHash();
+  drawSandwich();
+}
+
+function closeSandwich() {
+  state.sandwich = '';
+  writeHash();
+  drawSandwich();
+}
+
+/** Draws the sandwich of `state.sandwich` from the flame graph's tree (not in compare mode). */
+function drawSandwich() {
+  const section = $('sandwich');
+  const tree = view?.tree;
+  if (!state.sandwich || !tree || tree.diff || state.mode === 'compare') {
+    section.hidden = true;
+    return;
+  }
+  sandwichViews ??= {
+    callers: new FlameView($('sandwich-callers'), $('tooltip'), $('sandwich-callers-frames'), () => {}),
+    callees: new FlameView($('sandwich-callees'), $('tooltip'), $('sandwich-callees-frames'), () => {}),
+  };
+  const { callers, callees } = sandwich(tree, state.sandwich);
+  const unit = unitOf(state.profileType);
+  section.hidden = false;
+  $('sandwich-name').textContent = state.sandwich;
+  sandwichViews.callers.setTree(callers, unit);
+  sandwichViews.callees.setTree(callees, unit);
+  section.dataset.total = String(callers.total);
+}
+
 async function selectService(service) {
   // Another service's labels may not apply: its filters start empty.
   if (service !== state.service) state.filters = [];
@@ -489,6 +531,7 @@ async function loadFlamegraph(keepZoom = false) {
     ]);
     if (sequence !== loadSequence) return;
     const tree = decodeFlamegraph(merge.flamegraph);
+    queueMicrotask(drawSandwich);
     const unit = unitOf(state.profileType);
     view.setTree(tree, unit, keepZoom);
     markDone(`single:${state.service}:${state.preset || `${state.from}-${state.until}`}`);
@@ -638,6 +681,15 @@ function renderTable() {
     nameButton.title = 'Highlight in the flame graph';
     nameButton.addEventListener('click', () => setSearch(row.name));
     nameCell.appendChild(nameButton);
+    if (!tree.diff) {
+      const sandwichButton = document.createElement('button');
+      sandwichButton.type = 'button';
+      sandwichButton.className = 'sandwich-button';
+      sandwichButton.textContent = 'sandwich';
+      sandwichButton.title = 'Callers and callees of this function';
+      sandwichButton.addEventListener('click', () => openSandwich(row.name));
+      nameCell.appendChild(sandwichButton);
+    }
     const cell = (text, value) => {
       const td = tr.insertCell();
       td.className = 'num';
@@ -778,6 +830,7 @@ function showMode(mode) {
   }
   $('compare-controls').hidden = mode !== 'compare';
   document.body.dataset.mode = mode;
+  drawSandwich();
   if (mode !== 'compare') return;
   if (state.hashCompare) {
     setCompareRanges(state.hashCompare);
@@ -1035,6 +1088,7 @@ function wire() {
   $('filter-name').addEventListener('change', (e) =>
     loadLabelValues(e.target.value).catch((err) => setStatus(err.message, true)),
   );
+  $('sandwich-close').addEventListener('click', () => closeSandwich());
   $('filter-add').addEventListener('click', () => {
     const name = $('filter-name').value;
     const value = $('filter-value').value;

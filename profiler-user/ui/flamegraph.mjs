@@ -394,3 +394,69 @@ export function describeChange(change) {
   if (Number(percent) === 0) return '0.0%';
   return `${change > 0 ? '+' : ''}${percent}%`;
 }
+
+/**
+ * The sandwich view of function `name`: `callees`, a tree rooted at `name` merging everything it
+ * calls wherever it runs, and `callers`, a tree rooted at `name` whose children are its direct
+ * callers, their children the callers' callers, and so on to the outermost frame. Both roots'
+ * totals are the function's total (each outermost occurrence counted once, so recursion is not
+ * counted twice). Trees as `decodeFlamegraph` makes them, laid out left to right.
+ */
+export function sandwich(tree, name) {
+  const occurrences = [];
+  const visit = (node, inside) => {
+    const here = node.name === name && node !== tree.root;
+    if (here && !inside) occurrences.push(node);
+    for (const child of node.children) visit(child, inside || here);
+  };
+  if (tree?.root) visit(tree.root, false);
+  const fresh = (nodeName) => ({ name: nodeName, total: 0, self: 0, children: new Map() });
+  const callees = fresh(name);
+  const merge = (into, from) => {
+    into.total += from.total;
+    into.self += from.self;
+    for (const child of from.children) {
+      if (!into.children.has(child.name)) into.children.set(child.name, fresh(child.name));
+      merge(into.children.get(child.name), child);
+    }
+  };
+  const callers = fresh(name);
+  for (const occurrence of occurrences) {
+    merge(callees, occurrence);
+    callers.total += occurrence.total;
+    let at = callers;
+    for (let caller = occurrence.parent; caller && caller !== tree.root; caller = caller.parent) {
+      if (!at.children.has(caller.name)) at.children.set(caller.name, fresh(caller.name));
+      at = at.children.get(caller.name);
+      at.total += occurrence.total;
+    }
+  }
+  return { callers: finishTree(callers), callees: finishTree(callees) };
+}
+
+/** A merged `{name, total, self, children: Map}` tree as a drawable tree: x, depth, ids. */
+function finishTree(top) {
+  const nodes = [];
+  let maxSelf = 0;
+  const root = makeNode(0, top.name, 0, 0, top.total, 0);
+  const queue = [[top, root]];
+  while (queue.length) {
+    const [source, node] = queue.shift();
+    node.id = nodes.length;
+    nodes.push(node);
+    let x = node.x;
+    let childTotal = 0;
+    for (const child of [...source.children.values()].sort((a, b) => b.total - a.total)) {
+      const made = makeNode(0, child.name, node.depth + 1, x, child.total, 0);
+      made.parent = node;
+      node.children.push(made);
+      x += child.total;
+      childTotal += child.total;
+      queue.push([child, made]);
+    }
+    // Self is what the children do not cover (callers' trees have no self of their own).
+    node.self = Math.max(0, node.total - childTotal);
+    maxSelf = Math.max(maxSelf, node.self);
+  }
+  return { root, nodes, total: root.total, maxSelf, diff: false };
+}

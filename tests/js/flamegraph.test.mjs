@@ -18,6 +18,7 @@ import {
   rowCount,
   search,
   labelSelector,
+  sandwich,
   serviceSelector,
   shareChange,
   sortRows,
@@ -309,4 +310,31 @@ test('a change that rounds to nothing reads 0.0%, never -0.0%', () => {
   assert.equal(describeChange(0.123), '+12.3%');
   assert.equal(describeChange(-0.04), '-4.0%');
   assert.equal(describeChange(Infinity), 'new');
+});
+
+test('the sandwich of a function: its callers and its callees, recursion counted once', () => {
+  // main → a → f → g (3), main → b → f → h (2), main → f (1, self), main → f → f → g (4).
+  const tree = decodeFlamegraph({
+    names: ['total', 'main', 'a', 'b', 'f', 'g', 'h'],
+    levels: [
+      { values: [0, 10, 0, 0] },
+      { values: [0, 10, 0, 1] },
+      { values: [0, 3, 0, 2, 0, 2, 0, 3, 0, 5, 1, 4] },
+      { values: [0, 3, 0, 4, 0, 2, 0, 4, 0, 4, 0, 4] },
+      { values: [0, 3, 3, 5, 0, 2, 2, 6, 0, 4, 4, 5] },
+    ],
+  });
+  const { callers, callees } = sandwich(tree, 'f');
+  assert.equal(callees.root.name, 'f');
+  assert.equal(callees.total, 10);
+  const calleeNames = new Map(callees.root.children.map((c) => [c.name, c.total]));
+  assert.deepEqual(calleeNames, new Map([['g', 3], ['h', 2], ['f', 4]]));
+  assert.equal(callers.total, 10);
+  const callerNames = new Map(callers.root.children.map((c) => [c.name, c.total]));
+  assert.deepEqual(callerNames, new Map([['main', 5], ['a', 3], ['b', 2]]));
+  const viaA = callers.root.children.find((c) => c.name === 'a');
+  assert.deepEqual(viaA.children.map((c) => [c.name, c.total]), [['main', 3]]);
+  // Laid out left to right, parents before children, ready to draw.
+  assert.ok(callers.nodes.every((n, i) => n.id === i && (n.parent === null || n.parent.id < i)));
+  assert.equal(sandwich(tree, 'absent').callers.total, 0);
 });

@@ -289,6 +289,23 @@ async function main() {
     assert.ok(timeline.red > 0, `the timeline has bars: ${JSON.stringify(timeline)}`);
     await shot(page, 'flamegraph');
 
+    // ---- sandwich: the callers and callees of one function ----
+    await page.click(`#top-table tbody tr[data-name="${functions.phaseOne}"] .sandwich-button`);
+    await page.waitForSelector('#sandwich:not([hidden])');
+    await page.waitForSelector(`#sandwich-callers-frames li[data-name="${functions.main}"]`, { state: 'attached' });
+    await page.waitForSelector(`#sandwich-callees-frames li[data-name="${functions.leaf}"]`, { state: 'attached' });
+    const calleeNames = await page.$$eval('#sandwich-callees-frames li', (items) => items.map((li) => li.dataset.name));
+    assert.ok(!calleeNames.includes(functions.main), `the callees do not hold the caller: ${calleeNames}`);
+    assert.equal(await page.textContent('#sandwich-name'), functions.phaseOne);
+    assert.match(page.url(), new RegExp(`sandwich=${functions.phaseOne}`));
+    const sandwichPixels = await canvasPixels(page, '#sandwich-callers canvas');
+    assert.ok(sandwichPixels.painted > 0, `the callers graph is drawn: ${JSON.stringify(sandwichPixels)}`);
+    await shot(page, 'sandwich');
+    await page.click('#sandwich-close');
+    await page.waitForSelector('#sandwich', { state: 'hidden' });
+    assert.ok(!page.url().includes('sandwich='), page.url());
+    log(`sandwich of ${functions.phaseOne}: callers up to ${functions.main}, callees down to ${functions.leaf}`);
+
     // ---- hover ----
     const leaf = drawn.find((f) => f.name === functions.leaf);
     const canvasBox = await (await page.$('#flame canvas')).boundingBox();

@@ -194,7 +194,7 @@ fn web_ui_in_headless_chromium() {
         agent.log_text()
     );
     assert!(stdout.contains("all checks passed"), "{stdout}");
-    for name in ["flamegraph", "zoom", "search", "compare"] {
+    for name in ["flamegraph", "zoom", "search", "compare", "sandwich"] {
         let shot = screenshots.join(format!("{name}.png"));
         let size = std::fs::metadata(&shot).map(|m| m.len()).unwrap_or(0);
         assert!(size > 10_000, "{} is missing or blank", shot.display());
