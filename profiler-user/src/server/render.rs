@@ -69,6 +69,66 @@ fn delta_encode(raw: RawLevels, width: usize) -> Vec<Level> {
 }
 
 /// A merged tree as a flame graph: children sorted by name, self value left of the children.
+/// Pyroscope's tree bytes (`format=TREE` of SelectMergeStacktraces): every node in depth-first
+/// pre-order as uvarint(name length), name, uvarint(self), uvarint(children), under a nameless
+/// virtual root. Children whose total is below the `max_nodes` largest are summed into an
+/// `other` child, as the flame graph does. Negative values (diffs) do not occur in a merge.
+pub fn tree_bytes(tree: &MergedTree, max_nodes: usize) -> Vec<u8> {
+    /// What the depth-first walk writes next.
+    enum Entry {
+        Node(u32),
+        /// The summed small children of a node: a leaf.
+        Other(i64),
+    }
+    let threshold = min_total(tree.nodes.iter().skip(1).map(|n| n.total), max_nodes);
+    let mut out = Vec::new();
+    if tree.nodes.is_empty() {
+        return out;
+    }
+    let write = |out: &mut Vec<u8>, name: &str, self_value: i64, children: usize| {
+        prost::encoding::encode_varint(name.len() as u64, out);
+        out.extend_from_slice(name.as_bytes());
+        prost::encoding::encode_varint(self_value.max(0) as u64, out);
+        prost::encoding::encode_varint(children as u64, out);
+    };
+    let mut stack = vec![Entry::Node(0)];
+    while let Some(entry) = stack.pop() {
+        let node_id = match entry {
+            Entry::Other(value) => {
+                write(&mut out, "other", value, 0);
+                continue;
+            }
+            Entry::Node(id) => id,
+        };
+        let node = &tree.nodes[node_id as usize];
+        let mut children = Vec::new();
+        let mut other = 0i64;
+        for &child in &node.children {
+            match tree.nodes[child as usize].total {
+                total if total <= 0 => {}
+                total if total >= threshold => children.push(child),
+                total => other = other.saturating_add(total),
+            }
+        }
+        // Node 0 is the merge's root: the format's nameless virtual root.
+        let (name, self_value) = match node_id {
+            0 => ("", 0),
+            _ => (tree.name_of(node_id), node.self_value),
+        };
+        write(
+            &mut out,
+            name,
+            self_value,
+            children.len() + usize::from(other > 0),
+        );
+        if other > 0 {
+            stack.push(Entry::Other(other));
+        }
+        stack.extend(children.iter().rev().map(|&c| Entry::Node(c)));
+    }
+    out
+}
+
 pub fn flamegraph(tree: &MergedTree, max_nodes: usize) -> FlameGraph {
     let threshold = min_total(tree.nodes.iter().skip(1).map(|n| n.total), max_nodes);
     let mut names = NamesTable::new();

@@ -165,6 +165,40 @@ fn assert_json_error(status: u16, body: &[u8], expected_status: u16, needle: &st
     assert!(message.contains(needle), "`{needle}` not in `{message}`");
 }
 
+/// Pyroscope's tree bytes as (folded path, self value) pairs, read as its `UnmarshalTree` does.
+fn read_tree_bytes(bytes: &[u8]) -> Vec<(String, i64)> {
+    let mut at = 0;
+    let read_varint = |at: &mut usize| {
+        let value = prost::encoding::decode_varint(&mut &bytes[*at..]).expect("a uvarint");
+        *at += prost::encoding::encoded_len_varint(value);
+        value
+    };
+    let mut out = Vec::new();
+    // (path of the parent) per child still to read.
+    let mut parents: Vec<Option<String>> = vec![None];
+    while let Some(parent) = parents.pop() {
+        let name_len = read_varint(&mut at) as usize;
+        let name = String::from_utf8(bytes[at..at + name_len].to_vec()).unwrap();
+        at += name_len;
+        let self_value = read_varint(&mut at) as i64;
+        let children = read_varint(&mut at);
+        let path = match (&parent, name.is_empty()) {
+            (None, true) => String::new(),
+            (Some(p), _) if p.is_empty() => name,
+            (Some(p), _) => format!("{p};{name}"),
+            (None, false) => panic!("the first node is the nameless root"),
+        };
+        if self_value > 0 {
+            out.push((path.clone(), self_value));
+        }
+        for _ in 0..children {
+            parents.push(Some(path.clone()));
+        }
+    }
+    assert_eq!(at, bytes.len(), "trailing bytes");
+    out
+}
+
 #[test]
 fn push_then_query_in_both_codecs() {
     let server = TestServer::start();
@@ -286,6 +320,42 @@ fn push_then_query_in_both_codecs() {
     assert_eq!(
         (diff.left_ticks, diff.right_ticks),
         (11 * test_fixture::PERIOD_NS, 0)
+    );
+
+    // format=TREE: Pyroscope's tree bytes, read back as its UnmarshalTree does (a stack of
+    // parents; each node pushes itself once per child), with the same totals.
+    let mut tree_request = merge_request(r#"{service_name="api"}"#);
+    tree_request.format = 2;
+    let response: SelectMergeStacktracesResponse =
+        server.query("SelectMergeStacktraces", &tree_request);
+    assert!(response.flamegraph.is_none());
+    let folded = read_tree_bytes(&response.tree);
+    let total: i64 = folded.iter().map(|(_, v)| v).sum();
+    assert_eq!(total, 11 * test_fixture::PERIOD_NS, "{folded:?}");
+    assert!(
+        folded.iter().all(|(path, _)| !path.starts_with(';')),
+        "{folded:?}"
+    );
+    let json = server.query_json(
+        "SelectMergeStacktraces",
+        serde_json::json!({"profileTypeID": CPU, "labelSelector": r#"{service_name="api"}"#,
+                           "start": tree_request.start.to_string(), "end": tree_request.end.to_string(),
+                           "format": "PROFILE_FORMAT_TREE"}),
+    );
+    let bytes = base64::Engine::decode(
+        &base64::engine::general_purpose::STANDARD,
+        json["tree"].as_str().expect("tree bytes in base64"),
+    )
+    .unwrap();
+    assert_eq!(bytes, response.tree);
+    // Cut to the largest node: the rest is summed into `other`, the total kept.
+    tree_request.max_nodes = Some(1);
+    let cut: SelectMergeStacktracesResponse = server.query("SelectMergeStacktraces", &tree_request);
+    let cut = read_tree_bytes(&cut.tree);
+    assert_eq!(cut.iter().map(|(_, v)| v).sum::<i64>(), total, "{cut:?}");
+    assert!(
+        cut.iter().any(|(path, _)| path.ends_with("other")),
+        "{cut:?}"
     );
 
     // SelectMergeProfile answers a pprof with the same stacks.

@@ -451,6 +451,10 @@ pub struct SelectMergeStacktracesResponse {
     #[prost(message, optional, tag = "1")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flamegraph: Option<FlameGraph>,
+    /// Pyroscope's tree bytes, for `format=TREE` (base64 in JSON).
+    #[prost(bytes = "vec", tag = "2")]
+    #[serde(skip_serializing_if = "Vec::is_empty", with = "json::bytes_base64")]
+    pub tree: Vec<u8>,
 }
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]

@@ -180,13 +180,16 @@ pub async fn querier(
         "SelectMergeStacktraces" => {
             let request: SelectMergeStacktracesRequest = connect::decode(codec, &body)?;
             refuse_stack_trace_selector(&request.stack_trace_selector)?;
-            if request.format > 1 {
-                return Err(ApiError::new(
-                    StatusCode::NOT_IMPLEMENTED,
-                    "unimplemented",
-                    "only the flamegraph format is supported",
-                ));
-            }
+            // 0 and 1: flame graph; 2: Pyroscope's tree bytes.
+            let as_tree = match request.format {
+                0 | 1 => false,
+                2 => true,
+                other => {
+                    return Err(ApiError::invalid(format!(
+                        "unknown profile format {other} (1: flame graph, 2: tree)"
+                    )));
+                }
+            };
             let selection = selection(
                 &state,
                 &request.profile_type_id,
@@ -195,17 +198,22 @@ pub async fn querier(
                 request.end,
             )?;
             let max_nodes = max_nodes(request.max_nodes);
-            let flamegraph = bounded_query(&state, move || {
+            let response = bounded_query(&state, move || {
                 let tree = store.merge(&selection).map_err(store_error)?;
-                Ok(render::flamegraph(&tree, max_nodes))
+                Ok(if as_tree {
+                    SelectMergeStacktracesResponse {
+                        flamegraph: None,
+                        tree: render::tree_bytes(&tree, max_nodes),
+                    }
+                } else {
+                    SelectMergeStacktracesResponse {
+                        flamegraph: Some(render::flamegraph(&tree, max_nodes)),
+                        tree: Vec::new(),
+                    }
+                })
             })
             .await?;
-            Ok(connect::encode(
-                codec,
-                &SelectMergeStacktracesResponse {
-                    flamegraph: Some(flamegraph),
-                },
-            ))
+            Ok(connect::encode(codec, &response))
         }
         "Diff" => {
             let request: DiffRequest = connect::decode(codec, &body)?;
