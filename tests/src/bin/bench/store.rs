@@ -56,6 +56,8 @@ pub struct StoreRun {
     pub day_file_bytes: u64,
     pub merge_ms: Vec<f64>,
     pub merge_json_ms: Vec<f64>,
+    /// `/pyroscope/render-diff` of the day's two halves.
+    pub render_diff_ms: Vec<f64>,
     pub merge_total: i64,
     pub merge_names: usize,
     pub throughput: Ingest,
@@ -171,6 +173,33 @@ fn merge_latencies(client: &Client, codec_json: bool, runs: usize) -> (Vec<f64>,
     (times, total, names)
 }
 
+/// `/pyroscope/render-diff` (Profiles Drilldown's diff view) of svc-0's first 12 hours against
+/// its last 12: round-trip milliseconds per run.
+fn render_diff_latencies(client: &Client, runs: usize) -> Result<Vec<f64>> {
+    let end = unix_now_ms();
+    let middle = end - DAY_S * 500;
+    let start = end - DAY_S * 1000;
+    let query = format!("{CPU_TYPE}%7Bservice_name%3D%22svc-0%22%7D");
+    let path = format!(
+        "/pyroscope/render-diff?leftQuery={query}&leftFrom={start}&leftUntil={middle}\
+         &rightQuery={query}&rightFrom={middle}&rightUntil={end}"
+    );
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let began = Instant::now();
+        let response = client.get(&path);
+        times.push(began.elapsed().as_secs_f64() * 1000.0);
+        if response.status != 200 || !response.text().contains("flamebearer") {
+            bail!(
+                "render-diff answered {}: {}",
+                response.status,
+                response.text()
+            );
+        }
+    }
+    Ok(times)
+}
+
 pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<StoreRun> {
     eprintln!(
         "bench: [store] generating {VARIANTS} profiles of {STACKS} stacks for each of {SERVICES} services"
@@ -236,6 +265,8 @@ pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<Store
         bail!("the 24-hour merge of svc-0 is empty");
     }
     let (merge_json_ms, _, _) = merge_latencies(&client, true, QUERY_RUNS);
+    eprintln!("bench: [store] 24-hour render-diff of svc-0, {QUERY_RUNS} times");
+    let render_diff_ms = render_diff_latencies(&client, QUERY_RUNS)?;
     check_interrupted()?;
 
     // 50 services' intervals, interval by interval as agents send them, through Push.
@@ -300,6 +331,7 @@ pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<Store
         day_file_bytes,
         merge_ms,
         merge_json_ms,
+        render_diff_ms,
         merge_total,
         merge_names,
         throughput,
@@ -373,6 +405,12 @@ pub fn render(r: &StoreRun) -> String {
         "| the same merge, JSON (the web UI) | median {:.0} ms, max {:.0} ms | |",
         median(&r.merge_json_ms),
         max(&r.merge_json_ms)
+    );
+    let _ = writeln!(
+        out,
+        "| `/pyroscope/render-diff` of the same day's two halves (Drilldown's diff view, flamebearer JSON) | median {:.0} ms, max {:.0} ms | |",
+        median(&r.render_diff_ms),
+        max(&r.render_diff_ms)
     );
     let _ = writeln!(
         out,
