@@ -36,8 +36,14 @@ const TABLE_ROWS = 300;
 const HEALTH_EVERY_MS = 5000;
 const LIVE_EVERY_MS = 15000;
 
+/** Colours of the timeline's groups (distinct also for the red-green colour blind). */
+const GROUP_COLOURS = ['#1c7ed6', '#e8590c', '#7048e8', '#0ca678', '#d6336c', '#868e96', '#f59f00', '#1098ad'];
+const MAX_GROUPS = GROUP_COLOURS.length;
+
 const state = {
   service: '',
+  // A label the timeline is split by (one line per value), or ''.
+  groupBy: '',
   // The function whose callers and callees are shown (the sandwich view), or ''.
   sandwich: '',
   // Label filters ([{name, value}]) narrowing the service: SDK tags, pod, thread, executable.
@@ -125,6 +131,7 @@ function readHash() {
   }
   state.search = params.get('search') ?? '';
   state.sandwich = params.get('sandwich') ?? '';
+  state.groupBy = params.get('group') ?? '';
   state.filters = params
     .getAll('filter')
     .map((text) => text.split(/=(.*)/s))
@@ -158,6 +165,7 @@ function writeHash() {
   }
   if (state.search) params.set('search', state.search);
   if (state.sandwich) params.set('sandwich', state.sandwich);
+  if (state.groupBy) params.set('group', state.groupBy);
   for (const { name, value } of state.filters) params.append('filter', `${name}=${value}`);
   if (state.view !== 'both') params.set('view', state.view);
   if (state.mode === 'compare' && state.compare) {
@@ -327,6 +335,13 @@ async function loadLabelNames() {
   select.textContent = '';
   select.appendChild(new Option('label…', ''));
   for (const name of names) select.appendChild(new Option(name, name));
+  const group = $('group-by');
+  group.textContent = '';
+  group.appendChild(new Option('group by…', ''));
+  const groupable = (response.names ?? []).filter((n) => !n.startsWith('__') && n !== 'service_name');
+  if (state.groupBy && !groupable.includes(state.groupBy)) groupable.push(state.groupBy);
+  for (const name of groupable) group.appendChild(new Option(name, name));
+  group.value = state.groupBy;
   $('filter-value').textContent = '';
   $('filter-value').disabled = true;
   $('filter-add').disabled = true;
@@ -551,17 +566,24 @@ async function loadTimeline(query, range, sequence) {
   const step = Math.max(1, Math.round((range.until - range.from) / 1000 / 120));
   const canvas = $('timeline');
   try {
-    const response = await rpc('SelectSeries', { ...query, step, groupBy: [] });
+    const groupBy = state.groupBy ? [state.groupBy] : [];
+    const response = await rpc('SelectSeries', { ...query, step, groupBy });
     if (sequence !== loadSequence) return;
-    const points = (response.series ?? []).flatMap((s) =>
-      (s.points ?? []).map((p) => ({ t: Number(p.timestamp), v: Number(p.value) })),
-    );
-    drawBarChart(canvas, points, {
-      from: range.from,
-      until: range.until,
-      stepMs: step * 1000,
-      color: '#e8590c',
-    });
+    const series = response.series ?? [];
+    const pointsOf = (s) => (s.points ?? []).map((p) => ({ t: Number(p.timestamp), v: Number(p.value) }));
+    const points = series.flatMap(pointsOf);
+    if (state.groupBy) {
+      drawGroups(canvas, series, pointsOf, range);
+    } else {
+      $('group-legend').hidden = true;
+      canvas.dataset.groups = '0';
+      drawBarChart(canvas, points, {
+        from: range.from,
+        until: range.until,
+        stepMs: step * 1000,
+        color: '#e8590c',
+      });
+    }
     state.timelineRange = range;
     canvas.dataset.points = String(points.length);
     const times = points.filter((p) => p.v > 0).map((p) => p.t);
@@ -572,6 +594,43 @@ async function loadTimeline(query, range, sequence) {
   } catch {
     drawBarChart(canvas, [], { from: range.from, until: range.until, stepMs: step * 1000 });
   }
+}
+
+/** One line per value of the group-by label (the largest `MAX_GROUPS`), and their legend:
+ * clicking a value filters by it. */
+function drawGroups(canvas, series, pointsOf, range) {
+  const groups = series
+    .map((s) => ({
+      value: (s.labels ?? []).find((l) => l.name === state.groupBy)?.value ?? '(none)',
+      points: pointsOf(s),
+    }))
+    .map((g) => ({ ...g, total: g.points.reduce((sum, p) => sum + p.v, 0) }))
+    .sort((a, b) => b.total - a.total)
+    .slice(0, MAX_GROUPS);
+  drawLineChart(
+    canvas,
+    groups.map((g, i) => ({ color: GROUP_COLOURS[i], points: g.points })),
+    { from: range.from, until: range.until, height: 48, axis: true },
+  );
+  canvas.dataset.groups = String(groups.length);
+  const legend = $('group-legend');
+  legend.textContent = '';
+  legend.hidden = groups.length === 0;
+  groups.forEach((group, i) => {
+    const item = document.createElement('button');
+    item.type = 'button';
+    item.dataset.value = group.value;
+    item.title = `Filter by ${state.groupBy}=${group.value}`;
+    const swatch = document.createElement('i');
+    swatch.style.background = GROUP_COLOURS[i];
+    item.append(swatch, `${group.value}`);
+    item.addEventListener('click', () => {
+      if (group.value === '(none)') return;
+      state.filters.push({ name: state.groupBy, value: group.value });
+      filtersChanged();
+    });
+    legend.appendChild(item);
+  });
 }
 
 /** Called by the view after each redraw: search status, zoom breadcrumb, table. */
@@ -1089,6 +1148,11 @@ function wire() {
     loadLabelValues(e.target.value).catch((err) => setStatus(err.message, true)),
   );
   $('sandwich-close').addEventListener('click', () => closeSandwich());
+  $('group-by').addEventListener('change', (e) => {
+    state.groupBy = e.target.value;
+    writeHash();
+    loadFlamegraph(true);
+  });
   $('filter-add').addEventListener('click', () => {
     const name = $('filter-name').value;
     const value = $('filter-value').value;

@@ -279,6 +279,25 @@ async function main() {
     await page.waitForFunction(() => !location.hash.includes('filter='));
     assert.equal(await page.$$eval('#filters .chip', (chips) => chips.length), 0);
     log(`label filter ${filterName}=${filterValue}: applied and removed`);
+
+    // Group-by: the timeline splits into one line per value of a label (with a legend); a
+    // legend entry filters by its value.
+    await page.selectOption('#group-by', filterName);
+    await page.waitForFunction(() => Number(document.querySelector('#timeline').dataset.groups) > 0);
+    await page.waitForSelector('#group-legend:not([hidden]) button');
+    assert.match(page.url(), new RegExp(`group=${filterName}`));
+    const legend = await page.$$eval('#group-legend button', (items) => items.map((b) => b.dataset.value));
+    assert.ok(legend.includes(filterValue), `legend of ${filterName}: ${legend}`);
+    const groupedTimeline = await canvasPixels(page, '#timeline');
+    assert.ok(groupedTimeline.painted > 0, `grouped timeline drawn: ${JSON.stringify(groupedTimeline)}`);
+    await page.click(`#group-legend button[data-value="${filterValue}"]`);
+    await page.waitForSelector(`#filters .chip[data-name="${filterName}"]`);
+    await page.click(`#filters .chip[data-name="${filterName}"]`);
+    await page.waitForFunction(() => !location.hash.includes('filter='));
+    await page.selectOption('#group-by', '');
+    await page.waitForFunction(() => document.querySelector('#timeline').dataset.groups === '0');
+    assert.ok(!page.url().includes('group='), page.url());
+    log(`group by ${filterName}: ${legend.length} line(s); a legend entry filters by its value`);
     log(`services by CPU: ${overview.map((r) => `${r.name} ${(100 * r.share).toFixed(0)}%`).join(', ')}`);
     assert.match(page.url(), new RegExp(`service=${service}`));
     const pixels = await canvasPixels(page, '#flame canvas');
