@@ -78,17 +78,24 @@ fn slept_ns(path: &Path) -> f64 {
         .expect("a number of nanoseconds")
 }
 
+/// The fixture sleeping 2 s under [`SLEEP_CHAIN`], recorded with `probability`: the
+/// recording's files, the nanoseconds the fixture measured around its sleeps, the log.
+fn record_sleeping_chain(tag: &str, probability: &str) -> (Run, f64, String) {
+    let fixture = fp_fixture("off_cpu_waits.c");
+    let run = Run::new(tag);
+    let result = run.path("slept");
+    let mut running = spawn(&fixture, &["sleep", "2", result.to_str().unwrap()]);
+    let log = record_waits(&run, &mut running, probability);
+    let slept = slept_ns(&result);
+    (run, slept, log)
+}
+
 /// Every blocking switch timed: the blocked time under the sleeping chain is the time the
 /// fixture measured around its sleeps, within 10 %.
 #[test]
 fn blocked_time_under_a_sleeping_chain_matches_the_time_slept() {
     let _guard = exclusive();
-    let fixture = fp_fixture("off_cpu_waits.c");
-    let run = Run::new("off-cpu-sleep");
-    let result = run.path("slept");
-    let mut running = spawn(&fixture, &["sleep", "2", result.to_str().unwrap()]);
-    let log = record_waits(&run, &mut running, "1");
-    let slept = slept_ns(&result);
+    let (run, slept, log) = record_sleeping_chain("off-cpu-sleep", "1");
     let stacks = run.stacks("off_cpu");
     let in_chain = sum(&stacks, |s| {
         find_chain(&s.frames, &SLEEP_CHAIN).is_some() && has_frame(s, "do_nanosleep")
@@ -118,12 +125,7 @@ fn blocked_time_under_a_sleeping_chain_matches_the_time_slept() {
 #[test]
 fn sampled_blocks_estimate_the_time_blocked() {
     let _guard = exclusive();
-    let fixture = fp_fixture("off_cpu_waits.c");
-    let run = Run::new("off-cpu-sampled");
-    let result = run.path("slept");
-    let mut running = spawn(&fixture, &["sleep", "2", result.to_str().unwrap()]);
-    let log = record_waits(&run, &mut running, "0.25");
-    let slept = slept_ns(&result);
+    let (run, slept, log) = record_sleeping_chain("off-cpu-sampled", "0.25");
     let in_chain = sum(&run.stacks("off_cpu"), |s| {
         find_chain(&s.frames, &SLEEP_CHAIN).is_some()
     });

@@ -134,13 +134,8 @@ pub struct OffCpuRing {
 
 impl OffCpuRing {
     /// Calls `f` for every record waiting; returns how many there were.
-    pub fn drain(&mut self, mut f: impl FnMut(&[u8])) -> usize {
-        let mut n = 0;
-        while let Some(item) = self.ring.next() {
-            f(&item);
-            n += 1;
-        }
-        n
+    pub fn drain(&mut self, f: impl FnMut(&[u8])) -> usize {
+        drain_ring(&mut self.ring, f)
     }
 }
 
@@ -432,13 +427,8 @@ pub struct CudaEventRing {
 
 impl CudaEventRing {
     /// Calls `f` for every record waiting; returns how many there were.
-    pub fn drain(&mut self, mut f: impl FnMut(&[u8])) -> usize {
-        let mut n = 0;
-        while let Some(item) = self.ring.next() {
-            f(&item);
-            n += 1;
-        }
-        n
+    pub fn drain(&mut self, f: impl FnMut(&[u8])) -> usize {
+        drain_ring(&mut self.ring, f)
     }
 }
 
@@ -493,13 +483,8 @@ pub struct SampleRing {
 
 impl SampleRing {
     /// Calls `f` for every record waiting in the ring buffer; returns how many there were.
-    pub fn drain(&mut self, mut f: impl FnMut(&[u8])) -> usize {
-        let mut n = 0;
-        while let Some(item) = self.ring.next() {
-            f(&item);
-            n += 1;
-        }
-        n
+    pub fn drain(&mut self, f: impl FnMut(&[u8])) -> usize {
+        drain_ring(&mut self.ring, f)
     }
 
     pub fn fd(&self) -> BorrowedFd<'_> {
@@ -891,6 +876,16 @@ fn load_cuda(ebpf: &mut Ebpf, stacks_per_second: u32) -> Result<CudaEventRing, B
         program.load().map_err(program_error(name))?;
     }
     Ok(CudaEventRing { ring })
+}
+
+/// Calls `f` for every record waiting in `ring`; returns how many there were.
+fn drain_ring(ring: &mut RingBuf<MapData>, mut f: impl FnMut(&[u8])) -> usize {
+    let mut n = 0;
+    while let Some(item) = ring.next() {
+        f(&item);
+        n += 1;
+    }
+    n
 }
 
 /// The program `name` of the object, as its concrete type.

@@ -4,7 +4,6 @@ use std::{
     io::{BufRead, BufReader, Write},
     path::Path,
     process::{Command, Stdio},
-    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -55,14 +54,7 @@ fn run_loop(
             .stderr(Stdio::piped())
             .spawn()
             .context("cannot start profiler record")?;
-        let log = Arc::new(Mutex::new(String::new()));
-        let pipe = child.stderr.take().context("stderr")?;
-        let collected = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                collected.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
+        let log = crate::procs::collect_stderr(&mut child)?;
         let deadline = Instant::now() + Duration::from_secs(120);
         while !log
             .lock()

@@ -121,14 +121,7 @@ fn start_profiler(
         .stderr(Stdio::piped())
         .spawn()
         .context("cannot start profiler record")?;
-    let log = Arc::new(Mutex::new(String::new()));
-    let pipe = child.stderr.take().context("stderr")?;
-    let collected = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            collected.lock().unwrap().push_str(&(line + "\n"));
-        }
-    });
+    let log = crate::procs::collect_stderr(&mut child)?;
     let deadline = Instant::now() + Duration::from_secs(120);
     while !log.lock().unwrap().contains("sampler attached") {
         if Instant::now() > deadline || child.try_wait()?.is_some() {

@@ -168,3 +168,18 @@ impl Drop for Proc {
         }
     }
 }
+
+/// Collects `child`'s stderr, line by line, into a shared string (read while it runs: a
+/// recording's log lines say when it is attached).
+pub fn collect_stderr(child: &mut Child) -> Result<std::sync::Arc<std::sync::Mutex<String>>> {
+    use std::io::{BufRead, BufReader};
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let pipe = child.stderr.take().context("stderr")?;
+    let collected = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            collected.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    Ok(log)
+}
