@@ -36,15 +36,12 @@ impl Run {
     }
 }
 
-/// Starts `profiler record --off-cpu` of `pid` (every blocking switch, or `probability` of
-/// them), once it is attached signals the fixture to begin, waits for the fixture to end and
-/// stops the recording. Returns the recording's log.
-fn record_waits(run: &Run, fixture: &mut Running, probability: &str) -> String {
+/// `profiler record --off-cpu` with `probability` into `run`'s `stacks.folded` (and its
+/// `stacks.<kind>.folded` siblings), of `pid` or of the whole host; returns once attached.
+fn start_recording(run: &Run, pid: Option<u32>, probability: &str) -> Recording {
     let out = run.path("stacks.folded");
-    let pid = fixture.pid().to_string();
-    let recording = Recording::until_stopped(&[
-        "--pid",
-        &pid,
+    let pid = pid.map(|pid| pid.to_string());
+    let mut args = vec![
         "--off-cpu",
         "--off-cpu-probability",
         probability,
@@ -52,7 +49,18 @@ fn record_waits(run: &Run, fixture: &mut Running, probability: &str) -> String {
         "folded",
         "--output",
         out.to_str().unwrap(),
-    ]);
+    ];
+    if let Some(pid) = &pid {
+        args.extend(["--pid", pid]);
+    }
+    Recording::until_stopped(&args)
+}
+
+/// Starts `profiler record --off-cpu` of `pid` (every blocking switch, or `probability` of
+/// them), once it is attached signals the fixture to begin, waits for the fixture to end and
+/// stops the recording. Returns the recording's log.
+fn record_waits(run: &Run, fixture: &mut Running, probability: &str) -> String {
+    let recording = start_recording(run, Some(fixture.pid()), probability);
     send_signal(fixture.pid(), SIGUSR1);
     let (status, _) = fixture.wait_measuring_cpu();
     assert!(status.success(), "the fixture failed: {status}");
@@ -181,16 +189,7 @@ fn the_profilers_own_waits_are_left_out() {
     let run = Run::new("off-cpu-host");
     let result = run.path("slept");
     let running = spawn(&fixture, &["sleep", "3", result.to_str().unwrap()]);
-    let out = run.path("stacks.folded");
-    let recording = Recording::until_stopped(&[
-        "--off-cpu",
-        "--off-cpu-probability",
-        "1",
-        "--format",
-        "folded",
-        "--output",
-        out.to_str().unwrap(),
-    ]);
+    let recording = start_recording(&run, None, "1");
     send_signal(running.pid(), SIGUSR1);
     std::thread::sleep(Duration::from_millis(1500));
     recording.stop();
@@ -425,18 +424,7 @@ fn gil_waits_agree_with_py_spy() {
     let run = Run::new("gil-py-spy");
     let mut running = spawn(&python, &[script.to_str().unwrap(), "3"]);
     let pid = running.pid().to_string();
-    let out = run.path("stacks.folded");
-    let recording = Recording::until_stopped(&[
-        "--pid",
-        &pid,
-        "--off-cpu",
-        "--off-cpu-probability",
-        "1",
-        "--format",
-        "folded",
-        "--output",
-        out.to_str().unwrap(),
-    ]);
+    let recording = start_recording(&run, Some(running.pid()), "1");
     send_signal(running.pid(), SIGUSR1);
     // Inside the 3 s of contention: 0.5 s in, for 2 s. --gil counts the holder per tick;
     // --idle counts every thread at every tick (the main thread's samples are the ticks).
