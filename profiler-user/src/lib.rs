@@ -52,6 +52,8 @@ pub mod self_metrics;
 pub mod server;
 pub mod store;
 pub mod symbolization;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub mod units;
 pub mod unwinding;
 pub mod wire;

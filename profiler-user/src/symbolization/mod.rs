@@ -344,37 +344,46 @@ impl Symbolizer {
     }
 
     /// Gives back the pages of the files blazesym maps to read symbol names (a large C++
-    /// library's string table is tens of MiB, all of it resident after a while): its private,
-    /// read-only file mappings are told `MADV_DONTNEED`, so the next lookups fault the few
-    /// pages they need in again from the page cache. Called once per interval. Returns the
-    /// bytes released.
+    /// library's string table is tens of MiB, all of it resident after a while; blazesym maps
+    /// files shared, `r--s`). Called once per interval; returns the bytes of the mappings
+    /// advised.
+    ///
+    /// `MADV_PAGEOUT`, not `MADV_DONTNEED`: between reading /proc/self/maps and the advice
+    /// another thread may unmap such a file (a table build ends, blazesym drops a parser) and
+    /// the range be reused for fresh heap memory, which `MADV_DONTNEED` would zero. Page-out
+    /// never loses data: clean file pages are reclaimed (the next lookup reads the few it
+    /// needs again), anonymous ones at most go to swap, and pages other processes map stay.
+    /// Files the agent runs (its binary, its libraries) or writes (the store) are left alone.
     pub fn release_file_pages(&self) -> u64 {
         let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
             return 0;
         };
-        let own = std::fs::read_link("/proc/self/exe").ok();
+        let entries: Vec<_> = maps
+            .lines()
+            .filter_map(crate::process::maps::parse_maps_line)
+            .collect();
+        let kept: HashSet<(Option<u64>, u64)> = entries
+            .iter()
+            .filter(|entry| entry.perms.contains(['w', 'x']))
+            .map(|entry| (entry.dev, entry.inode))
+            .collect();
         let mut released = 0;
-        for line in maps.lines() {
-            let Some(entry) = crate::process::maps::parse_maps_line(line) else {
-                continue;
-            };
+        for entry in &entries {
             let length = entry.end - entry.start;
-            // Only mappings of data files (r--p), not code, not the agent itself, and only
-            // large ones: small ones are the agent's own libraries' read-only data.
-            if entry.perms != "r--p"
-                || length < (1 << 20)
+            if !entry.perms.starts_with("r--")
+                || length < (256 << 10)
+                || entry.inode == 0
                 || !entry.pathname.starts_with('/')
-                || own.as_deref() == Some(std::path::Path::new(entry.pathname))
+                || kept.contains(&(entry.dev, entry.inode))
             {
                 continue;
             }
-            // SAFETY: a private read-only file mapping; MADV_DONTNEED only drops its pages
-            // from this process (they are read again from the file on the next access).
+            // SAFETY: page-out changes no memory contents, whatever is mapped there by now.
             if unsafe {
                 libc::madvise(
                     entry.start as *mut libc::c_void,
                     length as usize,
-                    libc::MADV_DONTNEED,
+                    libc::MADV_PAGEOUT,
                 )
             } == 0
             {

@@ -550,3 +550,56 @@ fn unreadable_and_malformed_files_stay_unsymbolized() -> TestResult {
     assert!(stats.errors >= 2, "{stats:?}");
     Ok(())
 }
+
+/// A file as blazesym maps it (shared, read-only), on the build's file system (page-out
+/// reclaims file pages, not tmpfs ones), every page touched.
+fn touched_shared_mapping(path: &Path, bytes: &[u8]) -> memmap2::Mmap {
+    std::fs::write(path, bytes).expect("write");
+    let file = std::fs::File::open(path).expect("open");
+    // Written back, so its pages are clean and can be reclaimed.
+    file.sync_all().expect("sync");
+    // SAFETY: a test file nobody changes while it is mapped.
+    let mapped = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+    let touched: u64 = mapped.iter().step_by(4096).map(|&b| u64::from(b)).sum();
+    assert!(touched > 0);
+    mapped
+}
+
+#[test]
+fn file_pages_read_for_names_are_given_back_and_read_again() {
+    use crate::test_support::resident_bytes_of_mapping;
+    let build_dir = std::env::current_exe().expect("test binary");
+    let dir = tempfile::tempdir_in(build_dir.parent().expect("deps dir")).expect("temp dir");
+    let bytes: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8 + 1).collect();
+    let names = touched_shared_mapping(&dir.path().join("names.bin"), &bytes);
+    // A file the agent also maps writable (like the store's) is left alone.
+    let written = dir.path().join("written.bin");
+    let read_only = touched_shared_mapping(&written, &bytes);
+    let writable_file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&written)
+        .expect("open for writing");
+    // SAFETY: as above.
+    let writable = unsafe { memmap2::MmapMut::map_mut(&writable_file) }.expect("map writable");
+    let names_before = resident_bytes_of_mapping(names.as_ptr());
+    let read_only_before = resident_bytes_of_mapping(read_only.as_ptr());
+    assert!(names_before >= 3 << 20, "{names_before}");
+
+    let symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let released = symbolizer.release_file_pages();
+
+    let names_after = resident_bytes_of_mapping(names.as_ptr());
+    assert!(released >= 4 << 20, "{released}");
+    assert!(
+        names_after < names_before / 4,
+        "{names_after} of {names_before} bytes still resident"
+    );
+    assert_eq!(
+        resident_bytes_of_mapping(read_only.as_ptr()),
+        read_only_before
+    );
+    // Read again from the file, unchanged.
+    assert!(names[..] == bytes[..]);
+    assert!(writable[..] == bytes[..]);
+}

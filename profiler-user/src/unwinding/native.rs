@@ -30,7 +30,8 @@ use profiler_common::unwind::{
 
 use super::read_cache::{CachedReads, ReadCacheStats};
 use super::tables::{
-    BuildLimits, TableCache, TableError, UnwindTable, build_table_within, check_fde_count,
+    BuildLimits, MappedInput, TableCache, TableError, UnwindTable, build_table_within,
+    check_fde_count,
 };
 use crate::{
     bpf::UnwindMaps,
@@ -1335,7 +1336,12 @@ fn read_table(
     {
         return (Err(err.into()), false);
     }
-    match build_table_within(data, limits) {
+    let mut limits = limits.clone();
+    if opened.is_some() {
+        // SAFETY: `mapped` is a private read-only mapping of the file, alive until we return.
+        limits.mapped_input = Some(unsafe { MappedInput::new(data) });
+    }
+    match build_table_within(data, &limits) {
         Ok(table) => {
             if let (Some(cache), Some(build_id)) = (cache, &build_id)
                 && let Err(err) = cache.store(build_id, &table)

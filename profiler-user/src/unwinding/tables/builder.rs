@@ -76,7 +76,7 @@ pub fn build_table_within(
         return Err(TableError::UnsupportedArchitecture(file.architecture()));
     }
     let mut table = build_from_file(&file, limits)?;
-    if limits.cancelled() {
+    if limits.checkpoint() {
         return Err(TableError::Cancelled);
     }
     // Only a table that could qualify is worth decoding the code for.
@@ -389,7 +389,7 @@ where
     {
         if let CieOrFde::Fde(_) = entry {
             count += 1;
-            if count.is_multiple_of(CANCEL_CHECK_FDES * 16) && limits.cancelled() {
+            if count.is_multiple_of(CANCEL_CHECK_FDES * 16) && limits.checkpoint() {
                 return Err(TableError::Cancelled);
             }
         }
@@ -437,7 +437,7 @@ where
     let mut context = UnwindContext::new();
     let mut covered_end: Option<u64> = None;
     for (index, fde_ref) in fdes.iter().enumerate() {
-        if index % CANCEL_CHECK_FDES == 0 && limits.cancelled() {
+        if index % CANCEL_CHECK_FDES == 0 && limits.checkpoint() {
             return Err(TableError::Cancelled);
         }
         let (start, end) = (fde_ref.start, fde_ref.end());
@@ -597,7 +597,7 @@ where
             // The count pass read the same section: only a bug could get here.
             return Err(TableError::TooManyFdes);
         }
-        if (stats.fdes as usize).is_multiple_of(CANCEL_CHECK_FDES) && limits.cancelled() {
+        if (stats.fdes as usize).is_multiple_of(CANCEL_CHECK_FDES) && limits.checkpoint() {
             return Err(TableError::Cancelled);
         }
         let offset = partial.offset();

@@ -15,7 +15,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{
-    CallSiteCheck, CfiSource, MAX_ROWS, Rule, TableError, TableRow, TableStats, UnwindTable,
+    CallSiteCheck, CfiSource, MAX_ROWS, MappedInput, Rule, TableError, TableRow, TableStats,
+    UnwindTable,
 };
 
 const MAGIC: [u8; 8] = *b"PFUNWTAB";
@@ -24,6 +25,8 @@ const STATS_FIELDS: usize = 15;
 const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
 const ROW_BYTES: usize = 16;
 const CHECKSUM_BYTES: usize = 8;
+/// How much of an entry is read between two releases of its pages.
+const RELEASE_EVERY_BYTES: usize = 4 << 20;
 const MAX_FILE_BYTES: u64 = (HEADER_BYTES + MAX_ROWS * ROW_BYTES + CHECKSUM_BYTES) as u64;
 const FILE_EXTENSION: &str = "unwt";
 
@@ -65,15 +68,20 @@ impl TableCache {
         let decoded = if size > MAX_FILE_BYTES {
             Err(TableError::InvalidRows("cache file too large"))
         } else {
-            // Mapped, not read into memory: a large library's entry is tens of MiB, and its
-            // pages are only the page cache's.
+            // Mapped, not read into memory: a large library's entry is tens of MiB (42 MiB for
+            // libtorch_cpu). The pages read are let go of as the decode goes, so the entry
+            // never sits in the agent's RSS all at once.
             let mapped = fs::File::open(&path).and_then(|file| {
                 // SAFETY: a private read-only mapping; a file truncated under it would fault,
                 // which entries renamed into place complete are not.
                 unsafe { memmap2::Mmap::map(&file) }
             });
             match mapped {
-                Ok(bytes) => decode(&bytes),
+                Ok(bytes) => {
+                    // SAFETY: a read-only file mapping, alive for the whole decode.
+                    let input = unsafe { MappedInput::new(&bytes) };
+                    decode(&bytes, &|| input.release())
+                }
                 Err(error) => {
                     tracing::debug!(path = %path.display(), %error, "unreadable unwind-table cache entry");
                     return None;
@@ -237,11 +245,17 @@ impl Fields<'_> {
     }
 }
 
-fn decode(bytes: &[u8]) -> Result<UnwindTable, TableError> {
+/// Decodes an entry; `release` is called after every few MiB read (the input's pages may go).
+pub(super) fn decode(bytes: &[u8], release: &dyn Fn()) -> Result<UnwindTable, TableError> {
     let (content, checksum) = bytes
         .split_last_chunk::<CHECKSUM_BYTES>()
         .ok_or(TableError::InvalidRows("cache file truncated"))?;
-    if u64::from(crc32fast::hash(content)) != u64::from_le_bytes(*checksum) {
+    let mut crc = crc32fast::Hasher::new();
+    for chunk in content.chunks(RELEASE_EVERY_BYTES) {
+        crc.update(chunk);
+        release();
+    }
+    if u64::from(crc.finalize()) != u64::from_le_bytes(*checksum) {
         return Err(TableError::InvalidRows("cache checksum mismatch"));
     }
     let mut fields = Fields(content);
@@ -265,7 +279,10 @@ fn decode(bytes: &[u8]) -> Result<UnwindTable, TableError> {
     if expected_len != Some(fields.0.len()) || stats.rows_after_merge != row_count {
         return Err(TableError::InvalidRows("cache row count does not match"));
     }
-    let rows = fields.0.chunks_exact(ROW_BYTES).map(|row| {
+    let rows = fields.0.chunks_exact(ROW_BYTES).enumerate().map(|(index, row)| {
+        if index % (RELEASE_EVERY_BYTES / ROW_BYTES) == 0 {
+            release();
+        }
         let address = u64::from_le_bytes(std::array::from_fn(|index| row[index]));
         let rule = Rule {
             cfa_kind: row[8],

@@ -70,6 +70,44 @@ pub struct BuildLimits {
     /// Set to stop a build under way (the agent is stopping): it fails with
     /// [`TableError::Cancelled`] within a few thousand FDEs.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// The input, when it is a file mapping whose pages the build lets go of as it goes.
+    pub mapped_input: Option<MappedInput>,
+}
+
+/// A build's input that is a private read-only file mapping. At each checkpoint the build
+/// drops the pages it has read from the agent's memory (`MADV_DONTNEED`: they are read back
+/// from the page cache when touched again), so a large library's `.eh_frame` (18 MiB for
+/// libtorch_cpu) is never resident in the agent all at once: the agent's peak RSS is not
+/// set by the largest library it builds.
+#[derive(Clone, Copy, Debug)]
+pub struct MappedInput {
+    address: usize,
+    len: usize,
+}
+
+impl MappedInput {
+    /// # Safety
+    /// `bytes` must be a whole private (or shared) read-only file mapping that was never
+    /// written, kept mapped for as long as builds use these limits: dropping such pages loses
+    /// nothing.
+    pub unsafe fn new(bytes: &[u8]) -> Self {
+        MappedInput {
+            address: bytes.as_ptr() as usize,
+            len: bytes.len(),
+        }
+    }
+
+    fn release(&self) {
+        // SAFETY: the range is a read-only file mapping still mapped (see `new`); a failure
+        // only leaves the pages resident.
+        unsafe {
+            libc::madvise(
+                self.address as *mut libc::c_void,
+                self.len,
+                libc::MADV_DONTNEED,
+            );
+        }
+    }
 }
 
 impl Default for BuildLimits {
@@ -78,6 +116,7 @@ impl Default for BuildLimits {
         BuildLimits {
             max_rows: MAX_ROWS,
             cancel: None,
+            mapped_input: None,
         }
     }
 }
@@ -88,6 +127,7 @@ impl BuildLimits {
         BuildLimits {
             max_rows: row_capacity.clamp(1, MAX_ROWS),
             cancel: None,
+            mapped_input: None,
         }
     }
 
@@ -115,7 +155,12 @@ impl BuildLimits {
             + (64 << 10)
     }
 
-    fn cancelled(&self) -> bool {
+    /// Called every few thousand FDEs: lets go of the input's pages read so far and says
+    /// whether the build is to stop.
+    fn checkpoint(&self) -> bool {
+        if let Some(input) = &self.mapped_input {
+            input.release();
+        }
         self.cancel
             .as_ref()
             .is_some_and(|cancel| cancel.load(std::sync::atomic::Ordering::Relaxed))

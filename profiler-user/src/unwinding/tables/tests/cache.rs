@@ -159,3 +159,48 @@ fn build_ids_must_be_hex() {
         "nothing written"
     );
 }
+
+#[test]
+fn a_large_entry_is_let_go_of_while_it_is_decoded() {
+    // 400,000 rows: a 6 MiB entry, read in two passes (checksum, rows).
+    let rows: Vec<TableRow> = (0..400_000u64)
+        .map(|index| TableRow {
+            address: 0x10_0000 + index * 4,
+            rule: if index % 2 == 0 {
+                Rule {
+                    cfa_kind: CFA_RSP,
+                    rbp_kind: RBP_UNCHANGED,
+                    cfa_offset: 8,
+                    rbp_offset: 0,
+                }
+            } else {
+                Rule::NONE
+            },
+        })
+        .collect();
+    let stats = TableStats {
+        source: CfiSource::EhFrame,
+        rows_after_merge: rows.len() as u64,
+        ..TableStats::default()
+    };
+    let table = UnwindTable::from_rows(rows, stats).expect("valid rows");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cache = TableCache::new(dir.path().to_path_buf());
+    cache.store(BUILD_ID, &table).expect("stored");
+    let path = cache.entry_path(BUILD_ID).expect("path");
+    let file = std::fs::File::open(&path).expect("entry");
+    // SAFETY: the test's own entry, unchanged while mapped.
+    let mapped = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+    let input = unsafe { crate::unwinding::tables::MappedInput::new(&mapped) };
+
+    let loaded = crate::unwinding::tables::cache::decode(&mapped, &|| input.release())
+        .expect("decoded");
+
+    assert_same(&loaded, &table);
+    let resident = crate::test_support::resident_bytes_of_mapping(mapped.as_ptr());
+    assert!(
+        resident < mapped.len() as u64 / 2,
+        "{resident} of {} bytes still resident",
+        mapped.len()
+    );
+}

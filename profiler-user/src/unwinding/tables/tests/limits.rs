@@ -167,7 +167,7 @@ fn synthetic_elf_claiming(fdes: usize, claimed: Option<u32>) -> Vec<u8> {
 fn budget_limits(max_rows: usize) -> BuildLimits {
     BuildLimits {
         max_rows,
-        cancel: None,
+        ..BuildLimits::default()
     }
 }
 
@@ -348,4 +348,36 @@ fn a_cancelled_build_stops() {
         build_table_within(&elf, &limits),
         Err(TableError::Cancelled)
     ));
+}
+
+#[test]
+fn a_mapped_input_is_let_go_of_while_the_table_is_built() {
+    use std::io::Write;
+    let elf = synthetic_elf(100_000);
+    let mut file = tempfile::tempfile().expect("temp file");
+    file.write_all(&elf).expect("write");
+    // SAFETY: a private temporary file, not changed while mapped.
+    let mapped = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+    let expected = build_table(&elf).expect("built from memory");
+
+    let limits = BuildLimits {
+        // SAFETY: `mapped` is a read-only file mapping that outlives the build.
+        mapped_input: Some(unsafe { super::super::MappedInput::new(&mapped) }),
+        ..BuildLimits::default()
+    };
+    let table = build_table_within(&mapped, &limits).expect("built from the mapping");
+    let resident = crate::test_support::resident_bytes_of_mapping(mapped.as_ptr());
+
+    assert_eq!(table.row_count(), expected.row_count());
+    assert_eq!(table.stats().fdes, expected.stats().fdes);
+    for address in [CODE_ADDRESS + 1, CODE_ADDRESS + 50_000 * 16 + 3] {
+        assert_eq!(table.lookup(address), expected.lookup(address), "{address:#x}");
+    }
+    // The whole file was read (it is 2 MB); what stays resident is what the last stretch
+    // of FDEs after the last checkpoint touched.
+    assert!(
+        resident < elf.len() as u64 / 4,
+        "{resident} of {} bytes still resident",
+        elf.len()
+    );
 }
