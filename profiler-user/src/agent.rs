@@ -595,6 +595,7 @@ impl Pipeline {
     /// handled ([`Self::apply_lifecycle`]): a process's last samples are still its program's,
     /// and its exec or fork event is known before its first samples are.
     fn poll(&mut self, sampler: Option<&mut Sampler>) {
+        self.symbolizer.release_file_pages_when_grown();
         self.native_tables.poll_builds();
         self.retry_late_walks(false);
         self.drain_events();
@@ -1139,7 +1140,6 @@ fn flush_interval(
 ) -> SelfMetrics {
     exporter.submit(pipeline.flush(unix_now_ns()));
     pipeline.processes.evict_exited();
-    pipeline.symbolizer.release_file_pages();
     let mut metrics = pipeline.metrics(sampler, reader);
     exporter.add_to(&mut metrics);
     metrics.log("interval");

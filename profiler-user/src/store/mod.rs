@@ -555,8 +555,29 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
     // before it returns, so it survives the process being killed (not necessarily power loss).
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
-    conn.pragma_update(None, "cache_size", -32_000)?;
+    conn.pragma_update(None, "cache_size", CACHE_KIB_PER_CONNECTION)?;
     Ok(())
+}
+
+/// SQLite's page cache per connection, in KiB (as `PRAGMA cache_size` takes it, negated).
+/// The writer and up to 8 pooled readers each have one; pages beyond it come from the
+/// kernel's page cache, so the agent's RSS does not grow with the store.
+const CACHE_KIB_PER_CONNECTION: i64 = -4096;
+
+/// All of SQLite's memory together, a soft limit (`sqlite3_soft_heap_limit64`): past it SQLite
+/// recycles cached pages before allocating more.
+const SQLITE_SOFT_HEAP_LIMIT_BYTES: i64 = 24 << 20;
+
+/// Sets [`SQLITE_SOFT_HEAP_LIMIT_BYTES`] (process-wide, once).
+fn limit_sqlite_memory() {
+    static LIMIT: std::sync::Once = std::sync::Once::new();
+    LIMIT.call_once(|| {
+        // SAFETY: sets a process-wide SQLite setting; thread-safe in SQLite's default
+        // (serialized) threading mode.
+        unsafe {
+            rusqlite::ffi::sqlite3_soft_heap_limit64(SQLITE_SOFT_HEAP_LIMIT_BYTES);
+        }
+    });
 }
 
 fn unix_now_ns() -> i64 {
@@ -570,6 +591,7 @@ fn unix_now_ns() -> i64 {
 /// first. On error the connection is closed without a checkpoint, so a damaged file and its
 /// WAL are left as they were found.
 fn open_database(path: &Path, check: bool) -> Result<(Connection, Catalog), StoreError> {
+    limit_sqlite_memory();
     let mut conn = Connection::open(path)?;
     match prepare_database(&mut conn, check) {
         Ok(catalog) => Ok((conn, catalog)),
@@ -983,7 +1005,7 @@ impl Store {
                     OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
                 )?;
                 conn.busy_timeout(Duration::from_secs(10))?;
-                conn.pragma_update(None, "cache_size", -32_000)?;
+                conn.pragma_update(None, "cache_size", CACHE_KIB_PER_CONNECTION)?;
                 conn
             }
         };

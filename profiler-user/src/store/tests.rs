@@ -1011,3 +1011,27 @@ fn wall_view_adds_cpu_and_off_cpu_time_of_a_service() {
     assert_eq!(wall("batch").total(), 0);
     assert_eq!(wall("java").folded(), vec![("main;run".to_owned(), 5)]);
 }
+
+#[test]
+fn sqlite_memory_is_bounded_per_connection_and_in_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    // A negative argument reads the limit without changing it.
+    // SAFETY: a read of a process-wide setting.
+    let limit = unsafe { rusqlite::ffi::sqlite3_soft_heap_limit64(-1) };
+    assert_eq!(limit, SQLITE_SOFT_HEAP_LIMIT_BYTES);
+    let writer_cache: i64 = store
+        .inner
+        .writer
+        .lock()
+        .unwrap()
+        .pragma_query_value(None, "cache_size", |row| row.get(0))
+        .unwrap();
+    let reader_cache = store
+        .with_reader(|conn| {
+            Ok(conn.pragma_query_value(None, "cache_size", |row| row.get::<_, i64>(0))?)
+        })
+        .unwrap();
+    assert_eq!(writer_cache, CACHE_KIB_PER_CONNECTION);
+    assert_eq!(reader_cache, CACHE_KIB_PER_CONNECTION);
+}

@@ -279,18 +279,22 @@ pub(super) fn decode(bytes: &[u8], release: &dyn Fn()) -> Result<UnwindTable, Ta
     if expected_len != Some(fields.0.len()) || stats.rows_after_merge != row_count {
         return Err(TableError::InvalidRows("cache row count does not match"));
     }
-    let rows = fields.0.chunks_exact(ROW_BYTES).enumerate().map(|(index, row)| {
-        if index % (RELEASE_EVERY_BYTES / ROW_BYTES) == 0 {
-            release();
-        }
-        let address = u64::from_le_bytes(std::array::from_fn(|index| row[index]));
-        let rule = Rule {
-            cfa_kind: row[8],
-            rbp_kind: row[9],
-            cfa_offset: i16::from_le_bytes([row[10], row[11]]),
-            rbp_offset: i16::from_le_bytes([row[12], row[13]]),
-        };
-        TableRow { address, rule }
-    });
+    let rows = fields
+        .0
+        .chunks_exact(ROW_BYTES)
+        .enumerate()
+        .map(|(index, row)| {
+            if index % (RELEASE_EVERY_BYTES / ROW_BYTES) == 0 {
+                release();
+            }
+            let address = u64::from_le_bytes(std::array::from_fn(|index| row[index]));
+            let rule = Rule {
+                cfa_kind: row[8],
+                rbp_kind: row[9],
+                cfa_offset: i16::from_le_bytes([row[10], row[11]]),
+                rbp_offset: i16::from_le_bytes([row[12], row[13]]),
+            };
+            TableRow { address, rule }
+        });
     UnwindTable::from_rows(rows, stats)
 }

@@ -193,8 +193,8 @@ fn a_large_entry_is_let_go_of_while_it_is_decoded() {
     let mapped = unsafe { memmap2::Mmap::map(&file) }.expect("map");
     let input = unsafe { crate::unwinding::tables::MappedInput::new(&mapped) };
 
-    let loaded = crate::unwinding::tables::cache::decode(&mapped, &|| input.release())
-        .expect("decoded");
+    let loaded =
+        crate::unwinding::tables::cache::decode(&mapped, &|| input.release()).expect("decoded");
 
     assert_same(&loaded, &table);
     let resident = crate::test_support::resident_bytes_of_mapping(mapped.as_ptr());

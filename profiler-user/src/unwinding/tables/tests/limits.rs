@@ -371,7 +371,11 @@ fn a_mapped_input_is_let_go_of_while_the_table_is_built() {
     assert_eq!(table.row_count(), expected.row_count());
     assert_eq!(table.stats().fdes, expected.stats().fdes);
     for address in [CODE_ADDRESS + 1, CODE_ADDRESS + 50_000 * 16 + 3] {
-        assert_eq!(table.lookup(address), expected.lookup(address), "{address:#x}");
+        assert_eq!(
+            table.lookup(address),
+            expected.lookup(address),
+            "{address:#x}"
+        );
     }
     // The whole file was read (it is 2 MB); what stays resident is what the last stretch
     // of FDEs after the last checkpoint touched.
