@@ -1052,43 +1052,111 @@ fn render_and_render_diff_answer_flamebearer_json() {
     assert_json_error(status, &body, 400, "same profile type");
 }
 
-/// `stack_trace_selector` (call-site views) is not supported: a request that sets it, over
-/// protobuf or JSON, is refused with 501 instead of being answered with the whole profile.
+/// `stack_trace_selector.call_site` keeps only the stacks that start with the call site, in
+/// SelectMergeStacktraces (protobuf), SelectSeries (JSON) and Diff; a Go PGO selector is refused
+/// with 501 rather than answered with the whole profile. Request shapes as Grafana's Pyroscope
+/// data source and Profiles Drilldown send them (`types.v1.StackTraceSelector` of
+/// grafana/pyroscope api/types/v1/types.proto).
 #[test]
-fn a_stack_trace_selector_is_refused_not_ignored() {
+fn a_call_site_selects_the_stacks_under_it() {
+    use crate::wire::api::{Location, StackTraceSelector};
     let server = TestServer::start();
-    let mut request = merge_request("{}");
-    // A `StackTraceSelector` with one call-site location (`call_site`(1) { `name`(1) "main" }).
-    request.stack_trace_selector = Some(vec![0x0a, 0x06, 0x0a, 0x04, b'm', b'a', b'i', b'n']);
-    let (status, body) = server.post(
-        "/querier.v1.QuerierService/SelectMergeStacktraces",
-        "application/proto",
-        &request.encode_to_vec(),
-    );
-    assert_json_error(status, &body, 501, "stack_trace_selector");
-    let (status, body) = server.post(
-        "/querier.v1.QuerierService/SelectSeries",
-        "application/json",
+    let body = push_request("api", fixture_pprof()).encode_to_vec();
+    let (status, _) = server.post("/push.v1.PusherService/Push", "application/proto", &body);
+    assert_eq!(status, 200);
+    let tree_of = |selector: Option<StackTraceSelector>| {
+        let mut request = merge_request(r#"{service_name="api"}"#);
+        request.format = 2;
+        request.stack_trace_selector = selector;
+        let response: SelectMergeStacktracesResponse =
+            server.query("SelectMergeStacktraces", &request);
+        read_tree_bytes(&response.tree)
+    };
+    let everything = tree_of(None);
+    // The call site: the first three frames of the heaviest stack (the fixture has a frame
+    // whose name holds a `;`, in another stack).
+    let deepest = everything
+        .iter()
+        .max_by_key(|(_, value)| *value)
+        .expect("stacks");
+    let site: Vec<&str> = deepest.0.split(';').take(3).collect();
+    assert_eq!(site.len(), 3, "{everything:?}");
+    let expected: Vec<(String, i64)> = everything
+        .iter()
+        .filter(|(path, _)| path.split(';').take(3).eq(site.iter().copied()))
+        .cloned()
+        .collect();
+    let expected_total: i64 = expected.iter().map(|(_, value)| value).sum();
+    assert!(expected.len() < everything.len(), "{everything:?}");
+    let selector = |names: &[&str]| {
+        Some(StackTraceSelector {
+            call_site: names
+                .iter()
+                .map(|name| Location {
+                    name: name.to_string(),
+                })
+                .collect(),
+            go_pgo: None,
+        })
+    };
+
+    let mut selected = tree_of(selector(&site));
+    selected.sort();
+    let mut expected_sorted = expected.clone();
+    expected_sorted.sort();
+    assert_eq!(selected, expected_sorted);
+    assert!(tree_of(selector(&[site[1]])).is_empty());
+    assert!(tree_of(selector(&[site[0], "no such function"])).is_empty());
+
+    let series = server.query_json(
+        "SelectSeries",
         serde_json::json!({
             "profileTypeID": CPU,
-            "labelSelector": "{}",
-            "start": "0",
-            "end": "0",
-            "step": 15,
-            "stackTraceSelector": {"callSite": [{"name": "main"}]},
-        })
-        .to_string()
-        .as_bytes(),
+            "labelSelector": r#"{service_name="api"}"#,
+            "start": merge_request("{}").start.to_string(),
+            "end": merge_request("{}").end.to_string(),
+            "step": 3600,
+            "stackTraceSelector": {"callSite": site.iter().map(|name| serde_json::json!({"name": name})).collect::<Vec<_>>()},
+        }),
     );
-    assert_json_error(status, &body, 501, "stack_trace_selector");
-    // Without it, the same request is answered.
-    request.stack_trace_selector = None;
-    let (status, _) = server.post(
+    let points: f64 = series["series"][0]["points"]
+        .as_array()
+        .expect("points")
+        .iter()
+        .map(|point| point["value"].as_f64().unwrap())
+        .sum();
+    assert_eq!(points, expected_total as f64, "{series}");
+
+    let diff: DiffResponse = server.query(
+        "Diff",
+        &DiffRequest {
+            left: Some(SelectMergeStacktracesRequest {
+                stack_trace_selector: selector(&site),
+                ..merge_request(r#"{service_name="api"}"#)
+            }),
+            right: Some(merge_request(r#"{service_name="api"}"#)),
+        },
+    );
+    let diff = diff.flamegraph.unwrap();
+    assert_eq!(
+        (diff.left_ticks, diff.right_ticks),
+        (expected_total, everything.iter().map(|(_, value)| value).sum())
+    );
+
+    let mut pgo = merge_request("{}");
+    pgo.stack_trace_selector = Some(StackTraceSelector {
+        call_site: Vec::new(),
+        go_pgo: Some(crate::wire::api::GoPgo {
+            keep_locations: 5,
+            aggregate_callees: true,
+        }),
+    });
+    let (status, body) = server.post(
         "/querier.v1.QuerierService/SelectMergeStacktraces",
         "application/proto",
-        &request.encode_to_vec(),
+        &pgo.encode_to_vec(),
     );
-    assert_eq!(status, 200);
+    assert_json_error(status, &body, 501, "go_pgo");
 }
 
 /// `settings.v1.SettingsService`, which Profiles Drilldown keeps its preferences in: Set and Get

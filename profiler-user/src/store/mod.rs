@@ -379,6 +379,22 @@ struct Catalog {
     cardinality: HashMap<String, ServiceCardinality>,
 }
 
+impl Catalog {
+    /// A call site's names as name ids, root first, `None` for a name the store has never
+    /// seen (then no stack matches); `None` for the empty call site (no filter).
+    fn call_site_ids(&self, call_site: &[String]) -> Option<Vec<Option<u32>>> {
+        if call_site.is_empty() {
+            return None;
+        }
+        Some(
+            call_site
+                .iter()
+                .map(|name| self.name_ids.get(name.as_str()).copied())
+                .collect(),
+        )
+    }
+}
+
 #[derive(Debug, Default)]
 struct ServiceCardinality {
     series: usize,

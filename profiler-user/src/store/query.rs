@@ -12,6 +12,52 @@ pub struct Selection {
     pub selector: Selector,
     pub start_ns: i64,
     pub end_ns: i64,
+    /// Only stacks that start (root first) with these function names count, as Pyroscope's
+    /// `stack_trace_selector.call_site` selects them; empty: every stack.
+    pub call_site: Vec<String>,
+}
+
+impl Selection {
+    /// Every stack of `profile_type` matching `selector` in `[start_ns, end_ns]`.
+    pub fn new(profile_type: String, selector: Selector, start_ns: i64, end_ns: i64) -> Self {
+        Selection {
+            profile_type,
+            selector,
+            start_ns,
+            end_ns,
+            call_site: Vec::new(),
+        }
+    }
+}
+
+/// Which nodes of a stack space lie at or below a call site (root-first name ids): a node is
+/// in when its path from the root starts with the whole call site. Parents come before their
+/// children in a space, so one pass decides every node.
+fn nodes_under_call_site(nodes: &[(u32, u32)], call_site: &[Option<u32>]) -> Vec<bool> {
+    // Per node: how many names of the call site its path matches so far; `None`: it left it.
+    let mut matched: Vec<Option<usize>> = vec![None; nodes.len()];
+    let mut under = vec![false; nodes.len()];
+    if nodes.is_empty() {
+        return under;
+    }
+    matched[0] = Some(0);
+    under[0] = call_site.is_empty();
+    for idx in 1..nodes.len() {
+        let (parent, name) = nodes[idx];
+        let parent = parent as usize;
+        if under.get(parent).copied().unwrap_or(false) {
+            under[idx] = true;
+            continue;
+        }
+        let Some(depth) = matched.get(parent).copied().flatten() else {
+            continue;
+        };
+        if call_site.get(depth).copied().flatten() == Some(name) {
+            matched[idx] = Some(depth + 1);
+            under[idx] = depth + 1 == call_site.len();
+        }
+    }
+    under
 }
 
 /// What a selection reads ([`Store::analyze`]).
@@ -241,6 +287,7 @@ impl Store {
         })?;
 
         let catalog = self.read_catalog();
+        let call_site = catalog.call_site_ids(&selection.call_site);
         let mut builder = TreeBuilder::new();
         sums.sort_by_key(|(space, _)| *space);
         for (space_id, mut values) in sums {
@@ -248,6 +295,14 @@ impl Store {
                 continue;
             };
             values.resize(space.nodes.len().max(values.len()), 0);
+            if let Some(call_site) = &call_site {
+                let under = nodes_under_call_site(&space.nodes, call_site);
+                for (value, under) in values.iter_mut().zip(under) {
+                    if !under {
+                        *value = 0;
+                    }
+                }
+            }
             // Subtree totals (children have larger ids than parents), to skip empty branches.
             let mut totals = values.clone();
             for idx in (1..space.nodes.len()).rev() {
@@ -318,6 +373,9 @@ impl Store {
 
     /// (time ns, total) of every selected profile, per series.
     pub fn totals(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
+        if !selection.call_site.is_empty() {
+            return self.totals_under_call_site(selection);
+        }
         let series = self.select_series(selection);
         self.with_reader(|conn| {
             let mut stmt = conn.prepare_cached(
@@ -331,6 +389,54 @@ impl Store {
                         Ok((row.get(0)?, row.get(1)?))
                     })?
                     .collect::<Result<Vec<_>, _>>()?;
+                out.push((s, points));
+            }
+            Ok(out)
+        })
+    }
+
+    /// [`Self::totals`] counting only the stacks under the selection's call site: each
+    /// profile's stacks are read (the stored total covers every stack).
+    fn totals_under_call_site(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
+        let series = self.select_series(selection);
+        // Per stack space: which of its nodes count.
+        let under: HashMap<i64, Vec<bool>> = {
+            let catalog = self.read_catalog();
+            let call_site = catalog.call_site_ids(&selection.call_site);
+            series
+                .iter()
+                .filter_map(|s| {
+                    let space = catalog.spaces.get(&s.space)?;
+                    let under = match &call_site {
+                        Some(call_site) => nodes_under_call_site(&space.nodes, call_site),
+                        None => vec![true; space.nodes.len()],
+                    };
+                    Some((s.space, under))
+                })
+                .collect()
+        };
+        self.with_reader(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT time_ns, stacks FROM profiles WHERE series_id = ? AND time_ns >= ? \
+                 AND time_ns <= ? ORDER BY time_ns",
+            )?;
+            let mut out = Vec::with_capacity(series.len());
+            for s in series {
+                let under = under.get(&s.space);
+                let mut points = Vec::new();
+                let mut rows =
+                    stmt.query(rusqlite::params![s.id, selection.start_ns, selection.end_ns])?;
+                while let Some(row) = rows.next()? {
+                    let time_ns: i64 = row.get(0)?;
+                    let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
+                    let mut total = 0i64;
+                    codec::decode(blob, |node, value| {
+                        if under.and_then(|u| u.get(node as usize)).copied().unwrap_or(false) {
+                            total = total.saturating_add(value);
+                        }
+                    })?;
+                    points.push((time_ns, total));
+                }
                 out.push((s, points));
             }
             Ok(out)

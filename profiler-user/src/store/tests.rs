@@ -47,12 +47,7 @@ fn profile(
 }
 
 fn selection(selector: &str, start_ns: i64, end_ns: i64) -> Selection {
-    Selection {
-        profile_type: CPU.into(),
-        selector: Selector::parse(selector).unwrap(),
-        start_ns,
-        end_ns,
-    }
+    Selection::new(CPU.into(), Selector::parse(selector).unwrap(), start_ns, end_ns)
 }
 
 fn open(dir: &Path) -> Store {
@@ -995,12 +990,12 @@ fn wall_view_adds_cpu_and_off_cpu_time_of_a_service() {
         .unwrap();
     let wall = |service: &str| {
         store
-            .merge(&Selection {
-                profile_type: WALL_TYPE.into(),
-                selector: Selector::parse(&format!("{{service_name=\"{service}\"}}")).unwrap(),
-                start_ns: NOW - SECOND,
-                end_ns: NOW + SECOND,
-            })
+            .merge(&Selection::new(
+                WALL_TYPE.into(),
+                Selector::parse(&format!("{{service_name=\"{service}\"}}")).unwrap(),
+                NOW - SECOND,
+                NOW + SECOND,
+            ))
             .unwrap()
     };
     let api = wall("api");
@@ -1034,4 +1029,56 @@ fn sqlite_memory_is_bounded_per_connection_and_in_all() {
         .unwrap();
     assert_eq!(writer_cache, CACHE_KIB_PER_CONNECTION);
     assert_eq!(reader_cache, CACHE_KIB_PER_CONNECTION);
+}
+
+#[test]
+fn a_call_site_keeps_only_the_stacks_that_start_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    store
+        .ingest(&[
+            profile(
+                "api",
+                &[],
+                NOW,
+                &[
+                    ("main;work;inner", 7),
+                    ("main;work", 5),
+                    ("main;idle;work", 11),
+                    ("main", 1),
+                    ("other;main;work", 13),
+                ],
+            ),
+            profile("api", &[], NOW + SECOND, &[("main;work;leaf", 2)]),
+        ])
+        .unwrap();
+    let at = |call_site: &[&str]| {
+        let mut selection = selection(r#"{service_name="api"}"#, NOW, NOW + SECOND);
+        selection.call_site = call_site.iter().map(|name| name.to_string()).collect();
+        selection
+    };
+
+    let tree = store.merge(&at(&["main", "work"])).unwrap();
+    assert_eq!(tree.total(), 14);
+    assert_eq!(
+        tree.folded(),
+        vec![
+            ("main;work".to_owned(), 5),
+            ("main;work;inner".to_owned(), 7),
+            ("main;work;leaf".to_owned(), 2),
+        ]
+    );
+    let points: Vec<(i64, i64)> = store
+        .totals(&at(&["main", "work"]))
+        .unwrap()
+        .into_iter()
+        .flat_map(|(_, points)| points)
+        .collect();
+    assert_eq!(points, vec![(NOW, 12), (NOW + SECOND, 2)]);
+
+    // Not a prefix of any stack, or a name never stored: nothing.
+    assert_eq!(store.merge(&at(&["work"])).unwrap().total(), 0);
+    assert_eq!(store.merge(&at(&["main", "nowhere"])).unwrap().total(), 0);
+    // No call site: everything.
+    assert_eq!(store.merge(&at(&[])).unwrap().total(), 39);
 }

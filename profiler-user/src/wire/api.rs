@@ -103,12 +103,6 @@ mod json {
         }
     }
 
-    /// Any value but `null` → `Some` (empty): a field whose content is not read, only whether
-    /// it was set.
-    pub fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
-        let value = Option::<serde::de::IgnoredAny>::deserialize(d)?;
-        Ok(value.map(|_| Vec::new()))
-    }
 
     /// `null` → default, for every field (proto3 JSON allows null for any field).
     pub fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
@@ -377,6 +371,53 @@ pub struct SeriesResponse {
     pub labels_set: Vec<Labels>,
 }
 
+/// `types.v1.StackTraceSelector`: which stacks a query counts.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StackTraceSelector {
+    /// Root first: only stacks that start with these functions are counted.
+    #[prost(message, repeated, tag = "1")]
+    #[serde(
+        rename = "callSite",
+        alias = "call_site",
+        deserialize_with = "json::null_default"
+    )]
+    pub call_site: Vec<Location>,
+    /// A profile shaped for Go's profile-guided optimization (then `call_site` is ignored).
+    #[prost(message, optional, tag = "2")]
+    #[serde(rename = "goPgo", alias = "go_pgo", skip_serializing_if = "Option::is_none")]
+    pub go_pgo: Option<GoPgo>,
+}
+
+/// `types.v1.Location`: a function, by name.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Location {
+    #[prost(string, tag = "1")]
+    #[serde(deserialize_with = "json::null_default")]
+    pub name: String,
+}
+
+/// `types.v1.GoPGO`.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GoPgo {
+    #[prost(uint32, tag = "1")]
+    #[serde(
+        rename = "keepLocations",
+        alias = "keep_locations",
+        deserialize_with = "json::null_default"
+    )]
+    pub keep_locations: u32,
+    #[prost(bool, tag = "2")]
+    #[serde(
+        rename = "aggregateCallees",
+        alias = "aggregate_callees",
+        deserialize_with = "json::null_default"
+    )]
+    pub aggregate_callees: bool,
+}
+
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SelectMergeStacktracesRequest {
@@ -410,16 +451,13 @@ pub struct SelectMergeStacktracesRequest {
     #[prost(int32, tag = "6")]
     #[serde(with = "json::profile_format")]
     pub format: i32,
-    /// `stack_trace_selector` (a message, kept only as its bytes): not supported, so a request
-    /// that sets it is refused rather than answered as if it had not.
-    #[prost(bytes = "vec", optional, tag = "7")]
+    #[prost(message, optional, tag = "7")]
     #[serde(
         rename = "stackTraceSelector",
         alias = "stack_trace_selector",
-        skip_serializing_if = "Option::is_none",
-        deserialize_with = "json::present"
+        skip_serializing_if = "Option::is_none"
     )]
-    pub stack_trace_selector: Option<Vec<u8>>,
+    pub stack_trace_selector: Option<StackTraceSelector>,
 }
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
@@ -487,16 +525,13 @@ pub struct SelectMergeProfileRequest {
         with = "json::opt_i64_string"
     )]
     pub max_nodes: Option<i64>,
-    /// `stack_trace_selector` (a message, kept only as its bytes): not supported, so a request
-    /// that sets it is refused rather than answered as if it had not.
-    #[prost(bytes = "vec", optional, tag = "6")]
+    #[prost(message, optional, tag = "6")]
     #[serde(
         rename = "stackTraceSelector",
         alias = "stack_trace_selector",
-        skip_serializing_if = "Option::is_none",
-        deserialize_with = "json::present"
+        skip_serializing_if = "Option::is_none"
     )]
-    pub stack_trace_selector: Option<Vec<u8>>,
+    pub stack_trace_selector: Option<StackTraceSelector>,
 }
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
@@ -536,16 +571,13 @@ pub struct SelectSeriesRequest {
     #[prost(int32, optional, tag = "7")]
     #[serde(with = "json::aggregation")]
     pub aggregation: Option<i32>,
-    /// `stack_trace_selector` (a message, kept only as its bytes): not supported, so a request
-    /// that sets it is refused rather than answered as if it had not.
-    #[prost(bytes = "vec", optional, tag = "8")]
+    #[prost(message, optional, tag = "8")]
     #[serde(
         rename = "stackTraceSelector",
         alias = "stack_trace_selector",
-        skip_serializing_if = "Option::is_none",
-        deserialize_with = "json::present"
+        skip_serializing_if = "Option::is_none"
     )]
-    pub stack_trace_selector: Option<Vec<u8>>,
+    pub stack_trace_selector: Option<StackTraceSelector>,
     #[prost(int64, optional, tag = "9")]
     #[serde(with = "json::opt_i64_string")]
     pub limit: Option<i64>,

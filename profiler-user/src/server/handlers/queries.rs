@@ -50,13 +50,13 @@ fn selection(
     if start_ns > end_ns {
         return Err(ApiError::invalid("start is after end"));
     }
-    Ok(Selection {
-        // A trailing `:delta` names the same series.
-        profile_type: profile_type_id.trim_end_matches(":delta").to_owned(),
+    // A trailing `:delta` names the same series.
+    Ok(Selection::new(
+        profile_type_id.trim_end_matches(":delta").to_owned(),
         selector,
         start_ns,
         end_ns,
-    })
+    ))
 }
 
 /// The `matchers` of LabelNames, LabelValues and Series: at most [`MAX_MATCHERS`] selectors
@@ -75,17 +75,27 @@ fn selectors(state: &AppState, matchers: &[String]) -> Result<Vec<Selector>, Api
     matchers.iter().map(|m| parse_selector(state, m)).collect()
 }
 
-/// A request that sets `stack_trace_selector` (call-site and Go PGO views) is refused: it is not
-/// supported, and answering the whole profile instead would be silently wrong.
-fn refuse_stack_trace_selector(selector: &Option<Vec<u8>>) -> Result<(), ApiError> {
-    match selector {
-        Some(_) => Err(ApiError::new(
+/// The call site of a `stack_trace_selector` (root-first function names; empty: none). A Go
+/// PGO selector is refused, not ignored: the store keeps function names only, not the lines
+/// and addresses such a profile is made of, and answering the whole profile instead would be
+/// silently wrong.
+fn call_site(selector: &Option<StackTraceSelector>) -> Result<Vec<String>, ApiError> {
+    let Some(selector) = selector else {
+        return Ok(Vec::new());
+    };
+    if selector.go_pgo.is_some() {
+        return Err(ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
             "unimplemented",
-            "stack_trace_selector is not supported",
-        )),
-        None => Ok(()),
+            "stack_trace_selector.go_pgo is not supported: the store keeps function names, \
+             not the lines and addresses a Go PGO profile needs",
+        ));
     }
+    Ok(selector
+        .call_site
+        .iter()
+        .map(|location| location.name.clone())
+        .collect())
 }
 
 fn max_nodes(requested: Option<i64>) -> usize {
@@ -179,7 +189,7 @@ pub async fn querier(
         }
         "SelectMergeStacktraces" => {
             let request: SelectMergeStacktracesRequest = connect::decode(codec, &body)?;
-            refuse_stack_trace_selector(&request.stack_trace_selector)?;
+            let call_site = call_site(&request.stack_trace_selector)?;
             // 0 and 1: flame graph; 2: Pyroscope's tree bytes.
             let as_tree = match request.format {
                 0 | 1 => false,
@@ -190,13 +200,14 @@ pub async fn querier(
                     )));
                 }
             };
-            let selection = selection(
+            let mut selection = selection(
                 &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
+            selection.call_site = call_site;
             let max_nodes = max_nodes(request.max_nodes);
             let response = bounded_query(&state, move || {
                 let tree = store.merge(&selection).map_err(store_error)?;
@@ -220,22 +231,24 @@ pub async fn querier(
             let (Some(left), Some(right)) = (request.left, request.right) else {
                 return Err(ApiError::invalid("Diff needs both `left` and `right`"));
             };
-            refuse_stack_trace_selector(&left.stack_trace_selector)?;
-            refuse_stack_trace_selector(&right.stack_trace_selector)?;
-            let left_selection = selection(
+            let left_call_site = call_site(&left.stack_trace_selector)?;
+            let right_call_site = call_site(&right.stack_trace_selector)?;
+            let mut left_selection = selection(
                 &state,
                 &left.profile_type_id,
                 &left.label_selector,
                 left.start,
                 left.end,
             )?;
-            let right_selection = selection(
+            let mut right_selection = selection(
                 &state,
                 &right.profile_type_id,
                 &right.label_selector,
                 right.start,
                 right.end,
             )?;
+            left_selection.call_site = left_call_site;
+            right_selection.call_site = right_call_site;
             let max_nodes = max_nodes(left.max_nodes.or(right.max_nodes));
             let flamegraph = bounded_query(&state, move || {
                 let left = store.merge(&left_selection).map_err(store_error)?;
@@ -252,14 +265,15 @@ pub async fn querier(
         }
         "SelectMergeProfile" => {
             let request: SelectMergeProfileRequest = connect::decode(codec, &body)?;
-            refuse_stack_trace_selector(&request.stack_trace_selector)?;
-            let selection = selection(
+            let call_site = call_site(&request.stack_trace_selector)?;
+            let mut selection = selection(
                 &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
+            selection.call_site = call_site;
             let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
             if codec == Codec::Json {
                 // Proto3's JSON form of the pprof message, as Connect JSON clients decode it.
@@ -285,14 +299,15 @@ pub async fn querier(
         }
         "SelectSeries" => {
             let request: SelectSeriesRequest = connect::decode(codec, &body)?;
-            refuse_stack_trace_selector(&request.stack_trace_selector)?;
-            let selection = selection(
+            let call_site = call_site(&request.stack_trace_selector)?;
+            let mut selection = selection(
                 &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
+            selection.call_site = call_site;
             let series =
                 bounded_query(&state, move || select_series(&store, &selection, &request)).await?;
             Ok(connect::encode(codec, &SelectSeriesResponse { series }))
