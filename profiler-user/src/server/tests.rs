@@ -1140,7 +1140,10 @@ fn a_call_site_selects_the_stacks_under_it() {
     let diff = diff.flamegraph.unwrap();
     assert_eq!(
         (diff.left_ticks, diff.right_ticks),
-        (expected_total, everything.iter().map(|(_, value)| value).sum())
+        (
+            expected_total,
+            everything.iter().map(|(_, value)| value).sum()
+        )
     );
 
     let mut pgo = merge_request("{}");

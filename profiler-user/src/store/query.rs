@@ -397,7 +397,10 @@ impl Store {
 
     /// [`Self::totals`] counting only the stacks under the selection's call site: each
     /// profile's stacks are read (the stored total covers every stack).
-    fn totals_under_call_site(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
+    fn totals_under_call_site(
+        &self,
+        selection: &Selection,
+    ) -> Result<Vec<SeriesTotals>, StoreError> {
         let series = self.select_series(selection);
         // Per stack space: which of its nodes count.
         let under: HashMap<i64, Vec<bool>> = {
@@ -424,14 +427,21 @@ impl Store {
             for s in series {
                 let under = under.get(&s.space);
                 let mut points = Vec::new();
-                let mut rows =
-                    stmt.query(rusqlite::params![s.id, selection.start_ns, selection.end_ns])?;
+                let mut rows = stmt.query(rusqlite::params![
+                    s.id,
+                    selection.start_ns,
+                    selection.end_ns
+                ])?;
                 while let Some(row) = rows.next()? {
                     let time_ns: i64 = row.get(0)?;
                     let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
                     let mut total = 0i64;
                     codec::decode(blob, |node, value| {
-                        if under.and_then(|u| u.get(node as usize)).copied().unwrap_or(false) {
+                        if under
+                            .and_then(|u| u.get(node as usize))
+                            .copied()
+                            .unwrap_or(false)
+                        {
                             total = total.saturating_add(value);
                         }
                     })?;

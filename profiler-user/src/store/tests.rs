@@ -47,7 +47,12 @@ fn profile(
 }
 
 fn selection(selector: &str, start_ns: i64, end_ns: i64) -> Selection {
-    Selection::new(CPU.into(), Selector::parse(selector).unwrap(), start_ns, end_ns)
+    Selection::new(
+        CPU.into(),
+        Selector::parse(selector).unwrap(),
+        start_ns,
+        end_ns,
+    )
 }
 
 fn open(dir: &Path) -> Store {

@@ -174,8 +174,8 @@ pub struct Symbolizer {
 
 /// File-backed memory the agent may gain between two releases of symbol files' pages. Each
 /// release costs reads of the pages still in use (page-out drops them from the page cache
-/// too): with 4 MiB (a release every few seconds on a busy host) the agent's CPU per sample
-/// rose by a third in the host benchmark, so releases stay about as rare as intervals.
+/// too), so releases stay about as rare as intervals on a busy host; a host-benchmark run at
+/// 4 MiB (a release every few seconds) measured a third more CPU per sample.
 pub const FILE_PAGES_SLACK_BYTES: u64 = 12 << 20;
 /// How often the agent's file-backed RSS is looked at.
 const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);

@@ -103,7 +103,6 @@ mod json {
         }
     }
 
-
     /// `null` → default, for every field (proto3 JSON allows null for any field).
     pub fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
     where
@@ -385,7 +384,11 @@ pub struct StackTraceSelector {
     pub call_site: Vec<Location>,
     /// A profile shaped for Go's profile-guided optimization (then `call_site` is ignored).
     #[prost(message, optional, tag = "2")]
-    #[serde(rename = "goPgo", alias = "go_pgo", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "goPgo",
+        alias = "go_pgo",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub go_pgo: Option<GoPgo>,
 }
 
