@@ -605,6 +605,17 @@ fn bad_input_gets_a_json_4xx_and_stores_nothing() {
             "unknown method",
         ),
         (
+            // Out of scope, and says why (docs/grafana.md).
+            "/querier.v1.QuerierService/SelectHeatmap",
+            "application/json".into(),
+            serde_json::json!({"profileTypeID": CPU, "labelSelector": "{}", "step": 15,
+                               "queryType": "HEATMAP_QUERY_TYPE_INDIVIDUAL"})
+                .to_string()
+                .into_bytes(),
+            501,
+            "span exemplars",
+        ),
+        (
             "/no/such/endpoint",
             "application/json".into(),
             b"{}".to_vec(),

@@ -364,6 +364,13 @@ pub async fn querier(
             };
             Ok(connect::encode(codec, &response))
         }
+        // Grafana calls it only behind its `profilesHeatmap` feature toggle.
+        "SelectHeatmap" => Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unimplemented",
+            "SelectHeatmap is not supported: its points refer to individual profiles and span \
+             exemplars by id, which the embedded store does not keep",
+        )),
         other => Err(ApiError::not_found(format!(
             "unknown method querier.v1.QuerierService/{}",
             other.escape_debug()
