@@ -610,8 +610,8 @@ fn bad_input_gets_a_json_4xx_and_stores_nothing() {
             "application/json".into(),
             serde_json::json!({"profileTypeID": CPU, "labelSelector": "{}", "step": 15,
                                "queryType": "HEATMAP_QUERY_TYPE_INDIVIDUAL"})
-                .to_string()
-                .into_bytes(),
+            .to_string()
+            .into_bytes(),
             501,
             "span exemplars",
         ),
