@@ -66,6 +66,8 @@ pub struct SelfMetrics {
     pub store_ingest_errors: u64,
     pub store_profiles_evicted: u64,
     pub store_bytes: u64,
+    /// Memory SQLite holds (its page caches and statements), against its soft limit.
+    pub store_sqlite_memory_bytes: u64,
     pub http_requests: u64,
     pub http_errors: u64,
     /// Push to Pyroscope: profiles accepted, rejected (4xx, dropped), failed attempts retried,
@@ -517,6 +519,12 @@ impl SelfMetrics {
                 "store_bytes",
                 "Bytes of data in the embedded store",
                 self.store_bytes,
+                "gauge",
+            ),
+            (
+                "store_sqlite_memory_bytes",
+                "Bytes of memory SQLite holds (page caches, statements); soft limit 24 MiB",
+                self.store_sqlite_memory_bytes,
                 "gauge",
             ),
             (

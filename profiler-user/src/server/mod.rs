@@ -168,6 +168,7 @@ impl HealthBoard {
             metrics.store_ingest_errors = counters.ingest_errors.load(Ordering::Relaxed);
             metrics.store_profiles_evicted = counters.profiles_evicted.load(Ordering::Relaxed);
             metrics.store_bytes = store.used_bytes().unwrap_or(0);
+            metrics.store_sqlite_memory_bytes = crate::store::sqlite_memory_bytes();
         }
         metrics
     }

@@ -829,6 +829,17 @@ fn metrics_health_and_ui() {
         .find(|l| l.starts_with("profiler_store_profiles_ingested_total "))
         .unwrap();
     assert_ne!(ingested, "profiler_store_profiles_ingested_total 0");
+    // SQLite's own memory, within its soft limit (the store has its caches by now).
+    let sqlite_bytes: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("profiler_store_sqlite_memory_bytes "))
+        .expect("the SQLite memory gauge")
+        .parse()
+        .unwrap();
+    assert!(
+        sqlite_bytes > 0 && sqlite_bytes <= crate::store::SQLITE_SOFT_HEAP_LIMIT_BYTES as u64,
+        "{sqlite_bytes}"
+    );
 
     let (status, body) = server.get("/api/health");
     assert_eq!(status, 200);

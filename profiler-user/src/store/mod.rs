@@ -582,7 +582,13 @@ const CACHE_KIB_PER_CONNECTION: i64 = -4096;
 
 /// All of SQLite's memory together, a soft limit (`sqlite3_soft_heap_limit64`): past it SQLite
 /// recycles cached pages before allocating more.
-const SQLITE_SOFT_HEAP_LIMIT_BYTES: i64 = 24 << 20;
+pub const SQLITE_SOFT_HEAP_LIMIT_BYTES: i64 = 24 << 20;
+
+/// Bytes SQLite holds now, all connections together.
+pub fn sqlite_memory_bytes() -> u64 {
+    // SAFETY: reads a process-wide counter.
+    u64::try_from(unsafe { rusqlite::ffi::sqlite3_memory_used() }).unwrap_or(0)
+}
 
 /// Sets [`SQLITE_SOFT_HEAP_LIMIT_BYTES`] (process-wide, once).
 fn limit_sqlite_memory() {
