@@ -402,21 +402,18 @@ impl Store {
         selection: &Selection,
     ) -> Result<Vec<SeriesTotals>, StoreError> {
         let series = self.select_series(selection);
-        // Per stack space: which of its nodes count.
-        let under: HashMap<i64, Vec<bool>> = {
+        // Per stack space: which of its nodes count; read again when a profile has a node
+        // added since (ingested meanwhile).
+        let mut under: HashMap<i64, Vec<bool>> = HashMap::new();
+        let nodes_under = |space: i64| {
             let catalog = self.read_catalog();
-            let call_site = catalog.call_site_ids(&selection.call_site);
-            series
-                .iter()
-                .filter_map(|s| {
-                    let space = catalog.spaces.get(&s.space)?;
-                    let under = match &call_site {
-                        Some(call_site) => nodes_under_call_site(&space.nodes, call_site),
-                        None => vec![true; space.nodes.len()],
-                    };
-                    Some((s.space, under))
-                })
-                .collect()
+            match (
+                catalog.spaces.get(&space),
+                catalog.call_site_ids(&selection.call_site),
+            ) {
+                (Some(space), Some(call_site)) => nodes_under_call_site(&space.nodes, &call_site),
+                _ => Vec::new(),
+            }
         };
         self.with_reader(|conn| {
             let mut stmt = conn.prepare_cached(
@@ -424,8 +421,8 @@ impl Store {
                  AND time_ns <= ? ORDER BY time_ns",
             )?;
             let mut out = Vec::with_capacity(series.len());
+            let mut values: Vec<(u32, i64)> = Vec::new();
             for s in series {
-                let under = under.get(&s.space);
                 let mut points = Vec::new();
                 let mut rows = stmt.query(rusqlite::params![
                     s.id,
@@ -435,16 +432,17 @@ impl Store {
                 while let Some(row) = rows.next()? {
                     let time_ns: i64 = row.get(0)?;
                     let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
-                    let mut total = 0i64;
-                    codec::decode(blob, |node, value| {
-                        if under
-                            .and_then(|u| u.get(node as usize))
-                            .copied()
-                            .unwrap_or(false)
-                        {
-                            total = total.saturating_add(value);
-                        }
-                    })?;
+                    values.clear();
+                    codec::decode(blob, |node, value| values.push((node, value)))?;
+                    let highest = values.iter().map(|&(node, _)| node as usize).max();
+                    let space_under = under.entry(s.space).or_insert_with(|| nodes_under(s.space));
+                    if highest.is_some_and(|node| node >= space_under.len()) {
+                        *space_under = nodes_under(s.space);
+                    }
+                    let total = values
+                        .iter()
+                        .filter(|&&(node, _)| space_under.get(node as usize) == Some(&true))
+                        .fold(0i64, |total, &(_, value)| total.saturating_add(value));
                     points.push((time_ns, total));
                 }
                 out.push((s, points));
