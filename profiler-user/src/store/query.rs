@@ -30,6 +30,31 @@ impl Selection {
     }
 }
 
+/// Calls `f` with the time and stacks (`codec` bytes) of every profile of series `series_id`
+/// in the selection's time range, oldest first.
+fn for_each_profile(
+    conn: &rusqlite::Connection,
+    selection: &Selection,
+    series_id: i64,
+    mut f: impl FnMut(i64, &[u8]) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT time_ns, stacks FROM profiles WHERE series_id = ? AND time_ns >= ? \
+         AND time_ns <= ? ORDER BY time_ns",
+    )?;
+    let mut rows = stmt.query(rusqlite::params![
+        series_id,
+        selection.start_ns,
+        selection.end_ns
+    ])?;
+    while let Some(row) = rows.next()? {
+        let time_ns: i64 = row.get(0)?;
+        let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
+        f(time_ns, blob)?;
+    }
+    Ok(())
+}
+
 /// Which nodes of a stack space lie at or below a call site (root-first name ids): a node is
 /// in when its path from the root starts with the whole call site. Parents come before their
 /// children in a space, so one pass decides every node.
@@ -262,24 +287,18 @@ impl Store {
         // Self values per node, one dense vector per stack space.
         let mut sums: Vec<(i64, Vec<i64>)> = Vec::with_capacity(by_space.len());
         self.with_reader(|conn| {
-            let mut stmt = conn.prepare_cached(
-                "SELECT stacks FROM profiles WHERE series_id = ? AND time_ns >= ? AND time_ns <= ?",
-            )?;
             for (space, series_ids) in &by_space {
                 let mut values = vec![0i64; 1024];
-                for id in series_ids {
-                    let mut rows =
-                        stmt.query(rusqlite::params![id, selection.start_ns, selection.end_ns])?;
-                    while let Some(row) = rows.next()? {
-                        let blob = row.get_ref(0)?.as_blob().map_err(rusqlite::Error::from)?;
-                        codec::decode(blob, |node, value| {
+                for &id in series_ids {
+                    for_each_profile(conn, selection, id, |_, blob| {
+                        Ok(codec::decode(blob, |node, value| {
                             let node = node as usize;
                             if node >= values.len() {
                                 values.resize((node + 1).next_power_of_two(), 0);
                             }
                             values[node] = values[node].saturating_add(value);
-                        })?;
-                    }
+                        })?)
+                    })?;
                 }
                 sums.push((*space, values));
             }
@@ -345,21 +364,12 @@ impl Store {
                 spaces: spaces.len() as u64,
                 ..QueryAnalysis::default()
             };
-            let mut stmt = conn.prepare_cached(
-                "SELECT stacks FROM profiles WHERE series_id = ? AND time_ns >= ? AND time_ns <= ?",
-            )?;
             for s in &series {
-                let mut rows = stmt.query(rusqlite::params![
-                    s.id,
-                    selection.start_ns,
-                    selection.end_ns
-                ])?;
-                while let Some(row) = rows.next()? {
-                    let blob = row.get_ref(0)?.as_blob().map_err(rusqlite::Error::from)?;
+                for_each_profile(conn, selection, s.id, |_, blob| {
                     analysis.profiles += 1;
                     analysis.profile_bytes += blob.len() as u64;
-                    codec::decode(blob, |_, _| analysis.stack_entries += 1)?;
-                }
+                    Ok(codec::decode(blob, |_, _| analysis.stack_entries += 1)?)
+                })?;
             }
             analysis.bytes_in_range = conn.query_row(
                 "SELECT COALESCE(SUM(LENGTH(stacks)), 0) FROM profiles \
@@ -416,22 +426,11 @@ impl Store {
             }
         };
         self.with_reader(|conn| {
-            let mut stmt = conn.prepare_cached(
-                "SELECT time_ns, stacks FROM profiles WHERE series_id = ? AND time_ns >= ? \
-                 AND time_ns <= ? ORDER BY time_ns",
-            )?;
             let mut out = Vec::with_capacity(series.len());
             let mut values: Vec<(u32, i64)> = Vec::new();
             for s in series {
                 let mut points = Vec::new();
-                let mut rows = stmt.query(rusqlite::params![
-                    s.id,
-                    selection.start_ns,
-                    selection.end_ns
-                ])?;
-                while let Some(row) = rows.next()? {
-                    let time_ns: i64 = row.get(0)?;
-                    let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
+                for_each_profile(conn, selection, s.id, |time_ns, blob| {
                     values.clear();
                     codec::decode(blob, |node, value| values.push((node, value)))?;
                     let highest = values.iter().map(|&(node, _)| node as usize).max();
@@ -444,7 +443,8 @@ impl Store {
                         .filter(|&&(node, _)| space_under.get(node as usize) == Some(&true))
                         .fold(0i64, |total, &(_, value)| total.saturating_add(value));
                     points.push((time_ns, total));
-                }
+                    Ok(())
+                })?;
                 out.push((s, points));
             }
             Ok(out)
