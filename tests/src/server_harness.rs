@@ -448,6 +448,7 @@ impl Client {
                 max_nodes: Some(1 << 20),
                 format: 1,
                 stack_trace_selector: None,
+                ..Default::default()
             },
         );
         response.flamegraph.unwrap_or_default()

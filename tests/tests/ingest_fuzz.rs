@@ -375,6 +375,7 @@ fn check_folded(
             duration_ns: 10_000_000_000,
             names,
             stacks,
+            spans: Vec::new(),
         }]),
         Err(err) => one_line(err),
     }
@@ -704,6 +705,7 @@ fn queries_over_fuzzed_data() {
                         end,
                         max_nodes,
                         stack_trace_selector: None,
+                        ..Default::default()
                     };
                     return check_http(
                         &client,

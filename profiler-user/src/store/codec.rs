@@ -8,6 +8,12 @@
 //! A stack space's call-tree nodes are stored the same way, in blocks: each write stores the
 //! nodes it added as one blob of (node − parent, name id) varint pairs, which costs one row
 //! instead of one per node when a new service's first profiles add tens of thousands of nodes.
+//!
+//! A profile's span samples (pushed with a `span_id` sample label, [`SpanEntries`]) are a
+//! second blob beside its stacks: varint span count, then per span its id (8 bytes, little
+//! endian), its trace id and name (varint length, UTF-8), and its entries as one [`encode`]d
+//! list behind a varint length, so a query skips the spans it did not select without decoding
+//! them.
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("stored profile is corrupt: {0}")]
@@ -86,6 +92,70 @@ pub fn decode_nodes(
     Ok(())
 }
 
+/// The samples of one span in a stored profile: ids and names as the client pushed them
+/// (`span_id` parsed from hex), entries sorted by node with no duplicates.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpanEntries {
+    pub span_id: u64,
+    pub trace_id: String,
+    pub span_name: String,
+    pub entries: Vec<(u32, i64)>,
+}
+
+/// A span as a query sees it before deciding whether to read its entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpanHeader<'a> {
+    pub span_id: u64,
+    pub trace_id: &'a str,
+    pub span_name: &'a str,
+}
+
+/// Encodes the spans of one profile (see the module's layout).
+pub fn encode_spans(spans: &[SpanEntries]) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_varint(&mut out, spans.len() as u64);
+    for span in spans {
+        out.extend_from_slice(&span.span_id.to_le_bytes());
+        for text in [&span.trace_id, &span.span_name] {
+            put_varint(&mut out, text.len() as u64);
+            out.extend_from_slice(text.as_bytes());
+        }
+        let entries = encode(&span.entries);
+        put_varint(&mut out, entries.len() as u64);
+        out.extend_from_slice(&entries);
+    }
+    out
+}
+
+/// Reads every span of an encoded span blob: `select` sees each span's header, and the
+/// entries of the spans it accepts go to `add(node, value)`; the others are skipped unread.
+pub fn decode_spans(
+    bytes: &[u8],
+    mut select: impl FnMut(SpanHeader<'_>) -> bool,
+    mut add: impl FnMut(u32, i64),
+) -> Result<(), CorruptProfile> {
+    let mut reader = Reader { bytes, pos: 0 };
+    let count = reader.varint()?;
+    for _ in 0..count {
+        let id = reader.take(8)?;
+        let span_id = u64::from_le_bytes(id.try_into().map_err(|_| CorruptProfile("truncated"))?);
+        let trace_len = reader.length()?;
+        let trace_id = reader.text(trace_len)?;
+        let name_len = reader.length()?;
+        let span_name = reader.text(name_len)?;
+        let entries_len = reader.length()?;
+        let entries = reader.take(entries_len)?;
+        if select(SpanHeader {
+            span_id,
+            trace_id,
+            span_name,
+        }) {
+            decode(entries, &mut add)?;
+        }
+    }
+    Ok(())
+}
+
 fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
         (a, b) = (b, a % b);
@@ -106,7 +176,26 @@ struct Reader<'a> {
     pos: usize,
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    fn take(&mut self, len: usize) -> Result<&'a [u8], CorruptProfile> {
+        let end = self
+            .pos
+            .checked_add(len)
+            .filter(|&end| end <= self.bytes.len())
+            .ok_or(CorruptProfile("truncated"))?;
+        let slice = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(slice)
+    }
+
+    fn length(&mut self) -> Result<usize, CorruptProfile> {
+        usize::try_from(self.varint()?).map_err(|_| CorruptProfile("length out of range"))
+    }
+
+    fn text(&mut self, len: usize) -> Result<&'a str, CorruptProfile> {
+        std::str::from_utf8(self.take(len)?).map_err(|_| CorruptProfile("span text is not UTF-8"))
+    }
+
     fn varint(&mut self) -> Result<u64, CorruptProfile> {
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {
@@ -163,7 +252,60 @@ mod tests {
         assert!(decode_nodes(3, &bytes[..bytes.len() - 1], |_, _| {}).is_err());
     }
 
+    #[test]
+    fn spans_round_trip_and_unselected_spans_are_skipped() {
+        let spans = vec![
+            SpanEntries {
+                span_id: 0x9a51_7183_f26a_089d,
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+                span_name: "GET /slow".into(),
+                entries: vec![(3, 10), (8, 20)],
+            },
+            SpanEntries {
+                span_id: 7,
+                trace_id: String::new(),
+                span_name: "fast".into(),
+                entries: vec![(4, 5)],
+            },
+        ];
+        let bytes = encode_spans(&spans);
+        let mut seen = Vec::new();
+        let mut added = Vec::new();
+        decode_spans(
+            &bytes,
+            |span| {
+                seen.push((
+                    span.span_id,
+                    span.trace_id.to_owned(),
+                    span.span_name.to_owned(),
+                ));
+                span.span_id == 7
+            },
+            |node, value| added.push((node, value)),
+        )
+        .unwrap();
+        assert_eq!(added, vec![(4, 5)]);
+        assert_eq!(
+            seen,
+            spans
+                .iter()
+                .map(|s| (s.span_id, s.trace_id.clone(), s.span_name.clone()))
+                .collect::<Vec<_>>()
+        );
+        for len in 0..bytes.len() {
+            assert!(
+                decode_spans(&bytes[..len], |_| true, |_, _| {}).is_err(),
+                "prefix {len}"
+            );
+        }
+    }
+
     proptest! {
+        #[test]
+        fn arbitrary_span_blobs_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..96)) {
+            let _ = decode_spans(&bytes, |_| true, |_, _| {});
+        }
+
         #[test]
         fn round_trips(mut entries in proptest::collection::btree_map(0u32..1_000_000, any::<i64>(), 0..50)) {
             let entries: Vec<(u32, i64)> = std::mem::take(&mut entries).into_iter().collect();

@@ -7,7 +7,7 @@ use foldhash::{HashMap, HashMapExt};
 
 use prost::Message;
 
-use super::{NewProfile, ProfileType};
+use super::{NewProfile, NewSpan, ProfileType};
 use crate::wire::proto;
 
 /// Why a payload was rejected. Display is one line for the client.
@@ -234,6 +234,8 @@ pub fn profiles_from_pprof(
     let mut label_sets: HashMap<Vec<(String, String)>, usize> = HashMap::new();
     let mut groups: HashMap<(usize, usize), usize> = HashMap::new();
     let mut labels: Vec<(String, String)> = Vec::new();
+    // (position in `out`, span id) → position in that profile's spans.
+    let mut span_positions: HashMap<(usize, u64), usize> = HashMap::new();
     for sample in &pprof.sample {
         let mut path = Vec::with_capacity(sample.location_id.len() * 2);
         for id in sample.location_id.iter().rev() {
@@ -242,18 +244,20 @@ pub fn profiles_from_pprof(
                 .ok_or_else(|| malformed(format!("a sample refers to unknown location {id}")))?;
             path.extend_from_slice(frames);
         }
+        let mut span = SampleSpan::default();
         labels.clear();
-        labels.extend(
-            sample
-                .label
-                .iter()
-                .filter(|l| l.str != 0)
-                .map(|l| (string(l.key), string(l.str)))
-                .filter(|(k, _)| !matches!(*k, "trace_id" | "span_id" | "profile_id"))
+        for label in sample.label.iter().filter(|l| l.str != 0) {
+            let (key, value) = (string(label.key), string(label.str));
+            match key {
+                // Pyroscope reads a `profile_id` label as the span id (older SDKs' name).
+                SPAN_ID_LABEL | "profile_id" => span.id = span.id.or(parse_span_id(value)),
+                TRACE_ID_LABEL => span.trace_id = value,
+                SPAN_NAME_LABEL => span.name = value,
                 // Series labels win over sample labels of the same name.
-                .filter(|(k, _)| !series_labels.iter().any(|(s, _)| s == k))
-                .map(|(k, v)| (k.to_owned(), v.to_owned())),
-        );
+                _ if series_labels.iter().any(|(s, _)| s == key) => {}
+                _ => labels.push((key.to_owned(), value.to_owned())),
+            }
+        }
         labels.sort();
         labels.dedup_by(|a, b| a.0 == b.0);
         let label_set = match label_sets.get(labels.as_slice()) {
@@ -286,16 +290,33 @@ pub fn profiles_from_pprof(
                     duration_ns: pprof.duration_nanos,
                     names: Vec::new(),
                     stacks: Vec::new(),
+                    spans: Vec::new(),
                 });
                 out.len() - 1
             });
+            let profile = &mut out[position];
+            if let Some(span_id) = span.id {
+                let spans = &mut profile.spans;
+                let index = *span_positions
+                    .entry((position, span_id))
+                    .or_insert_with(|| {
+                        spans.push(NewSpan {
+                            span_id,
+                            trace_id: span.trace_id.to_owned(),
+                            span_name: span.name.to_owned(),
+                            stacks: Vec::new(),
+                        });
+                        spans.len() - 1
+                    });
+                spans[index].stacks.push((path.clone(), *value));
+            }
             // The path is shared by the sample's values; the last one takes it.
             let path = if Some(type_index) == last_value {
                 std::mem::take(&mut path)
             } else {
                 path.clone()
             };
-            out[position].stacks.push((path, *value));
+            profile.stacks.push((path, *value));
         }
     }
     if let Some((last, rest)) = out.split_last_mut() {
@@ -308,6 +329,29 @@ pub fn profiles_from_pprof(
         validate_labels(&profile.labels)?;
     }
     Ok(out)
+}
+
+/// The sample labels that tie a sample to a trace span (pyroscope-otel, otel-profiling-go).
+/// They are kept with the sample, never as series labels: each request has its own.
+pub const SPAN_ID_LABEL: &str = "span_id";
+pub const SPAN_NAME_LABEL: &str = "span_name";
+pub const TRACE_ID_LABEL: &str = "trace_id";
+
+/// What a sample's labels say of its span.
+#[derive(Default)]
+struct SampleSpan<'a> {
+    id: Option<u64>,
+    trace_id: &'a str,
+    name: &'a str,
+}
+
+/// A span id as SDKs write it: up to 16 hex digits (OpenTelemetry's 8 bytes). Zero, the
+/// invalid span id, and anything else is no span.
+pub fn parse_span_id(text: &str) -> Option<u64> {
+    if text.is_empty() || text.len() > 16 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u64::from_str_radix(text, 16).ok().filter(|&id| id != 0)
 }
 
 /// The name id of an owned frame label, added to `names` when new.

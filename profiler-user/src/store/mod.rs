@@ -236,6 +236,19 @@ pub struct NewProfile {
     pub duration_ns: i64,
     pub names: Vec<String>,
     pub stacks: Vec<(Vec<u32>, i64)>,
+    /// The samples that named a span (a `span_id` sample label), per span. They are among
+    /// `stacks` too: a span query reads these, every other query the stacks.
+    pub spans: Vec<NewSpan>,
+}
+
+/// The samples of one span in a [`NewProfile`], as Pyroscope keeps them per sample rather
+/// than as series labels (a label per request would make a series per request).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NewSpan {
+    pub span_id: u64,
+    pub trace_id: String,
+    pub span_name: String,
+    pub stacks: Vec<(Vec<u32>, i64)>,
 }
 
 impl NewProfile {
@@ -362,6 +375,30 @@ impl Space {
             index: HashMap::new(),
             leaf_by_stack: HashMap::new(),
         }
+    }
+
+    /// The node of a root-first stack of name ids, added (with its missing ancestors) when new.
+    fn node_of(&mut self, stack: &[u32]) -> u32 {
+        if let Some(&leaf) = self.leaf_by_stack.get(stack) {
+            return leaf;
+        }
+        let mut node = 0u32;
+        for &name in stack {
+            node = match self.index.get(&(node, name)) {
+                Some(&child) => child,
+                None => {
+                    let child = self.nodes.len() as u32;
+                    self.nodes.push((node, name));
+                    self.index.insert((node, name), child);
+                    child
+                }
+            };
+        }
+        if self.leaf_by_stack.len() >= MAX_CACHED_STACKS {
+            self.leaf_by_stack.clear();
+        }
+        self.leaf_by_stack.insert(stack.into(), node);
+        node
     }
 }
 
@@ -558,7 +595,7 @@ CREATE TABLE IF NOT EXISTS series(id INTEGER PRIMARY KEY, space_id INTEGER NOT N
     profile_type TEXT NOT NULL, labels TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS profiles(id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL,
     time_ns INTEGER NOT NULL, duration_ns INTEGER NOT NULL, total INTEGER NOT NULL,
-    stacks BLOB NOT NULL);
+    stacks BLOB NOT NULL, spans BLOB);
 CREATE INDEX IF NOT EXISTS profiles_by_series_time ON profiles(series_id, time_ns);
 CREATE INDEX IF NOT EXISTS profiles_by_time ON profiles(time_ns);
 CREATE TABLE IF NOT EXISTS settings(name TEXT PRIMARY KEY, value TEXT NOT NULL,
@@ -639,6 +676,7 @@ fn prepare_database(conn: &mut Connection, check: bool) -> Result<Catalog, Store
     }
     conn.execute_batch(SCHEMA)?;
     migrate_node_rows(conn)?;
+    add_spans_column(conn)?;
     load_catalog(conn)
 }
 
@@ -953,8 +991,8 @@ impl Store {
         }
         {
             let mut insert_profile = tx.prepare_cached(
-                "INSERT INTO profiles(series_id, time_ns, duration_ns, total, stacks) \
-                 VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO profiles(series_id, time_ns, duration_ns, total, stacks, spans) \
+                 VALUES (?, ?, ?, ?, ?, ?)",
             )?;
             for row in rows {
                 insert_profile.execute(params![
@@ -962,7 +1000,8 @@ impl Store {
                     row.time_ns,
                     row.duration_ns,
                     row.total,
-                    row.stacks
+                    row.stacks,
+                    row.spans
                 ])?;
             }
         }
@@ -1199,6 +1238,8 @@ struct ProfileRow {
     duration_ns: i64,
     total: i64,
     stacks: Vec<u8>,
+    /// The span blob ([`codec::encode_spans`]); `None` when no sample named a span.
+    spans: Option<Vec<u8>>,
 }
 
 /// The canonical text of a label set, the series' identity.
@@ -1327,54 +1368,49 @@ fn encode_profile(
     if !additions.nodes.iter().any(|(id, _)| *id == space_id) {
         additions.nodes.push((space_id, space.nodes.len()));
     }
-    let mut values: HashMap<u32, i64> = HashMap::with_capacity(profile.stacks.len());
     let mut stack: Vec<u32> = Vec::new();
-    for (path, value) in &profile.stacks {
-        if *value == 0 {
-            continue;
+    let mut entries_of = |stacks: &[(Vec<u32>, i64)], truncated: &mut u64| {
+        let mut values: HashMap<u32, i64> = HashMap::with_capacity(stacks.len());
+        for (path, value) in stacks {
+            if *value == 0 {
+                continue;
+            }
+            stack.clear();
+            // Deeper than the limit: the leaf-side frames under one `[truncated]` frame.
+            let path = match truncated_name {
+                Some(name) if path.len() > limits.max_stack_depth => {
+                    *truncated += 1;
+                    stack.push(name);
+                    &path[path.len() - (limits.max_stack_depth - 1)..]
+                }
+                _ => path.as_slice(),
+            };
+            stack.extend(
+                path.iter()
+                    .filter_map(|&local| name_ids.get(local as usize).copied()),
+            );
+            let node = space.node_of(&stack);
+            // Saturating: values come from clients and may be extreme.
+            let sum = values.entry(node).or_default();
+            *sum = sum.saturating_add(*value);
         }
-        stack.clear();
-        // Deeper than the limit: the leaf-side frames under one `[truncated]` frame.
-        let path = match truncated_name {
-            Some(name) if path.len() > limits.max_stack_depth => {
-                *truncated += 1;
-                stack.push(name);
-                &path[path.len() - (limits.max_stack_depth - 1)..]
-            }
-            _ => path.as_slice(),
-        };
-        stack.extend(
-            path.iter()
-                .filter_map(|&local| name_ids.get(local as usize).copied()),
-        );
-        let node = match space.leaf_by_stack.get(stack.as_slice()) {
-            Some(&leaf) => leaf,
-            None => {
-                let mut node = 0u32;
-                for &name in &stack {
-                    node = match space.index.get(&(node, name)) {
-                        Some(&child) => child,
-                        None => {
-                            let child = space.nodes.len() as u32;
-                            space.nodes.push((node, name));
-                            space.index.insert((node, name), child);
-                            child
-                        }
-                    };
-                }
-                if space.leaf_by_stack.len() >= MAX_CACHED_STACKS {
-                    space.leaf_by_stack.clear();
-                }
-                space.leaf_by_stack.insert(stack.as_slice().into(), node);
-                node
-            }
-        };
-        // Saturating: values come from clients and may be extreme.
-        let sum = values.entry(node).or_default();
-        *sum = sum.saturating_add(*value);
-    }
-    let mut entries: Vec<(u32, i64)> = values.into_iter().filter(|(_, v)| *v != 0).collect();
-    entries.sort_unstable();
+        let mut entries: Vec<(u32, i64)> = values.into_iter().filter(|(_, v)| *v != 0).collect();
+        entries.sort_unstable();
+        entries
+    };
+    let entries = entries_of(&profile.stacks, truncated);
+    // A span's stacks are also among the profile's: counted once as truncated.
+    let spans: Vec<codec::SpanEntries> = profile
+        .spans
+        .iter()
+        .map(|span| codec::SpanEntries {
+            span_id: span.span_id,
+            trace_id: span.trace_id.clone(),
+            span_name: span.span_name.clone(),
+            entries: entries_of(&span.stacks, &mut 0),
+        })
+        .filter(|span| !span.entries.is_empty())
+        .collect();
     Ok(ProfileRow {
         series,
         time_ns: profile.time_ns,
@@ -1383,7 +1419,21 @@ fn encode_profile(
             .iter()
             .fold(0i64, |sum, (_, v)| sum.saturating_add(*v)),
         stacks: codec::encode(&entries),
+        spans: (!spans.is_empty()).then(|| codec::encode_spans(&spans)),
     })
+}
+
+/// Stores written before span profiles have no `spans` column; it is added (empty).
+fn add_spans_column(conn: &Connection) -> Result<(), StoreError> {
+    let present: i64 = conn.query_row(
+        "SELECT COUNT(*) FROM pragma_table_info('profiles') WHERE name = 'spans'",
+        [],
+        |r| r.get(0),
+    )?;
+    if present == 0 {
+        conn.execute_batch("ALTER TABLE profiles ADD COLUMN spans BLOB")?;
+    }
+    Ok(())
 }
 
 /// Stores written before node blocks kept one `nodes` row per node: converts them to one block

@@ -15,6 +15,37 @@ pub struct Selection {
     /// Only stacks that start (root first) with these function names count, as Pyroscope's
     /// `stack_trace_selector.call_site` selects them; empty: every stack.
     pub call_site: Vec<String>,
+    /// Only samples of the spans it selects count (`SelectMergeSpanProfile`, span and trace
+    /// id selectors); `None`: every sample, with or without a span.
+    pub spans: Option<SpanSelection>,
+}
+
+/// Which spans' samples a selection reads: a span counts when its id is in `span_ids` and its
+/// trace id in `trace_ids`, each list checked only when given.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpanSelection {
+    /// Sorted, no duplicates.
+    pub span_ids: Option<Vec<u64>>,
+    /// Lower case, sorted, no duplicates.
+    pub trace_ids: Option<Vec<String>>,
+}
+
+impl SpanSelection {
+    fn selects(&self, span: codec::SpanHeader<'_>) -> bool {
+        self.span_ids
+            .as_ref()
+            .is_none_or(|ids| ids.binary_search(&span.span_id).is_ok())
+            && self.trace_ids.as_ref().is_none_or(|ids| {
+                ids.binary_search_by(|id| cmp_ignoring_case(id, span.trace_id))
+                    .is_ok()
+            })
+    }
+}
+
+fn cmp_ignoring_case(lower: &str, other: &str) -> std::cmp::Ordering {
+    lower
+        .bytes()
+        .cmp(other.bytes().map(|b| b.to_ascii_lowercase()))
 }
 
 impl Selection {
@@ -26,22 +57,74 @@ impl Selection {
             start_ns,
             end_ns,
             call_site: Vec::new(),
+            spans: None,
         }
+    }
+
+    /// Only the samples of `span_ids` (duplicates allowed); with span ids selected already,
+    /// only those in both lists.
+    pub fn with_spans(mut self, mut span_ids: Vec<u64>) -> Self {
+        let spans = self.spans.get_or_insert_with(SpanSelection::default);
+        if let Some(before) = &spans.span_ids {
+            span_ids.retain(|id| before.contains(id));
+        }
+        span_ids.sort_unstable();
+        span_ids.dedup();
+        spans.span_ids = Some(span_ids);
+        self
+    }
+
+    /// Only the samples of spans of these traces (hex, any case; duplicates allowed).
+    pub fn with_traces(mut self, trace_ids: &[String]) -> Self {
+        let mut trace_ids: Vec<String> =
+            trace_ids.iter().map(|id| id.to_ascii_lowercase()).collect();
+        trace_ids.sort_unstable();
+        trace_ids.dedup();
+        self.spans
+            .get_or_insert_with(SpanSelection::default)
+            .trace_ids = Some(trace_ids);
+        self
     }
 }
 
-/// Calls `f` with the time and stacks (`codec` bytes) of every profile of series `series_id`
-/// in the selection's time range, oldest first.
+/// One stored profile as a query reads it: all its stacks, or the samples of the selected
+/// spans only.
+#[derive(Clone, Copy)]
+pub(crate) struct ProfileEntries<'a> {
+    blob: &'a [u8],
+    spans: Option<&'a SpanSelection>,
+}
+
+impl ProfileEntries<'_> {
+    /// Calls `add(node, value)` for every selected entry.
+    pub(crate) fn for_each(&self, add: impl FnMut(u32, i64)) -> Result<(), codec::CorruptProfile> {
+        match self.spans {
+            None => codec::decode(self.blob, add),
+            Some(spans) => codec::decode_spans(self.blob, |span| spans.selects(span), add),
+        }
+    }
+
+    /// Bytes stored (the stacks, or the whole span blob).
+    pub(crate) fn stored_bytes(&self) -> usize {
+        self.blob.len()
+    }
+}
+
+/// Calls `f` with the time and entries of every profile of series `series_id` in the
+/// selection's time range, oldest first (with a span selection, only profiles with spans).
 fn for_each_profile(
     conn: &rusqlite::Connection,
     selection: &Selection,
     series_id: i64,
-    mut f: impl FnMut(i64, &[u8]) -> Result<(), StoreError>,
+    mut f: impl FnMut(i64, ProfileEntries<'_>) -> Result<(), StoreError>,
 ) -> Result<(), StoreError> {
-    let mut stmt = conn.prepare_cached(
+    let mut stmt = conn.prepare_cached(if selection.spans.is_some() {
+        "SELECT time_ns, spans FROM profiles WHERE series_id = ? AND time_ns >= ? \
+         AND time_ns <= ? AND spans IS NOT NULL ORDER BY time_ns"
+    } else {
         "SELECT time_ns, stacks FROM profiles WHERE series_id = ? AND time_ns >= ? \
-         AND time_ns <= ? ORDER BY time_ns",
-    )?;
+         AND time_ns <= ? ORDER BY time_ns"
+    })?;
     let mut rows = stmt.query(rusqlite::params![
         series_id,
         selection.start_ns,
@@ -50,7 +133,13 @@ fn for_each_profile(
     while let Some(row) = rows.next()? {
         let time_ns: i64 = row.get(0)?;
         let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
-        f(time_ns, blob)?;
+        f(
+            time_ns,
+            ProfileEntries {
+                blob,
+                spans: selection.spans.as_ref(),
+            },
+        )?;
     }
     Ok(())
 }
@@ -290,8 +379,8 @@ impl Store {
             for (space, series_ids) in &by_space {
                 let mut values = vec![0i64; 1024];
                 for &id in series_ids {
-                    for_each_profile(conn, selection, id, |_, blob| {
-                        Ok(codec::decode(blob, |node, value| {
+                    for_each_profile(conn, selection, id, |_, entries| {
+                        Ok(entries.for_each(|node, value| {
                             let node = node as usize;
                             if node >= values.len() {
                                 values.resize((node + 1).next_power_of_two(), 0);
@@ -365,10 +454,10 @@ impl Store {
                 ..QueryAnalysis::default()
             };
             for s in &series {
-                for_each_profile(conn, selection, s.id, |_, blob| {
+                for_each_profile(conn, selection, s.id, |_, entries| {
                     analysis.profiles += 1;
-                    analysis.profile_bytes += blob.len() as u64;
-                    Ok(codec::decode(blob, |_, _| analysis.stack_entries += 1)?)
+                    analysis.profile_bytes += entries.stored_bytes() as u64;
+                    Ok(entries.for_each(|_, _| analysis.stack_entries += 1)?)
                 })?;
             }
             analysis.bytes_in_range = conn.query_row(
@@ -383,8 +472,8 @@ impl Store {
 
     /// (time ns, total) of every selected profile, per series.
     pub fn totals(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
-        if !selection.call_site.is_empty() {
-            return self.totals_under_call_site(selection);
+        if !selection.call_site.is_empty() || selection.spans.is_some() {
+            return self.totals_of_entries(selection);
         }
         let series = self.select_series(selection);
         self.with_reader(|conn| {
@@ -405,12 +494,9 @@ impl Store {
         })
     }
 
-    /// [`Self::totals`] counting only the stacks under the selection's call site: each
-    /// profile's stacks are read (the stored total covers every stack).
-    fn totals_under_call_site(
-        &self,
-        selection: &Selection,
-    ) -> Result<Vec<SeriesTotals>, StoreError> {
+    /// [`Self::totals`] counting only the stacks under the selection's call site, or of its
+    /// spans: each profile's entries are read (the stored total covers every stack).
+    fn totals_of_entries(&self, selection: &Selection) -> Result<Vec<SeriesTotals>, StoreError> {
         let series = self.select_series(selection);
         // Per stack space: which of its nodes count; read again when a profile has a node
         // added since (ingested meanwhile).
@@ -430,9 +516,15 @@ impl Store {
             let mut values: Vec<(u32, i64)> = Vec::new();
             for s in series {
                 let mut points = Vec::new();
-                for_each_profile(conn, selection, s.id, |time_ns, blob| {
+                for_each_profile(conn, selection, s.id, |time_ns, entries| {
+                    if selection.call_site.is_empty() {
+                        let mut total = 0i64;
+                        entries.for_each(|_, value| total = total.saturating_add(value))?;
+                        points.push((time_ns, total));
+                        return Ok(());
+                    }
                     values.clear();
-                    codec::decode(blob, |node, value| values.push((node, value)))?;
+                    entries.for_each(|node, value| values.push((node, value)))?;
                     let highest = values.iter().map(|&(node, _)| node as usize).max();
                     let space_under = under.entry(s.space).or_insert_with(|| nodes_under(s.space));
                     if highest.is_some_and(|node| node >= space_under.len()) {
@@ -481,6 +573,53 @@ impl Store {
         values.sort();
         values.dedup();
         values
+    }
+
+    /// Distinct values of a span's sample label (`span_id` as 16 hex digits, `span_name`,
+    /// `trace_id`) in the profiles of the series matching any of `selectors`: these are kept
+    /// with the samples, not as series labels, so their values are read from the profiles.
+    pub fn span_label_values(
+        &self,
+        name: &str,
+        selectors: &[Selector],
+        range: Option<(i64, i64)>,
+    ) -> Result<Vec<String>, StoreError> {
+        use super::ingest::{SPAN_ID_LABEL, SPAN_NAME_LABEL, TRACE_ID_LABEL};
+        if ![SPAN_ID_LABEL, SPAN_NAME_LABEL, TRACE_ID_LABEL].contains(&name) {
+            return Ok(Vec::new());
+        }
+        let series: Vec<SeriesInfo> = self.matching(selectors, range).collect();
+        let (start_ns, end_ns) = range.unwrap_or((i64::MIN, i64::MAX));
+        let mut values = std::collections::BTreeSet::new();
+        self.with_reader(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT spans FROM profiles WHERE series_id = ? AND time_ns >= ? \
+                 AND time_ns <= ? AND spans IS NOT NULL",
+            )?;
+            for s in &series {
+                let mut rows = stmt.query(rusqlite::params![s.id, start_ns, end_ns])?;
+                while let Some(row) = rows.next()? {
+                    let blob = row.get_ref(0)?.as_blob().map_err(rusqlite::Error::from)?;
+                    codec::decode_spans(
+                        blob,
+                        |span| {
+                            let value = match name {
+                                SPAN_ID_LABEL => format!("{:016x}", span.span_id),
+                                SPAN_NAME_LABEL => span.span_name.to_owned(),
+                                _ => span.trace_id.to_owned(),
+                            };
+                            if !value.is_empty() {
+                                values.insert(value);
+                            }
+                            false
+                        },
+                        |_, _| {},
+                    )?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(values.into_iter().collect())
     }
 
     fn matching<'a>(

@@ -43,6 +43,7 @@ fn profile(
         duration_ns: 10 * SECOND,
         names,
         stacks,
+        spans: Vec::new(),
     }
 }
 
@@ -1086,4 +1087,217 @@ fn a_call_site_keeps_only_the_stacks_that_start_with_it() {
     assert_eq!(store.merge(&at(&["main", "nowhere"])).unwrap().total(), 0);
     // No call site: everything.
     assert_eq!(store.merge(&at(&[])).unwrap().total(), 39);
+}
+
+/// A sample of [`labelled_pprof`]: root-first folded stack, value, string labels.
+type LabelledSample<'a> = (&'a str, i64, &'a [(&'a str, &'a str)]);
+
+/// A CPU pprof of the given samples.
+fn labelled_pprof(samples: &[LabelledSample]) -> crate::wire::proto::Profile {
+    use crate::wire::proto;
+    let mut strings = vec![String::new()];
+    let mut string = |text: &str| -> i64 {
+        match strings.iter().position(|s| s == text) {
+            Some(i) => i as i64,
+            None => {
+                strings.push(text.to_owned());
+                strings.len() as i64 - 1
+            }
+        }
+    };
+    let sample_type = proto::ValueType {
+        r#type: string("cpu"),
+        unit: string("nanoseconds"),
+    };
+    let mut functions: Vec<proto::Function> = Vec::new();
+    let mut out_samples = Vec::new();
+    for (folded, value, labels) in samples {
+        let mut location_id = Vec::new();
+        for frame in folded.split(';') {
+            let name = string(frame);
+            let id = match functions.iter().find(|f| f.name == name) {
+                Some(f) => f.id,
+                None => {
+                    let id = functions.len() as u64 + 1;
+                    functions.push(proto::Function {
+                        id,
+                        name,
+                        ..Default::default()
+                    });
+                    id
+                }
+            };
+            location_id.push(id);
+        }
+        location_id.reverse();
+        out_samples.push(proto::Sample {
+            location_id,
+            value: vec![*value],
+            label: labels
+                .iter()
+                .map(|(k, v)| proto::Label {
+                    key: string(k),
+                    str: string(v),
+                    ..Default::default()
+                })
+                .collect(),
+        });
+    }
+    let location = functions
+        .iter()
+        .map(|f| proto::Location {
+            id: f.id,
+            line: vec![proto::Line {
+                function_id: f.id,
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .collect();
+    proto::Profile {
+        period_type: Some(sample_type.clone()),
+        sample_type: vec![sample_type],
+        sample: out_samples,
+        location,
+        function: functions,
+        string_table: strings,
+        time_nanos: NOW,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn span_samples_are_kept_per_span_and_selected_by_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let span = |id: &'static str, name: &'static str| -> [(&'static str, &'static str); 4] {
+        [
+            ("span_id", id),
+            ("span_name", name),
+            ("trace_id", "4bf92f3577b34da6a3ce929d0e0e4736"),
+            ("region", "east"),
+        ]
+    };
+    let (a, b) = (
+        span("00000000000000aa", "GET /a"),
+        span("00000000000000bb", "GET /b"),
+    );
+    let pprof = labelled_pprof(&[
+        ("main;handle;work_a", 30, &a),
+        ("main;handle;work_a", 5, &a),
+        ("main;handle;work_b", 20, &b),
+        ("main;background", 7, &[("region", "east")]),
+        // Older SDKs name the span `profile_id`; an id that is not hex is no span.
+        (
+            "main;legacy",
+            3,
+            &[("profile_id", "cc"), ("region", "east")],
+        ),
+        ("main;odd", 2, &[("span_id", "not-hex"), ("region", "east")]),
+    ]);
+    let profiles = ingest::profiles_from_pprof(
+        &pprof,
+        "process_cpu",
+        &[("service_name".to_owned(), "api".to_owned())],
+        NOW,
+    )
+    .unwrap();
+    // One series: the span labels split nothing.
+    assert_eq!(profiles.len(), 1, "{profiles:#?}");
+    store.ingest(&profiles).unwrap();
+    let series = store.series(None);
+    assert_eq!(series.len(), 1);
+    let names: Vec<&str> = series[0].labels.iter().map(|(k, _)| k.as_str()).collect();
+    for label in ["span_id", "span_name", "trace_id", "profile_id"] {
+        assert!(!names.contains(&label), "{names:?}");
+    }
+    assert!(series[0].labels.contains(&("region".into(), "east".into())));
+
+    let all = selection(r#"{service_name="api"}"#, NOW, NOW);
+    assert_eq!(store.merge(&all).unwrap().total(), 67);
+    let spans = |ids: &[u64]| store.merge(&all.clone().with_spans(ids.to_vec())).unwrap();
+    assert_eq!(
+        spans(&[0xaa]).folded(),
+        vec![("main;handle;work_a".to_owned(), 35)]
+    );
+    assert_eq!(
+        spans(&[0xbb, 0xaa, 0xbb]).folded(),
+        vec![
+            ("main;handle;work_a".to_owned(), 35),
+            ("main;handle;work_b".to_owned(), 20)
+        ]
+    );
+    assert_eq!(spans(&[0xcc]).folded(), vec![("main;legacy".to_owned(), 3)]);
+    assert_eq!(spans(&[0xdd]).total(), 0);
+    assert_eq!(spans(&[]).total(), 0);
+    let points: Vec<(i64, i64)> = store
+        .totals(&all.clone().with_spans(vec![0xbb]))
+        .unwrap()
+        .into_iter()
+        .flat_map(|(_, points)| points)
+        .collect();
+    assert_eq!(points, vec![(NOW, 20)]);
+    // Span and call site together: both must hold.
+    let mut under_handle = all.clone().with_spans(vec![0xaa, 0xbb]);
+    under_handle.call_site = vec!["main".into(), "handle".into(), "work_b".into()];
+    assert_eq!(store.merge(&under_handle).unwrap().total(), 20);
+
+    let values = |name: &str| store.span_label_values(name, &[], None).unwrap();
+    assert_eq!(values("span_name"), ["GET /a", "GET /b"]);
+    assert_eq!(
+        values("span_id"),
+        ["00000000000000aa", "00000000000000bb", "00000000000000cc"]
+    );
+    assert_eq!(values("trace_id"), ["4bf92f3577b34da6a3ce929d0e0e4736"]);
+    assert!(values("region").is_empty());
+
+    // Kept across a reopen.
+    drop(store);
+    let store = open(dir.path());
+    assert_eq!(
+        store
+            .merge(&all.clone().with_spans(vec![0xbb]))
+            .unwrap()
+            .total(),
+        20
+    );
+}
+
+#[test]
+fn a_store_from_before_span_profiles_gains_their_column() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        store
+            .ingest(&[profile("api", &[], NOW, &[("main;old", 4)])])
+            .unwrap();
+    }
+    {
+        let conn = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+        conn.execute_batch("ALTER TABLE profiles DROP COLUMN spans")
+            .unwrap();
+    }
+    let store = open(dir.path());
+    let all = selection("{}", 0, i64::MAX);
+    assert_eq!(
+        store.merge(&all).unwrap().folded(),
+        vec![("main;old".to_owned(), 4)]
+    );
+    let pprof = labelled_pprof(&[("main;new", 6, &[("span_id", "0a")])]);
+    let profiles = ingest::profiles_from_pprof(
+        &pprof,
+        "process_cpu",
+        &[("service_name".to_owned(), "api".to_owned())],
+        NOW,
+    )
+    .unwrap();
+    store.ingest(&profiles).unwrap();
+    assert_eq!(store.merge(&all).unwrap().total(), 10);
+    assert_eq!(
+        store
+            .merge(&all.clone().with_spans(vec![10]))
+            .unwrap()
+            .folded(),
+        vec![("main;new".to_owned(), 6)]
+    );
 }

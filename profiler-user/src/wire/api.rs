@@ -461,7 +461,82 @@ pub struct SelectMergeStacktracesRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub stack_trace_selector: Option<StackTraceSelector>,
+    /// Profile UUIDs (the store keeps none: a non-empty list is refused).
+    #[prost(string, repeated, tag = "8")]
+    #[serde(
+        rename = "profileIdSelector",
+        alias = "profile_id_selector",
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "json::null_default"
+    )]
+    pub profile_id_selector: Vec<String>,
+    /// Only samples of spans of these traces (hex trace ids).
+    #[prost(string, repeated, tag = "10")]
+    #[serde(
+        rename = "traceIdSelector",
+        alias = "trace_id_selector",
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "json::null_default"
+    )]
+    pub trace_id_selector: Vec<String>,
+    /// Only samples of these spans (hex span ids).
+    #[prost(string, repeated, tag = "11")]
+    #[serde(
+        rename = "spanSelector",
+        alias = "span_selector",
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "json::null_default"
+    )]
+    pub span_selector: Vec<String>,
 }
+
+/// `querier.v1.SelectMergeSpanProfileRequest`: the merged samples of a set of trace spans.
+#[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SelectMergeSpanProfileRequest {
+    #[prost(string, tag = "1")]
+    #[serde(
+        rename = "profileTypeID",
+        alias = "profile_typeID",
+        deserialize_with = "json::null_default"
+    )]
+    pub profile_type_id: String,
+    #[prost(string, tag = "2")]
+    #[serde(
+        rename = "labelSelector",
+        alias = "label_selector",
+        deserialize_with = "json::null_default"
+    )]
+    pub label_selector: String,
+    /// Span ids as 16 hex digits.
+    #[prost(string, repeated, tag = "3")]
+    #[serde(
+        rename = "spanSelector",
+        alias = "span_selector",
+        deserialize_with = "json::null_default"
+    )]
+    pub span_selector: Vec<String>,
+    #[prost(int64, tag = "4")]
+    #[serde(with = "json::i64_string")]
+    pub start: i64,
+    #[prost(int64, tag = "5")]
+    #[serde(with = "json::i64_string")]
+    pub end: i64,
+    #[prost(int64, optional, tag = "6")]
+    #[serde(
+        rename = "maxNodes",
+        alias = "max_nodes",
+        with = "json::opt_i64_string"
+    )]
+    pub max_nodes: Option<i64>,
+    #[prost(int32, tag = "7")]
+    #[serde(with = "json::profile_format")]
+    pub format: i32,
+}
+
+/// `querier.v1.SelectMergeSpanProfileResponse` has the fields of
+/// [`SelectMergeStacktracesResponse`] under the same numbers.
+pub type SelectMergeSpanProfileResponse = SelectMergeStacktracesResponse;
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]
 #[serde(default)]
@@ -535,6 +610,24 @@ pub struct SelectMergeProfileRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub stack_trace_selector: Option<StackTraceSelector>,
+    /// Profile UUIDs (the store keeps none: a non-empty list is refused).
+    #[prost(string, repeated, tag = "7")]
+    #[serde(
+        rename = "profileIdSelector",
+        alias = "profile_id_selector",
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "json::null_default"
+    )]
+    pub profile_id_selector: Vec<String>,
+    /// Only samples of spans of these traces (hex trace ids).
+    #[prost(string, repeated, tag = "8")]
+    #[serde(
+        rename = "traceIdSelector",
+        alias = "trace_id_selector",
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "json::null_default"
+    )]
+    pub trace_id_selector: Vec<String>,
 }
 
 #[derive(Clone, PartialEq, prost::Message, Serialize, Deserialize)]

@@ -84,6 +84,7 @@ pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<R
                 duration_ns: (until - from).max(0),
                 names,
                 stacks,
+                spans: Vec::new(),
             }]
         }
         Some(other) => {

@@ -29,7 +29,7 @@ use crate::{
     store::{
         NewProfile, ProfileType, Store, ingest,
         query::{OFF_CPU_TYPE, Selection, WALL_TYPE},
-        selector::{MAX_MATCHERS, Selector, parse_app_name},
+        selector::{MAX_MATCHERS, MatchOp, Selector, parse_app_name},
     },
     wire::api::{self, *},
     wire::proto,

@@ -45,19 +45,129 @@ fn selection(
     end: i64,
 ) -> Result<Selection, ApiError> {
     ProfileType::parse(profile_type_id).map_err(store_error)?;
-    let selector = parse_selector(state, label_selector)?;
+    let mut selector = parse_selector(state, label_selector)?;
+    let span_ids = take_span_matchers(&mut selector)?;
     let (start_ns, end_ns) = time_range(start, end);
     if start_ns > end_ns {
         return Err(ApiError::invalid("start is after end"));
     }
     // A trailing `:delta` names the same series.
-    Ok(Selection::new(
+    let selection = Selection::new(
         profile_type_id.trim_end_matches(":delta").to_owned(),
         selector,
         start_ns,
         end_ns,
-    ))
+    );
+    Ok(match span_ids {
+        Some(ids) => selection.with_spans(ids),
+        None => selection,
+    })
 }
+
+/// Span ids are not series labels: a `span_id="…"` or `span_id=~"…|…"` matcher of a label
+/// selector selects samples of those spans instead, as Pyroscope's query frontend reads it.
+fn take_span_matchers(selector: &mut Selector) -> Result<Option<Vec<u64>>, ApiError> {
+    let mut span_ids: Option<Vec<u64>> = None;
+    let mut rest = Vec::with_capacity(selector.matchers.len());
+    for matcher in std::mem::take(&mut selector.matchers) {
+        if matcher.name != ingest::SPAN_ID_LABEL {
+            rest.push(matcher);
+            continue;
+        }
+        let values: Vec<&str> = match matcher.op {
+            MatchOp::Equal => vec![matcher.value.as_str()],
+            MatchOp::Regex => matcher.value.split('|').collect(),
+            MatchOp::NotEqual | MatchOp::NotRegex => {
+                return Err(ApiError::invalid(
+                    "span_id can only be selected with = or =~ (a list of span ids separated by |)",
+                ));
+            }
+        };
+        let ids = values
+            .iter()
+            .map(|value| {
+                ingest::parse_span_id(value).ok_or_else(|| {
+                    ApiError::invalid(format!(
+                        "`{}` is not a span id (up to 16 hex digits, not zero)",
+                        value.escape_debug()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<u64>, ApiError>>()?;
+        // Several span_id matchers: a sample must satisfy each.
+        span_ids = Some(match span_ids {
+            None => ids,
+            Some(before) => before.into_iter().filter(|id| ids.contains(id)).collect(),
+        });
+    }
+    selector.matchers = rest;
+    Ok(span_ids)
+}
+
+/// The span ids of `SelectMergeSpanProfile`'s `span_selector`.
+fn span_selector(ids: &[String]) -> Result<Vec<u64>, ApiError> {
+    if ids.len() > MAX_SPAN_SELECTOR {
+        return Err(ApiError::invalid(format!(
+            "{} span ids given, at most {MAX_SPAN_SELECTOR} are allowed",
+            ids.len()
+        )));
+    }
+    ids.iter()
+        .map(|id| {
+            ingest::parse_span_id(id).ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "span_selector: `{}` is not a span id (up to 16 hex digits, not zero)",
+                    id.escape_debug()
+                ))
+            })
+        })
+        .collect()
+}
+
+/// The id selectors of `SelectMergeStacktraces` and `SelectMergeProfile`: span and trace ids
+/// keep only the samples of those spans and traces (an empty list selects by nothing);
+/// profile ids are refused, as the store keeps no per-profile ids.
+fn with_id_selectors(
+    selection: Selection,
+    profile_ids: &[String],
+    trace_ids: &[String],
+    span_ids: &[String],
+) -> Result<Selection, ApiError> {
+    if !profile_ids.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unimplemented",
+            "profile_id_selector is not supported: the store merges each series' profiles per \
+             interval and keeps no profile ids",
+        ));
+    }
+    let mut selection = selection;
+    if !span_ids.is_empty() {
+        selection = selection.with_spans(span_selector(span_ids)?);
+    }
+    if !trace_ids.is_empty() {
+        if trace_ids.len() > MAX_SPAN_SELECTOR {
+            return Err(ApiError::invalid(format!(
+                "{} trace ids given, at most {MAX_SPAN_SELECTOR} are allowed",
+                trace_ids.len()
+            )));
+        }
+        if let Some(bad) = trace_ids
+            .iter()
+            .find(|id| id.is_empty() || id.len() > 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(ApiError::invalid(format!(
+                "trace_id_selector: `{}` is not a trace id (up to 32 hex digits)",
+                bad.escape_debug()
+            )));
+        }
+        selection = selection.with_traces(trace_ids);
+    }
+    Ok(selection)
+}
+
+/// Most span ids one `SelectMergeSpanProfile` may name (a trace has a few hundred spans).
+const MAX_SPAN_SELECTOR: usize = 10_000;
 
 /// The `matchers` of LabelNames, LabelValues and Series: at most [`MAX_MATCHERS`] selectors
 /// (each within the limits of one selector).
@@ -96,6 +206,40 @@ fn call_site(selector: &Option<StackTraceSelector>) -> Result<Vec<String>, ApiEr
         .iter()
         .map(|location| location.name.clone())
         .collect())
+}
+
+/// Whether a request's `format` asks for Pyroscope's tree bytes (2) rather than a flame
+/// graph (0, 1).
+fn tree_format(format: i32) -> Result<bool, ApiError> {
+    match format {
+        0 | 1 => Ok(false),
+        2 => Ok(true),
+        other => Err(ApiError::invalid(format!(
+            "unknown profile format {other} (1: flame graph, 2: tree)"
+        ))),
+    }
+}
+
+/// The merged call tree of a selection as a flame graph or as tree bytes: the answer of
+/// `SelectMergeStacktraces` and `SelectMergeSpanProfile` (the same message).
+fn merged_stacktraces(
+    store: &Store,
+    selection: &Selection,
+    as_tree: bool,
+    max_nodes: usize,
+) -> Result<SelectMergeStacktracesResponse, ApiError> {
+    let tree = store.merge(selection).map_err(store_error)?;
+    Ok(if as_tree {
+        SelectMergeStacktracesResponse {
+            flamegraph: None,
+            tree: render::tree_bytes(&tree, max_nodes),
+        }
+    } else {
+        SelectMergeStacktracesResponse {
+            flamegraph: Some(render::flamegraph(&tree, max_nodes)),
+            tree: Vec::new(),
+        }
+    })
 }
 
 fn max_nodes(requested: Option<i64>) -> usize {
@@ -157,7 +301,17 @@ pub async fn querier(
             let range = optional_range(request.start, request.end);
             let name = request.name;
             let names = bounded_query(&state, move || {
-                Ok(store.label_values(&name, &selectors, range))
+                let mut names = store.label_values(&name, &selectors, range);
+                // Span labels live with the samples (a store from before kept span_name as
+                // a series label: both are listed).
+                names.extend(
+                    store
+                        .span_label_values(&name, &selectors, range)
+                        .map_err(store_error)?,
+                );
+                names.sort();
+                names.dedup();
+                Ok(names)
             })
             .await?;
             Ok(connect::encode(codec, &LabelValuesResponse { names }))
@@ -190,38 +344,43 @@ pub async fn querier(
         "SelectMergeStacktraces" => {
             let request: SelectMergeStacktracesRequest = connect::decode(codec, &body)?;
             let call_site = call_site(&request.stack_trace_selector)?;
-            // 0 and 1: flame graph; 2: Pyroscope's tree bytes.
-            let as_tree = match request.format {
-                0 | 1 => false,
-                2 => true,
-                other => {
-                    return Err(ApiError::invalid(format!(
-                        "unknown profile format {other} (1: flame graph, 2: tree)"
-                    )));
-                }
-            };
-            let mut selection = selection(
+            let as_tree = tree_format(request.format)?;
+            let mut selection = with_id_selectors(
+                selection(
+                    &state,
+                    &request.profile_type_id,
+                    &request.label_selector,
+                    request.start,
+                    request.end,
+                )?,
+                &request.profile_id_selector,
+                &request.trace_id_selector,
+                &request.span_selector,
+            )?;
+            selection.call_site = call_site;
+            let max_nodes = max_nodes(request.max_nodes);
+            let response = bounded_query(&state, move || {
+                merged_stacktraces(&store, &selection, as_tree, max_nodes)
+            })
+            .await?;
+            Ok(connect::encode(codec, &response))
+        }
+        "SelectMergeSpanProfile" => {
+            let request: SelectMergeSpanProfileRequest = connect::decode(codec, &body)?;
+            let as_tree = tree_format(request.format)?;
+            let span_ids = span_selector(&request.span_selector)?;
+            let selection = selection(
                 &state,
                 &request.profile_type_id,
                 &request.label_selector,
                 request.start,
                 request.end,
             )?;
-            selection.call_site = call_site;
+            // Span ids in the label selector too: a sample must be in both lists.
+            let selection = selection.with_spans(span_ids);
             let max_nodes = max_nodes(request.max_nodes);
             let response = bounded_query(&state, move || {
-                let tree = store.merge(&selection).map_err(store_error)?;
-                Ok(if as_tree {
-                    SelectMergeStacktracesResponse {
-                        flamegraph: None,
-                        tree: render::tree_bytes(&tree, max_nodes),
-                    }
-                } else {
-                    SelectMergeStacktracesResponse {
-                        flamegraph: Some(render::flamegraph(&tree, max_nodes)),
-                        tree: Vec::new(),
-                    }
-                })
+                merged_stacktraces(&store, &selection, as_tree, max_nodes)
             })
             .await?;
             Ok(connect::encode(codec, &response))
@@ -233,19 +392,29 @@ pub async fn querier(
             };
             let left_call_site = call_site(&left.stack_trace_selector)?;
             let right_call_site = call_site(&right.stack_trace_selector)?;
-            let mut left_selection = selection(
-                &state,
-                &left.profile_type_id,
-                &left.label_selector,
-                left.start,
-                left.end,
+            let mut left_selection = with_id_selectors(
+                selection(
+                    &state,
+                    &left.profile_type_id,
+                    &left.label_selector,
+                    left.start,
+                    left.end,
+                )?,
+                &left.profile_id_selector,
+                &left.trace_id_selector,
+                &left.span_selector,
             )?;
-            let mut right_selection = selection(
-                &state,
-                &right.profile_type_id,
-                &right.label_selector,
-                right.start,
-                right.end,
+            let mut right_selection = with_id_selectors(
+                selection(
+                    &state,
+                    &right.profile_type_id,
+                    &right.label_selector,
+                    right.start,
+                    right.end,
+                )?,
+                &right.profile_id_selector,
+                &right.trace_id_selector,
+                &right.span_selector,
             )?;
             left_selection.call_site = left_call_site;
             right_selection.call_site = right_call_site;
@@ -266,12 +435,17 @@ pub async fn querier(
         "SelectMergeProfile" => {
             let request: SelectMergeProfileRequest = connect::decode(codec, &body)?;
             let call_site = call_site(&request.stack_trace_selector)?;
-            let mut selection = selection(
-                &state,
-                &request.profile_type_id,
-                &request.label_selector,
-                request.start,
-                request.end,
+            let mut selection = with_id_selectors(
+                selection(
+                    &state,
+                    &request.profile_type_id,
+                    &request.label_selector,
+                    request.start,
+                    request.end,
+                )?,
+                &request.profile_id_selector,
+                &request.trace_id_selector,
+                &[],
             )?;
             selection.call_site = call_site;
             let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;

@@ -162,6 +162,7 @@ fn merge_latencies(client: &Client, codec_json: bool, runs: usize) -> (Vec<f64>,
                     max_nodes: None,
                     format: 1,
                     stack_trace_selector: None,
+                    ..Default::default()
                 },
             );
             let graph = response.flamegraph.unwrap_or_default();
