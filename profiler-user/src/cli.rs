@@ -314,7 +314,7 @@ mod tests {
         assert_eq!(config.duration, Duration::from_millis(2500));
         assert_eq!(config.sampling.frequency_hz, 99);
         assert_eq!(config.sampling.pids, vec![3, 10]);
-        assert_eq!(config.sampling.unwind_table_bytes, 32 << 20);
+        assert_eq!(config.sampling.unwind_table_bytes, 128 << 20);
         assert_eq!(config.format, OutputFormat::Folded);
         assert_eq!(config.output, PathBuf::from("profile.pb.gz"));
     }

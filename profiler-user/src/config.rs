@@ -70,8 +70,11 @@ impl Default for SamplingConfig {
     }
 }
 
-/// Default BPF memory budget for unwind tables (MiB).
-pub const DEFAULT_UNWIND_TABLE_MIB: u64 = 32;
+/// Default BPF memory budget for unwind tables (MiB). A CUDA PyTorch process alone needs
+/// about 60 MiB of rows (libtorch_cpu 2.7 M rows, libtorch_cuda, cuBLAS, libpython...; an
+/// H100 host measured 7.4 M rows in use): with 32 MiB its tables evicted each other and 73 %
+/// of its CPU samples were cut short (docs/benchmarks.md). Kernel memory, not the agent's RSS.
+pub const DEFAULT_UNWIND_TABLE_MIB: u64 = 128;
 /// Default directory of the unwind-table cache.
 pub const DEFAULT_CACHE_DIR: &str = "/var/cache/profiler";
 

@@ -907,7 +907,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                 self.stats.tables_too_large += 1;
                 tracing::warn!(
                     file = %name,
-                    "unwind table larger than the budget (--unwind-table-memory), not built; using frame pointers: {}",
+                    "unwind table larger than the budget (--unwind-table-memory) or the rows one table may have, not built; using frame pointers: {}",
                     failure.message
                 );
                 (SlotState::Unusable, Segments::default(), false)

@@ -31,6 +31,10 @@ pub use pages::{PagedRows, SliceRows};
 
 /// Upper bound on rows produced by FDE programs (before merging); more is hostile or broken.
 pub const MAX_ROWS: usize = 16 << 20;
+/// Rows one table may have, whatever the budget: 32 MiB of rows (the largest real library
+/// measured, libtorch_cpu, has 2.7 M). The builder's memory is bounded from this, so a larger
+/// budget holds more tables, not a larger worst case for one hostile file.
+pub const MAX_TABLE_ROWS: usize = 4 << 20;
 /// Upper bound on FDEs in one section.
 pub const MAX_FDES: usize = 8 << 20;
 /// Upper bound on one FDE's length in bytes (its CFA program is inside it). The largest FDEs in
@@ -58,7 +62,8 @@ pub const MAX_CACHED_CIES: usize = 256;
 ///   back-to-back frameless leaves merge to fewer, so `max_fdes` is half the row budget.
 /// - The FDE index (16 bytes an FDE) is allocated at its exact size from the count.
 /// - The table's rows (8 bytes each, page start rows included; page entries are fewer) stop at
-///   [`Self::max_rows`], the rows the budget holds: the build fails there, at once.
+///   [`Self::max_rows`], the rows the budget holds (at most [`MAX_TABLE_ROWS`]): the build
+///   fails there, at once.
 /// - One FDE's rows stop at [`MAX_FDE_ROWS`], cached CIEs at [`MAX_CACHED_CIES`].
 /// - A compressed `.debug_frame` is inflated only up to [`Self::max_cfi_bytes`].
 ///
@@ -122,10 +127,10 @@ impl Default for BuildLimits {
 }
 
 impl BuildLimits {
-    /// Limits for a row array of `row_capacity` rows.
+    /// Limits for a row array of `row_capacity` rows (one table at most [`MAX_TABLE_ROWS`]).
     pub fn for_row_capacity(row_capacity: usize) -> Self {
         BuildLimits {
-            max_rows: row_capacity.clamp(1, MAX_ROWS),
+            max_rows: row_capacity.clamp(1, MAX_TABLE_ROWS),
             cancel: None,
             mapped_input: None,
         }

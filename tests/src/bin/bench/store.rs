@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use integration_tests::{Scratch, server_harness::*};
+use integration_tests::{Scratch, proto, server_harness::*};
 use prost::Message;
 
 use crate::procs::check_interrupted;
@@ -26,6 +26,10 @@ const VARIANTS: usize = 8;
 /// Concurrent HTTP clients (50 agents would be 50 connections; a few saturate 2 CPUs).
 const CLIENTS: usize = 4;
 const QUERY_RUNS: usize = 10;
+/// Spans (requests) per 15 s profile of the traced service.
+const SPANS_PER_INTERVAL: usize = 50;
+/// Spans in the many-span query.
+const SPAN_QUERY_SPANS: usize = 100;
 
 const TARGET_PROFILES_PER_S: f64 = 200.0;
 const TARGET_MERGE_MS: f64 = 500.0;
@@ -44,6 +48,21 @@ impl Ingest {
     }
 }
 
+/// A day of a service traced with OpenTelemetry: every sample has a `span_id` label.
+#[derive(Debug)]
+pub struct SpanDay {
+    pub ingest: Ingest,
+    /// Pages in use added by that day.
+    pub used_bytes: f64,
+    /// `SelectMergeSpanProfile` of one span (Grafana's traces to profiles), over the day.
+    pub one_span_ms: Vec<f64>,
+    /// The same with [`SPAN_QUERY_SPANS`] spans spread over the day (a trace's spans).
+    pub many_spans_ms: Vec<f64>,
+    /// Totals of the two answers (checked non-zero).
+    pub one_span_total: i64,
+    pub many_spans_total: i64,
+}
+
 #[derive(Debug)]
 pub struct StoreRun {
     pub intervals: usize,
@@ -58,6 +77,8 @@ pub struct StoreRun {
     pub merge_json_ms: Vec<f64>,
     /// `/pyroscope/render-diff` of the day's two halves.
     pub render_diff_ms: Vec<f64>,
+    /// A day of a second service whose samples name their trace span.
+    pub spans: SpanDay,
     pub merge_total: i64,
     pub merge_names: usize,
     pub throughput: Ingest,
@@ -201,6 +222,112 @@ fn render_diff_latencies(client: &Client, runs: usize) -> Result<Vec<f64>> {
     Ok(times)
 }
 
+/// The span id of request `k` of interval `interval` (never zero).
+fn span_id(interval: usize, k: usize) -> String {
+    format!("{:016x}", (interval * SPANS_PER_INTERVAL + k + 1) as u64)
+}
+
+/// `profile` with every sample tagged with one of the interval's spans (round-robin), as the
+/// pyroscope-otel span processor tags an instrumented service's samples.
+fn with_span_labels(mut profile: proto::Profile, interval: usize) -> proto::Profile {
+    let key = profile.string_table.len() as i64;
+    profile.string_table.push("span_id".into());
+    let first = profile.string_table.len() as i64;
+    profile
+        .string_table
+        .extend((0..SPANS_PER_INTERVAL).map(|k| span_id(interval, k)));
+    for (i, sample) in profile.sample.iter_mut().enumerate() {
+        sample.label.push(proto::Label {
+            key,
+            str: first + (i % SPANS_PER_INTERVAL) as i64,
+            ..Default::default()
+        });
+    }
+    profile
+}
+
+/// `SelectMergeSpanProfile` of `span_ids` over the last day: round-trip ms per run, and the
+/// answer's total.
+fn span_latencies(client: &Client, span_ids: &[String], runs: usize) -> (Vec<f64>, i64) {
+    let end = unix_now_ms();
+    let start = end - DAY_S * 1000;
+    let mut times = Vec::with_capacity(runs);
+    let mut total = 0;
+    for _ in 0..runs {
+        let began = Instant::now();
+        let response: api::SelectMergeSpanProfileResponse = client.connect(
+            "querier.v1.QuerierService/SelectMergeSpanProfile",
+            &api::SelectMergeSpanProfileRequest {
+                profile_type_id: CPU_TYPE.into(),
+                label_selector: r#"{service_name="svc-traced"}"#.into(),
+                span_selector: span_ids.to_vec(),
+                start,
+                end,
+                max_nodes: None,
+                format: 0,
+            },
+        );
+        times.push(began.elapsed().as_secs_f64() * 1000.0);
+        total = response.flamegraph.unwrap_or_default().total;
+    }
+    (times, total)
+}
+
+/// A day of `svc-traced` (svc-1's profiles with span labels) through /ingest, then the span
+/// queries Grafana's traces to profiles sends.
+fn span_day(client: &Client, pid: u32, variants: &[proto::Profile]) -> Result<SpanDay> {
+    let day_profiles = (DAY_S / INTERVAL_S) as usize;
+    eprintln!(
+        "bench: [store] one day of svc-traced: {day_profiles} profiles with {SPANS_PER_INTERVAL} spans each through /ingest"
+    );
+    let day_start = unix_now_ns() / 1_000_000_000 - DAY_S;
+    let used_before = client
+        .metric("profiler_store_bytes")
+        .context("no profiler_store_bytes in /metrics")?;
+    let cpu_before = process_cpu_seconds(pid)?;
+    let seconds = run_parallel(client, day_profiles, |client, i| {
+        let from = day_start + i as i64 * INTERVAL_S;
+        let profile = with_span_labels(variants[i % VARIANTS].clone(), i);
+        client.post(
+            &format!(
+                "/ingest?name=svc-traced&format=pprof&from={from}&until={}",
+                from + INTERVAL_S
+            ),
+            "application/octet-stream",
+            &gzip(&profile.encode_to_vec()),
+        )
+    })?;
+    let ingest = Ingest {
+        profiles: day_profiles,
+        seconds,
+        server_cpu_s: process_cpu_seconds(pid)? - cpu_before,
+    };
+    let used_bytes = client
+        .metric("profiler_store_bytes")
+        .context("no profiler_store_bytes in /metrics")?
+        - used_before;
+    eprintln!("bench: [store] span profiles over the day, {QUERY_RUNS} times each");
+    let (one_span_ms, one_span_total) =
+        span_latencies(client, &[span_id(day_profiles / 2, 7)], QUERY_RUNS);
+    let spread: Vec<String> = (0..SPAN_QUERY_SPANS)
+        .map(|n| span_id(n * day_profiles / SPAN_QUERY_SPANS, n % SPANS_PER_INTERVAL))
+        .collect();
+    let (many_spans_ms, many_spans_total) = span_latencies(client, &spread, QUERY_RUNS);
+    if one_span_total <= 0 || many_spans_total <= one_span_total {
+        bail!(
+            "span profiles: one span's total {one_span_total}, {SPAN_QUERY_SPANS} spans' {many_spans_total}"
+        );
+    }
+    Ok(SpanDay {
+        ingest,
+        used_bytes,
+        one_span_ms,
+        many_spans_ms,
+        one_span_total,
+        many_spans_total,
+    })
+}
+
 pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<StoreRun> {
     eprintln!(
         "bench: [store] generating {VARIANTS} profiles of {STACKS} stacks for each of {SERVICES} services"
@@ -269,6 +396,12 @@ pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<Store
     eprintln!("bench: [store] 24-hour render-diff of svc-0, {QUERY_RUNS} times");
     let render_diff_ms = render_diff_latencies(&client, QUERY_RUNS)?;
     check_interrupted()?;
+    let pool = service_stack_pool(1, STACKS * 2);
+    let traced: Vec<proto::Profile> = (0..VARIANTS)
+        .map(|seed| synthetic_profile_from_pool(&pool, seed as u64, STACKS, 0))
+        .collect();
+    let spans = span_day(&client, pid, &traced)?;
+    check_interrupted()?;
 
     // 50 services' intervals, interval by interval as agents send them, through Push.
     let jobs = SERVICES * intervals;
@@ -333,6 +466,7 @@ pub fn run(profiler: &Path, scratch: &Scratch, intervals: usize) -> Result<Store
         merge_ms,
         merge_json_ms,
         render_diff_ms,
+        spans,
         merge_total,
         merge_names,
         throughput,
@@ -412,6 +546,30 @@ pub fn render(r: &StoreRun) -> String {
         "| `/pyroscope/render-diff` of the same day's two halves (Drilldown's diff view, flamebearer JSON) | median {:.0} ms, max {:.0} ms | |",
         median(&r.render_diff_ms),
         max(&r.render_diff_ms)
+    );
+    let sp = &r.spans;
+    let _ = writeln!(
+        out,
+        "| ingest, `/ingest` with times, a traced service's day ({} profiles, {SPANS_PER_INTERVAL} `span_id`s each) | {:.0} profiles/s ({:.1} s; server CPU {:.1} ms per profile); {:.1} MiB of pages in use | |",
+        sp.ingest.profiles,
+        sp.ingest.per_second(),
+        sp.ingest.seconds,
+        sp.ingest.server_cpu_s * 1000.0 / sp.ingest.profiles as f64,
+        sp.used_bytes / MIB
+    );
+    let _ = writeln!(
+        out,
+        "| SelectMergeSpanProfile over that day: one span (traces to profiles) | median {:.0} ms, max {:.0} ms ({:.2} CPU-s) | |",
+        median(&sp.one_span_ms),
+        max(&sp.one_span_ms),
+        sp.one_span_total as f64 / 1e9
+    );
+    let _ = writeln!(
+        out,
+        "| the same, {SPAN_QUERY_SPANS} spans spread over the day | median {:.0} ms, max {:.0} ms ({:.2} CPU-s) | |",
+        median(&sp.many_spans_ms),
+        max(&sp.many_spans_ms),
+        sp.many_spans_total as f64 / 1e9
     );
     let _ = writeln!(
         out,
