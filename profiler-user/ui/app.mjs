@@ -308,10 +308,36 @@ function drawServiceOverview(cpu) {
     const label = document.createElement('span');
     label.className = 'service-label';
     label.textContent = `${service} · ${formatPercent(value, total)}`;
-    row.append(bar, label);
+    const gpu = document.createElement('span');
+    gpu.className = 'service-gpu';
+    row.append(bar, label, gpu);
     row.addEventListener('click', () => selectService(service));
     list.appendChild(row);
   }
+  markServiceGpu();
+}
+
+/**
+ * Adds each overview row's GPU use (from /api/gpu's `services`: mean SM utilization and peak
+ * memory over the range) where NVML saw the service's processes on a GPU.
+ */
+function markServiceGpu() {
+  const gpu = state.gpuServices ?? new Map();
+  for (const row of document.querySelectorAll('#service-overview .service-row')) {
+    const use = gpu.get(row.dataset.service);
+    const cell = row.querySelector('.service-gpu');
+    if (!cell) continue;
+    if (use) {
+      row.dataset.gpuSm = String(use.sm_util);
+      cell.textContent = ` · GPU SM ${Number(use.sm_util).toFixed(0)}%, ${formatValue(Number(use.max_mem_used_bytes), 'bytes')}`;
+      cell.title = 'Mean SM utilization of its processes over the range (percent of one GPU) and their peak GPU memory (NVML)';
+    } else {
+      delete row.dataset.gpuSm;
+      cell.textContent = '';
+    }
+  }
+  const title = $('services-title');
+  if (title) title.textContent = gpu.size ? 'Services by CPU (and GPU)' : 'Services by CPU';
 }
 
 /** The selector of every query: the service and the label filters. */
@@ -945,11 +971,17 @@ async function loadGpu() {
     if (response.status === 404) {
       panel.hidden = true;
       note.hidden = true;
+      state.gpuServices = new Map();
+      markServiceGpu();
       return;
     }
     if (!response.ok) throw new Error(`${response.status}`);
     body = await response.json();
+    state.gpuServices = new Map((body?.services ?? []).map((s) => [s.name, s]));
+    markServiceGpu();
   } catch (err) {
+    state.gpuServices = new Map();
+    markServiceGpu();
     panel.hidden = true;
     note.hidden = false;
     note.textContent = `GPU metrics unavailable (${err.message}).`;

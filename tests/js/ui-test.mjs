@@ -454,6 +454,8 @@ async function main() {
           available: true,
           reason: null,
           gpus: [0, 1].map((index) => ({ index, uuid: `GPU-standin-${index}`, name: 'Stand-in H100', points: points(index) })),
+          // The overview's summary: every service with GPU use in the range.
+          services: service ? [{ name: service, sm_util: 63.4, max_mem_used_bytes: 12 * 2 ** 30 }] : [],
           ...(service
             ? {
                 service: {
@@ -476,6 +478,16 @@ async function main() {
       /on the GPUs.*SM avg \d+% · memory peak 12\.0 GiB/,
     );
     assert.ok(!(await gpuHidden()));
+    // The services overview shows the selected service's GPU use beside its CPU share.
+    await page.waitForFunction(
+      (name) => document.querySelector(`#service-overview .service-row[data-service="${name}"]`)?.dataset.gpuSm === '63.4',
+      selectedService,
+    );
+    assert.match(
+      await page.textContent(`#service-overview .service-row[data-service="${selectedService}"]`),
+      /· GPU SM 63%, 12\.0 GiB/,
+    );
+    assert.equal(await page.textContent('#services-title'), 'Services by CPU (and GPU)');
     const gpuPixels = await canvasPixels(page, '#gpu-list .gpu:not(.gpu-service) canvas');
     assert.ok(gpuPixels.green > 0, `utilization line drawn: ${JSON.stringify(gpuPixels)}`);
     assert.match(await page.textContent('#gpu-list'), /util avg \d+%, peak \d+% · memory 20\.0 GiB \/ 80\.0 GiB/);
@@ -487,6 +499,9 @@ async function main() {
     await page.click('#refresh');
     await page.waitForFunction(() => document.querySelector('#gpu-panel').hidden);
     await page.waitForFunction(() => document.querySelector('#gpu-note').textContent.includes('NVML not found'));
+    // No GPU use known: the overview says nothing of GPUs.
+    await page.waitForFunction(() => document.querySelector('#services-title').textContent === 'Services by CPU');
+    assert.equal(await page.$$eval('#service-overview .service-row[data-gpu-sm]', (rows) => rows.length), 0);
     await page.unroute('**/api/gpu?*');
     await page.route('**/api/gpu?*', (route) => route.fulfill({ status: 404, contentType: 'application/json', body: '{}' }));
     await page.click('#refresh');

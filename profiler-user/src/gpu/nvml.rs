@@ -184,6 +184,18 @@ struct ApiResponse<'a> {
     /// The asked-for service's GPU use, when it had any in the history.
     #[serde(skip_serializing_if = "Option::is_none")]
     service: Option<ApiService<'a>>,
+    /// Every service with GPU use in the range, busiest first: the services overview.
+    services: Vec<ApiServiceSummary<'a>>,
+}
+
+/// A service's GPU use over a range, as the services overview shows it.
+#[derive(Serialize)]
+struct ApiServiceSummary<'a> {
+    name: &'a str,
+    /// Mean over the range's polls of its processes' summed SM utilization (percent of one GPU).
+    sm_util: f64,
+    /// The most GPU memory its processes held at one poll.
+    max_mem_used_bytes: u64,
 }
 
 /// A per-process metric: name, help, and how to read it.
@@ -451,11 +463,36 @@ impl GpuBoard {
                 points: downsample_service(&points, MAX_API_POINTS),
             })
         });
+        let mut services: Vec<ApiServiceSummary> = state
+            .services
+            .iter()
+            .filter_map(|(name, points)| {
+                let in_range: Vec<&ServicePoint> = points
+                    .iter()
+                    .filter(|p| p.t >= from_ms && p.t <= until_ms)
+                    .collect();
+                if in_range.is_empty() {
+                    return None;
+                }
+                let sum: u64 = in_range.iter().map(|p| u64::from(p.sm_util)).sum();
+                Some(ApiServiceSummary {
+                    name,
+                    sm_util: sum as f64 / in_range.len() as f64,
+                    max_mem_used_bytes: in_range
+                        .iter()
+                        .map(|p| p.mem_used_bytes)
+                        .max()
+                        .unwrap_or(0),
+                })
+            })
+            .collect();
+        services.sort_by(|a, b| b.sm_util.total_cmp(&a.sm_util).then(a.name.cmp(b.name)));
         let response = ApiResponse {
             available: state.available,
             reason: state.reason.as_deref(),
             gpus,
             service,
+            services,
         };
         serde_json::to_string(&response).unwrap_or_else(|_| "{}".into())
     }
@@ -911,6 +948,24 @@ mod tests {
         assert_eq!(points[0]["t"], 1);
         assert_eq!(points[0]["sm_util"], 50);
         assert_eq!(points[0]["mem_used_bytes"], 150);
+        // The overview's summary: every service in the range, busiest first.
+        let services = json["services"].as_array().expect("services");
+        let summary: Vec<(&str, f64, u64)> = services
+            .iter()
+            .map(|s| {
+                (
+                    s["name"].as_str().unwrap(),
+                    s["sm_util"].as_f64().unwrap(),
+                    s["max_mem_used_bytes"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(summary, vec![("batch", 90.0, 7), ("api", 50.0, 150)]);
+        let json: serde_json::Value = serde_json::from_str(&board.api_json(2, 2, None)).unwrap();
+        assert_eq!(json["services"].as_array().map(Vec::len), Some(2), "{json}");
+        let json: serde_json::Value =
+            serde_json::from_str(&board.api_json(100, 200, None)).unwrap();
+        assert_eq!(json["services"], serde_json::json!([]), "none in the range");
         let json: serde_json::Value =
             serde_json::from_str(&board.api_json(0, 10, Some("unknown"))).unwrap();
         assert!(json.get("service").is_none(), "{json}");
