@@ -434,11 +434,17 @@ fn cpu_samples_inside_synchronization_get_a_cuda_sync_frame() {
         .filter(|s| s.frames.last().map(String::as_str) == Some("[cuda sync]"))
         .collect();
     let summary = top_stacks(&cpu, 5);
+    // Nearly all: on a busy machine a sample also lands in the synchronization call itself
+    // just before or after its spin (seen in a clean-clone run under load).
+    let spinning: i64 = marked
+        .iter()
+        .filter(|s| s.frames.iter().any(|f| f == "spin_wait"))
+        .map(|s| s.count)
+        .sum();
     assert!(
-        marked
-            .iter()
-            .all(|s| s.frames.iter().any(|f| f == "spin_wait")),
-        "{summary}"
+        spinning * 100 >= in_sync * 95,
+        "{spinning} of {in_sync} marked samples are in the spin:
+{summary}"
     );
     let whole: i64 = marked
         .iter()

@@ -127,6 +127,15 @@ files = {
     "ok-outermost-frame.eh_frame": eh_section(
         [("cie", {}), ("fde", 0, 0x1000, 0x10, b"\x07\x10" + advance(4) + def_cfa_offset(16))]  # undefined rip
     ),
+    # The middle FDE's program has an unknown opcode: only its range loses its CFI.
+    "ok-one-malformed-fde.eh_frame": eh_section(
+        [
+            ("cie", {}),
+            ("fde", 0, 0x1000, 0x10, advance(4) + def_cfa_offset(16)),
+            ("fde", 0, 0x1010, 0x10, b"\x3f"),
+            ("fde", 0, 0x1080, 0x10, advance(2) + def_cfa_offset(24)),
+        ]
+    ),
     "err-remember-state-overflow.eh_frame": eh_section(
         [("cie", {}), ("fde", 0, 0x1000, 0x10, b"\x0a" * 16)]
     ),

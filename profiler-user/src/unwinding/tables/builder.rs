@@ -436,6 +436,9 @@ where
     // Allocated once and reused by every FDE program.
     let mut context = UnwindContext::new();
     let mut covered_end: Option<u64> = None;
+    // FDEs whose program ran, and the first one whose program did not.
+    let mut usable_fdes = 0u64;
+    let mut first_malformed: Option<TableError> = None;
     for (index, fde_ref) in fdes.iter().enumerate() {
         if index % CANCEL_CHECK_FDES == 0 && limits.checkpoint() {
             return Err(TableError::Cancelled);
@@ -461,6 +464,7 @@ where
             .map_err(fde_error)?;
         fde_rows.clear();
         if fde.is_signal_trampoline() {
+            usable_fdes += 1;
             fde_rows.push(TableRow {
                 address: start,
                 rule: Rule::SIGNAL,
@@ -471,31 +475,60 @@ where
                 .plt_ranges
                 .iter()
                 .any(|plt| plt.start <= start && end <= plt.end);
-            let mut table = fde.rows(section, bases, &mut context).map_err(fde_error)?;
-            let mut previous_start = start;
-            while let Some(row) = table.next_row().map_err(fde_error)? {
-                let row_start = row.start_address();
-                // Empty rows (advance by 0) and rows past the FDE's end cover nothing.
-                if row_start >= row.end_address() || row_start >= end {
-                    continue;
-                }
-                if row_start < previous_start {
-                    return Err(fde_error(gimli::Error::InvalidCfiSetLoc(row_start)));
-                }
-                previous_start = row_start;
-                if fde_rows.len() >= MAX_FDE_ROWS {
-                    return Err(TableError::TooLarge {
-                        what: "rows in one FDE",
-                        count: fde_rows.len() as u64 + 1,
-                        limit: MAX_FDE_ROWS as u64,
-                        rows_decoded: merged.rows_so_far() as u64,
+            // gimli's evaluation of the FDE's program; a program it cannot run (an opcode
+            // where it is not allowed, an unknown one, a state stack misused) leaves the
+            // FDE's range without CFI rather than the whole file (one such FDE in NVIDIA's
+            // libnvrtc lost every function of the library its table).
+            let program: Result<(), gimli::Error> = 'program: {
+                let mut table = match fde.rows(section, bases, &mut context) {
+                    Ok(table) => table,
+                    Err(source) => break 'program Err(source),
+                };
+                let mut previous_start = start;
+                loop {
+                    let row = match table.next_row() {
+                        Ok(Some(row)) => row,
+                        Ok(None) => break 'program Ok(()),
+                        Err(source) => break 'program Err(source),
+                    };
+                    let row_start = row.start_address();
+                    // Empty rows (advance by 0) and rows past the FDE's end cover nothing.
+                    if row_start >= row.end_address() || row_start >= end {
+                        continue;
+                    }
+                    if row_start < previous_start {
+                        break 'program Err(gimli::Error::InvalidCfiSetLoc(row_start));
+                    }
+                    previous_start = row_start;
+                    if fde_rows.len() >= MAX_FDE_ROWS {
+                        return Err(TableError::TooLarge {
+                            what: "rows in one FDE",
+                            count: fde_rows.len() as u64 + 1,
+                            limit: MAX_FDE_ROWS as u64,
+                            rows_decoded: merged.rows_so_far() as u64,
+                        });
+                    }
+                    let rule = map_rule(row, return_address, in_plt, section, &mut stats);
+                    fde_rows.push(TableRow {
+                        address: row_start,
+                        rule,
                     });
                 }
-                let rule = map_rule(row, return_address, in_plt, section, &mut stats);
-                fde_rows.push(TableRow {
-                    address: row_start,
-                    rule,
-                });
+            };
+            match program {
+                Ok(()) => usable_fdes += 1,
+                Err(source) => {
+                    stats.malformed_fdes += 1;
+                    first_malformed.get_or_insert_with(|| fde_error(source));
+                    fde_rows.clear();
+                    // Before any FDE there is no row (no page): no CFI already.
+                    if covered_end.is_some() {
+                        fde_rows.push(TableRow {
+                            address: start,
+                            rule: Rule::NONE,
+                        });
+                    }
+                }
             }
         }
         stats.rows_before_merge += fde_rows.len() as u64;
@@ -527,6 +560,12 @@ where
             }
         }
         covered_end = Some(end);
+    }
+    // Nothing but malformed programs: no table (the file's frames use frame pointers).
+    if usable_fdes == 0
+        && let Some(error) = first_malformed
+    {
+        return Err(error);
     }
     if let Some(end) = covered_end {
         merged.push(end, Rule::NONE)?;

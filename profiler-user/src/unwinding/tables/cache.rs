@@ -20,8 +20,8 @@ use super::{
 };
 
 const MAGIC: [u8; 8] = *b"PFUNWTAB";
-const FORMAT_VERSION: u32 = 5;
-const STATS_FIELDS: usize = 15;
+const FORMAT_VERSION: u32 = 6;
+const STATS_FIELDS: usize = 16;
 const HEADER_BYTES: usize = 8 + 4 + 4 + STATS_FIELDS * 8 + 8;
 const ROW_BYTES: usize = 16;
 const CHECKSUM_BYTES: usize = 8;
@@ -152,6 +152,7 @@ fn stats_fields(stats: &TableStats) -> [u64; STATS_FIELDS] {
         stats.call_sites.code_bytes,
         stats.call_sites.call_sites,
         stats.call_sites.first_frame_breaking_call,
+        stats.malformed_fdes,
     ]
 }
 
@@ -180,6 +181,7 @@ fn stats_from_fields(fields: [u64; STATS_FIELDS]) -> Result<TableStats, TableErr
             call_sites: fields[13],
             first_frame_breaking_call: fields[14],
         },
+        malformed_fdes: fields[15],
     })
 }
 

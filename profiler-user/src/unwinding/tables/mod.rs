@@ -276,6 +276,11 @@ pub struct TableStats {
     /// The decoded call sites, checked against the rows: whether return addresses in the file
     /// can be unwound from RBP alone (see `call_sites.rs`).
     pub call_sites: CallSiteCheck,
+    /// FDEs whose program gimli could not evaluate (an opcode where it is not allowed, an
+    /// unknown one, a state stack misused): their range has no CFI (`Rule::NONE`), so no
+    /// frame there is unwound by a rule it does not have. A file with only such FDEs has no
+    /// table.
+    pub malformed_fdes: u64,
 }
 
 /// A row's rules without its address.
@@ -429,6 +434,8 @@ impl UnwindTable {
             && self.row_count() > 1
             && self.stats.call_sites.proves_frame_pointers()
             && self.stats.signal_fdes == 0
+            // The calls inside a malformed FDE's range were never checked against rows.
+            && self.stats.malformed_fdes == 0
     }
 
     /// The row in effect at file virtual address `addr`, found the way BPF finds it. `None`

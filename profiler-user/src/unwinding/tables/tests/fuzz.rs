@@ -279,6 +279,23 @@ fn corpus_inputs_give_the_documented_rules() {
         "neighbouring unsupported rows merge"
     );
 
+    // A program gimli cannot run costs its own FDE's range, not the file's table.
+    let table = build("ok-one-malformed-fde.eh_frame");
+    assert_eq!(table.stats().malformed_fdes, 1);
+    for (pc, rule) in [
+        (0x1000, rsp(8)),
+        (0x1004, rsp(16)),
+        (0x100f, rsp(16)),
+        (0x1010, Rule::NONE),
+        (0x101f, Rule::NONE),
+        (0x1080, rsp(8)),
+        (0x1082, rsp(24)),
+        (0x1090, Rule::NONE),
+    ] {
+        assert_eq!(rule_at(&table, pc), Some(rule), "{pc:#x}");
+    }
+    assert!(!table.frame_pointers_reliable());
+
     let table = build("ok-signal-frame.eh_frame");
     assert_eq!(table.stats().signal_fdes, 1);
     assert!((0x1000..0x1009).all(|pc| rule_at(&table, pc) == Some(Rule::SIGNAL)));

@@ -136,3 +136,27 @@ fn libc_restore_rt_is_a_signal_frame() {
             .any(|(number, rows)| *number == page && rows[0].pc_low == 0)
     );
 }
+
+/// NVIDIA's libnvrtc (from PyTorch's CUDA wheels in `.tools/torch-venv`) has FDEs whose
+/// programs gimli cannot evaluate ("invalid context for call frame instruction"): the table
+/// is built anyway, those FDEs' ranges without CFI, and every other FDE's rows are gimli's.
+/// Before, one such FDE failed the whole library (seen on an H100 host).
+#[test]
+fn a_library_with_malformed_fde_programs_keeps_the_rest_of_its_table() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../.tools/torch-venv/lib/python3.11/site-packages/nvidia/cu13/lib/libnvrtc.so.13");
+    let Some(elf) = external_file(
+        &path,
+        "libnvrtc.so.13 of the torch venv (cargo xtask setup)",
+    ) else {
+        return;
+    };
+    let table = build_table(&elf).expect("table builds");
+    let stats = table.stats();
+    eprintln!("libnvrtc: {} rows; {stats:?}", table.row_count());
+    assert!(stats.malformed_fdes > 0, "{stats:?}");
+    assert!(stats.malformed_fdes * 100 < stats.fdes, "{stats:?}");
+    assert!(table.row_count() > 100_000, "{} rows", table.row_count());
+    assert!(!table.frame_pointers_reliable());
+    assert_well_formed(&table);
+}
