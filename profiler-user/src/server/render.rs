@@ -1,6 +1,6 @@
 //! Query results in the shapes clients expect: the FlameGraph levels encoding
 //! (docs/pyroscope-protocol.md §7.4, §7.5), its diff form, and a pprof of a merged tree.
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
 use crate::wire::api::{FlameGraph, FlameGraphDiff, Level};
 use crate::{
@@ -337,6 +337,19 @@ pub fn pprof(
     start_ns: i64,
     end_ns: i64,
 ) -> proto::Profile {
+    pprof_of_parts(&[(&[][..], tree)], profile_type, start_ns, end_ns, None)
+}
+
+/// Call trees with their labels (a series' labels each) as one pprof: one function and location
+/// per distinct name over all of them, one sample per node with a self value, carrying its
+/// tree's labels as string labels; `comment`, if any, goes into the profile's comments.
+pub fn pprof_of_parts(
+    parts: &[(&[(String, String)], &MergedTree)],
+    profile_type: &ProfileType,
+    start_ns: i64,
+    end_ns: i64,
+    comment: Option<&str>,
+) -> proto::Profile {
     let mut strings = vec![String::new()];
     let mut string_ids: HashMap<String, i64> = HashMap::new();
     let mut string = |s: &str, strings: &mut Vec<String>| -> i64 {
@@ -362,45 +375,70 @@ pub fn pprof(
         &profile_type.period_unit,
         &mut strings,
     );
-    // Location id = tree name id + 1 (names are distinct per tree).
-    let mut functions = Vec::with_capacity(tree.names.len());
-    let mut locations = Vec::with_capacity(tree.names.len());
-    for (i, name) in tree.names.iter().enumerate() {
-        let id = i as u64 + 1;
-        let name_id = string(name, &mut strings);
-        functions.push(proto::Function {
-            id,
-            name: name_id,
-            system_name: name_id,
-            ..Default::default()
-        });
-        locations.push(proto::Location {
-            id,
-            line: vec![proto::Line {
-                function_id: id,
-                line: 0,
-                column: 0,
-            }],
-            ..Default::default()
-        });
-    }
+    // One function and location per distinct name, over every tree.
+    let mut functions = Vec::new();
+    let mut locations = Vec::new();
+    let mut location_of_name: HashMap<Arc<str>, u64> = HashMap::new();
     let mut samples = Vec::new();
-    for (idx, node) in tree.nodes.iter().enumerate().skip(1) {
-        if node.self_value == 0 {
-            continue;
+    for (labels, tree) in parts {
+        let sample_labels: Vec<proto::Label> = labels
+            .iter()
+            .filter(|(name, _)| !name.starts_with("__"))
+            .map(|(name, value)| proto::Label {
+                key: string(name, &mut strings),
+                str: string(value, &mut strings),
+                ..Default::default()
+            })
+            .collect();
+        let location_ids: Vec<u64> = tree
+            .names
+            .iter()
+            .map(|name| {
+                if let Some(&id) = location_of_name.get(name) {
+                    return id;
+                }
+                let id = functions.len() as u64 + 1;
+                let name_id = string(name, &mut strings);
+                functions.push(proto::Function {
+                    id,
+                    name: name_id,
+                    system_name: name_id,
+                    ..Default::default()
+                });
+                locations.push(proto::Location {
+                    id,
+                    line: vec![proto::Line {
+                        function_id: id,
+                        line: 0,
+                        column: 0,
+                    }],
+                    ..Default::default()
+                });
+                location_of_name.insert(name.clone(), id);
+                id
+            })
+            .collect();
+        for (idx, node) in tree.nodes.iter().enumerate().skip(1) {
+            if node.self_value == 0 {
+                continue;
+            }
+            let mut location_id = Vec::new();
+            let mut current = idx as u32;
+            while current != 0 {
+                location_id.push(location_ids[tree.nodes[current as usize].name as usize]);
+                current = tree.nodes[current as usize].parent;
+            }
+            samples.push(proto::Sample {
+                location_id,
+                value: vec![node.self_value],
+                label: sample_labels.clone(),
+            });
         }
-        let mut location_id = Vec::new();
-        let mut current = idx as u32;
-        while current != 0 {
-            location_id.push(u64::from(tree.nodes[current as usize].name) + 1);
-            current = tree.nodes[current as usize].parent;
-        }
-        samples.push(proto::Sample {
-            location_id,
-            value: vec![node.self_value],
-            label: Vec::new(),
-        });
     }
+    let comment = comment
+        .map(|text| string(text, &mut strings))
+        .into_iter()
+        .collect();
     proto::Profile {
         sample_type: vec![sample_type],
         sample: samples,
@@ -411,6 +449,7 @@ pub fn pprof(
         duration_nanos: end_ns.saturating_sub(start_ns).max(0),
         period_type: Some(period_type),
         period: 1,
+        comment,
         ..Default::default()
     }
 }

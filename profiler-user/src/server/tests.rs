@@ -380,6 +380,36 @@ fn push_then_query_in_both_codecs() {
         pprof.sample.iter().map(|s| s.value[0]).sum::<i64>(),
         11 * test_fixture::PERIOD_NS
     );
+    // Each sample carries its series' labels: per `thread_name`, the samples add up to that
+    // thread's merge; the derived `__*__` labels stay out.
+    let label_of = |sample: &proto::Sample, key: &str| {
+        sample
+            .label
+            .iter()
+            .find(|l| pprof.string_table[l.key as usize] == key)
+            .map(|l| pprof.string_table[l.str as usize].clone())
+    };
+    for thread in ["worker", "other"] {
+        let in_pprof: i64 = pprof
+            .sample
+            .iter()
+            .filter(|s| label_of(s, "thread_name").as_deref() == Some(thread))
+            .map(|s| s.value[0])
+            .sum();
+        let merged: SelectMergeStacktracesResponse = server.query(
+            "SelectMergeStacktraces",
+            &merge_request(&format!(
+                r#"{{service_name="api", thread_name="{thread}"}}"#
+            )),
+        );
+        assert!(in_pprof > 0, "{thread}");
+        assert_eq!(in_pprof, merged.flamegraph.unwrap().total, "{thread}");
+    }
+    assert!(pprof.sample.iter().all(|s| {
+        label_of(s, "service_name").as_deref() == Some("api")
+            && label_of(s, "env").as_deref() == Some("test")
+    }));
+    assert!(!pprof.string_table.iter().any(|s| s.starts_with("__")));
     // Over Connect JSON: the same profile in proto3's JSON form (64-bit integers as strings),
     // as Drilldown's pprof export decodes it.
     let (status, body) = server.post(

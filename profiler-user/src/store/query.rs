@@ -367,9 +367,45 @@ impl Store {
 
     /// Sums every selected profile into one call tree.
     pub fn merge(&self, selection: &Selection) -> Result<MergedTree, StoreError> {
+        self.merge_of(selection, &self.select_series(selection))
+    }
+
+    /// The selected profiles merged per series: each series with a non-empty call tree of
+    /// its own; `None` when more than `max_series` series are selected.
+    pub fn merge_each_series(
+        &self,
+        selection: &Selection,
+        max_series: usize,
+    ) -> Result<Option<Vec<(SeriesInfo, MergedTree)>>, StoreError> {
         let series = self.select_series(selection);
+        if series.len() > max_series {
+            return Ok(None);
+        }
+        series
+            .into_iter()
+            .map(|s| {
+                let tree = self.merge_of(selection, std::slice::from_ref(&s))?;
+                Ok((s, tree))
+            })
+            .filter(|result| {
+                result
+                    .as_ref()
+                    .map_or(true, |(_, tree): &(SeriesInfo, MergedTree)| {
+                        tree.total() != 0
+                    })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()
+            .map(Some)
+    }
+
+    /// Sums the selected profiles of `series` into one call tree.
+    fn merge_of(
+        &self,
+        selection: &Selection,
+        series: &[SeriesInfo],
+    ) -> Result<MergedTree, StoreError> {
         let mut by_space: HashMap<i64, Vec<i64>> = HashMap::new();
-        for s in &series {
+        for s in series {
             by_space.entry(s.space).or_default().push(s.id);
         }
         self.check_query_size(by_space.keys())?;

@@ -1301,3 +1301,45 @@ fn a_store_from_before_span_profiles_gains_their_column() {
         vec![("main;new".to_owned(), 6)]
     );
 }
+
+#[test]
+fn merging_each_series_keeps_their_labels_apart_up_to_a_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    store
+        .ingest(&[
+            profile("api", &[("thread_name", "a")], NOW, &[("main;x", 3)]),
+            profile("api", &[("thread_name", "b")], NOW, &[("main;y", 4)]),
+            profile("api", &[("thread_name", "c")], NOW, &[("main;x", 5)]),
+            profile("web", &[], NOW, &[("main;z", 9)]),
+        ])
+        .unwrap();
+    let api = selection(r#"{service_name="api"}"#, NOW, NOW);
+    assert!(store.merge_each_series(&api, 2).unwrap().is_none());
+    let parts = store
+        .merge_each_series(&api, 3)
+        .unwrap()
+        .expect("three series");
+    let mut by_thread: Vec<(String, Vec<(String, i64)>)> = parts
+        .iter()
+        .map(|(series, tree)| {
+            let thread = series
+                .labels
+                .iter()
+                .find(|(k, _)| k == "thread_name")
+                .map(|(_, v)| v.clone())
+                .unwrap();
+            (thread, tree.folded())
+        })
+        .collect();
+    by_thread.sort();
+    assert_eq!(
+        by_thread,
+        vec![
+            ("a".to_owned(), vec![("main;x".to_owned(), 3)]),
+            ("b".to_owned(), vec![("main;y".to_owned(), 4)]),
+            ("c".to_owned(), vec![("main;x".to_owned(), 5)]),
+        ]
+    );
+    assert_eq!(store.merge(&api).unwrap().total(), 12);
+}

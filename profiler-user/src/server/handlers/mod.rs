@@ -28,7 +28,7 @@ use super::{
 use crate::{
     store::{
         NewProfile, ProfileType, Store, ingest,
-        query::{OFF_CPU_TYPE, Selection, WALL_TYPE},
+        query::{MergedTree, OFF_CPU_TYPE, Selection, WALL_TYPE},
         selector::{MAX_MATCHERS, MatchOp, Selector, parse_app_name},
     },
     wire::api::{self, *},

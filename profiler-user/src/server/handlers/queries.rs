@@ -552,15 +552,45 @@ pub async fn querier(
     }
 }
 
+/// Series whose labels a downloaded pprof carries on its samples (one merge each); a
+/// selection of more is merged into one tree, and the pprof's comment says so.
+const MAX_LABELLED_SERIES: usize = 256;
+
+/// The selection merged as a pprof whose samples carry their series' labels (SDK tags,
+/// `thread_name`, `executable`, `service_name`...), as Pyroscope's pprof keeps them.
 fn merged_pprof(store: &Store, selection: &Selection) -> Result<proto::Profile, ApiError> {
-    let tree = store.merge(selection).map_err(store_error)?;
     let profile_type = ProfileType::parse(&selection.profile_type).map_err(store_error)?;
-    Ok(render::pprof(
-        &tree,
-        &profile_type,
-        selection.start_ns,
-        selection.end_ns,
-    ))
+    match store
+        .merge_each_series(selection, MAX_LABELLED_SERIES)
+        .map_err(store_error)?
+    {
+        Some(parts) => {
+            let parts: Vec<(&[(String, String)], &MergedTree)> = parts
+                .iter()
+                .map(|(series, tree)| (series.labels.as_slice(), tree))
+                .collect();
+            Ok(render::pprof_of_parts(
+                &parts,
+                &profile_type,
+                selection.start_ns,
+                selection.end_ns,
+                None,
+            ))
+        }
+        None => {
+            let tree = store.merge(selection).map_err(store_error)?;
+            let comment = format!(
+                "samples without labels: the selection has more than {MAX_LABELLED_SERIES} series"
+            );
+            Ok(render::pprof_of_parts(
+                &[(&[][..], &tree)],
+                &profile_type,
+                selection.start_ns,
+                selection.end_ns,
+                Some(&comment),
+            ))
+        }
+    }
 }
 
 /// Buckets profile totals at `start, start+step, ...`; a point's timestamp is its bucket's right
