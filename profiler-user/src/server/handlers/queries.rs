@@ -124,6 +124,29 @@ fn span_selector(ids: &[String]) -> Result<Vec<u64>, ApiError> {
         .collect()
 }
 
+/// What a `SelectMergeStacktracesRequest` (also each side of a `Diff`) selects: its type,
+/// label selector and range, id selectors and call site.
+fn stacktraces_selection(
+    state: &AppState,
+    request: &SelectMergeStacktracesRequest,
+) -> Result<Selection, ApiError> {
+    let call_site = call_site(&request.stack_trace_selector)?;
+    let mut selection = with_id_selectors(
+        selection(
+            state,
+            &request.profile_type_id,
+            &request.label_selector,
+            request.start,
+            request.end,
+        )?,
+        &request.profile_id_selector,
+        &request.trace_id_selector,
+        &request.span_selector,
+    )?;
+    selection.call_site = call_site;
+    Ok(selection)
+}
+
 /// The id selectors of `SelectMergeStacktraces` and `SelectMergeProfile`: span and trace ids
 /// keep only the samples of those spans and traces (an empty list selects by nothing);
 /// profile ids are refused, as the store keeps no per-profile ids.
@@ -343,21 +366,8 @@ pub async fn querier(
         }
         "SelectMergeStacktraces" => {
             let request: SelectMergeStacktracesRequest = connect::decode(codec, &body)?;
-            let call_site = call_site(&request.stack_trace_selector)?;
             let as_tree = tree_format(request.format)?;
-            let mut selection = with_id_selectors(
-                selection(
-                    &state,
-                    &request.profile_type_id,
-                    &request.label_selector,
-                    request.start,
-                    request.end,
-                )?,
-                &request.profile_id_selector,
-                &request.trace_id_selector,
-                &request.span_selector,
-            )?;
-            selection.call_site = call_site;
+            let selection = stacktraces_selection(&state, &request)?;
             let max_nodes = max_nodes(request.max_nodes);
             let response = bounded_query(&state, move || {
                 merged_stacktraces(&store, &selection, as_tree, max_nodes)
@@ -390,34 +400,8 @@ pub async fn querier(
             let (Some(left), Some(right)) = (request.left, request.right) else {
                 return Err(ApiError::invalid("Diff needs both `left` and `right`"));
             };
-            let left_call_site = call_site(&left.stack_trace_selector)?;
-            let right_call_site = call_site(&right.stack_trace_selector)?;
-            let mut left_selection = with_id_selectors(
-                selection(
-                    &state,
-                    &left.profile_type_id,
-                    &left.label_selector,
-                    left.start,
-                    left.end,
-                )?,
-                &left.profile_id_selector,
-                &left.trace_id_selector,
-                &left.span_selector,
-            )?;
-            let mut right_selection = with_id_selectors(
-                selection(
-                    &state,
-                    &right.profile_type_id,
-                    &right.label_selector,
-                    right.start,
-                    right.end,
-                )?,
-                &right.profile_id_selector,
-                &right.trace_id_selector,
-                &right.span_selector,
-            )?;
-            left_selection.call_site = left_call_site;
-            right_selection.call_site = right_call_site;
+            let left_selection = stacktraces_selection(&state, &left)?;
+            let right_selection = stacktraces_selection(&state, &right)?;
             let max_nodes = max_nodes(left.max_nodes.or(right.max_nodes));
             let flamegraph = bounded_query(&state, move || {
                 let left = store.merge(&left_selection).map_err(store_error)?;
