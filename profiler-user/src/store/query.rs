@@ -66,7 +66,7 @@ impl Selection {
     pub fn with_spans(mut self, mut span_ids: Vec<u64>) -> Self {
         let spans = self.spans.get_or_insert_with(SpanSelection::default);
         if let Some(before) = &spans.span_ids {
-            span_ids.retain(|id| before.contains(id));
+            span_ids.retain(|id| before.binary_search(id).is_ok());
         }
         span_ids.sort_unstable();
         span_ids.dedup();
@@ -381,21 +381,14 @@ impl Store {
         if series.len() > max_series {
             return Ok(None);
         }
-        series
-            .into_iter()
-            .map(|s| {
-                let tree = self.merge_of(selection, std::slice::from_ref(&s))?;
-                Ok((s, tree))
-            })
-            .filter(|result| {
-                result
-                    .as_ref()
-                    .map_or(true, |(_, tree): &(SeriesInfo, MergedTree)| {
-                        tree.total() != 0
-                    })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()
-            .map(Some)
+        let mut parts = Vec::with_capacity(series.len());
+        for s in series {
+            let tree = self.merge_of(selection, std::slice::from_ref(&s))?;
+            if tree.total() != 0 {
+                parts.push((s, tree));
+            }
+        }
+        Ok(Some(parts))
     }
 
     /// Sums the selected profiles of `series` into one call tree.
