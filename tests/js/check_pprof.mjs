@@ -88,11 +88,23 @@ for (const [sampleIndex, sample] of profile.sample.entries()) {
   });
   // Leaf first: a location's lines are innermost first too, so flattening keeps the order.
   const functionNames = [];
+  // The same frames with where they are: source file and line, address, object file.
+  const frames = [];
   for (const locationId of sample.locationId) {
     const loc = locations.get(BigInt(locationId));
     if (!loc) fail(`sample ${sampleIndex} refers to missing location ${locationId}`);
+    const mapping = mappings.get(BigInt(loc.mappingId));
     for (const line of loc.line) {
-      functionNames.push(str(functions.get(BigInt(line.functionId)).name, 'function name'));
+      const fn = functions.get(BigInt(line.functionId));
+      functionNames.push(str(fn.name, 'function name'));
+      frames.push({
+        function: str(fn.name, 'function name'),
+        file: str(fn.filename, 'function filename'),
+        line: toJsonNumber(line.line),
+        address: toJsonNumber(loc.address),
+        object: mapping ? str(mapping.filename, 'mapping filename') : '',
+        inlined: loc.line.length > 1,
+      });
     }
   }
   const labels = {};
@@ -100,7 +112,7 @@ for (const [sampleIndex, sample] of profile.sample.entries()) {
     const key = str(label.key, 'label key');
     labels[key] = BigInt(label.str) !== 0n ? str(label.str, 'label str') : toJsonNumber(label.num);
   }
-  samples.push({ functions: functionNames, values: sample.value.map(toJsonNumber), labels });
+  samples.push({ functions: functionNames, frames, values: sample.value.map(toJsonNumber), labels });
 }
 
 const summary = {
@@ -114,6 +126,14 @@ const summary = {
   defaultSampleType: str(profile.defaultSampleType, 'default_sample_type'),
   comments: profile.comment.map((c) => str(c, 'comment')),
   totals: totals.map(toJsonNumber),
+  mappings: profile.mapping.map((m) => ({
+    filename: str(m.filename, 'mapping filename'),
+    buildId: str(m.buildId, 'mapping build_id'),
+    memoryStart: toJsonNumber(m.memoryStart),
+    memoryLimit: toJsonNumber(m.memoryLimit),
+    hasFunctions: m.hasFunctions,
+    hasLineNumbers: m.hasLineNumbers,
+  })),
   samples,
 };
 process.stdout.write(`${JSON.stringify(summary)}\n`);

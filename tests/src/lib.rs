@@ -506,6 +506,42 @@ pub fn require_external() -> bool {
     std::env::var("PROFILER_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
 }
 
+/// A pprof file read by an independent reader (npm `pprof-format`, tests/js/check_pprof.mjs):
+/// its JSON summary (sample types, period, totals, mappings, samples with their frames), or
+/// `None` when node or the package is missing and [`require_external`] does not ask for them.
+pub fn independent_pprof_summary(pprof: &[u8]) -> Option<serde_json::Value> {
+    let js_dir = workspace_root().join("tests/js");
+    if !js_dir.join("node_modules/pprof-format").is_dir() {
+        assert!(
+            !require_external(),
+            "tests/js/node_modules/pprof-format is missing: run `cargo xtask test`"
+        );
+        eprintln!("skipped: the independent pprof reader (tests/js/node_modules missing)");
+        return None;
+    }
+    let scratch = Scratch::new("pprof-reader");
+    let file = scratch.path("profile.pb.gz");
+    std::fs::write(&file, pprof).expect("write the pprof");
+    let output = match Command::new("node")
+        .arg(js_dir.join("check_pprof.mjs"))
+        .arg(&file)
+        .output()
+    {
+        Ok(output) => output,
+        Err(err) if !require_external() => {
+            eprintln!("skipped: the independent pprof reader (cannot run node: {err})");
+            return None;
+        }
+        Err(err) => panic!("cannot run node: {err}; run `cargo xtask test`"),
+    };
+    assert!(
+        output.status.success(),
+        "check_pprof.mjs: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Some(serde_json::from_slice(&output.stdout).expect("check_pprof.mjs prints JSON"))
+}
+
 /// A pyenv interpreter, e.g. `pyenv_python("3.11.7", "python3.11")`: looked up under
 /// `$PYENV_ROOT`, then `$HOME/.pyenv`.
 pub fn pyenv_python(version: &str, executable: &str) -> Option<PathBuf> {

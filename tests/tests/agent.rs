@@ -142,6 +142,8 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
             "127.0.0.1:0",
             "--data-dir",
             data_dir.to_str().expect("UTF-8 scratch path"),
+            // Native source lines, for the download's check below.
+            "--source-lines",
         ],
     )
     .unwrap_or_else(|err| panic!("the agent did not listen: {err}"));
@@ -260,6 +262,55 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
     );
     let (status, stderr) = agent.stop();
     assert!(status.success(), "{stderr}");
+
+    // The download keeps what the agent knew of each frame, and an independent pprof reader
+    // sees the flame graph's total (read from the stopped agent's store, so both see the same).
+    let server = ServerProcess::start(&data_dir, &[]);
+    let client = server.client();
+    let end_ms = unix_now_ms() + 3_600_000;
+    let graph_total = client.merge_range(CPU_TYPE, &selector, 1, end_ms).total;
+    assert!(graph_total > 0);
+    let query = format!("{CPU_TYPE}{selector}")
+        .replace('{', "%7B")
+        .replace('}', "%7D")
+        .replace('"', "%22")
+        .replace('=', "%3D");
+    let download = client.get(&format!("/api/pprof?query={query}&from=1&until={end_ms}"));
+    assert_eq!(download.status, 200, "{}", download.text());
+    let Some(summary) = independent_pprof_summary(&download.body) else {
+        return;
+    };
+    assert_eq!(summary["totals"], serde_json::json!([graph_total]));
+    assert_eq!(summary["period"], 10_000_000, "100 Hz in nanoseconds");
+    let fixture_name = fixture.file_name().unwrap().to_str().unwrap().to_owned();
+    let level4: Vec<&serde_json::Value> = summary["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|sample| sample["frames"].as_array().unwrap())
+        .filter(|frame| frame["function"] == "level4")
+        .collect();
+    assert!(!level4.is_empty(), "no level4 frame in the download");
+    for frame in &level4 {
+        assert!(
+            frame["file"].as_str().unwrap().ends_with("fp_chain.c")
+                && frame["line"].as_i64().unwrap() > 0
+                && frame["address"].as_i64().unwrap() > 0
+                && frame["object"].as_str().unwrap().ends_with(&fixture_name),
+            "{frame}"
+        );
+    }
+    let mapping = summary["mappings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["filename"].as_str().unwrap().ends_with(&fixture_name))
+        .expect("the fixture's mapping");
+    let build_id = mapping["buildId"].as_str().unwrap();
+    assert!(
+        build_id.len() >= 16 && build_id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{mapping}"
+    );
 }
 
 /// Every profile file in `dir`, decoded, by the service its name starts with.

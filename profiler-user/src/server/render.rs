@@ -4,7 +4,10 @@ use std::{collections::HashMap, sync::Arc};
 
 use crate::wire::api::{FlameGraph, FlameGraphDiff, Level};
 use crate::{
-    store::{ProfileType, query::MergedTree},
+    store::{
+        ProfileType,
+        query::{MergedTree, Period},
+    },
     wire::proto,
 };
 
@@ -329,8 +332,7 @@ pub fn flamegraph_diff(left: &MergedTree, right: &MergedTree, max_nodes: usize) 
     }
 }
 
-/// A merged tree as a pprof: one function and location per distinct name, one sample per node
-/// with a self value.
+/// A merged tree as a pprof (see [`pprof_of_parts`]).
 pub fn pprof(
     tree: &MergedTree,
     profile_type: &ProfileType,
@@ -340,9 +342,12 @@ pub fn pprof(
     pprof_of_parts(&[(&[][..], tree)], profile_type, start_ns, end_ns, None)
 }
 
-/// Call trees with their labels (a series' labels each) as one pprof: one function and location
-/// per distinct name over all of them, one sample per node with a self value, carrying its
-/// tree's labels as string labels; `comment`, if any, goes into the profile's comments.
+/// Call trees with their labels (a series' labels each) as one pprof: one sample per node with
+/// a self value, carrying its tree's labels as string labels. Trees merged by frame
+/// ([`Store::merge_with_frames`](crate::store::Store::merge_with_frames)) give their
+/// functions with file and lines, locations with addresses and inlined lines, mappings with
+/// build ids; trees merged by name give one function and location per name. The period is
+/// the profiles' own. `comment`, if any, goes into the profile's comments.
 pub fn pprof_of_parts(
     parts: &[(&[(String, String)], &MergedTree)],
     profile_type: &ProfileType,
@@ -350,74 +355,23 @@ pub fn pprof_of_parts(
     end_ns: i64,
     comment: Option<&str>,
 ) -> proto::Profile {
-    let mut strings = vec![String::new()];
-    let mut string_ids: HashMap<String, i64> = HashMap::new();
-    let mut string = |s: &str, strings: &mut Vec<String>| -> i64 {
-        if s.is_empty() {
-            return 0;
-        }
-        *string_ids.entry(s.to_owned()).or_insert_with(|| {
-            strings.push(s.to_owned());
-            strings.len() as i64 - 1
-        })
-    };
-    let mut value_type = |t: &str, u: &str, strings: &mut Vec<String>| proto::ValueType {
-        r#type: string(t, strings),
-        unit: string(u, strings),
-    };
-    let sample_type = value_type(
-        &profile_type.sample_type,
-        &profile_type.sample_unit,
-        &mut strings,
-    );
-    let period_type = value_type(
-        &profile_type.period_type,
-        &profile_type.period_unit,
-        &mut strings,
-    );
-    // One function and location per distinct name, over every tree.
-    let mut functions = Vec::new();
-    let mut locations = Vec::new();
-    let mut location_of_name: HashMap<Arc<str>, u64> = HashMap::new();
+    let mut out = PprofBuilder::default();
+    out.strings.push(String::new());
+    let sample_type = out.value_type(&profile_type.sample_type, &profile_type.sample_unit);
+    let period_type = out.value_type(&profile_type.period_type, &profile_type.period_unit);
     let mut samples = Vec::new();
     for (labels, tree) in parts {
         let sample_labels: Vec<proto::Label> = labels
             .iter()
             .filter(|(name, _)| !name.starts_with("__"))
             .map(|(name, value)| proto::Label {
-                key: string(name, &mut strings),
-                str: string(value, &mut strings),
+                key: out.string(name),
+                str: out.string(value),
                 ..Default::default()
             })
             .collect();
-        let location_ids: Vec<u64> = tree
-            .names
-            .iter()
-            .map(|name| {
-                if let Some(&id) = location_of_name.get(name) {
-                    return id;
-                }
-                let id = functions.len() as u64 + 1;
-                let name_id = string(name, &mut strings);
-                functions.push(proto::Function {
-                    id,
-                    name: name_id,
-                    system_name: name_id,
-                    ..Default::default()
-                });
-                locations.push(proto::Location {
-                    id,
-                    line: vec![proto::Line {
-                        function_id: id,
-                        line: 0,
-                        column: 0,
-                    }],
-                    ..Default::default()
-                });
-                location_of_name.insert(name.clone(), id);
-                id
-            })
-            .collect();
+        // Per node: the location that ends (leaf side) at it and the node above that location.
+        let mut location_of: Vec<Option<(u64, u32)>> = vec![None; tree.nodes.len()];
         for (idx, node) in tree.nodes.iter().enumerate().skip(1) {
             if node.self_value == 0 {
                 continue;
@@ -425,8 +379,16 @@ pub fn pprof_of_parts(
             let mut location_id = Vec::new();
             let mut current = idx as u32;
             while current != 0 {
-                location_id.push(location_ids[tree.nodes[current as usize].name as usize]);
-                current = tree.nodes[current as usize].parent;
+                let (location, above) = match location_of[current as usize] {
+                    Some(known) => known,
+                    None => {
+                        let found = out.location(tree, current);
+                        location_of[current as usize] = Some(found);
+                        found
+                    }
+                };
+                location_id.push(location);
+                current = above;
             }
             samples.push(proto::Sample {
                 location_id,
@@ -435,34 +397,219 @@ pub fn pprof_of_parts(
             });
         }
     }
-    let comment = comment
-        .map(|text| string(text, &mut strings))
-        .into_iter()
-        .collect();
+    let period = parts
+        .iter()
+        .fold(Period::Unknown, |period, (_, tree)| period.and(tree.period));
+    let mut comments: Vec<&str> = comment.into_iter().collect();
+    let period = match period {
+        Period::Known(period) => period,
+        Period::Unknown => 0,
+        Period::Mixed => {
+            comments.push("period 0: profiles with different sampling periods were merged");
+            0
+        }
+    };
+    let comment = comments.into_iter().map(|text| out.string(text)).collect();
+    let PprofBuilder {
+        strings,
+        functions,
+        locations,
+        mappings,
+        ..
+    } = out;
     proto::Profile {
         sample_type: vec![sample_type],
         sample: samples,
+        mapping: mappings,
         location: locations,
         function: functions,
         string_table: strings,
         time_nanos: start_ns,
         duration_nanos: end_ns.saturating_sub(start_ns).max(0),
         period_type: Some(period_type),
-        period: 1,
+        period,
         comment,
         ..Default::default()
+    }
+}
+
+/// A pprof location's identity: mapping id, address, and its lines as (function id, line),
+/// innermost first.
+type LocationKey = (u64, u64, Vec<(u64, i64)>);
+
+/// The tables of a pprof being written, each entry once.
+#[derive(Default)]
+struct PprofBuilder {
+    strings: Vec<String>,
+    string_ids: HashMap<String, i64>,
+    functions: Vec<proto::Function>,
+    /// (name, system name, file, start line) → function id.
+    function_ids: HashMap<(i64, i64, i64, i64), u64>,
+    locations: Vec<proto::Location>,
+    location_ids: HashMap<LocationKey, u64>,
+    mappings: Vec<proto::Mapping>,
+    /// (file, build id) → mapping id.
+    mapping_ids: HashMap<(i64, i64), u64>,
+}
+
+impl PprofBuilder {
+    fn string(&mut self, s: &str) -> i64 {
+        if s.is_empty() {
+            return 0;
+        }
+        if let Some(&id) = self.string_ids.get(s) {
+            return id;
+        }
+        self.strings.push(s.to_owned());
+        let id = self.strings.len() as i64 - 1;
+        self.string_ids.insert(s.to_owned(), id);
+        id
+    }
+
+    fn optional(&mut self, s: Option<&Arc<str>>) -> i64 {
+        s.map_or(0, |s| self.string(s))
+    }
+
+    fn value_type(&mut self, r#type: &str, unit: &str) -> proto::ValueType {
+        proto::ValueType {
+            r#type: self.string(r#type),
+            unit: self.string(unit),
+        }
+    }
+
+    fn function(
+        &mut self,
+        name: &str,
+        system_name: Option<&Arc<str>>,
+        file: i64,
+        start: u32,
+    ) -> u64 {
+        let name = self.string(name);
+        // Like Go's runtime, repeat the name when there is no distinct raw name.
+        let system_name = system_name.map_or(name, |s| self.string(s));
+        let key = (name, system_name, file, i64::from(start));
+        if let Some(&id) = self.function_ids.get(&key) {
+            return id;
+        }
+        let id = self.functions.len() as u64 + 1;
+        self.functions.push(proto::Function {
+            id,
+            name,
+            system_name,
+            filename: file,
+            start_line: i64::from(start),
+        });
+        self.function_ids.insert(key, id);
+        id
+    }
+
+    /// The location whose innermost line is `node`'s frame: with the frames it was inlined
+    /// into (its ancestors while `inlined`); returns its id and the node above it.
+    fn location(&mut self, tree: &MergedTree, node: u32) -> (u64, u32) {
+        let tree_node = &tree.nodes[node as usize];
+        let Some(frame) = tree.frames.get(tree_node.frame as usize) else {
+            // Merged by name: the name is all there is.
+            let name = &tree.names[tree_node.name as usize];
+            let function = self.function(name, None, 0, 0);
+            return (
+                self.location_of(0, 0, vec![(function, 0)]),
+                tree_node.parent,
+            );
+        };
+        let mut lines = Vec::new();
+        let mut has_lines = false;
+        let (mut current, mut outermost) = (node, frame);
+        loop {
+            let file = self.optional(outermost.file.as_ref());
+            let function = self.function(
+                &outermost.name,
+                outermost.system_name.as_ref(),
+                file,
+                outermost.start_line,
+            );
+            lines.push((function, i64::from(outermost.line)));
+            has_lines |= outermost.line != 0;
+            let parent = tree.nodes[current as usize].parent;
+            match tree.frames.get(tree.nodes[parent as usize].frame as usize) {
+                Some(caller) if outermost.inlined && parent != 0 => {
+                    (current, outermost) = (parent, caller);
+                }
+                _ => break,
+            }
+        }
+        let mapping = match &outermost.object {
+            Some(object) => {
+                let key = (
+                    self.string(object),
+                    self.optional(outermost.build_id.as_ref()),
+                );
+                let id = match self.mapping_ids.get(&key) {
+                    Some(&id) => id,
+                    None => {
+                        let id = self.mappings.len() as u64 + 1;
+                        // Addresses are offsets in the file: the mapping starts at 0.
+                        self.mappings.push(proto::Mapping {
+                            id,
+                            filename: key.0,
+                            build_id: key.1,
+                            ..Default::default()
+                        });
+                        self.mapping_ids.insert(key, id);
+                        id
+                    }
+                };
+                let mapping = &mut self.mappings[id as usize - 1];
+                mapping.memory_limit = mapping
+                    .memory_limit
+                    .max(outermost.address.saturating_add(1));
+                mapping.has_functions = true;
+                mapping.has_filenames |= outermost.file.is_some();
+                mapping.has_line_numbers |= has_lines;
+                mapping.has_inline_frames |= lines.len() > 1;
+                id
+            }
+            None => 0,
+        };
+        let parent = tree.nodes[current as usize].parent;
+        (self.location_of(mapping, outermost.address, lines), parent)
+    }
+
+    fn location_of(&mut self, mapping_id: u64, address: u64, lines: Vec<(u64, i64)>) -> u64 {
+        let key = (mapping_id, address, lines);
+        if let Some(&id) = self.location_ids.get(&key) {
+            return id;
+        }
+        let id = self.locations.len() as u64 + 1;
+        self.locations.push(proto::Location {
+            id,
+            mapping_id,
+            address,
+            line: key
+                .2
+                .iter()
+                .map(|&(function_id, line)| proto::Line {
+                    function_id,
+                    line,
+                    column: 0,
+                })
+                .collect(),
+            is_folded: false,
+        });
+        self.location_ids.insert(key, id);
+        id
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::query::TreeNode;
+    use crate::store::query::{NO_FRAME, TreeNode};
 
     /// total(10) → a(6, self 1) → b(5); total → c(4, self 4).
     fn tree() -> MergedTree {
         let node = |name, parent, self_value, total, children: Vec<u32>| TreeNode {
             name,
+            frame: NO_FRAME,
             parent,
             self_value,
             total,
@@ -476,6 +623,8 @@ mod tests {
                 node(2, 1, 5, 5, vec![]),
                 node(3, 0, 4, 4, vec![]),
             ],
+            frames: Vec::new(),
+            period: Period::Unknown,
         }
     }
 
@@ -536,6 +685,118 @@ mod tests {
         assert_eq!((c_tuple[1], c_tuple[4]), (4, 8));
     }
 
+    /// A pprof's samples as (stack of locations leaf first, value) summed per stack, each
+    /// location as (object, build id, address in the object, lines as (name, system name, file,
+    /// start line, line)).
+    type Location = (String, String, u64, Vec<(String, String, String, i64, i64)>);
+
+    fn stacks_of(pprof: &proto::Profile, sample_type: &str) -> HashMap<Vec<Location>, i64> {
+        let text = |i: i64| pprof.string_table[i as usize].clone();
+        let value = pprof
+            .sample_type
+            .iter()
+            .position(|t| text(t.r#type) == sample_type)
+            .unwrap();
+        let location = |id: u64| {
+            let location = pprof.location.iter().find(|l| l.id == id).unwrap();
+            let mapping = pprof.mapping.iter().find(|m| m.id == location.mapping_id);
+            let address = mapping.map_or(0, |m| location.address - m.memory_start + m.file_offset);
+            let lines = location
+                .line
+                .iter()
+                .map(|line| {
+                    let f = pprof
+                        .function
+                        .iter()
+                        .find(|f| f.id == line.function_id)
+                        .unwrap();
+                    (
+                        text(f.name),
+                        text(f.system_name),
+                        text(f.filename),
+                        f.start_line,
+                        line.line,
+                    )
+                })
+                .collect();
+            (
+                mapping.map_or(String::new(), |m| text(m.filename)),
+                mapping.map_or(String::new(), |m| text(m.build_id)),
+                address,
+                lines,
+            )
+        };
+        let mut out = HashMap::new();
+        for sample in &pprof.sample {
+            let stack = sample.location_id.iter().map(|&id| location(id)).collect();
+            *out.entry(stack).or_default() += sample.value[value];
+        }
+        out
+    }
+
+    #[test]
+    fn a_stored_agent_profile_downloads_with_everything_it_had() {
+        let original = crate::export::pprof::build_pprof(&crate::export::test_fixture::profile());
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            crate::store::Store::open(crate::store::StoreSettings::new(dir.path())).unwrap();
+        let labels = vec![("service_name".to_owned(), "app".to_owned())];
+        let profiles =
+            crate::store::ingest::profiles_from_pprof(&original, "process_cpu", &labels, 0)
+                .unwrap();
+        store.ingest(&profiles).unwrap();
+        let profile_type =
+            ProfileType::parse("process_cpu:cpu:nanoseconds:cpu:nanoseconds").unwrap();
+        let selection = crate::store::query::Selection::new(
+            profile_type.id(),
+            crate::store::selector::Selector::parse("{}").unwrap(),
+            0,
+            i64::MAX,
+        );
+        let tree = store.merge_with_frames(&selection).unwrap();
+        let downloaded = pprof(&tree, &profile_type, 0, 1);
+        crate::store::ingest::validate_pprof(&downloaded).unwrap();
+
+        let expected = stacks_of(&original, "cpu");
+        let got = stacks_of(&downloaded, "cpu");
+        assert_eq!(got, expected);
+        assert_eq!(downloaded.period, crate::export::test_fixture::PERIOD_NS);
+        // The inlined function and the one it was inlined into are one location, as sent.
+        assert!(
+            downloaded.location.iter().any(|l| l.line.len() == 2),
+            "{:?}",
+            downloaded.location
+        );
+        let app = downloaded
+            .mapping
+            .iter()
+            .find(|m| downloaded.string_table[m.filename as usize] == "/usr/bin/myapp")
+            .unwrap();
+        assert_eq!(
+            downloaded.string_table[app.build_id as usize],
+            "deadbeef00112233"
+        );
+        assert!(
+            app.has_functions && app.has_filenames && app.has_line_numbers && app.has_inline_frames
+        );
+
+        // A merge by name (the flame graph's) still has one node per name path.
+        let by_name = store.merge(&selection).unwrap();
+        let mains = by_name
+            .nodes
+            .iter()
+            .filter(|n| by_name.names[n.name as usize].as_ref() == "main")
+            .count();
+        assert_eq!(mains, 1, "main at lines 10 and 12 is one flame graph node");
+        assert!(
+            tree.nodes
+                .iter()
+                .filter(|n| tree.names[n.name as usize].as_ref() == "main")
+                .count()
+                == 2
+        );
+    }
+
     #[test]
     fn pprof_round_trips_the_stacks() {
         let profile_type =
@@ -550,7 +811,10 @@ mod tests {
             .map(|(p, v)| {
                 (
                     p.iter()
-                        .map(|&i| profiles[0].names[i as usize].as_str())
+                        .map(|&i| {
+                            let frame = profiles[0].frames[i as usize];
+                            profiles[0].names[frame.name as usize].as_str()
+                        })
                         .collect(),
                     *v,
                 )

@@ -163,7 +163,7 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         out.push((value as u8) | 0x80);
         value >>= 7;
@@ -171,13 +171,21 @@ fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     out.push(value as u8);
 }
 
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, len: usize) -> Result<&'a [u8], CorruptProfile> {
+    pub(crate) fn new(bytes: &'a [u8]) -> Reader<'a> {
+        Reader { bytes, pos: 0 }
+    }
+
+    pub(crate) fn at_end(&self) -> bool {
+        self.pos >= self.bytes.len()
+    }
+
+    pub(crate) fn take(&mut self, len: usize) -> Result<&'a [u8], CorruptProfile> {
         let end = self
             .pos
             .checked_add(len)
@@ -196,7 +204,7 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(self.take(len)?).map_err(|_| CorruptProfile("span text is not UTF-8"))
     }
 
-    fn varint(&mut self) -> Result<u64, CorruptProfile> {
+    pub(crate) fn varint(&mut self) -> Result<u64, CorruptProfile> {
         let mut value = 0u64;
         for shift in (0..64).step_by(7) {
             let byte = *self

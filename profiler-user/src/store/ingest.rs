@@ -7,7 +7,10 @@ use foldhash::{HashMap, HashMapExt};
 
 use prost::Message;
 
-use super::{NewProfile, NewSpan, ProfileType};
+use super::{
+    NewProfile, NewSpan, ProfileType,
+    frames::{Frame, NO_STRING},
+};
 use crate::wire::proto;
 
 /// Why a payload was rejected. Display is one line for the client.
@@ -170,13 +173,18 @@ pub fn profiles_from_pprof(
     let string = |i: i64| pprof.string_table[i as usize].as_str();
     let malformed = |msg: String| IngestError::MalformedPprof(msg);
 
-    // Function names, deduplicated, and each location's frames root first. Names are keyed by
+    // Strings, deduplicated, and each location's frames root first. Strings are keyed by
     // string-table index (no hashing or copying of the text per lookup); the module+address
     // labels of unsymbolized frames are the only owned keys.
     let mut names: Vec<String> = Vec::new();
+    let mut frames: Vec<Frame> = Vec::new();
     let mut name_of_string: Vec<u32> = vec![u32::MAX; pprof.string_table.len()];
     let mut name_of_label: HashMap<String, u32> = HashMap::new();
+    // The empty string is no string.
     let mut intern_string = |i: i64, names: &mut Vec<String>| -> u32 {
+        if string(i).is_empty() {
+            return NO_STRING;
+        }
         let slot = &mut name_of_string[i as usize];
         if *slot == u32::MAX {
             names.push(string(i).to_owned());
@@ -190,8 +198,26 @@ pub fn profiles_from_pprof(
     let unknown = "[unknown]";
     let mut locations: HashMap<u64, Vec<u32>> = HashMap::with_capacity(pprof.location.len());
     for location in &pprof.location {
-        let mut frames = Vec::with_capacity(location.line.len().max(1));
-        for line in location.line.iter().rev() {
+        let mapping = mappings.get(&location.mapping_id);
+        let object = mapping.map_or(NO_STRING, |m| intern_string(m.filename, &mut names));
+        let build_id = mapping.map_or(NO_STRING, |m| intern_string(m.build_id, &mut names));
+        // Kept as the offset in the object file, the same in every process (see
+        // store::frames); none without an object.
+        let address = match mapping {
+            Some(m) if object != NO_STRING => {
+                if m.memory_start < m.memory_limit
+                    && (m.memory_start..m.memory_limit).contains(&location.address)
+                {
+                    (location.address - m.memory_start).saturating_add(m.file_offset)
+                } else {
+                    location.address
+                }
+            }
+            _ => 0,
+        };
+        let mut location_frames = Vec::with_capacity(location.line.len().max(1));
+        // Outermost first: each later line was inlined into the one before it.
+        for (depth, line) in location.line.iter().rev().enumerate() {
             let function = functions.get(&line.function_id).ok_or_else(|| {
                 malformed(format!(
                     "location {} refers to unknown function {}",
@@ -205,12 +231,26 @@ pub fn profiles_from_pprof(
             } else {
                 intern_label(&mut name_of_label, unknown.to_owned(), &mut names)
             };
-            frames.push(name);
+            let system_name = match intern_string(function.system_name, &mut names) {
+                same if same == name => NO_STRING,
+                other => other,
+            };
+            frames.push(Frame {
+                name,
+                system_name,
+                file: intern_string(function.filename, &mut names),
+                start_line: u32::try_from(function.start_line).unwrap_or(0),
+                line: u32::try_from(line.line).unwrap_or(0),
+                object,
+                build_id,
+                address,
+                inlined: depth > 0,
+            });
+            location_frames.push(frames.len() as u32 - 1);
         }
-        if frames.is_empty() {
+        if location_frames.is_empty() {
             // Unsymbolized: name it by module and address so distinct addresses stay apart.
-            let module = mappings
-                .get(&location.mapping_id)
+            let module = mapping
                 .map(|m| string(m.filename))
                 .filter(|f| !f.is_empty())
                 .map(|f| f.rsplit('/').next().unwrap_or(f).to_owned());
@@ -218,9 +258,16 @@ pub fn profiles_from_pprof(
                 Some(module) => format!("{module}+0x{:x}", location.address),
                 None => format!("0x{:x}", location.address),
             };
-            frames.push(intern_label(&mut name_of_label, label, &mut names));
+            let name = intern_label(&mut name_of_label, label, &mut names);
+            frames.push(Frame {
+                object,
+                build_id,
+                address,
+                ..Frame::named(name)
+            });
+            location_frames.push(frames.len() as u32 - 1);
         }
-        locations.insert(location.id, frames);
+        locations.insert(location.id, location_frames);
     }
 
     let time_ns = if pprof.time_nanos < 365 * 86_400 * 1_000_000_000 {
@@ -288,7 +335,9 @@ pub fn profiles_from_pprof(
                     labels: all_labels,
                     time_ns,
                     duration_ns: pprof.duration_nanos,
+                    period: pprof.period.max(0),
                     names: Vec::new(),
+                    frames: Vec::new(),
                     stacks: Vec::new(),
                     spans: Vec::new(),
                 });
@@ -322,8 +371,10 @@ pub fn profiles_from_pprof(
     if let Some((last, rest)) = out.split_last_mut() {
         for profile in rest {
             profile.names = names.clone();
+            profile.frames = frames.clone();
         }
         last.names = names;
+        last.frames = frames;
     }
     for profile in &out {
         validate_labels(&profile.labels)?;
@@ -628,7 +679,7 @@ mod tests {
             .iter()
             .map(|(path, _)| {
                 path.iter()
-                    .map(|&i| worker.names[i as usize].as_str())
+                    .map(|&i| worker.names[worker.frames[i as usize].name as usize].as_str())
                     .collect()
             })
             .collect();
@@ -637,6 +688,33 @@ mod tests {
             "{stacks:?}"
         );
         assert_eq!(worker.time_ns, test_fixture::START_UNIX_NS);
+        assert_eq!(worker.period, test_fixture::PERIOD_NS);
+        // Each frame keeps its file, line, object, build id and file offset.
+        let frame_of = |name: &str| {
+            worker
+                .frames
+                .iter()
+                .find(|f| worker.names[f.name as usize] == name)
+                .unwrap()
+        };
+        let text = |id: u32| (id != NO_STRING).then(|| worker.names[id as usize].as_str());
+        let inner = frame_of("inner_helper");
+        let outer = frame_of("outer_fn");
+        assert_eq!(
+            (text(inner.file), inner.line, inner.inlined, outer.inlined),
+            (Some("src/lib.rs"), 42, true, false)
+        );
+        assert_eq!(text(outer.system_name), Some("_ZN5outer2fnE"));
+        assert_eq!(text(inner.system_name), None);
+        // 0x40_2000 in a mapping at 0x40_0000 with file offset 0x1000.
+        assert_eq!((inner.address, outer.address), (0x3000, 0x3000));
+        assert_eq!(
+            (text(inner.object), text(inner.build_id)),
+            (Some("/usr/bin/myapp"), Some("deadbeef00112233"))
+        );
+        // Without an object file, no address is kept (it would differ in every process).
+        let kernel = frame_of("do_syscall_64");
+        assert_eq!((kernel.address, text(kernel.object)), (0, None));
     }
 
     #[test]

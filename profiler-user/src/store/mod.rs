@@ -3,7 +3,9 @@
 //! Engine: SQLite (bundled, WAL journal) in `<data dir>/profiles.db`; docs/architecture.md says
 //! why. Layout, designed so a 24-hour merge reads little and adds fast:
 //! - a *stack space* per (profile type, service_name) interns call stacks as a tree of nodes
-//!   (parent node, function name); node 0 is the root, parents always have smaller ids;
+//!   (parent node, frame); node 0 is the root, parents always have smaller ids. A frame is a
+//!   function name with its file, line, object file, build id and address ([`frames`]),
+//!   shared by all spaces; queries merge sibling frames of one name;
 //! - a *series* is one label set (incl. `service_name` and the derived `__profile_type__`
 //!   labels) in one stack space;
 //! - a stored *profile* is its series, time, total and a compact blob of (node, self value)
@@ -15,6 +17,7 @@
 //! transaction, and undoes the in-memory part if the commit fails. Readers use their own
 //! connections and see only committed profiles, whose nodes are always already in memory.
 pub mod codec;
+pub mod frames;
 pub mod ingest;
 pub mod limits;
 pub mod query;
@@ -32,6 +35,8 @@ use std::{
 
 use foldhash::{HashMap, HashMapExt};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, config::DbConfig, params};
+
+use frames::Frame;
 
 pub use limits::{Limit, LimitCounters, LimitError, StoreLimits};
 
@@ -226,7 +231,7 @@ impl ProfileType {
     }
 }
 
-/// One profile to store: stacks as paths of indexes into `names`, root first.
+/// One profile to store: stacks as paths of indexes into `frames`, root first.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NewProfile {
     pub profile_type: Option<ProfileType>,
@@ -234,7 +239,13 @@ pub struct NewProfile {
     pub labels: Vec<(String, String)>,
     pub time_ns: i64,
     pub duration_ns: i64,
+    /// The sampling period (pprof `period`, in the period type's unit); 0 when unknown.
+    pub period: i64,
+    /// The strings of `frames`.
     pub names: Vec<String>,
+    /// The frames of the stacks. Empty when every frame is a bare name (folded text): then
+    /// stack paths are indexes into `names`.
+    pub frames: Vec<Frame>,
     pub stacks: Vec<(Vec<u32>, i64)>,
     /// The samples that named a span (a `span_id` sample label), per span. They are among
     /// `stacks` too: a span query reads these, every other query the stacks.
@@ -354,10 +365,10 @@ impl StoreCounters {
 struct Space {
     profile_type: String,
     service_name: String,
-    /// (parent, name id) per node; node 0 is the root.
+    /// (parent, frame id) per node; node 0 is the root.
     nodes: Vec<(u32, u32)>,
     index: HashMap<(u32, u32), u32>,
-    /// Whole stacks (name ids, root first) → their leaf node: an agent sends mostly the same
+    /// Whole stacks (frame ids, root first) → their leaf node: an agent sends mostly the same
     /// stacks every interval, so one lookup per stack replaces one per frame. Only a shortcut:
     /// cleared when it reaches [`MAX_CACHED_STACKS`] and whenever nodes are undone.
     leaf_by_stack: HashMap<Box<[u32]>, u32>,
@@ -377,19 +388,19 @@ impl Space {
         }
     }
 
-    /// The node of a root-first stack of name ids, added (with its missing ancestors) when new.
+    /// The node of a root-first stack of frame ids, added (with its missing ancestors) when new.
     fn node_of(&mut self, stack: &[u32]) -> u32 {
         if let Some(&leaf) = self.leaf_by_stack.get(stack) {
             return leaf;
         }
         let mut node = 0u32;
-        for &name in stack {
-            node = match self.index.get(&(node, name)) {
+        for &frame in stack {
+            node = match self.index.get(&(node, frame)) {
                 Some(&child) => child,
                 None => {
                     let child = self.nodes.len() as u32;
-                    self.nodes.push((node, name));
-                    self.index.insert((node, name), child);
+                    self.nodes.push((node, frame));
+                    self.index.insert((node, frame), child);
                     child
                 }
             };
@@ -404,8 +415,12 @@ impl Space {
 
 #[derive(Debug, Default)]
 struct Catalog {
+    /// Every string of the frames: function and file names, objects, build ids.
     names: Vec<Arc<str>>,
     name_ids: HashMap<Arc<str>, u32>,
+    /// Frames of every space, their strings in `names`.
+    frames: Vec<Frame>,
+    frame_ids: HashMap<Frame, u32>,
     spaces: HashMap<i64, Space>,
     space_ids: HashMap<(String, String), i64>,
     series: HashMap<i64, SeriesInfo>,
@@ -554,12 +569,26 @@ impl Catalog {
         self.name_ids.insert(name, id);
         id
     }
+
+    /// `frame`'s strings must be ids in `names`.
+    fn intern_frame(&mut self, frame: Frame) -> u32 {
+        *self.frame_ids.entry(frame).or_insert_with(|| {
+            self.frames.push(frame);
+            self.frames.len() as u32 - 1
+        })
+    }
+
+    /// The name id of a frame, `None` for an unknown frame id.
+    fn name_of_frame(&self, frame: u32) -> Option<u32> {
+        self.frames.get(frame as usize).map(|f| f.name)
+    }
 }
 
 /// What one write added to the catalog, to persist it and to undo it if the commit fails.
 #[derive(Default)]
 struct CatalogAdditions {
     names_before: usize,
+    frames_before: usize,
     spaces: Vec<i64>,
     /// (space, node count before).
     nodes: Vec<(i64, usize)>,
@@ -587,6 +616,7 @@ struct Inner {
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS names(id INTEGER PRIMARY KEY, name TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS frame_blocks(first_id INTEGER PRIMARY KEY, frames BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS spaces(id INTEGER PRIMARY KEY, profile_type TEXT NOT NULL,
     service_name TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS node_blocks(space_id INTEGER NOT NULL, first_idx INTEGER NOT NULL,
@@ -595,7 +625,7 @@ CREATE TABLE IF NOT EXISTS series(id INTEGER PRIMARY KEY, space_id INTEGER NOT N
     profile_type TEXT NOT NULL, labels TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS profiles(id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL,
     time_ns INTEGER NOT NULL, duration_ns INTEGER NOT NULL, total INTEGER NOT NULL,
-    stacks BLOB NOT NULL, spans BLOB);
+    stacks BLOB NOT NULL, spans BLOB, period INTEGER);
 CREATE INDEX IF NOT EXISTS profiles_by_series_time ON profiles(series_id, time_ns);
 CREATE INDEX IF NOT EXISTS profiles_by_time ON profiles(time_ns);
 CREATE TABLE IF NOT EXISTS settings(name TEXT PRIMARY KEY, value TEXT NOT NULL,
@@ -676,7 +706,9 @@ fn prepare_database(conn: &mut Connection, check: bool) -> Result<Catalog, Store
     }
     conn.execute_batch(SCHEMA)?;
     migrate_node_rows(conn)?;
-    add_spans_column(conn)?;
+    add_profile_column(conn, "spans", "BLOB")?;
+    add_profile_column(conn, "period", "INTEGER")?;
+    give_names_frames(conn)?;
     load_catalog(conn)
 }
 
@@ -895,6 +927,7 @@ impl Store {
         let rows = {
             let mut catalog = self.write_catalog();
             additions.names_before = catalog.names.len();
+            additions.frames_before = catalog.frames.len();
             profiles
                 .iter()
                 .map(|profile| {
@@ -957,6 +990,15 @@ impl Store {
             {
                 insert_name.execute(params![id as i64, name.as_ref()])?;
             }
+            if catalog.frames.len() > additions.frames_before {
+                tx.execute(
+                    "INSERT INTO frame_blocks(first_id, frames) VALUES (?, ?)",
+                    params![
+                        additions.frames_before as i64,
+                        frames::encode_frames(&catalog.frames[additions.frames_before..])
+                    ],
+                )?;
+            }
             for id in &additions.spaces {
                 let space = &catalog.spaces[id];
                 tx.execute(
@@ -991,8 +1033,8 @@ impl Store {
         }
         {
             let mut insert_profile = tx.prepare_cached(
-                "INSERT INTO profiles(series_id, time_ns, duration_ns, total, stacks, spans) \
-                 VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO profiles(series_id, time_ns, duration_ns, total, stacks, spans, \
+                 period) VALUES (?, ?, ?, ?, ?, ?, ?)",
             )?;
             for row in rows {
                 insert_profile.execute(params![
@@ -1001,7 +1043,8 @@ impl Store {
                     row.duration_ns,
                     row.total,
                     row.stacks,
-                    row.spans
+                    row.spans,
+                    row.period,
                 ])?;
             }
         }
@@ -1029,6 +1072,9 @@ impl Store {
                     .space_ids
                     .remove(&(space.profile_type, space.service_name));
             }
+        }
+        for frame in catalog.frames.split_off(additions.frames_before) {
+            catalog.frame_ids.remove(&frame);
         }
         let before = additions.names_before;
         for name in catalog.names.split_off(before) {
@@ -1240,6 +1286,7 @@ struct ProfileRow {
     stacks: Vec<u8>,
     /// The span blob ([`codec::encode_spans`]); `None` when no sample named a span.
     spans: Option<Vec<u8>>,
+    period: Option<i64>,
 }
 
 /// The canonical text of a label set, the series' identity.
@@ -1349,18 +1396,37 @@ fn encode_profile(
             id
         }
     };
-    let truncated_name = (limits.max_stack_depth > 0
+    let truncated_frame = (limits.max_stack_depth > 0
         && profile
             .stacks
             .iter()
             .any(|(path, _)| path.len() > limits.max_stack_depth))
-    .then(|| catalog.intern_name(limits::TRUNCATED_FRAME));
+    .then(|| {
+        let name = catalog.intern_name(limits::TRUNCATED_FRAME);
+        catalog.intern_frame(Frame::named(name))
+    });
 
     let name_ids: Vec<u32> = profile
         .names
         .iter()
         .map(|name| catalog.intern_name(name))
         .collect();
+    // The store's frame of each of the profile's frames; `None` for one with an unknown name.
+    let frame_ids: Vec<Option<u32>> = if profile.frames.is_empty() {
+        name_ids
+            .iter()
+            .map(|&name| Some(catalog.intern_frame(Frame::named(name))))
+            .collect()
+    } else {
+        profile
+            .frames
+            .iter()
+            .map(|frame| {
+                let stored = frame.translated(|id| name_ids.get(id as usize).copied())?;
+                Some(catalog.intern_frame(stored))
+            })
+            .collect()
+    };
     let space = catalog
         .spaces
         .get_mut(&space_id)
@@ -1377,17 +1443,17 @@ fn encode_profile(
             }
             stack.clear();
             // Deeper than the limit: the leaf-side frames under one `[truncated]` frame.
-            let path = match truncated_name {
-                Some(name) if path.len() > limits.max_stack_depth => {
+            let path = match truncated_frame {
+                Some(frame) if path.len() > limits.max_stack_depth => {
                     *truncated += 1;
-                    stack.push(name);
+                    stack.push(frame);
                     &path[path.len() - (limits.max_stack_depth - 1)..]
                 }
                 _ => path.as_slice(),
             };
             stack.extend(
                 path.iter()
-                    .filter_map(|&local| name_ids.get(local as usize).copied()),
+                    .filter_map(|&local| frame_ids.get(local as usize).copied().flatten()),
             );
             let node = space.node_of(&stack);
             // Saturating: values come from clients and may be extreme.
@@ -1420,19 +1486,40 @@ fn encode_profile(
             .fold(0i64, |sum, (_, v)| sum.saturating_add(*v)),
         stacks: codec::encode(&entries),
         spans: (!spans.is_empty()).then(|| codec::encode_spans(&spans)),
+        period: (profile.period > 0).then_some(profile.period),
     })
 }
 
-/// Stores written before span profiles have no `spans` column; it is added (empty).
-fn add_spans_column(conn: &Connection) -> Result<(), StoreError> {
+/// Stores written before span profiles (`spans`) or periods (`period`) lack that column of
+/// `profiles`; it is added, empty.
+fn add_profile_column(conn: &Connection, name: &str, kind: &str) -> Result<(), StoreError> {
     let present: i64 = conn.query_row(
-        "SELECT COUNT(*) FROM pragma_table_info('profiles') WHERE name = 'spans'",
-        [],
+        "SELECT COUNT(*) FROM pragma_table_info('profiles') WHERE name = ?",
+        [name],
         |r| r.get(0),
     )?;
     if present == 0 {
-        conn.execute_batch("ALTER TABLE profiles ADD COLUMN spans BLOB")?;
+        conn.execute_batch(&format!("ALTER TABLE profiles ADD COLUMN {name} {kind}"))?;
     }
+    Ok(())
+}
+
+/// Stores written before frames keyed their nodes by name id: each name becomes the frame of
+/// the same id, a bare name, so their nodes keep their meaning. A store has names without
+/// frames only then (a write adds both in one transaction).
+fn give_names_frames(conn: &Connection) -> Result<(), StoreError> {
+    let frame_blocks: i64 =
+        conn.query_row("SELECT COUNT(*) FROM frame_blocks", [], |r| r.get(0))?;
+    let names: i64 = conn.query_row("SELECT COUNT(*) FROM names", [], |r| r.get(0))?;
+    if frame_blocks > 0 || names == 0 {
+        return Ok(());
+    }
+    let bare: Vec<Frame> = (0..names as u32).map(Frame::named).collect();
+    conn.execute(
+        "INSERT INTO frame_blocks(first_id, frames) VALUES (0, ?)",
+        [frames::encode_frames(&bare)],
+    )?;
+    tracing::info!(names, "profile store: gave stored names their frames");
     Ok(())
 }
 
@@ -1491,6 +1578,41 @@ fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
             debug_assert_eq!(id as usize, catalog.names.len());
             catalog.intern_name(&name);
         }
+    }
+    {
+        let mut stmt =
+            conn.prepare("SELECT first_id, frames FROM frame_blocks ORDER BY first_id")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let first: i64 = row.get(0)?;
+            if first != catalog.frames.len() as i64 {
+                return Err(StoreError::Corrupt(codec::CorruptProfile(
+                    "frame blocks do not follow each other",
+                )));
+            }
+            let block = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
+            let names = catalog.names.len() as u32;
+            let mut bad = false;
+            frames::decode_frames(block, |frame| {
+                let known = |id: u32| id == frames::NO_STRING || id < names;
+                bad |= frame.name >= names
+                    || ![frame.system_name, frame.file, frame.object, frame.build_id]
+                        .into_iter()
+                        .all(known);
+                catalog.frames.push(frame);
+            })?;
+            if bad {
+                return Err(StoreError::Corrupt(codec::CorruptProfile(
+                    "a frame refers to a name that is not stored",
+                )));
+            }
+        }
+        catalog.frame_ids = catalog
+            .frames
+            .iter()
+            .enumerate()
+            .map(|(id, frame)| (*frame, id as u32))
+            .collect();
     }
     {
         let mut stmt = conn.prepare("SELECT id, profile_type, service_name FROM spaces")?;

@@ -3,7 +3,11 @@ use std::sync::Arc;
 
 use foldhash::{HashMap, HashMapExt};
 
-use super::{SeriesInfo, Store, StoreError, codec, selector::Selector};
+use super::{
+    Catalog, SeriesInfo, Store, StoreError, codec,
+    frames::{Frame, NO_STRING},
+    selector::Selector,
+};
 
 /// Which profiles a query reads: one profile type, a label selector, a time range (ns, inclusive).
 #[derive(Clone, Debug)]
@@ -116,13 +120,24 @@ fn for_each_profile(
     conn: &rusqlite::Connection,
     selection: &Selection,
     series_id: i64,
+    f: impl FnMut(i64, ProfileEntries<'_>) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    for_each_profile_with_period(conn, selection, series_id, |_| {}, f)
+}
+
+/// [`for_each_profile`], also giving `period` each profile's sampling period (0: unknown).
+fn for_each_profile_with_period(
+    conn: &rusqlite::Connection,
+    selection: &Selection,
+    series_id: i64,
+    mut period: impl FnMut(i64),
     mut f: impl FnMut(i64, ProfileEntries<'_>) -> Result<(), StoreError>,
 ) -> Result<(), StoreError> {
     let mut stmt = conn.prepare_cached(if selection.spans.is_some() {
-        "SELECT time_ns, spans FROM profiles WHERE series_id = ? AND time_ns >= ? \
+        "SELECT time_ns, spans, period FROM profiles WHERE series_id = ? AND time_ns >= ? \
          AND time_ns <= ? AND spans IS NOT NULL ORDER BY time_ns"
     } else {
-        "SELECT time_ns, stacks FROM profiles WHERE series_id = ? AND time_ns >= ? \
+        "SELECT time_ns, stacks, period FROM profiles WHERE series_id = ? AND time_ns >= ? \
          AND time_ns <= ? ORDER BY time_ns"
     })?;
     let mut rows = stmt.query(rusqlite::params![
@@ -133,6 +148,7 @@ fn for_each_profile(
     while let Some(row) = rows.next()? {
         let time_ns: i64 = row.get(0)?;
         let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
+        period(row.get::<_, Option<i64>>(2)?.unwrap_or(0));
         f(
             time_ns,
             ProfileEntries {
@@ -145,9 +161,13 @@ fn for_each_profile(
 }
 
 /// Which nodes of a stack space lie at or below a call site (root-first name ids): a node is
-/// in when its path from the root starts with the whole call site. Parents come before their
-/// children in a space, so one pass decides every node.
-fn nodes_under_call_site(nodes: &[(u32, u32)], call_site: &[Option<u32>]) -> Vec<bool> {
+/// in when the names of its path from the root start with the whole call site. Parents come
+/// before their children in a space, so one pass decides every node.
+fn nodes_under_call_site(
+    catalog: &Catalog,
+    nodes: &[(u32, u32)],
+    call_site: &[Option<u32>],
+) -> Vec<bool> {
     // Per node: how many names of the call site its path matches so far; `None`: it left it.
     let mut matched: Vec<Option<usize>> = vec![None; nodes.len()];
     let mut under = vec![false; nodes.len()];
@@ -157,7 +177,7 @@ fn nodes_under_call_site(nodes: &[(u32, u32)], call_site: &[Option<u32>]) -> Vec
     matched[0] = Some(0);
     under[0] = call_site.is_empty();
     for idx in 1..nodes.len() {
-        let (parent, name) = nodes[idx];
+        let (parent, frame) = nodes[idx];
         let parent = parent as usize;
         if under.get(parent).copied().unwrap_or(false) {
             under[idx] = true;
@@ -166,7 +186,7 @@ fn nodes_under_call_site(nodes: &[(u32, u32)], call_site: &[Option<u32>]) -> Vec
         let Some(depth) = matched.get(parent).copied().flatten() else {
             continue;
         };
-        if call_site.get(depth).copied().flatten() == Some(name) {
+        if call_site.get(depth).copied().flatten() == catalog.name_of_frame(frame) {
             matched[idx] = Some(depth + 1);
             under[idx] = depth + 1 == call_site.len();
         }
@@ -192,20 +212,79 @@ pub struct QueryAnalysis {
 pub type SeriesTotals = (SeriesInfo, Vec<(i64, i64)>);
 
 /// A merged call tree: node 0 is the root (`total`), parents come before their children.
+/// Siblings are merged by name, or, for downloads ([`Store::merge_with_frames`]), only when
+/// they are the same frame (name, file, line, object, address).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MergedTree {
     pub names: Vec<Arc<str>>,
     pub nodes: Vec<TreeNode>,
+    /// The frames of the nodes, when merged by frame; else empty.
+    pub frames: Vec<FrameDetail>,
+    pub period: Period,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TreeNode {
     /// Index into `MergedTree::names`.
     pub name: u32,
+    /// Index into `MergedTree::frames`; [`NO_FRAME`] when merged by name, and for the root.
+    pub frame: u32,
     pub parent: u32,
     pub self_value: i64,
     pub total: i64,
     pub children: Vec<u32>,
+}
+
+/// A [`TreeNode`] without a frame.
+pub const NO_FRAME: u32 = u32::MAX;
+
+/// A frame with its strings, as a download shows it ([`super::frames`] says what is kept).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FrameDetail {
+    pub name: Arc<str>,
+    /// The raw (mangled) name when it differs from `name`.
+    pub system_name: Option<Arc<str>>,
+    pub file: Option<Arc<str>>,
+    pub start_line: u32,
+    pub line: u32,
+    /// The object file of the code and its build id.
+    pub object: Option<Arc<str>>,
+    pub build_id: Option<Arc<str>>,
+    /// Offset in `object`; 0 when unknown.
+    pub address: u64,
+    /// Inlined into its parent node's frame: both are lines of one pprof location.
+    pub inlined: bool,
+}
+
+/// The sampling period of the profiles a tree was merged from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Period {
+    /// No profile said (folded text, stores from before periods were kept).
+    #[default]
+    Unknown,
+    /// Every profile that said had this one.
+    Known(i64),
+    /// Profiles with different periods were merged.
+    Mixed,
+}
+
+impl Period {
+    /// The period of a merge of profiles with `self` and with `other`.
+    pub fn and(self, other: Period) -> Period {
+        match (self, other) {
+            (Period::Unknown, other) | (other, Period::Unknown) => other,
+            (Period::Known(a), Period::Known(b)) if a == b => Period::Known(a),
+            _ => Period::Mixed,
+        }
+    }
+
+    fn of(period: i64) -> Period {
+        if period > 0 {
+            Period::Known(period)
+        } else {
+            Period::Unknown
+        }
+    }
 }
 
 impl MergedTree {
@@ -214,11 +293,14 @@ impl MergedTree {
             names: vec!["total".into()],
             nodes: vec![TreeNode {
                 name: 0,
+                frame: NO_FRAME,
                 parent: u32::MAX,
                 self_value: 0,
                 total: 0,
                 children: Vec::new(),
             }],
+            frames: Vec::new(),
+            period: Period::Unknown,
         }
     }
 
@@ -252,36 +334,89 @@ impl MergedTree {
     }
 }
 
-/// Builds a [`MergedTree`] from several stack spaces, merging nodes with the same name path.
+/// How a [`TreeBuilder`] merges siblings.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum MergeBy {
+    Name,
+    Frame,
+}
+
+/// Builds a [`MergedTree`] from several stack spaces, merging nodes with the same path of
+/// names (or of frames).
 struct TreeBuilder {
     tree: MergedTree,
-    name_ids: HashMap<Arc<str>, u32>,
+    merge_by: MergeBy,
+    /// Store name id → index in the tree's names.
+    name_ids: HashMap<u32, u32>,
+    /// Store frame id → index in the tree's frames, when merging by frame.
+    frame_ids: HashMap<u32, u32>,
+    /// (parent, name or frame index) → child.
     children: HashMap<(u32, u32), u32>,
 }
 
 impl TreeBuilder {
-    fn new() -> TreeBuilder {
+    fn new(merge_by: MergeBy) -> TreeBuilder {
         TreeBuilder {
             tree: MergedTree::new(),
+            merge_by,
             name_ids: HashMap::new(),
+            frame_ids: HashMap::new(),
             children: HashMap::new(),
         }
     }
 
-    fn child(&mut self, parent: u32, name: &Arc<str>) -> u32 {
-        let name_id = match self.name_ids.get(name) {
+    /// The child of `parent` for the store's frame `frame_id`; `None` for an unknown frame.
+    fn child(&mut self, catalog: &Catalog, parent: u32, frame_id: u32) -> Option<u32> {
+        let frame = *catalog.frames.get(frame_id as usize)?;
+        let string = |id: u32| catalog.names.get(id as usize).cloned();
+        let name_id = match self.name_ids.get(&frame.name) {
             Some(&id) => id,
             None => {
                 let id = self.tree.names.len() as u32;
-                self.tree.names.push(name.clone());
-                self.name_ids.insert(name.clone(), id);
+                self.tree.names.push(string(frame.name)?);
+                self.name_ids.insert(frame.name, id);
                 id
             }
         };
-        *self.children.entry((parent, name_id)).or_insert_with(|| {
+        let frame_index = match self.merge_by {
+            MergeBy::Name => NO_FRAME,
+            MergeBy::Frame => match self.frame_ids.get(&frame_id) {
+                Some(&index) => index,
+                None => {
+                    let optional = |id: u32| (id != NO_STRING).then(|| string(id)).flatten();
+                    let Frame {
+                        start_line,
+                        line,
+                        address,
+                        inlined,
+                        ..
+                    } = frame;
+                    let index = self.tree.frames.len() as u32;
+                    self.tree.frames.push(FrameDetail {
+                        name: self.tree.names[name_id as usize].clone(),
+                        system_name: optional(frame.system_name),
+                        file: optional(frame.file),
+                        start_line,
+                        line,
+                        object: optional(frame.object),
+                        build_id: optional(frame.build_id),
+                        address,
+                        inlined,
+                    });
+                    self.frame_ids.insert(frame_id, index);
+                    index
+                }
+            },
+        };
+        let key = match self.merge_by {
+            MergeBy::Name => name_id,
+            MergeBy::Frame => frame_index,
+        };
+        Some(*self.children.entry((parent, key)).or_insert_with(|| {
             let id = self.tree.nodes.len() as u32;
             self.tree.nodes.push(TreeNode {
                 name: name_id,
+                frame: frame_index,
                 parent,
                 self_value: 0,
                 total: 0,
@@ -289,7 +424,7 @@ impl TreeBuilder {
             });
             self.tree.nodes[parent as usize].children.push(id);
             id
-        })
+        }))
     }
 
     fn finish(mut self) -> MergedTree {
@@ -365,13 +500,18 @@ impl Store {
             .collect()
     }
 
-    /// Sums every selected profile into one call tree.
+    /// Sums every selected profile into one call tree, merged by name.
     pub fn merge(&self, selection: &Selection) -> Result<MergedTree, StoreError> {
-        self.merge_of(selection, &self.select_series(selection))
+        self.merge_of(selection, &self.select_series(selection), MergeBy::Name)
     }
 
-    /// The selected profiles merged per series: each series with a non-empty call tree of
-    /// its own; `None` when more than `max_series` series are selected.
+    /// [`Self::merge`] keeping every frame apart (file, line, object, address), for downloads.
+    pub fn merge_with_frames(&self, selection: &Selection) -> Result<MergedTree, StoreError> {
+        self.merge_of(selection, &self.select_series(selection), MergeBy::Frame)
+    }
+
+    /// The selected profiles merged per series, keeping every frame apart: each series with a
+    /// non-empty call tree of its own; `None` when more than `max_series` series are selected.
     pub fn merge_each_series(
         &self,
         selection: &Selection,
@@ -383,7 +523,7 @@ impl Store {
         }
         let mut parts = Vec::with_capacity(series.len());
         for s in series {
-            let tree = self.merge_of(selection, std::slice::from_ref(&s))?;
+            let tree = self.merge_of(selection, std::slice::from_ref(&s), MergeBy::Frame)?;
             if tree.total() != 0 {
                 parts.push((s, tree));
             }
@@ -396,6 +536,7 @@ impl Store {
         &self,
         selection: &Selection,
         series: &[SeriesInfo],
+        merge_by: MergeBy,
     ) -> Result<MergedTree, StoreError> {
         let mut by_space: HashMap<i64, Vec<i64>> = HashMap::new();
         for s in series {
@@ -404,19 +545,27 @@ impl Store {
         self.check_query_size(by_space.keys())?;
         // Self values per node, one dense vector per stack space.
         let mut sums: Vec<(i64, Vec<i64>)> = Vec::with_capacity(by_space.len());
+        let mut period = Period::Unknown;
         self.with_reader(|conn| {
             for (space, series_ids) in &by_space {
                 let mut values = vec![0i64; 1024];
                 for &id in series_ids {
-                    for_each_profile(conn, selection, id, |_, entries| {
-                        Ok(entries.for_each(|node, value| {
-                            let node = node as usize;
-                            if node >= values.len() {
-                                values.resize((node + 1).next_power_of_two(), 0);
-                            }
-                            values[node] = values[node].saturating_add(value);
-                        })?)
-                    })?;
+                    let read_period = |p| period = period.and(Period::of(p));
+                    for_each_profile_with_period(
+                        conn,
+                        selection,
+                        id,
+                        read_period,
+                        |_, entries| {
+                            Ok(entries.for_each(|node, value| {
+                                let node = node as usize;
+                                if node >= values.len() {
+                                    values.resize((node + 1).next_power_of_two(), 0);
+                                }
+                                values[node] = values[node].saturating_add(value);
+                            })?)
+                        },
+                    )?;
                 }
                 sums.push((*space, values));
             }
@@ -425,7 +574,8 @@ impl Store {
 
         let catalog = self.read_catalog();
         let call_site = catalog.call_site_ids(&selection.call_site);
-        let mut builder = TreeBuilder::new();
+        let mut builder = TreeBuilder::new(merge_by);
+        builder.tree.period = period;
         sums.sort_by_key(|(space, _)| *space);
         for (space_id, mut values) in sums {
             let Some(space) = catalog.spaces.get(&space_id) else {
@@ -433,7 +583,7 @@ impl Store {
             };
             values.resize(space.nodes.len().max(values.len()), 0);
             if let Some(call_site) = &call_site {
-                let under = nodes_under_call_site(&space.nodes, call_site);
+                let under = nodes_under_call_site(&catalog, &space.nodes, call_site);
                 for (value, under) in values.iter_mut().zip(under) {
                     if !under {
                         *value = 0;
@@ -452,15 +602,14 @@ impl Store {
                 if totals[idx] == 0 {
                     continue;
                 }
-                let (parent, name) = space.nodes[idx];
+                let (parent, frame) = space.nodes[idx];
                 let parent_out = mapped[parent as usize];
                 if parent_out == u32::MAX {
                     continue;
                 }
-                let Some(name) = catalog.names.get(name as usize) else {
+                let Some(out) = builder.child(&catalog, parent_out, frame) else {
                     continue;
                 };
-                let out = builder.child(parent_out, name);
                 mapped[idx] = out;
                 let node = &mut builder.tree.nodes[out as usize];
                 node.self_value = node.self_value.saturating_add(values[idx]);
@@ -536,7 +685,9 @@ impl Store {
                 catalog.spaces.get(&space),
                 catalog.call_site_ids(&selection.call_site),
             ) {
-                (Some(space), Some(call_site)) => nodes_under_call_site(&space.nodes, &call_site),
+                (Some(space), Some(call_site)) => {
+                    nodes_under_call_site(&catalog, &space.nodes, &call_site)
+                }
                 _ => Vec::new(),
             }
         };

@@ -41,7 +41,9 @@ fn profile(
         labels,
         time_ns,
         duration_ns: 10 * SECOND,
+        period: 0,
         names,
+        frames: Vec::new(),
         stacks,
         spans: Vec::new(),
     }
@@ -1300,6 +1302,52 @@ fn a_store_from_before_span_profiles_gains_their_column() {
             .folded(),
         vec![("main;new".to_owned(), 6)]
     );
+}
+
+/// A store written before frames and periods: nodes keyed by name id, no `frame_blocks`
+/// table, no `period` column.
+#[test]
+fn a_store_from_before_frames_keeps_its_stacks_and_gains_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = open(dir.path());
+        store
+            .ingest(&[profile("api", &[], NOW, &[("main;old", 4), ("main", 1)])])
+            .unwrap();
+    }
+    {
+        let conn = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+        conn.execute_batch("DROP TABLE frame_blocks; ALTER TABLE profiles DROP COLUMN period")
+            .unwrap();
+    }
+    let store = open(dir.path());
+    let all = selection("{}", 0, i64::MAX);
+    let old = vec![("main".to_owned(), 1), ("main;old".to_owned(), 4)];
+    assert_eq!(store.merge(&all).unwrap().folded(), old);
+    let mut pprof = labelled_pprof(&[("main;new", 6, &[])]);
+    pprof.period = 10_000_000;
+    let profiles = ingest::profiles_from_pprof(
+        &pprof,
+        "process_cpu",
+        &[("service_name".to_owned(), "api".to_owned())],
+        NOW,
+    )
+    .unwrap();
+    store.ingest(&profiles).unwrap();
+    let with_frames = store.merge_with_frames(&all).unwrap();
+    assert_eq!(
+        with_frames.folded(),
+        vec![
+            ("main".to_owned(), 1),
+            ("main;new".to_owned(), 6),
+            ("main;old".to_owned(), 4)
+        ]
+    );
+    // The old profiles had no period; the new one has.
+    assert_eq!(with_frames.period, query::Period::Known(10_000_000));
+    drop(store);
+    // Opened again: the frames given to the old names were stored.
+    assert_eq!(open(dir.path()).merge(&all).unwrap().total(), 11);
 }
 
 #[test]

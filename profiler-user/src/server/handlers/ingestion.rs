@@ -82,7 +82,10 @@ pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<R
                 labels,
                 time_ns: from,
                 duration_ns: (until - from).max(0),
+                // Time types scale each sample by the sample rate's period; counts have none.
+                period: if factor > 1 { factor } else { 0 },
                 names,
+                frames: Vec::new(),
                 stacks,
                 spans: Vec::new(),
             }]

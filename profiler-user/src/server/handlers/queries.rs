@@ -562,7 +562,7 @@ fn merged_pprof(store: &Store, selection: &Selection) -> Result<proto::Profile, 
             ))
         }
         None => {
-            let tree = store.merge(selection).map_err(store_error)?;
+            let tree = store.merge_with_frames(selection).map_err(store_error)?;
             let comment = format!(
                 "samples without labels: the selection has more than {MAX_LABELLED_SERIES} series"
             );
