@@ -633,13 +633,20 @@ pub fn pprof_from_stacks(stacks: &[(Vec<String>, i64)], time_ns: i64) -> proto::
             label: Vec::new(),
         });
     }
-    // One location per function, at a distinct address.
+    // One location per function, at an address of its own that every profile agrees on
+    // (as a real binary's), from the function's name.
+    let address_of = |name: &str| {
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        0x40_0000 + (hash % 0x3f_0000) / 0x10 * 0x10
+    };
     let locations = functions
         .iter()
         .map(|f| proto::Location {
             id: f.id,
             mapping_id: 1,
-            address: 0x40_0000 + f.id * 0x40,
+            address: address_of(&strings[f.name as usize]),
             line: vec![proto::Line {
                 function_id: f.id,
                 line: 0,

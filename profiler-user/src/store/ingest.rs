@@ -202,16 +202,14 @@ pub fn profiles_from_pprof(
         let object = mapping.map_or(NO_STRING, |m| intern_string(m.filename, &mut names));
         let build_id = mapping.map_or(NO_STRING, |m| intern_string(m.build_id, &mut names));
         // Kept as the offset in the object file, the same in every process (see
-        // store::frames); none without an object.
+        // store::frames); none without an object or outside its mapping: such an address
+        // may differ in every process and would make a new frame each time.
         let address = match mapping {
-            Some(m) if object != NO_STRING => {
-                if m.memory_start < m.memory_limit
-                    && (m.memory_start..m.memory_limit).contains(&location.address)
-                {
-                    (location.address - m.memory_start).saturating_add(m.file_offset)
-                } else {
-                    location.address
-                }
+            Some(m)
+                if object != NO_STRING
+                    && (m.memory_start..m.memory_limit).contains(&location.address) =>
+            {
+                (location.address - m.memory_start).saturating_add(m.file_offset)
             }
             _ => 0,
         };

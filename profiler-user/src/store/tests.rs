@@ -1168,6 +1168,110 @@ fn labelled_pprof(samples: &[LabelledSample]) -> crate::wire::proto::Profile {
     }
 }
 
+/// Frames that differ only in line or address are apart in a download's tree, and merged by
+/// name in every other query exactly as if only names had been stored.
+#[test]
+fn frames_of_one_name_merge_like_names() {
+    use crate::wire::proto;
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |below: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % below
+    };
+    // Stacks of six functions; each frame at one of three lines, each line at its address.
+    let mut stacks: Vec<(Vec<(u64, u64)>, i64)> = Vec::new();
+    for _ in 0..300 {
+        let depth = 1 + next(6) as usize;
+        let path = (0..depth).map(|_| (next(6), next(3))).collect();
+        stacks.push((path, 10 * (1 + next(4) as i64)));
+    }
+    let name = |f: u64| format!("fn{f}");
+    let mut strings = vec![String::new(), "/bin/app".to_owned(), "app.c".to_owned()];
+    strings.extend((0..6).map(name));
+    let functions = (0..6)
+        .map(|f| proto::Function {
+            id: f + 1,
+            name: 3 + f as i64,
+            filename: 2,
+            ..Default::default()
+        })
+        .collect();
+    let location = |f: u64, line: u64| proto::Location {
+        id: 1 + f * 3 + line,
+        mapping_id: 1,
+        address: 0x1000 + f * 0x100 + line * 0x10,
+        line: vec![proto::Line {
+            function_id: f + 1,
+            line: 10 + line as i64,
+            column: 0,
+        }],
+        is_folded: false,
+    };
+    let pprof = proto::Profile {
+        sample_type: vec![proto::ValueType { r#type: 0, unit: 0 }],
+        sample: stacks
+            .iter()
+            .map(|(path, value)| proto::Sample {
+                location_id: path.iter().rev().map(|&(f, l)| 1 + f * 3 + l).collect(),
+                value: vec![*value],
+                label: Vec::new(),
+            })
+            .collect(),
+        mapping: vec![proto::Mapping {
+            id: 1,
+            memory_start: 0x1000,
+            memory_limit: 0x2000,
+            filename: 1,
+            ..Default::default()
+        }],
+        location: (0..6)
+            .flat_map(|f| (0..3).map(move |l| location(f, l)))
+            .collect(),
+        function: functions,
+        string_table: strings,
+        ..Default::default()
+    };
+    let labels = [("service_name".to_owned(), "frames".to_owned())];
+    let mut with_frames = ingest::profiles_from_pprof(&pprof, "process_cpu", &labels, NOW).unwrap();
+    with_frames[0].profile_type = Some(ProfileType::parse(CPU).unwrap());
+    store.ingest(&with_frames).unwrap();
+    let folded: Vec<(String, i64)> = stacks
+        .iter()
+        .map(|(path, value)| {
+            let names: Vec<String> = path.iter().map(|&(f, _)| name(f)).collect();
+            (names.join(";"), *value)
+        })
+        .collect();
+    let folded: Vec<(&str, i64)> = folded.iter().map(|(s, v)| (s.as_str(), *v)).collect();
+    store
+        .ingest(&[profile("names", &[], NOW, &folded)])
+        .unwrap();
+
+    let of = |service: &str| selection(&format!(r#"{{service_name="{service}"}}"#), 0, i64::MAX);
+    let by_name = store.merge(&of("frames")).unwrap();
+    assert_eq!(
+        by_name.folded(),
+        store.merge(&of("names")).unwrap().folded()
+    );
+    assert!(by_name.frames.is_empty());
+    let detailed = store.merge_with_frames(&of("frames")).unwrap();
+    assert_eq!(detailed.total(), by_name.total());
+    assert!(detailed.nodes.len() > by_name.nodes.len());
+    // Each detailed node is one frame: line and address agree with the pprof's locations.
+    for node in &detailed.nodes[1..] {
+        let frame = &detailed.frames[node.frame as usize];
+        let f: u64 = frame.name.trim_start_matches("fn").parse().unwrap();
+        let line = frame.line as u64 - 10;
+        assert_eq!(frame.address, f * 0x100 + line * 0x10, "{frame:?}");
+        assert_eq!(frame.file.as_deref(), Some("app.c"));
+        assert_eq!(frame.object.as_deref(), Some("/bin/app"));
+    }
+}
+
 #[test]
 fn span_samples_are_kept_per_span_and_selected_by_id() {
     let dir = tempfile::tempdir().unwrap();
