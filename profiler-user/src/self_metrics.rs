@@ -68,6 +68,10 @@ pub struct SelfMetrics {
     pub store_bytes: u64,
     /// Memory SQLite holds (its page caches and statements), against its soft limit.
     pub store_sqlite_memory_bytes: u64,
+    /// The store's in-memory catalog: strings, frames, call-tree nodes.
+    pub store_catalog_names: u64,
+    pub store_catalog_frames: u64,
+    pub store_catalog_nodes: u64,
     pub http_requests: u64,
     pub http_errors: u64,
     /// Push to Pyroscope: profiles accepted, rejected (4xx, dropped), failed attempts retried,
@@ -525,6 +529,24 @@ impl SelfMetrics {
                 "store_sqlite_memory_bytes",
                 "Bytes of memory SQLite holds (page caches, statements); soft limit 24 MiB",
                 self.store_sqlite_memory_bytes,
+                "gauge",
+            ),
+            (
+                "store_catalog_names",
+                "Strings of the embedded store's frames held in memory (names, files, objects)",
+                self.store_catalog_names,
+                "gauge",
+            ),
+            (
+                "store_catalog_frames",
+                "Frames of the embedded store held in memory",
+                self.store_catalog_frames,
+                "gauge",
+            ),
+            (
+                "store_catalog_nodes",
+                "Call-tree nodes of the embedded store held in memory, all stack spaces",
+                self.store_catalog_nodes,
                 "gauge",
             ),
             (

@@ -169,6 +169,10 @@ impl HealthBoard {
             metrics.store_profiles_evicted = counters.profiles_evicted.load(Ordering::Relaxed);
             metrics.store_bytes = store.used_bytes().unwrap_or(0);
             metrics.store_sqlite_memory_bytes = crate::store::sqlite_memory_bytes();
+            let (names, frames, nodes) = store.catalog_sizes();
+            metrics.store_catalog_names = names as u64;
+            metrics.store_catalog_frames = frames as u64;
+            metrics.store_catalog_nodes = nodes as u64;
         }
         metrics
     }

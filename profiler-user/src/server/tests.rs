@@ -892,6 +892,19 @@ fn metrics_health_and_ui() {
         sqlite_bytes > 0 && sqlite_bytes <= crate::store::SQLITE_SOFT_HEAP_LIMIT_BYTES as u64,
         "{sqlite_bytes}"
     );
+    // The catalog gauges count what the push added: its frames and their nodes.
+    let gauge = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("profiler_store_catalog_{name} ")))
+            .unwrap_or_else(|| panic!("the catalog gauge {name}"))
+            .parse()
+            .unwrap()
+    };
+    let (names, frames, nodes) = (gauge("names"), gauge("frames"), gauge("nodes"));
+    assert!(
+        names > 0 && frames > 0 && nodes > 0,
+        "{names} {frames} {nodes}"
+    );
 
     let (status, body) = server.get("/api/health");
     assert_eq!(status, 200);

@@ -1146,6 +1146,13 @@ impl Store {
         self.with_reader(used_bytes)
     }
 
+    /// What the in-memory catalog holds: (strings, frames, call-tree nodes of all spaces).
+    pub fn catalog_sizes(&self) -> (usize, usize, usize) {
+        let catalog = self.read_catalog();
+        let nodes = catalog.spaces.values().map(|s| s.nodes.len()).sum();
+        (catalog.names.len(), catalog.frames.len(), nodes)
+    }
+
     /// The store file on disk, for tests and the benchmark.
     pub fn database_path(&self) -> &Path {
         &self.inner.path
