@@ -118,7 +118,7 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
     let _guard = exclusive();
     let fixture = fp_fixture("fp_chain.c");
     let service = "whole-host-check";
-    let _running = spawn_with_env(&fixture, &["300"], &[("OTEL_SERVICE_NAME", service)]);
+    let running = spawn_with_env(&fixture, &["300"], &[("OTEL_SERVICE_NAME", service)]);
     // A second busy process that names no service: the whole host means it is sampled too,
     // under a name of its own. (On a quiet machine nothing else may be running.)
     let bystander_service = "whole-host-bystander";
@@ -283,14 +283,32 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
     assert_eq!(summary["totals"], serde_json::json!([graph_total]));
     assert_eq!(summary["period"], 10_000_000, "100 Hz in nanoseconds");
     let fixture_name = fixture.file_name().unwrap().to_str().unwrap().to_owned();
-    let level4: Vec<&serde_json::Value> = summary["samples"]
-        .as_array()
-        .unwrap()
+    let samples = summary["samples"].as_array().unwrap();
+    let level4: Vec<&serde_json::Value> = samples
         .iter()
         .flat_map(|sample| sample["frames"].as_array().unwrap())
         .filter(|frame| frame["function"] == "level4")
         .collect();
     assert!(!level4.is_empty(), "no level4 frame in the download");
+    // Each sample keeps its process and thread (the single-threaded fixture: tid = pid).
+    for sample in samples {
+        let labels = &sample["labels"];
+        assert!(
+            labels["pid"].as_i64().is_some() && labels["tid"].as_i64().is_some(),
+            "{sample}"
+        );
+    }
+    let fixture_pid = i64::from(running.pid());
+    assert!(
+        samples.iter().any(|s| s["functions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f == "level4")
+            && s["labels"]["pid"] == fixture_pid
+            && s["labels"]["tid"] == fixture_pid),
+        "no level4 sample of pid {fixture_pid}"
+    );
     for frame in &level4 {
         assert!(
             frame["file"].as_str().unwrap().ends_with("fp_chain.c")

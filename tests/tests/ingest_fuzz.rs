@@ -378,6 +378,7 @@ fn check_folded(
             frames: Vec::new(),
             stacks,
             spans: Vec::new(),
+            labelled: Vec::new(),
         }]),
         Err(err) => one_line(err),
     }

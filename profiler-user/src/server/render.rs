@@ -370,10 +370,39 @@ pub fn pprof_of_parts(
                 ..Default::default()
             })
             .collect();
+        // Numeric labels (`pid`, `tid`) of each group, as pprof labels.
+        let groups: Vec<Vec<proto::Label>> = tree
+            .label_groups
+            .iter()
+            .map(|set| {
+                set.iter()
+                    .map(|(key, num)| proto::Label {
+                        key: out.string(key),
+                        num: *num,
+                        ..Default::default()
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut labelled = tree.labelled.iter().peekable();
         // Per node: the location that ends (leaf side) at it and the node above that location.
         let mut location_of: Vec<Option<(u64, u32)>> = vec![None; tree.nodes.len()];
         for (idx, node) in tree.nodes.iter().enumerate().skip(1) {
-            if node.self_value == 0 {
+            // The node's samples with numeric labels (sorted by node), then the rest.
+            let mut values: Vec<(i64, Option<&[proto::Label]>)> = Vec::new();
+            let mut rest = node.self_value;
+            // Skipped: the root's (its samples have no stack, as in the unlabelled case).
+            while labelled.next_if(|(n, _, _)| (*n as usize) < idx).is_some() {}
+            while let Some(&(_, group, value)) = labelled.next_if(|(n, _, _)| *n as usize == idx) {
+                if let Some(labels) = groups.get(group as usize) {
+                    values.push((value, Some(labels)));
+                    rest = rest.saturating_sub(value);
+                }
+            }
+            if rest != 0 {
+                values.push((rest, None));
+            }
+            if values.is_empty() {
                 continue;
             }
             let mut location_id = Vec::new();
@@ -390,17 +419,26 @@ pub fn pprof_of_parts(
                 location_id.push(location);
                 current = above;
             }
-            samples.push(proto::Sample {
-                location_id,
-                value: vec![node.self_value],
-                label: sample_labels.clone(),
-            });
+            for (value, numeric) in values {
+                let mut label = sample_labels.clone();
+                label.extend(numeric.unwrap_or_default().iter().cloned());
+                samples.push(proto::Sample {
+                    location_id: location_id.clone(),
+                    value: vec![value],
+                    label,
+                });
+            }
         }
     }
     let period = parts
         .iter()
         .fold(Period::Unknown, |period, (_, tree)| period.and(tree.period));
     let mut comments: Vec<&str> = comment.into_iter().collect();
+    if parts.iter().any(|(_, tree)| tree.label_groups_capped) {
+        comments.push(
+            "some samples lack their pid and tid: the selection has more than 10000 sets of them",
+        );
+    }
     let period = match period {
         Period::Known(period) => period,
         Period::Unknown => 0,
@@ -436,6 +474,87 @@ pub fn pprof_of_parts(
 /// A pprof location's identity: mapping id, address, and its lines as (function id, line),
 /// innermost first.
 type LocationKey = (u64, u64, Vec<(u64, i64)>);
+
+/// Shapes a pprof for Go's profile-guided optimization, as Pyroscope's `GoPGO` stack-trace
+/// selector asks: each sample keeps its `keep_locations` leaf-most locations (all with 0), and
+/// with `aggregate_callees` its leaf location's innermost line number is dropped, so the
+/// samples of one callee aggregate whatever line they were at (their callers keep theirs).
+/// Samples made identical are merged.
+pub fn apply_go_pgo(profile: &mut proto::Profile, keep_locations: u32, aggregate_callees: bool) {
+    let keep = usize::try_from(keep_locations).unwrap_or(usize::MAX);
+    // A location's identity, to find the one a leaf becomes without its line number.
+    type Key = (u64, u64, Vec<(u64, i64)>);
+    let key_of = |location: &proto::Location| -> Key {
+        (
+            location.mapping_id,
+            location.address,
+            location
+                .line
+                .iter()
+                .map(|l| (l.function_id, l.line))
+                .collect(),
+        )
+    };
+    let mut by_key: HashMap<Key, u64> = profile
+        .location
+        .iter()
+        .map(|location| (key_of(location), location.id))
+        .collect();
+    let index_of: HashMap<u64, usize> = profile
+        .location
+        .iter()
+        .enumerate()
+        .map(|(index, location)| (location.id, index))
+        .collect();
+    // Leaf location id → the same without its innermost line number.
+    let mut as_leaf: HashMap<u64, u64> = HashMap::new();
+    // (locations, labels as (key, str, num, unit)) → index in `samples`.
+    type SampleKey = (Vec<u64>, Vec<(i64, i64, i64, i64)>);
+    let mut merged: HashMap<SampleKey, usize> = HashMap::new();
+    let mut samples: Vec<proto::Sample> = Vec::new();
+    for mut sample in std::mem::take(&mut profile.sample) {
+        if keep > 0 {
+            sample.location_id.truncate(keep);
+        }
+        if aggregate_callees && let Some(leaf) = sample.location_id.first_mut() {
+            let id = *leaf;
+            *leaf = *as_leaf.entry(id).or_insert_with(|| {
+                let Some(&index) = index_of.get(&id) else {
+                    return id;
+                };
+                let mut location = profile.location[index].clone();
+                match location.line.first_mut() {
+                    Some(line) if line.line != 0 => line.line = 0,
+                    _ => return id,
+                }
+                let next_id = profile.location.len() as u64 + 1;
+                *by_key.entry(key_of(&location)).or_insert_with(|| {
+                    location.id = next_id;
+                    profile.location.push(location);
+                    next_id
+                })
+            });
+        }
+        let labels = sample
+            .label
+            .iter()
+            .map(|l| (l.key, l.str, l.num, l.num_unit));
+        let key = (sample.location_id.clone(), labels.collect());
+        match merged.get(&key) {
+            Some(&index) => {
+                let into = &mut samples[index].value;
+                for (sum, value) in into.iter_mut().zip(&sample.value) {
+                    *sum = sum.saturating_add(*value);
+                }
+            }
+            None => {
+                merged.insert(key, samples.len());
+                samples.push(sample);
+            }
+        }
+    }
+    profile.sample = samples;
+}
 
 /// The tables of a pprof being written, each entry once.
 #[derive(Default)]
@@ -625,6 +744,7 @@ mod tests {
             ],
             frames: Vec::new(),
             period: Period::Unknown,
+            ..Default::default()
         }
     }
 
@@ -690,7 +810,11 @@ mod tests {
     /// start line, line)).
     type Location = (String, String, u64, Vec<(String, String, String, i64, i64)>);
 
-    fn stacks_of(pprof: &proto::Profile, sample_type: &str) -> HashMap<Vec<Location>, i64> {
+    /// A stack and the sample's numeric labels (key, value), sorted.
+    type LabelledStack = (Vec<Location>, Vec<(String, i64)>);
+
+    /// ... keyed also by the sample's numeric labels.
+    fn stacks_of(pprof: &proto::Profile, sample_type: &str) -> HashMap<LabelledStack, i64> {
         let text = |i: i64| pprof.string_table[i as usize].clone();
         let value = pprof
             .sample_type
@@ -729,7 +853,14 @@ mod tests {
         let mut out = HashMap::new();
         for sample in &pprof.sample {
             let stack = sample.location_id.iter().map(|&id| location(id)).collect();
-            *out.entry(stack).or_default() += sample.value[value];
+            let mut numeric: Vec<(String, i64)> = sample
+                .label
+                .iter()
+                .filter(|l| l.str == 0)
+                .map(|l| (text(l.key), l.num))
+                .collect();
+            numeric.sort();
+            *out.entry((stack, numeric)).or_default() += sample.value[value];
         }
         out
     }
@@ -795,6 +926,67 @@ mod tests {
                 .count()
                 == 2
         );
+    }
+
+    #[test]
+    fn go_pgo_keeps_leaf_locations_and_drops_the_leaf_line() {
+        use crate::{
+            export::{pprof::build_pprof, test_fixture::*},
+            model::ProfileSample,
+        };
+        let sample = |stack: Vec<u32>, count| ProfileSample {
+            stack,
+            count,
+            more_values: Vec::new(),
+            labels: Vec::new(),
+        };
+        let mut model = profile();
+        // The first two differ only above their leaf location.
+        model.samples = vec![
+            sample(vec![INLINED, MAIN, ROOT], 5),
+            sample(vec![INLINED, MAIN_OTHER_LINE, ROOT], 2),
+            sample(vec![ODD_NAME, MAIN, ROOT], 1),
+        ];
+        let totals = |pprof: &proto::Profile| -> Vec<i64> {
+            (0..pprof.sample_type.len())
+                .map(|i| pprof.sample.iter().map(|s| s.value[i]).sum())
+                .collect()
+        };
+        let original = build_pprof(&model);
+        let location = |pprof: &proto::Profile, id: u64| {
+            pprof.location.iter().find(|l| l.id == id).unwrap().clone()
+        };
+
+        let mut pgo = original.clone();
+        apply_go_pgo(&mut pgo, 1, true);
+        crate::store::ingest::validate_pprof(&pgo).unwrap();
+        assert_eq!(totals(&pgo), totals(&original));
+        assert_eq!(pgo.sample.len(), 2, "the two inlined samples merge");
+        for sample in &pgo.sample {
+            assert_eq!(sample.location_id.len(), 1);
+            let leaf = location(&pgo, sample.location_id[0]);
+            assert_eq!(leaf.line[0].line, 0, "{leaf:?}");
+            // The line of the function the leaf was inlined into stays.
+            if leaf.line.len() == 2 {
+                assert_eq!(leaf.line[1].line, 7);
+            }
+        }
+        // The callers' location of line 10 is untouched for other uses.
+        assert!(
+            pgo.location
+                .iter()
+                .any(|l| l.line.iter().any(|line| line.line == 10))
+        );
+
+        let mut callers = original.clone();
+        apply_go_pgo(&mut callers, 2, false);
+        assert_eq!(totals(&callers), totals(&original));
+        assert_eq!(callers.sample.len(), 3);
+        for sample in &callers.sample {
+            assert_eq!(sample.location_id.len(), 2);
+            let leaf = location(&callers, sample.location_id[0]);
+            assert_ne!(leaf.line[0].line, 0);
+        }
     }
 
     #[test]

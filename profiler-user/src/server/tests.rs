@@ -1247,6 +1247,36 @@ fn a_call_site_selects_the_stacks_under_it() {
         &pgo.encode_to_vec(),
     );
     assert_json_error(status, &body, 501, "go_pgo");
+    // A pprof answers it: every sample keeps at most its 2 leaf-most locations, same total.
+    let profile_request = |go_pgo| crate::wire::api::SelectMergeProfileRequest {
+        profile_type_id: CPU.into(),
+        label_selector: "{}".into(),
+        start: now_ns() / 1_000_000 - 3_600_000,
+        end: now_ns() / 1_000_000 + 60_000,
+        stack_trace_selector: Some(StackTraceSelector {
+            call_site: Vec::new(),
+            go_pgo,
+        }),
+        ..Default::default()
+    };
+    let download = |request: crate::wire::api::SelectMergeProfileRequest| {
+        let (status, body) = server.post(
+            "/querier.v1.QuerierService/SelectMergeProfile",
+            "application/proto",
+            &request.encode_to_vec(),
+        );
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        proto::Profile::decode(body.as_slice()).unwrap()
+    };
+    let whole = download(profile_request(None));
+    let shaped = download(profile_request(Some(crate::wire::api::GoPgo {
+        keep_locations: 2,
+        aggregate_callees: true,
+    })));
+    let total = |p: &proto::Profile| p.sample.iter().map(|s| s.value[0]).sum::<i64>();
+    assert_eq!(total(&shaped), total(&whole));
+    assert!(whole.sample.iter().any(|s| s.location_id.len() > 2));
+    assert!(shaped.sample.iter().all(|s| s.location_id.len() <= 2));
 }
 
 /// `settings.v1.SettingsService`, which Profiles Drilldown keeps its preferences in: Set and Get

@@ -8,7 +8,7 @@ use foldhash::{HashMap, HashMapExt};
 use prost::Message;
 
 use super::{
-    NewProfile, NewSpan, ProfileType,
+    NewLabelled, NewProfile, NewSpan, ProfileType,
     frames::{Frame, NO_STRING},
 };
 use crate::wire::proto;
@@ -281,6 +281,9 @@ pub fn profiles_from_pprof(
     let mut labels: Vec<(String, String)> = Vec::new();
     // (position in `out`, span id) → position in that profile's spans.
     let mut span_positions: HashMap<(usize, u64), usize> = HashMap::new();
+    // Numeric labels (`pid`, `tid`): per position in `out`, set → position in its groups.
+    let mut numeric: Vec<(String, i64)> = Vec::new();
+    let mut numeric_positions: HashMap<usize, HashMap<Vec<(String, i64)>, usize>> = HashMap::new();
     for sample in &pprof.sample {
         let mut path = Vec::with_capacity(sample.location_id.len() * 2);
         for id in sample.location_id.iter().rev() {
@@ -291,6 +294,12 @@ pub fn profiles_from_pprof(
         }
         let mut span = SampleSpan::default();
         labels.clear();
+        numeric.clear();
+        for label in sample.label.iter().filter(|l| l.str == 0 && l.key != 0) {
+            numeric.push((string(label.key).to_owned(), label.num));
+        }
+        numeric.sort();
+        numeric.dedup_by(|a, b| a.0 == b.0);
         for label in sample.label.iter().filter(|l| l.str != 0) {
             let (key, value) = (string(label.key), string(label.str));
             match key {
@@ -338,10 +347,27 @@ pub fn profiles_from_pprof(
                     frames: Vec::new(),
                     stacks: Vec::new(),
                     spans: Vec::new(),
+                    labelled: Vec::new(),
                 });
                 out.len() - 1
             });
             let profile = &mut out[position];
+            if !numeric.is_empty() {
+                let groups = &mut profile.labelled;
+                let positions = numeric_positions.entry(position).or_default();
+                let index = match positions.get(numeric.as_slice()) {
+                    Some(&index) => index,
+                    None => {
+                        groups.push(NewLabelled {
+                            labels: numeric.clone(),
+                            stacks: Vec::new(),
+                        });
+                        positions.insert(numeric.clone(), groups.len() - 1);
+                        groups.len() - 1
+                    }
+                };
+                groups[index].stacks.push((path.clone(), *value));
+            }
             if let Some(span_id) = span.id {
                 let spans = &mut profile.spans;
                 let index = *span_positions

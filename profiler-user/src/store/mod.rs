@@ -250,6 +250,16 @@ pub struct NewProfile {
     /// The samples that named a span (a `span_id` sample label), per span. They are among
     /// `stacks` too: a span query reads these, every other query the stacks.
     pub spans: Vec<NewSpan>,
+    /// The samples with numeric labels (the agent's `pid` and `tid`), per distinct set of them.
+    /// They are among `stacks` too: only downloads read these.
+    pub labelled: Vec<NewLabelled>,
+}
+
+/// The samples of a [`NewProfile`] with one set of numeric labels, sorted by key.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NewLabelled {
+    pub labels: Vec<(String, i64)>,
+    pub stacks: Vec<(Vec<u32>, i64)>,
 }
 
 /// The samples of one span in a [`NewProfile`], as Pyroscope keeps them per sample rather
@@ -625,7 +635,7 @@ CREATE TABLE IF NOT EXISTS series(id INTEGER PRIMARY KEY, space_id INTEGER NOT N
     profile_type TEXT NOT NULL, labels TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS profiles(id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL,
     time_ns INTEGER NOT NULL, duration_ns INTEGER NOT NULL, total INTEGER NOT NULL,
-    stacks BLOB NOT NULL, spans BLOB, period INTEGER);
+    stacks BLOB NOT NULL, spans BLOB, period INTEGER, labelled BLOB);
 CREATE INDEX IF NOT EXISTS profiles_by_series_time ON profiles(series_id, time_ns);
 CREATE INDEX IF NOT EXISTS profiles_by_time ON profiles(time_ns);
 CREATE TABLE IF NOT EXISTS settings(name TEXT PRIMARY KEY, value TEXT NOT NULL,
@@ -708,6 +718,7 @@ fn prepare_database(conn: &mut Connection, check: bool) -> Result<Catalog, Store
     migrate_node_rows(conn)?;
     add_profile_column(conn, "spans", "BLOB")?;
     add_profile_column(conn, "period", "INTEGER")?;
+    add_profile_column(conn, "labelled", "BLOB")?;
     give_names_frames(conn)?;
     load_catalog(conn)
 }
@@ -1034,7 +1045,7 @@ impl Store {
         {
             let mut insert_profile = tx.prepare_cached(
                 "INSERT INTO profiles(series_id, time_ns, duration_ns, total, stacks, spans, \
-                 period) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 period, labelled) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             )?;
             for row in rows {
                 insert_profile.execute(params![
@@ -1045,6 +1056,7 @@ impl Store {
                     row.stacks,
                     row.spans,
                     row.period,
+                    row.labelled,
                 ])?;
             }
         }
@@ -1294,6 +1306,8 @@ struct ProfileRow {
     /// The span blob ([`codec::encode_spans`]); `None` when no sample named a span.
     spans: Option<Vec<u8>>,
     period: Option<i64>,
+    /// The numeric-label blob ([`codec::encode_labelled`]); `None` when no sample had one.
+    labelled: Option<Vec<u8>>,
 }
 
 /// The canonical text of a label set, the series' identity.
@@ -1484,6 +1498,15 @@ fn encode_profile(
         })
         .filter(|span| !span.entries.is_empty())
         .collect();
+    let labelled: Vec<codec::LabelledEntries> = profile
+        .labelled
+        .iter()
+        .map(|group| codec::LabelledEntries {
+            labels: group.labels.clone(),
+            entries: entries_of(&group.stacks, &mut 0),
+        })
+        .filter(|group| !group.entries.is_empty())
+        .collect();
     Ok(ProfileRow {
         series,
         time_ns: profile.time_ns,
@@ -1494,11 +1517,12 @@ fn encode_profile(
         stacks: codec::encode(&entries),
         spans: (!spans.is_empty()).then(|| codec::encode_spans(&spans)),
         period: (profile.period > 0).then_some(profile.period),
+        labelled: (!labelled.is_empty()).then(|| codec::encode_labelled(&labelled)),
     })
 }
 
-/// Stores written before span profiles (`spans`) or periods (`period`) lack that column of
-/// `profiles`; it is added, empty.
+/// Stores written before span profiles (`spans`), periods (`period`) or numeric labels
+/// (`labelled`) lack that column of `profiles`; it is added, empty.
 fn add_profile_column(conn: &Connection, name: &str, kind: &str) -> Result<(), StoreError> {
     let present: i64 = conn.query_row(
         "SELECT COUNT(*) FROM pragma_table_info('profiles') WHERE name = ?",

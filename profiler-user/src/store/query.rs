@@ -122,23 +122,41 @@ fn for_each_profile(
     series_id: i64,
     f: impl FnMut(i64, ProfileEntries<'_>) -> Result<(), StoreError>,
 ) -> Result<(), StoreError> {
-    for_each_profile_with_period(conn, selection, series_id, |_| {}, f)
+    for_each_profile_with_extras(conn, selection, series_id, false, |_| Ok(()), f)
 }
 
-/// [`for_each_profile`], also giving `period` each profile's sampling period (0: unknown).
-fn for_each_profile_with_period(
+/// What [`for_each_profile_with_extras`] reads besides the entries.
+#[derive(Clone, Copy)]
+struct ProfileExtras<'a> {
+    /// The sampling period, 0 when unknown.
+    period: i64,
+    /// The numeric-label blob ([`codec::encode_labelled`]), when asked for and present.
+    labelled: Option<&'a [u8]>,
+}
+
+/// [`for_each_profile`], also giving `extras` each profile's period and, `with_labelled`,
+/// its numeric-label blob.
+fn for_each_profile_with_extras(
     conn: &rusqlite::Connection,
     selection: &Selection,
     series_id: i64,
-    mut period: impl FnMut(i64),
+    with_labelled: bool,
+    mut extras: impl FnMut(ProfileExtras<'_>) -> Result<(), StoreError>,
     mut f: impl FnMut(i64, ProfileEntries<'_>) -> Result<(), StoreError>,
 ) -> Result<(), StoreError> {
-    let mut stmt = conn.prepare_cached(if selection.spans.is_some() {
-        "SELECT time_ns, spans, period FROM profiles WHERE series_id = ? AND time_ns >= ? \
-         AND time_ns <= ? AND spans IS NOT NULL ORDER BY time_ns"
-    } else {
-        "SELECT time_ns, stacks, period FROM profiles WHERE series_id = ? AND time_ns >= ? \
-         AND time_ns <= ? ORDER BY time_ns"
+    let mut stmt = conn.prepare_cached(match (selection.spans.is_some(), with_labelled) {
+        (true, _) => {
+            "SELECT time_ns, spans, period, NULL FROM profiles WHERE series_id = ? \
+             AND time_ns >= ? AND time_ns <= ? AND spans IS NOT NULL ORDER BY time_ns"
+        }
+        (false, false) => {
+            "SELECT time_ns, stacks, period, NULL FROM profiles WHERE series_id = ? \
+             AND time_ns >= ? AND time_ns <= ? ORDER BY time_ns"
+        }
+        (false, true) => {
+            "SELECT time_ns, stacks, period, labelled FROM profiles WHERE series_id = ? \
+             AND time_ns >= ? AND time_ns <= ? ORDER BY time_ns"
+        }
     })?;
     let mut rows = stmt.query(rusqlite::params![
         series_id,
@@ -148,7 +166,14 @@ fn for_each_profile_with_period(
     while let Some(row) = rows.next()? {
         let time_ns: i64 = row.get(0)?;
         let blob = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
-        period(row.get::<_, Option<i64>>(2)?.unwrap_or(0));
+        let labelled = row
+            .get_ref(3)?
+            .as_blob_or_null()
+            .map_err(rusqlite::Error::from)?;
+        extras(ProfileExtras {
+            period: row.get::<_, Option<i64>>(2)?.unwrap_or(0),
+            labelled,
+        })?;
         f(
             time_ns,
             ProfileEntries {
@@ -221,6 +246,12 @@ pub struct MergedTree {
     /// The frames of the nodes, when merged by frame; else empty.
     pub frames: Vec<FrameDetail>,
     pub period: Period,
+    /// When merged by frame: the part of nodes' self values that had numeric labels (the
+    /// agent's `pid`, `tid`), as (node, index in `label_groups`, value), sorted.
+    pub labelled: Vec<(u32, u32, i64)>,
+    pub label_groups: Vec<Vec<(Arc<str>, i64)>>,
+    /// More than [`MAX_LABEL_GROUPS`] sets were met: the further ones are not in `labelled`.
+    pub label_groups_capped: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -237,6 +268,58 @@ pub struct TreeNode {
 
 /// A [`TreeNode`] without a frame.
 pub const NO_FRAME: u32 = u32::MAX;
+
+/// Distinct sets of numeric labels a download keeps apart; samples of further sets keep only
+/// their series labels (and the download says so).
+pub const MAX_LABEL_GROUPS: usize = 10_000;
+
+/// The numeric-label sets met while merging, each once.
+#[derive(Default)]
+struct LabelGroups {
+    sets: Vec<Vec<(Arc<str>, i64)>>,
+    ids: HashMap<Vec<(Arc<str>, i64)>, u32>,
+    capped: bool,
+}
+
+impl LabelGroups {
+    /// Adds a profile's numeric-label blob: each group's entries into `values` by (node,
+    /// index of its set).
+    fn read(
+        &mut self,
+        blob: &[u8],
+        values: &mut HashMap<(u32, u32), i64>,
+    ) -> Result<(), StoreError> {
+        // The group whose entries follow, set by the first closure and read by the second.
+        let current: std::cell::Cell<Option<u32>> = std::cell::Cell::new(None);
+        codec::decode_labelled(
+            blob,
+            |labels| {
+                let set: Vec<(Arc<str>, i64)> =
+                    labels.iter().map(|&(k, v)| (Arc::from(k), v)).collect();
+                current.set(match self.ids.get(&set) {
+                    Some(&id) => Some(id),
+                    None if self.sets.len() < MAX_LABEL_GROUPS => {
+                        let id = self.sets.len() as u32;
+                        self.ids.insert(set.clone(), id);
+                        self.sets.push(set);
+                        Some(id)
+                    }
+                    None => {
+                        self.capped = true;
+                        None
+                    }
+                });
+            },
+            |node, value| {
+                if let Some(group) = current.get() {
+                    let sum = values.entry((node, group)).or_default();
+                    *sum = sum.saturating_add(value);
+                }
+            },
+        )?;
+        Ok(())
+    }
+}
 
 /// A frame with its strings, as a download shows it ([`super::frames`] says what is kept).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -301,6 +384,9 @@ impl MergedTree {
             }],
             frames: Vec::new(),
             period: Period::Unknown,
+            labelled: Vec::new(),
+            label_groups: Vec::new(),
+            label_groups_capped: false,
         }
     }
 
@@ -546,16 +632,28 @@ impl Store {
         // Self values per node, one dense vector per stack space.
         let mut sums: Vec<(i64, Vec<i64>)> = Vec::with_capacity(by_space.len());
         let mut period = Period::Unknown;
+        // Merged by frame (downloads): the samples with numeric labels too, per space.
+        let with_labelled = merge_by == MergeBy::Frame && selection.spans.is_none();
+        let mut groups = LabelGroups::default();
+        let mut labelled: HashMap<i64, HashMap<(u32, u32), i64>> = HashMap::new();
         self.with_reader(|conn| {
             for (space, series_ids) in &by_space {
                 let mut values = vec![0i64; 1024];
+                let space_labelled = labelled.entry(*space).or_default();
                 for &id in series_ids {
-                    let read_period = |p| period = period.and(Period::of(p));
-                    for_each_profile_with_period(
+                    let read_extras = |extras: ProfileExtras<'_>| {
+                        period = period.and(Period::of(extras.period));
+                        if let Some(blob) = extras.labelled {
+                            groups.read(blob, space_labelled)?;
+                        }
+                        Ok(())
+                    };
+                    for_each_profile_with_extras(
                         conn,
                         selection,
                         id,
-                        read_period,
+                        with_labelled,
+                        read_extras,
                         |_, entries| {
                             Ok(entries.for_each(|node, value| {
                                 let node = node as usize;
@@ -576,14 +674,17 @@ impl Store {
         let call_site = catalog.call_site_ids(&selection.call_site);
         let mut builder = TreeBuilder::new(merge_by);
         builder.tree.period = period;
+        let mut labelled_out: HashMap<(u32, u32), i64> = HashMap::new();
         sums.sort_by_key(|(space, _)| *space);
         for (space_id, mut values) in sums {
             let Some(space) = catalog.spaces.get(&space_id) else {
                 continue;
             };
             values.resize(space.nodes.len().max(values.len()), 0);
-            if let Some(call_site) = &call_site {
-                let under = nodes_under_call_site(&catalog, &space.nodes, call_site);
+            let under = call_site
+                .as_ref()
+                .map(|call_site| nodes_under_call_site(&catalog, &space.nodes, call_site));
+            if let Some(under) = &under {
                 for (value, under) in values.iter_mut().zip(under) {
                     if !under {
                         *value = 0;
@@ -616,8 +717,27 @@ impl Store {
             }
             let root = &mut builder.tree.nodes[0];
             root.self_value = root.self_value.saturating_add(values[0]);
+            for ((node, group), value) in labelled.remove(&space_id).unwrap_or_default() {
+                let node = node as usize;
+                let counted = under.as_ref().is_none_or(|u| u.get(node) == Some(&true));
+                match mapped.get(node) {
+                    Some(&out) if out != u32::MAX && counted => {
+                        let sum = labelled_out.entry((out, group)).or_default();
+                        *sum = sum.saturating_add(value);
+                    }
+                    _ => {}
+                }
+            }
         }
-        Ok(builder.finish())
+        let mut tree = builder.finish();
+        tree.labelled = labelled_out
+            .into_iter()
+            .map(|((node, group), value)| (node, group, value))
+            .collect();
+        tree.labelled.sort_unstable();
+        tree.label_groups = groups.sets;
+        tree.label_groups_capped = groups.capped;
+        Ok(tree)
     }
 
     /// What a selection reads: its series, stack spaces, profiles, stack entries and bytes,

@@ -46,6 +46,7 @@ fn profile(
         frames: Vec::new(),
         stacks,
         spans: Vec::new(),
+        labelled: Vec::new(),
     }
 }
 

@@ -88,6 +88,7 @@ pub async fn ingest(State(state): State<AppState>, request: Request) -> Result<R
                 frames: Vec::new(),
                 stacks,
                 spans: Vec::new(),
+                labelled: Vec::new(),
             }]
         }
         Some(other) => {

@@ -209,9 +209,9 @@ fn selectors(state: &AppState, matchers: &[String]) -> Result<Vec<Selector>, Api
 }
 
 /// The call site of a `stack_trace_selector` (root-first function names; empty: none). A Go
-/// PGO selector is refused, not ignored: the store keeps function names only, not the lines
-/// and addresses such a profile is made of, and answering the whole profile instead would be
-/// silently wrong.
+/// PGO selector is refused, not ignored, here: it shapes a pprof's locations, so only
+/// `SelectMergeProfile` answers it (answering the whole profile instead would be silently
+/// wrong).
 fn call_site(selector: &Option<StackTraceSelector>) -> Result<Vec<String>, ApiError> {
     let Some(selector) = selector else {
         return Ok(Vec::new());
@@ -220,8 +220,8 @@ fn call_site(selector: &Option<StackTraceSelector>) -> Result<Vec<String>, ApiEr
         return Err(ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
             "unimplemented",
-            "stack_trace_selector.go_pgo is not supported: the store keeps function names, \
-             not the lines and addresses a Go PGO profile needs",
+            "stack_trace_selector.go_pgo shapes a pprof's locations: only SelectMergeProfile \
+             answers it",
         ));
     }
     Ok(selector
@@ -418,7 +418,15 @@ pub async fn querier(
         }
         "SelectMergeProfile" => {
             let request: SelectMergeProfileRequest = connect::decode(codec, &body)?;
-            let call_site = call_site(&request.stack_trace_selector)?;
+            // Go PGO: the whole profile, shaped afterwards (a call site is then ignored).
+            let go_pgo = request
+                .stack_trace_selector
+                .as_ref()
+                .and_then(|selector| selector.go_pgo.clone());
+            let call_site = match go_pgo {
+                Some(_) => Vec::new(),
+                None => call_site(&request.stack_trace_selector)?,
+            };
             let mut selection = with_id_selectors(
                 selection(
                     &state,
@@ -432,7 +440,14 @@ pub async fn querier(
                 &[],
             )?;
             selection.call_site = call_site;
-            let profile = bounded_query(&state, move || merged_pprof(&store, &selection)).await?;
+            let profile = bounded_query(&state, move || {
+                let mut profile = merged_pprof(&store, &selection)?;
+                if let Some(pgo) = go_pgo {
+                    render::apply_go_pgo(&mut profile, pgo.keep_locations, pgo.aggregate_callees);
+                }
+                Ok(profile)
+            })
+            .await?;
             if codec == Codec::Json {
                 // Proto3's JSON form of the pprof message, as Connect JSON clients decode it.
                 return Ok((
