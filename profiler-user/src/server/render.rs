@@ -6,7 +6,7 @@ use crate::wire::api::{FlameGraph, FlameGraphDiff, Level};
 use crate::{
     store::{
         ProfileType,
-        query::{MergedTree, Period},
+        query::{MAX_LABEL_GROUPS, MergedTree, Period},
     },
     wire::proto,
 };
@@ -433,21 +433,22 @@ pub fn pprof_of_parts(
     let period = parts
         .iter()
         .fold(Period::Unknown, |period, (_, tree)| period.and(tree.period));
-    let mut comments: Vec<&str> = comment.into_iter().collect();
+    let mut comments: Vec<String> = comment.into_iter().map(str::to_owned).collect();
     if parts.iter().any(|(_, tree)| tree.label_groups_capped) {
-        comments.push(
-            "some samples lack their pid and tid: the selection has more than 10000 sets of them",
-        );
+        comments.push(format!(
+            "some samples lack their pid and tid: the selection has more than {MAX_LABEL_GROUPS} \
+             sets of them"
+        ));
     }
     let period = match period {
         Period::Known(period) => period,
         Period::Unknown => 0,
         Period::Mixed => {
-            comments.push("period 0: profiles with different sampling periods were merged");
+            comments.push("period 0: profiles with different sampling periods were merged".into());
             0
         }
     };
-    let comment = comments.into_iter().map(|text| out.string(text)).collect();
+    let comment = comments.into_iter().map(|text| out.string(&text)).collect();
     let PprofBuilder {
         strings,
         functions,

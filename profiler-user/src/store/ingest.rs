@@ -281,9 +281,10 @@ pub fn profiles_from_pprof(
     let mut labels: Vec<(String, String)> = Vec::new();
     // (position in `out`, span id) → position in that profile's spans.
     let mut span_positions: HashMap<(usize, u64), usize> = HashMap::new();
-    // Numeric labels (`pid`, `tid`): per position in `out`, set → position in its groups.
-    let mut numeric: Vec<(String, i64)> = Vec::new();
-    let mut numeric_positions: HashMap<usize, HashMap<Vec<(String, i64)>, usize>> = HashMap::new();
+    // Numeric labels (`pid`, `tid`) as (key's string index, value): per position in `out`,
+    // set → position in its groups.
+    let mut numeric: Vec<(i64, i64)> = Vec::new();
+    let mut numeric_positions: HashMap<usize, HashMap<Vec<(i64, i64)>, usize>> = HashMap::new();
     for sample in &pprof.sample {
         let mut path = Vec::with_capacity(sample.location_id.len() * 2);
         for id in sample.location_id.iter().rev() {
@@ -296,10 +297,11 @@ pub fn profiles_from_pprof(
         labels.clear();
         numeric.clear();
         for label in sample.label.iter().filter(|l| l.str == 0 && l.key != 0) {
-            numeric.push((string(label.key).to_owned(), label.num));
+            numeric.push((label.key, label.num));
         }
-        numeric.sort();
-        numeric.dedup_by(|a, b| a.0 == b.0);
+        // By key name, one value per name, as the stored groups are.
+        numeric.sort_by(|a, b| string(a.0).cmp(string(b.0)).then(a.1.cmp(&b.1)));
+        numeric.dedup_by(|a, b| string(a.0) == string(b.0));
         for label in sample.label.iter().filter(|l| l.str != 0) {
             let (key, value) = (string(label.key), string(label.str));
             match key {
@@ -359,7 +361,10 @@ pub fn profiles_from_pprof(
                     Some(&index) => index,
                     None => {
                         groups.push(NewLabelled {
-                            labels: numeric.clone(),
+                            labels: numeric
+                                .iter()
+                                .map(|&(key, num)| (string(key).to_owned(), num))
+                                .collect(),
                             stacks: Vec::new(),
                         });
                         positions.insert(numeric.clone(), groups.len() - 1);
