@@ -484,8 +484,7 @@ type LocationKey = (u64, u64, Vec<(u64, i64)>);
 pub fn apply_go_pgo(profile: &mut proto::Profile, keep_locations: u32, aggregate_callees: bool) {
     let keep = usize::try_from(keep_locations).unwrap_or(usize::MAX);
     // A location's identity, to find the one a leaf becomes without its line number.
-    type Key = (u64, u64, Vec<(u64, i64)>);
-    let key_of = |location: &proto::Location| -> Key {
+    let key_of = |location: &proto::Location| -> LocationKey {
         (
             location.mapping_id,
             location.address,
@@ -496,7 +495,7 @@ pub fn apply_go_pgo(profile: &mut proto::Profile, keep_locations: u32, aggregate
                 .collect(),
         )
     };
-    let mut by_key: HashMap<Key, u64> = profile
+    let mut by_key: HashMap<LocationKey, u64> = profile
         .location
         .iter()
         .map(|location| (key_of(location), location.id))
