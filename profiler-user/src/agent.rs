@@ -763,6 +763,7 @@ impl Pipeline {
             symbolization_misses: symbols.misses,
             symbolization_errors: symbols.errors,
             symbol_cache_entries: symbols.cache_entries as u64,
+            symbol_cache_evicted: symbols.cache_evicted,
             symbol_files: symbols.resolvers as u64,
             symbol_file_bytes: symbols.resolver_bytes,
             symbol_files_dropped: symbols.resolvers_dropped,

@@ -38,6 +38,7 @@
 //! size cap.
 pub mod agent;
 pub mod aggregation;
+pub mod bounded;
 pub mod bpf;
 pub mod cli;
 pub mod config;

@@ -39,6 +39,8 @@ pub struct SelfMetrics {
     pub symbolization_misses: u64,
     pub symbolization_errors: u64,
     pub symbol_cache_entries: u64,
+    /// Frames dropped from the symbol cache for its bound (symbolized again when they recur).
+    pub symbol_cache_evicted: u64,
     /// Files whose parsed symbol tables are held, their estimated bytes (bounded), and how many
     /// were dropped for the bound.
     pub symbol_files: u64,
@@ -463,6 +465,12 @@ impl SelfMetrics {
             "Entries in the symbol cache",
             self.symbol_cache_entries as f64,
             "gauge",
+        );
+        push(
+            "symbol_cache_evicted_total",
+            "Frames dropped from the symbol cache for its bound",
+            self.symbol_cache_evicted as f64,
+            "counter",
         );
         push(
             "processes_tracked",

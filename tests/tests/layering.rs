@@ -151,6 +151,7 @@ const LAYERS: &[&str] = &[
     "model",
     "wire",
     "units",
+    "bounded",
 ];
 
 /// Imports that still point up, each named in docs/architecture.md as one to remove.

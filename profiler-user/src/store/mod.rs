@@ -18,6 +18,7 @@
 //! connections and see only committed profiles, whose nodes are always already in memory.
 pub mod codec;
 pub mod frames;
+mod id_index;
 pub mod ingest;
 pub mod limits;
 pub mod query;
@@ -37,6 +38,7 @@ use foldhash::{HashMap, HashMapExt};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, config::DbConfig, params};
 
 use frames::Frame;
+use id_index::IdIndex;
 
 pub use limits::{Limit, LimitCounters, LimitError, StoreLimits};
 
@@ -377,15 +379,24 @@ struct Space {
     service_name: String,
     /// (parent, frame id) per node; node 0 is the root.
     nodes: Vec<(u32, u32)>,
-    index: HashMap<(u32, u32), u32>,
-    /// Whole stacks (frame ids, root first) → their leaf node: an agent sends mostly the same
-    /// stacks every interval, so one lookup per stack replaces one per frame. Only a shortcut:
-    /// cleared when it reaches [`MAX_CACHED_STACKS`] and whenever nodes are undone.
-    leaf_by_stack: HashMap<Box<[u32]>, u32>,
+    /// The nodes (but the root) by (parent, frame id).
+    index: IdIndex,
+    /// A whole stack's hash (frame ids, root first) → its leaf node: an agent sends mostly the
+    /// same stacks every interval, so one lookup and a walk up the leaf's parents (which checks
+    /// it is that stack) replace a lookup per frame. Only a shortcut, keyed by hash so an entry
+    /// costs about 20 bytes, not the stack: a colliding stack replaces the entry; cleared when it
+    /// reaches [`MAX_CACHED_STACKS`] and whenever nodes are undone.
+    leaf_by_stack: HashMap<u64, u32>,
 }
 
-/// Stacks remembered per space (about 150 bytes each).
+/// Stacks remembered per space.
 const MAX_CACHED_STACKS: usize = 20_000;
+
+/// Hashes a stack for [`Space::leaf_by_stack`]: the same stack, the same hash, within the process.
+fn stack_hash(stack: &[u32]) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::default().hash_one(stack)
+}
 
 impl Space {
     fn new(profile_type: String, service_name: String) -> Space {
@@ -393,24 +404,27 @@ impl Space {
             profile_type,
             service_name,
             nodes: vec![(u32::MAX, 0)],
-            index: HashMap::new(),
+            index: IdIndex::default(),
             leaf_by_stack: HashMap::new(),
         }
     }
 
     /// The node of a root-first stack of frame ids, added (with its missing ancestors) when new.
     fn node_of(&mut self, stack: &[u32]) -> u32 {
-        if let Some(&leaf) = self.leaf_by_stack.get(stack) {
+        let hash = stack_hash(stack);
+        if let Some(&leaf) = self.leaf_by_stack.get(&hash)
+            && self.is_path_of(leaf, stack)
+        {
             return leaf;
         }
         let mut node = 0u32;
         for &frame in stack {
-            node = match self.index.get(&(node, frame)) {
-                Some(&child) => child,
+            node = match self.index.find(&self.nodes, &(node, frame)) {
+                Some(child) => child,
                 None => {
                     let child = self.nodes.len() as u32;
                     self.nodes.push((node, frame));
-                    self.index.insert((node, frame), child);
+                    self.index.insert(&self.nodes, child);
                     child
                 }
             };
@@ -418,8 +432,20 @@ impl Space {
         if self.leaf_by_stack.len() >= MAX_CACHED_STACKS {
             self.leaf_by_stack.clear();
         }
-        self.leaf_by_stack.insert(stack.into(), node);
+        self.leaf_by_stack.insert(hash, node);
         node
+    }
+
+    /// Whether `node` is the node of `stack` (root first): its frames, read up its parents.
+    fn is_path_of(&self, node: u32, stack: &[u32]) -> bool {
+        let mut node = node;
+        for &frame in stack.iter().rev() {
+            match self.nodes.get(node as usize) {
+                Some(&(parent, own)) if node != 0 && own == frame => node = parent,
+                _ => return false,
+            }
+        }
+        node == 0
     }
 }
 
@@ -430,7 +456,7 @@ struct Catalog {
     name_ids: HashMap<Arc<str>, u32>,
     /// Frames of every space, their strings in `names`.
     frames: Vec<Frame>,
-    frame_ids: HashMap<Frame, u32>,
+    frame_ids: IdIndex,
     spaces: HashMap<i64, Space>,
     space_ids: HashMap<(String, String), i64>,
     series: HashMap<i64, SeriesInfo>,
@@ -582,10 +608,13 @@ impl Catalog {
 
     /// `frame`'s strings must be ids in `names`.
     fn intern_frame(&mut self, frame: Frame) -> u32 {
-        *self.frame_ids.entry(frame).or_insert_with(|| {
-            self.frames.push(frame);
-            self.frames.len() as u32 - 1
-        })
+        if let Some(id) = self.frame_ids.find(&self.frames, &frame) {
+            return id;
+        }
+        self.frames.push(frame);
+        let id = self.frames.len() as u32 - 1;
+        self.frame_ids.insert(&self.frames, id);
+        id
     }
 
     /// The name id of a frame, `None` for an unknown frame id.
@@ -1071,8 +1100,8 @@ impl Store {
         }
         for &(space_id, before) in &additions.nodes {
             if let Some(space) = catalog.spaces.get_mut(&space_id) {
-                for &node in &space.nodes[before..] {
-                    space.index.remove(&node);
+                for node in (before..space.nodes.len()).rev() {
+                    space.index.remove(&space.nodes, node as u32);
                 }
                 space.nodes.truncate(before);
                 space.leaf_by_stack.clear();
@@ -1085,9 +1114,11 @@ impl Store {
                     .remove(&(space.profile_type, space.service_name));
             }
         }
-        for frame in catalog.frames.split_off(additions.frames_before) {
-            catalog.frame_ids.remove(&frame);
+        let catalog = &mut *catalog;
+        for frame in (additions.frames_before..catalog.frames.len()).rev() {
+            catalog.frame_ids.remove(&catalog.frames, frame as u32);
         }
+        catalog.frames.truncate(additions.frames_before);
         let before = additions.names_before;
         for name in catalog.names.split_off(before) {
             catalog.name_ids.remove(&name);
@@ -1638,12 +1669,9 @@ fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
                 )));
             }
         }
-        catalog.frame_ids = catalog
-            .frames
-            .iter()
-            .enumerate()
-            .map(|(id, frame)| (*frame, id as u32))
-            .collect();
+        for id in 0..catalog.frames.len() {
+            catalog.frame_ids.insert(&catalog.frames, id as u32);
+        }
     }
     {
         let mut stmt = conn.prepare("SELECT id, profile_type, service_name FROM spaces")?;
@@ -1679,8 +1707,8 @@ fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
             let block = row.get_ref(2)?.as_blob().map_err(rusqlite::Error::from)?;
             let Space { nodes, index, .. } = space;
             codec::decode_nodes(first as usize, block, |parent, name| {
-                index.insert((parent, name), nodes.len() as u32);
                 nodes.push((parent, name));
+                index.insert(nodes, nodes.len() as u32 - 1);
             })?;
         }
     }

@@ -1496,3 +1496,27 @@ fn merging_each_series_keeps_their_labels_apart_up_to_a_bound() {
     );
     assert_eq!(store.merge(&api).unwrap().total(), 12);
 }
+
+/// The whole-stack shortcut is keyed by a hash: an entry that points at another stack's leaf
+/// (a collision) is never taken for this stack's node.
+#[test]
+fn a_stack_shortcut_that_collides_is_checked_against_the_tree() {
+    let mut space = Space::new("cpu".into(), "svc".into());
+    let a = space.node_of(&[1, 2, 3]);
+    let b = space.node_of(&[1, 2, 4]);
+    assert_ne!(a, b);
+    assert_eq!(space.node_of(&[1, 2, 3]), a, "from the shortcut");
+    // Pretend [1, 2, 4] hashed like [1, 2, 3]: its entry now names a's leaf.
+    space.leaf_by_stack.insert(stack_hash(&[1, 2, 4]), a);
+    assert_eq!(space.node_of(&[1, 2, 4]), b);
+    // A shorter stack that is a prefix of a cached one is its own node.
+    space.leaf_by_stack.insert(stack_hash(&[1, 2]), a);
+    let prefix = space.node_of(&[1, 2]);
+    assert_eq!(space.nodes[a as usize].0, prefix);
+    assert_eq!(space.node_of(&[]), 0);
+    assert_eq!(
+        space.nodes.len(),
+        5,
+        "root, 1, 2, 3, 4: nothing added twice"
+    );
+}

@@ -184,12 +184,6 @@ impl KernelSymbols {
             }
         }
     }
-
-    /// Forgets the snapshot and module index so a reload picks up (un)loaded modules.
-    pub(super) fn clear(&mut self) {
-        self.modules = None;
-        self.snapshot = None;
-    }
 }
 
 fn snapshot_kallsyms(kallsyms: &Path) -> std::io::Result<(File, PathBuf, ModuleIndex)> {

@@ -24,9 +24,9 @@ use blazesym::symbolize as bz;
 // Every frame of every sample is looked up here: a fast hash matters more than DoS resistance
 // for keys that come from our own BPF program.
 use foldhash::{HashMap, HashMapExt, HashSet};
-use tracing::debug;
 
 use crate::{
+    bounded::TwoGenerationCache,
     model::{
         FileId, FrameKind, FrameLine, MappedFile, MappingInfo, Pid, SymbolizedFrame, UnwoundFrame,
         UnwoundStack,
@@ -53,6 +53,14 @@ pub enum SymbolizationError {
 /// The frame of an address in executable memory that no file backs (JIT-compiled code).
 pub const ANONYMOUS_CODE_FRAME: &str = "[anonymous code]";
 
+/// Default bound of the frame cache. A busy host (compilers, hundreds of short-lived programs a
+/// second, Python services, PyTorch) reuses about 10,000 frames a minute; what is used once goes
+/// with its generation instead of piling up (a stripped compiler makes a new frame for every
+/// address it is sampled at).
+pub const DEFAULT_MAX_CACHED_FRAMES: usize = 16_384;
+/// Mappings remembered for the frames' pprof mappings (a few hundred bytes each).
+const MAX_CACHED_MAPPINGS: usize = 8_192;
+
 /// How the [`Symbolizer`] works.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SymbolizerOptions {
@@ -64,7 +72,8 @@ pub struct SymbolizerOptions {
     pub debug_dirs: Vec<PathBuf>,
     /// The kallsyms file used for kernel frames.
     pub kallsyms_path: PathBuf,
-    /// When the frame cache grows beyond this many entries, all caches are dropped.
+    /// The frame cache holds at most this many entries: two generations of half as many, so a
+    /// frame not used for a whole generation goes (and is symbolized again when it comes back).
     pub max_cached_frames: usize,
     /// What the files' parsed symbol tables may cost together (estimated from their sizes);
     /// beyond, the least recently used files' are dropped and read again when needed.
@@ -83,7 +92,7 @@ impl Default for SymbolizerOptions {
             inline_frames: true,
             debug_dirs: vec![PathBuf::from("/usr/lib/debug")],
             kallsyms_path: PathBuf::from("/proc/kallsyms"),
-            max_cached_frames: 200_000,
+            max_cached_frames: DEFAULT_MAX_CACHED_FRAMES,
             max_resolver_bytes: 48 << 20,
             max_files: 4096,
             source_lines: true,
@@ -104,8 +113,8 @@ pub struct SymbolizerStats {
     pub cache_entries: usize,
     /// Lookups that failed with an error (unreadable or malformed file, bad kallsyms).
     pub errors: u64,
-    /// How many times the caches were dropped for exceeding `max_cached_frames`.
-    pub cache_resets: u64,
+    /// Frames dropped from the cache to stay within `max_cached_frames`.
+    pub cache_evicted: u64,
     /// Files whose parsed symbol tables are held, and their estimated bytes (bounded by
     /// `max_resolver_bytes`); files dropped for that bound so far.
     pub resolvers: usize,
@@ -130,24 +139,27 @@ enum FrameKey {
     Kernel(u64),
 }
 
-/// Hands out one shared `Arc<str>` per distinct string (names and paths repeat a lot).
+/// Hands out one shared `Arc<str>` per distinct string (names and paths repeat a lot). Only a
+/// saving: past [`MAX_INTERNED_STRINGS`] it starts over, and the strings frames hold stay theirs.
 #[derive(Debug, Default)]
 pub(crate) struct StringInterner {
     strings: HashSet<Arc<str>>,
 }
+
+/// Distinct strings the interner remembers before it starts over (about 100 bytes each).
+const MAX_INTERNED_STRINGS: usize = 65_536;
 
 impl StringInterner {
     pub(crate) fn intern(&mut self, value: &str) -> Arc<str> {
         if let Some(existing) = self.strings.get(value) {
             return Arc::clone(existing);
         }
+        if self.strings.len() >= MAX_INTERNED_STRINGS {
+            self.strings.clear();
+        }
         let interned: Arc<str> = Arc::from(value);
         self.strings.insert(Arc::clone(&interned));
         interned
-    }
-
-    fn clear(&mut self) {
-        self.strings.clear();
     }
 }
 
@@ -160,8 +172,9 @@ pub struct Symbolizer {
     /// used eviction).
     resolver_bytes: u64,
     tick: u64,
-    frames: HashMap<FrameKey, Arc<SymbolizedFrame>>,
-    mappings: HashMap<(FileId, u64), Arc<MappingInfo>>,
+    frames: TwoGenerationCache<FrameKey, Arc<SymbolizedFrame>>,
+    /// Shared by the frames of one mapping; each process maps its files at its own addresses.
+    mappings: TwoGenerationCache<(FileId, u64), Arc<MappingInfo>>,
     files: HashMap<FileId, native::FileState>,
     kernel: kernel::KernelSymbols,
     strings: StringInterner,
@@ -177,7 +190,7 @@ pub struct Symbolizer {
 /// too), so releases stay about as rare as intervals on a busy host; a host-benchmark run at
 /// 4 MiB (a release every few seconds) measured 252 µs of CPU per sample against 160-186
 /// before, though at a higher load.
-pub const FILE_PAGES_SLACK_BYTES: u64 = 12 << 20;
+pub const FILE_PAGES_SLACK_BYTES: u64 = 6 << 20;
 /// How often the agent's file-backed RSS is looked at.
 const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -199,6 +212,7 @@ fn resident_file_bytes() -> Option<u64> {
 
 impl Symbolizer {
     pub fn new(options: SymbolizerOptions) -> Self {
+        let max_cached_frames = options.max_cached_frames;
         let resolver = build_resolver(&options);
         let kernel = kernel::KernelSymbols::new(options.kallsyms_path.clone());
         Self {
@@ -206,8 +220,8 @@ impl Symbolizer {
             resolver,
             resolver_bytes: 0,
             tick: 0,
-            frames: HashMap::new(),
-            mappings: HashMap::new(),
+            frames: TwoGenerationCache::new(max_cached_frames),
+            mappings: TwoGenerationCache::new(MAX_CACHED_MAPPINGS),
             files: HashMap::new(),
             kernel,
             strings: StringInterner::default(),
@@ -250,6 +264,7 @@ impl Symbolizer {
     pub fn stats(&self) -> SymbolizerStats {
         SymbolizerStats {
             cache_entries: self.frames.len(),
+            cache_evicted: self.frames.evicted(),
             resolvers: self.files.values().filter(|f| f.resolver.is_some()).count(),
             resolver_bytes: self.resolver_bytes,
             python_code_entries: self.python_code.len(),
@@ -356,7 +371,7 @@ impl Symbolizer {
     }
 
     fn cached(&mut self, key: &FrameKey) -> Option<Arc<SymbolizedFrame>> {
-        let cached = self.frames.get(key).map(Arc::clone);
+        let cached = self.frames.get(key);
         if cached.is_some() {
             self.stats.cache_hits += 1;
         }
@@ -364,33 +379,14 @@ impl Symbolizer {
     }
 
     fn remember(&mut self, key: FrameKey, frame: SymbolizedFrame) -> Arc<SymbolizedFrame> {
-        if self.frames.len() >= self.options.max_cached_frames {
-            self.reset_caches();
-        }
         let frame = Arc::new(frame);
         self.frames.insert(key, Arc::clone(&frame));
         frame
     }
 
-    /// Drops every cache, including blazesym's parsed files, to bound memory.
     /// Drops what was read from a process that exited or exec'ed.
     pub fn forget_process(&mut self, pid: Pid) {
         self.python_code.forget_process(pid);
-    }
-
-    fn reset_caches(&mut self) {
-        debug!(
-            entries = self.frames.len(),
-            "symbolization cache full; resetting"
-        );
-        self.frames.clear();
-        self.mappings.clear();
-        self.files.clear();
-        self.resolver_bytes = 0;
-        self.strings.clear();
-        self.kernel.clear();
-        self.resolver = build_resolver(&self.options);
-        self.stats.cache_resets += 1;
     }
 
     /// Gives back the pages of the files blazesym maps to read symbol names (a large C++
@@ -482,16 +478,19 @@ impl Symbolizer {
         limit: u64,
         file_offset: u64,
     ) -> Arc<MappingInfo> {
-        let mapping = self.mappings.entry((file.id, start)).or_insert_with(|| {
-            Arc::new(MappingInfo {
-                start,
-                limit,
-                file_offset,
-                filename: Arc::clone(&file.path),
-                build_id: file.build_id.clone(),
-            })
+        let key = (file.id, start);
+        if let Some(mapping) = self.mappings.get(&key) {
+            return mapping;
+        }
+        let mapping = Arc::new(MappingInfo {
+            start,
+            limit,
+            file_offset,
+            filename: Arc::clone(&file.path),
+            build_id: file.build_id.clone(),
         });
-        Arc::clone(mapping)
+        self.mappings.insert(key, Arc::clone(&mapping));
+        mapping
     }
 
     fn symbolize_user(
