@@ -557,6 +557,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
         let mut changes = Vec::new();
         for (name, label) in [
             ("profiler_symbol_cache_entries", "symbol cache entries"),
+            (
+                "profiler_symbol_cache_evicted_total",
+                "symbol cache evictions",
+            ),
             ("profiler_open_files", "open files"),
             ("profiler_processes_tracked", "processes tracked"),
             ("profiler_python_processes", "Python processes"),
