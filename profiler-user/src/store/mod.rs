@@ -390,7 +390,7 @@ struct Space {
 }
 
 /// Stacks remembered per space.
-const MAX_CACHED_STACKS: usize = 20_000;
+const MAX_CACHED_STACKS: usize = 8_192;
 
 /// Hashes a stack for [`Space::leaf_by_stack`]: the same stack, the same hash, within the process.
 fn stack_hash(stack: &[u32]) -> u64 {

@@ -187,9 +187,10 @@ pub struct Symbolizer {
 
 /// File-backed memory the agent may gain between two releases of symbol files' pages. Each
 /// release costs reads of the pages still in use (page-out drops them from the page cache
-/// too), so releases stay about as rare as intervals on a busy host; a host-benchmark run at
-/// 4 MiB (a release every few seconds) measured 252 µs of CPU per sample against 160-186
-/// before, though at a higher load.
+/// too), so releases stay rare; but the file-backed RSS moves within this band, so it is as
+/// much of the RSS growth as a measurement can show. 300 s host-benchmark runs measured
+/// 170-211 µs of CPU per sample at 6 MiB against 188-200 µs at 12 MiB (one run at 4 MiB, at a
+/// higher load, 252 µs).
 pub const FILE_PAGES_SLACK_BYTES: u64 = 6 << 20;
 /// How often the agent's file-backed RSS is looked at.
 const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
