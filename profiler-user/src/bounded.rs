@@ -43,12 +43,25 @@ impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
         Some(value)
     }
 
-    /// Inserts (or replaces) `key`; a full generation first turns over.
-    pub fn insert(&mut self, key: K, value: V) {
-        if self.current.len() >= self.generation && !self.current.contains_key(&key) {
+    /// Inserts (or replaces) `key`; a full generation first turns over. True when it did
+    /// (entries unused for a generation are gone).
+    pub fn insert(&mut self, key: K, value: V) -> bool {
+        let turned_over = self.current.len() >= self.generation && !self.current.contains_key(&key);
+        if turned_over {
             self.turn_over();
         }
         self.current.insert(key, value);
+        turned_over
+    }
+
+    /// Keeps only the entries for which `keep` is true (not counted as evicted).
+    pub fn retain(&mut self, mut keep: impl FnMut(&K, &V) -> bool) {
+        self.current.retain(|key, value| keep(key, value));
+        self.previous.retain(|key, value| keep(key, value));
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
+        self.current.keys().chain(self.previous.keys())
     }
 
     /// The current generation becomes the previous one; the previous one's entries go.

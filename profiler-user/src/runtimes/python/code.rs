@@ -3,7 +3,7 @@
 //! A code object is read once (one read of its header, one per string, one for the line
 //! table) into a [`CodeObject`], which then resolves any instruction offset without further
 //! reads; [`CodeCache`] keeps them per (pid, address, fingerprint).
-use std::{collections::HashMap, sync::Arc};
+use std::sync::Arc;
 
 use profiler_common::{CodeIdentity, PY_NAME_HEAD_BYTES, name_word};
 use thiserror::Error;
@@ -12,7 +12,7 @@ use super::{
     layout::{InstructionUnit, LineTableFormat, PyLayout},
     memory::{MemoryError, ProcessMemory, ProcessMemoryExt},
 };
-use crate::model::Pid;
+use crate::{bounded::TwoGenerationCache, model::Pid};
 
 /// Longest string (name, file name) read, in bytes.
 pub const MAX_STRING_BYTES: usize = 4096;
@@ -533,37 +533,32 @@ pub struct CodeCacheStats {
     pub replaced: u64,
 }
 
-/// Code objects by (pid, address, fingerprint), bounded to `capacity` entries. Two
-/// generations: when the young one is half full it becomes the old one and the previous old
-/// one is dropped, so eviction is O(1) and recently used entries survive (they are promoted).
+/// Code objects by (pid, address, fingerprint), bounded to `capacity` entries in two
+/// generations ([`TwoGenerationCache`]): eviction is O(1) and recently used entries survive.
 #[derive(Debug)]
 pub struct CodeCache {
-    young: HashMap<CacheKey, Arc<CodeObject>>,
-    old: HashMap<CacheKey, Arc<CodeObject>>,
+    entries: TwoGenerationCache<CacheKey, Arc<CodeObject>>,
     /// The processes with entries, so the exit of every other process (hundreds a second on a
     /// busy host) costs a set lookup rather than a pass over the cache.
     pids: std::collections::HashSet<Pid>,
-    capacity: usize,
     stats: CodeCacheStats,
 }
 
 impl CodeCache {
     pub fn new(capacity: usize) -> Self {
         Self {
-            young: HashMap::new(),
-            old: HashMap::new(),
+            entries: TwoGenerationCache::new(capacity),
             pids: std::collections::HashSet::new(),
-            capacity: capacity.max(2),
             stats: CodeCacheStats::default(),
         }
     }
 
     pub fn len(&self) -> usize {
-        self.young.len() + self.old.len()
+        self.entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.entries.is_empty()
     }
 
     pub fn stats(&self) -> CodeCacheStats {
@@ -587,40 +582,30 @@ impl CodeCache {
             code_addr,
             fingerprint,
         };
-        if let Some(code) = self.young.get(&key) {
+        if let Some(code) = self.entries.get(&key) {
             self.stats.hits += 1;
-            return Ok(Arc::clone(code));
+            return Ok(code);
         }
-        let code = match self.old.remove(&key) {
-            Some(code) => {
-                self.stats.hits += 1;
-                code
+        self.stats.misses += 1;
+        let code = match read_code_object(mem, layout, code_type_addr, code_addr) {
+            Ok(code) if code.fingerprint == fingerprint => Arc::new(code),
+            Ok(code) => {
+                self.stats.errors += 1;
+                self.stats.replaced += 1;
+                return Err(CodeError::Replaced {
+                    addr: code_addr,
+                    found: code.fingerprint,
+                    sampled: fingerprint,
+                });
             }
-            None => {
-                self.stats.misses += 1;
-                match read_code_object(mem, layout, code_type_addr, code_addr) {
-                    Ok(code) if code.fingerprint == fingerprint => Arc::new(code),
-                    Ok(code) => {
-                        self.stats.errors += 1;
-                        self.stats.replaced += 1;
-                        return Err(CodeError::Replaced {
-                            addr: code_addr,
-                            found: code.fingerprint,
-                            sampled: fingerprint,
-                        });
-                    }
-                    Err(error) => {
-                        self.stats.errors += 1;
-                        return Err(error);
-                    }
-                }
+            Err(error) => {
+                self.stats.errors += 1;
+                return Err(error);
             }
         };
-        if self.young.len() >= self.capacity / 2 {
-            self.old = std::mem::take(&mut self.young);
-            self.pids = self.old.keys().map(|key| key.pid).collect();
+        if self.entries.insert(key, Arc::clone(&code)) {
+            self.pids = self.entries.keys().map(|key| key.pid).collect();
         }
-        self.young.insert(key, Arc::clone(&code));
         self.pids.insert(pid);
         Ok(code)
     }
@@ -630,7 +615,6 @@ impl CodeCache {
         if !self.pids.remove(&pid) {
             return;
         }
-        self.young.retain(|key, _| key.pid != pid);
-        self.old.retain(|key, _| key.pid != pid);
+        self.entries.retain(|key, _| key.pid != pid);
     }
 }
