@@ -85,12 +85,6 @@ impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
     pub fn evicted(&self) -> u64 {
         self.evicted
     }
-
-    pub fn clear(&mut self) {
-        self.evicted += self.len() as u64;
-        self.current.clear();
-        self.previous.clear();
-    }
 }
 
 #[cfg(test)]
@@ -118,7 +112,7 @@ mod tests {
             assert!(cache.len() <= 4, "{} entries", cache.len());
         }
         assert_eq!(cache.get(&999), Some(999));
-        cache.clear();
+        cache.retain(|_, _| false);
         assert!(cache.is_empty());
     }
 
