@@ -687,14 +687,13 @@ impl<M: UnwindMaps> NativeTables<M> {
     /// second at the second sample). The samples before are unwound by the late walk from
     /// the same tables; only a stack deeper than the copy ends early there, marked truncated.
     pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
-        if !self.processes.contains_key(&process.pid)
-            && !process.is_kernel_thread
-            && self.sighting(process.pid) < REGISTER_AT_SAMPLE
-        {
-            self.stats.registrations_put_off += 1;
-            return;
+        if !self.processes.contains_key(&process.pid) && !process.is_kernel_thread {
+            if self.sighting(process.pid) < REGISTER_AT_SAMPLE {
+                self.stats.registrations_put_off += 1;
+                return;
+            }
+            self.sightings.remove(&process.pid);
         }
-        self.sightings.remove(&process.pid);
         self.register(process);
     }
 
