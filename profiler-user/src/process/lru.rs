@@ -1,26 +1,24 @@
-//! A small least-recently-used map: a hash map plus an ordered index of use ticks, so both lookup
-//! and eviction of the oldest entry are cheap even with tens of thousands of entries.
-use std::{collections::BTreeMap, hash::Hash};
+//! A small least-recently-used map over hashlink's linked hash map (already in the tree through
+//! rusqlite): lookup, reordering and eviction of the oldest entry are all O(1), without the
+//! allocation per use that an ordered index of use ticks costs.
+use std::hash::Hash;
 
 // Looked up for every sample (process snapshots, open files): a fast hash.
-use foldhash::{HashMap, HashMapExt};
+use foldhash::fast::RandomState;
+use hashlink::LinkedHashMap;
 
 #[derive(Debug)]
 pub(crate) struct Lru<K, V> {
-    entries: HashMap<K, (V, u64)>,
-    /// Use tick → key; the first entry is the least recently used.
-    by_use: BTreeMap<u64, K>,
-    next_tick: u64,
+    /// Least recently used first.
+    entries: LinkedHashMap<K, V, RandomState>,
     capacity: usize,
 }
 
-impl<K: Hash + Eq + Clone, V> Lru<K, V> {
+impl<K: Hash + Eq, V> Lru<K, V> {
     /// `capacity` is clamped to at least one entry.
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
-            entries: HashMap::new(),
-            by_use: BTreeMap::new(),
-            next_tick: 0,
+            entries: LinkedHashMap::with_hasher(RandomState::default()),
             capacity: capacity.max(1),
         }
     }
@@ -39,57 +37,32 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         self.entries.contains_key(key)
     }
 
-    fn bump(&mut self) -> u64 {
-        self.next_tick += 1;
-        self.next_tick
-    }
-
     /// Returns the value and marks it most recently used.
     pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
-        let tick = self.bump();
-        let (value, used) = self.entries.get_mut(key)?;
-        self.by_use.remove(used);
-        *used = tick;
-        self.by_use.insert(tick, key.clone());
-        Some(value)
+        self.entries.to_back(key)
     }
 
     /// Inserts (or replaces) a value as most recently used; returns the entries evicted to stay
     /// within capacity.
     pub(crate) fn insert(&mut self, key: K, value: V) -> Vec<(K, V)> {
-        let tick = self.bump();
-        if let Some((_, old_tick)) = self.entries.insert(key.clone(), (value, tick)) {
-            self.by_use.remove(&old_tick);
-        }
-        self.by_use.insert(tick, key);
+        self.entries.insert(key, value);
         let mut evicted = Vec::new();
         while self.entries.len() > self.capacity {
-            let Some((_, oldest)) = self.by_use.pop_first() else {
+            let Some(oldest) = self.entries.pop_front() else {
                 break;
             };
-            if let Some((value, _)) = self.entries.remove(&oldest) {
-                evicted.push((oldest, value));
-            }
+            evicted.push(oldest);
         }
         evicted
     }
 
     pub(crate) fn remove(&mut self, key: &K) -> Option<V> {
-        let (value, tick) = self.entries.remove(key)?;
-        self.by_use.remove(&tick);
-        Some(value)
+        self.entries.remove(key)
     }
 
     /// Keeps only the entries for which `keep` returns true, without touching use order.
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(&K, &V) -> bool) {
-        let by_use = &mut self.by_use;
-        self.entries.retain(|key, (value, tick)| {
-            let kept = keep(key, value);
-            if !kept {
-                by_use.remove(tick);
-            }
-            kept
-        });
+        self.entries.retain(|key, value| keep(key, value));
     }
 }
 
