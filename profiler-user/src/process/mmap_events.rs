@@ -7,7 +7,7 @@
 //! `comm_exec` to know where a program's image starts), timed on CLOCK_MONOTONIC like the BPF
 //! events. The rings are drained by the pipeline before each batch of samples, so the mappings
 //! of a process whose sample is handled were read before it.
-use std::{collections::HashSet, sync::Arc};
+use std::{borrow::Cow, collections::HashSet, sync::Arc};
 
 use perf_event::{
     Builder, Sampler,
@@ -216,14 +216,27 @@ impl MmapLog {
     }
 
     fn intern(&mut self, path: &Arc<str>) -> Arc<str> {
-        if let Some(known) = self.paths.get(path) {
+        if let Some(known) = self.paths.get(&**path) {
             return Arc::clone(known);
         }
+        self.remember(Arc::clone(path))
+    }
+
+    /// The shared copy of `path`, allocated only the first time it is seen: announcements
+    /// repeat the same few hundred library paths thousands of times a second.
+    fn intern_str(&mut self, path: &str) -> Arc<str> {
+        match self.paths.get(path) {
+            Some(known) => Arc::clone(known),
+            None => self.remember(Arc::from(path)),
+        }
+    }
+
+    fn remember(&mut self, path: Arc<str>) -> Arc<str> {
         if self.paths.len() >= MAX_PATHS {
             self.paths.clear();
         }
-        self.paths.insert(Arc::clone(path));
-        Arc::clone(path)
+        self.paths.insert(Arc::clone(&path));
+        path
     }
 
     /// The executable mappings of the program `pid` ran at `time_ns` (an exec event's time or
@@ -302,7 +315,10 @@ impl MmapEvents {
                 let data = record.to_contiguous();
                 let mut parser = Parser::new(&*data, config.clone());
                 match parser.parse_record_with_header(Announcement, header) {
-                    Ok(Some(Parsed::Mapped(pid, mapping))) => self.log.mapped(pid, mapping),
+                    Ok(Some(Parsed::Mapped(pid, fields, path))) => {
+                        let path = self.log.intern_str(&String::from_utf8_lossy(&path));
+                        self.log.mapped(pid, fields.with_path(path));
+                    }
                     Ok(Some(Parsed::Execed(pid, time_ns))) => self.log.exec(pid, time_ns),
                     Ok(Some(Parsed::Lost(count))) => {
                         self.log.stats.records_lost += count;
@@ -319,8 +335,31 @@ impl MmapEvents {
     }
 }
 
-enum Parsed {
-    Mapped(Pid, AnnouncedMapping),
+/// An announced mapping as parsed, before its path is interned.
+struct MappingFields {
+    time_ns: u64,
+    start: u64,
+    end: u64,
+    file_offset: u64,
+    file: Option<FileId>,
+}
+
+impl MappingFields {
+    fn with_path(self, path: Arc<str>) -> AnnouncedMapping {
+        AnnouncedMapping {
+            time_ns: self.time_ns,
+            start: self.start,
+            end: self.end,
+            file_offset: self.file_offset,
+            file: self.file,
+            path,
+        }
+    }
+}
+
+enum Parsed<'a> {
+    /// The path's bytes borrow the record where it is contiguous.
+    Mapped(Pid, MappingFields, Cow<'a, [u8]>),
     Execed(Pid, u64),
     Lost(u64),
 }
@@ -328,7 +367,7 @@ enum Parsed {
 struct Announcement;
 
 impl<'a> Visitor<'a> for Announcement {
-    type Output = Option<Parsed>;
+    type Output = Option<Parsed<'a>>;
 
     fn visit_unimplemented(self, _: RecordMetadata) -> Self::Output {
         None
@@ -342,17 +381,16 @@ impl<'a> Visitor<'a> for Announcement {
             }),
             _ => None,
         };
-        let path: Arc<str> = Arc::from(String::from_utf8_lossy(&record.filename).as_ref());
         Some(Parsed::Mapped(
             Pid(record.pid),
-            AnnouncedMapping {
+            MappingFields {
                 time_ns: metadata.sample_id().time().unwrap_or(0),
                 start: record.addr,
                 end: record.addr.saturating_add(record.len),
                 file_offset: record.pgoff,
                 file,
-                path,
             },
+            record.filename,
         ))
     }
 
