@@ -58,6 +58,8 @@ pub struct SelfMetrics {
     pub cgroup_paths: u64,
     /// Snapshots from events whose libraries came from the kernel's mmap announcements.
     pub process_snapshots_from_announced_mmaps: u64,
+    /// Snapshots of live processes whose mappings came from the announcements, not /proc.
+    pub process_maps_from_announcements: u64,
     pub announced_mmaps: MmapLogStats,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
@@ -729,6 +731,12 @@ impl SelfMetrics {
                 "process_snapshots_from_announced_mmaps_total",
                 "Snapshots of processes gone from /proc whose libraries came from mmap announcements",
                 self.process_snapshots_from_announced_mmaps,
+                "counter",
+            ),
+            (
+                "process_maps_from_announcements_total",
+                "Snapshots of live processes whose mappings came from mmap announcements instead of /proc/PID/maps",
+                self.process_maps_from_announcements,
                 "counter",
             ),
             (

@@ -61,6 +61,11 @@ pub struct AnnouncedMapping {
 struct Image {
     exec_ns: u64,
     mappings: Vec<AnnouncedMapping>,
+    /// [`MmapLog::losses`] when the image began: any loss since may have been one of its
+    /// mappings.
+    losses_at_start: u64,
+    /// Mappings beyond [`MAX_MAPPINGS_PER_IMAGE`] were not kept.
+    overflowed: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -80,6 +85,8 @@ pub struct MmapLog {
     paths: HashSet<Arc<str>>,
     mappings: u64,
     stats: MmapLogStats,
+    /// Times records were lost or unparsable.
+    losses: u64,
     /// With [`Self::track_changes`]: the processes announced since the last
     /// [`Self::take_changes`], `None` once that is not known (records lost or unparsable, or
     /// more than [`MAX_CHANGES`]).
@@ -103,6 +110,7 @@ impl MmapLog {
             paths: HashSet::new(),
             mappings: 0,
             stats: MmapLogStats::default(),
+            losses: 0,
             changes: None,
             tracking: false,
         }
@@ -137,6 +145,7 @@ impl MmapLog {
 
     fn lost(&mut self) {
         self.changes = None;
+        self.losses += 1;
     }
 
     pub fn stats(&self) -> MmapLogStats {
@@ -153,6 +162,8 @@ impl MmapLog {
         let image = Image {
             exec_ns: time_ns,
             mappings: Vec::new(),
+            losses_at_start: self.losses,
+            overflowed: false,
         };
         let Some(images) = self.processes.get_mut(&pid) else {
             self.insert(pid, vec![image]);
@@ -194,6 +205,8 @@ impl MmapLog {
                 vec![Image {
                     exec_ns: 0,
                     mappings: vec![mapping],
+                    losses_at_start: self.losses,
+                    overflowed: false,
                 }],
             );
             self.mappings += 1;
@@ -205,6 +218,8 @@ impl MmapLog {
         if image.mappings.len() < MAX_MAPPINGS_PER_IMAGE {
             image.mappings.push(mapping);
             self.mappings += 1;
+        } else {
+            image.overflowed = true;
         }
     }
 
@@ -243,11 +258,35 @@ impl MmapLog {
     /// a sample's), sorted by address: where two overlap, the later mmap replaced the earlier.
     /// `None` unless the exec that started that program was announced.
     pub fn mappings_at(&mut self, pid: Pid, time_ns: u64) -> Option<Vec<AnnouncedMapping>> {
+        self.image_mappings(pid, time_ns, false)
+    }
+
+    /// [`Self::mappings_at`], but only when every mapping that program made since its exec was
+    /// kept: no record lost or unparsable since, and none beyond [`MAX_MAPPINGS_PER_IMAGE`].
+    /// Such a list can stand in for /proc/PID/maps.
+    pub fn complete_mappings_at(
+        &mut self,
+        pid: Pid,
+        time_ns: u64,
+    ) -> Option<Vec<AnnouncedMapping>> {
+        self.image_mappings(pid, time_ns, true)
+    }
+
+    fn image_mappings(
+        &mut self,
+        pid: Pid,
+        time_ns: u64,
+        complete: bool,
+    ) -> Option<Vec<AnnouncedMapping>> {
+        let losses = self.losses;
         let images = self.processes.get_mut(&pid)?;
         let image = images
             .iter()
             .rev()
             .find(|i| i.exec_ns <= time_ns && i.exec_ns != 0)?;
+        if complete && (image.overflowed || image.losses_at_start != losses) {
+            return None;
+        }
         let mut by_time = image.mappings.clone();
         by_time.sort_by_key(|m| m.time_ns);
         let mut result: Vec<AnnouncedMapping> = Vec::with_capacity(by_time.len());

@@ -33,9 +33,9 @@ use self::{
     labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
     lru::Lru,
     maps::executable_mappings,
-    mmap_events::{MmapEvents, MmapLogStats},
+    mmap_events::{AnnouncedMapping, MmapEvents, MmapLogStats},
 };
-use crate::model::{ExecRecord, Mapping, Pid, ProcessInfo, ProcessLabels};
+use crate::model::{ExecRecord, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels};
 
 /// Why a process could not be read.
 #[derive(Debug, Error)]
@@ -121,6 +121,9 @@ pub struct RegistryStats {
     pub identities: u64,
     /// Snapshots from events whose mappings came from the kernel's mmap announcements.
     pub snapshots_from_announced_mmaps: u64,
+    /// Snapshots of live processes whose mappings came from the announcements instead of
+    /// /proc/PID/maps.
+    pub maps_from_announcements: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
     /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
@@ -409,6 +412,34 @@ impl ProcessRegistry {
         }
     }
 
+    /// What /proc/PID/maps would list as executable, from the announcements of the program
+    /// `pid` exec'ed last: `None` unless that exec and every mapping since were announced and
+    /// every mapped file is the one the agent opens by that path (same device and inode; a
+    /// process in another mount namespace usually is not), so the list matches the maps file.
+    fn complete_announced_mappings(&mut self, pid: Pid) -> Option<Vec<Mapping>> {
+        let Identity::Exec(record) = self.identities.get(pid)? else {
+            return None;
+        };
+        let announced = self
+            .mmaps
+            .as_mut()?
+            .log
+            .complete_mappings_at(pid, record.exec_ns)?;
+        if announced.is_empty() {
+            return None;
+        }
+        announced
+            .into_iter()
+            .map(|mapping| {
+                let file = match mapping.file {
+                    Some(id) => Some(self.files.announced(&mapping.path, id)?),
+                    None => None,
+                };
+                Some(announced_mapping(mapping, file))
+            })
+            .collect()
+    }
+
     /// The executable mappings the kernel announced for the program `record` started: all its
     /// libraries, not only its main executable. `None` when that exec was not announced.
     fn announced_mappings(&mut self, pid: Pid, record: &ExecRecord) -> Option<Vec<Mapping>> {
@@ -422,15 +453,7 @@ impl ProcessRegistry {
                 let file = mapping
                     .file
                     .and_then(|id| self.files.announced(&mapping.path, id));
-                Mapping {
-                    start: mapping.start,
-                    end: mapping.end,
-                    file_offset: mapping.file_offset,
-                    name: file
-                        .as_ref()
-                        .map_or_else(|| Arc::clone(&mapping.path), |f| Arc::clone(&f.path)),
-                    file,
-                }
+                announced_mapping(mapping, file)
             })
             .collect();
         self.stats.snapshots_from_announced_mmaps += 1;
@@ -455,8 +478,9 @@ impl ProcessRegistry {
         }
         entry.refreshed_at = now;
         let previous = Arc::clone(&entry.info);
-        // Everything is reread, not just maps: an exec changes the program and its labels.
-        match self.take_snapshot(pid, now) {
+        // Everything is reread, not just maps: an exec changes the program and its labels. The
+        // maps file, not the announcements: they never say what was unmapped.
+        match self.take_snapshot_with(pid, now, MapsSource::ProcMaps) {
             Some(info) => {
                 self.stats.refreshes += 1;
                 debug!(%pid, addr = format_args!("{addr:#x}"), "refreshed mappings");
@@ -483,11 +507,31 @@ impl ProcessRegistry {
         self.interval += 1;
     }
 
-    /// Reads /proc/PID and stores the snapshot; `None` when the process does not exist.
+    /// Reads /proc/PID and stores the snapshot; `None` when the process does not exist. The
+    /// mappings come from the kernel's announcements when they are complete for the program
+    /// it runs, else from /proc/PID/maps (the larger part of a snapshot's cost).
     fn take_snapshot(&mut self, pid: Pid, now: Instant) -> Option<Arc<ProcessInfo>> {
+        self.take_snapshot_with(pid, now, MapsSource::AnnouncementsWhenComplete)
+    }
+
+    fn take_snapshot_with(
+        &mut self,
+        pid: Pid,
+        now: Instant,
+        maps: MapsSource,
+    ) -> Option<Arc<ProcessInfo>> {
         let process_dir = self.process_dir(pid);
-        let (info, provisional) = match read_process(pid, &process_dir, &self.host, &mut self.files)
-        {
+        let announced = match maps {
+            MapsSource::AnnouncementsWhenComplete => self.complete_announced_mappings(pid),
+            MapsSource::ProcMaps => None,
+        };
+        let from_announcements = announced.is_some();
+        let snapshot = match announced {
+            Some(mappings) => read_identity(pid, &process_dir, &self.host)
+                .map(|identity| identity.with_mappings(pid, mappings)),
+            None => read_process(pid, &process_dir, &self.host, &mut self.files),
+        };
+        let (info, provisional) = match snapshot {
             Ok(snapshot) => (Arc::new(snapshot.info), snapshot.provisional),
             Err(error) => {
                 debug!(%pid, %error, "no snapshot");
@@ -495,6 +539,9 @@ impl ProcessRegistry {
             }
         };
         self.stats.snapshots_taken += 1;
+        if from_announcements {
+            self.stats.maps_from_announcements += 1;
+        }
         let entry = Entry {
             info: Arc::clone(&info),
             start_checked_at: now,
@@ -508,6 +555,34 @@ impl ProcessRegistry {
         Some(info)
     }
 }
+
+/// Where a snapshot's mappings come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MapsSource {
+    /// The kernel's announcements when complete for the process's program, else the maps file.
+    AnnouncementsWhenComplete,
+    ProcMaps,
+}
+
+/// An announced mapping as a snapshot's mapping, named as /proc/PID/maps names it.
+fn announced_mapping(mapping: AnnouncedMapping, file: Option<Arc<MappedFile>>) -> Mapping {
+    let name = match &file {
+        Some(file) => Arc::clone(&file.path),
+        // perf's name for anonymous executable memory (JIT code); the maps file leaves it blank.
+        None if &*mapping.path == ANNOUNCED_ANONYMOUS_NAME => Arc::from(maps::ANONYMOUS_NAME),
+        None => mapping.path,
+    };
+    Mapping {
+        start: mapping.start,
+        end: mapping.end,
+        file_offset: mapping.file_offset,
+        name,
+        file,
+    }
+}
+
+/// How the kernel's mmap announcements name anonymous memory.
+const ANNOUNCED_ANONYMOUS_NAME: &str = "//anon";
 
 fn read_bytes(path: &Path) -> Option<Vec<u8>> {
     fs::read(path).ok()
@@ -607,6 +682,24 @@ pub fn read_identity(
     })
 }
 
+impl LabelledProcess {
+    /// The snapshot of this process with `mappings` (from /proc/PID/maps or announcements).
+    pub fn with_mappings(self, pid: Pid, mappings: Vec<Mapping>) -> Snapshot {
+        debug!(%pid, comm = %self.comm, service_name = %self.labels.service_name, mappings = mappings.len(), "snapshot");
+        Snapshot {
+            provisional: self.provisional,
+            info: ProcessInfo {
+                pid,
+                start_time: self.start_time,
+                comm: Arc::from(self.comm),
+                labels: self.labels,
+                mappings,
+                is_kernel_thread: self.is_kernel_thread,
+            },
+        }
+    }
+}
+
 /// Reads one process: who it is ([`read_identity`]) and its executable mappings.
 pub fn read_process(
     pid: Pid,
@@ -614,33 +707,16 @@ pub fn read_process(
     host: &str,
     files: &mut FileCache,
 ) -> Result<Snapshot, ProcessError> {
-    let LabelledProcess {
-        comm,
-        start_time,
-        labels,
-        is_kernel_thread,
-        provisional,
-    } = read_identity(pid, process_dir, host)?;
+    let identity = read_identity(pid, process_dir, host)?;
     // Kernel threads have no user mappings.
-    let mappings = if is_kernel_thread {
+    let mappings = if identity.is_kernel_thread {
         Vec::new()
     } else {
         fs::read_to_string(process_dir.join("maps"))
             .map(|text| executable_mappings(pid, process_dir, &text, files))
             .unwrap_or_default()
     };
-    debug!(%pid, %comm, service_name = %labels.service_name, mappings = mappings.len(), "snapshot");
-    Ok(Snapshot {
-        provisional,
-        info: ProcessInfo {
-            pid,
-            start_time,
-            comm: Arc::from(comm),
-            labels,
-            mappings,
-            is_kernel_thread,
-        },
-    })
+    Ok(identity.with_mappings(pid, mappings))
 }
 
 #[cfg(test)]

@@ -862,3 +862,107 @@ fn file_descriptors_are_split_so_no_user_can_take_them_all() {
     let starved = FdBudget::split(100, 1024, 4096, 16);
     assert_eq!((starved.connections, starved.mapped_files), (1, 1));
 }
+
+fn monotonic_now_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// A process exec'ed while the kernel announces mmaps gets its snapshot's mappings from the
+/// announcements, the same as /proc/PID/maps lists; an address in none of them rereads the maps
+/// file.
+#[test]
+fn live_mappings_from_announcements_match_the_maps_file() {
+    let cpus: Vec<u32> = (0..thread::available_parallelism().map_or(1, |n| n.get()))
+        .map(|c| c as u32)
+        .collect();
+    let events = match MmapEvents::open(&cpus) {
+        Ok(events) => events,
+        Err(error) if error.raw_os_error() == Some(libc::EACCES) => {
+            eprintln!("skipped: perf events need privileges ({error})");
+            return;
+        }
+        Err(error) => panic!("cannot open perf events: {error}"),
+    };
+    let mut registry = ProcessRegistry::with_config(
+        PathBuf::from("/proc"),
+        "profiler-test-host".to_owned(),
+        RegistryConfig {
+            recheck_interval: Duration::ZERO,
+            ..RegistryConfig::default()
+        },
+    );
+    registry.watch_mmaps(events);
+    let child = spawn(Command::new("sleep").arg("30"));
+    let pid = child.pid();
+    wait_for_exe(pid, "sleep");
+    // The dynamic loader maps libc after the exec.
+    for _ in 0..250 {
+        if fs::read_to_string(format!("/proc/{pid}/maps"))
+            .is_ok_and(|maps| maps.contains("libc.so"))
+        {
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    registry.drain_mmaps();
+    let exe = fs::read_link(format!("/proc/{pid}/exe")).expect("exe");
+    let metadata = fs::metadata(&exe).expect("stat exe");
+    let record = ExecRecord {
+        filename: exe.to_string_lossy().into_owned(),
+        args: vec!["sleep".to_owned(), "30".to_owned()],
+        comm: "sleep".to_owned(),
+        cgroup_id: 0,
+        exe: Some(FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        }),
+        code: None,
+        // After the exec: the image the announcements started for it.
+        exec_ns: monotonic_now_ns(),
+    };
+    registry.record_exec(pid, Arc::new(record));
+
+    let info = registry.lookup(pid).expect("snapshot");
+    assert_eq!(registry.stats().maps_from_announcements, 1);
+    let mut files = FileCache::new(64);
+    let from_maps = read_process(pid, Path::new(&format!("/proc/{pid}")), "h", &mut files)
+        .expect("read /proc")
+        .info
+        .mappings;
+    // No mmap makes the legacy vsyscall page: only the maps file lists it.
+    let described = |mappings: &[Mapping]| -> Vec<(u64, u64, u64, String, Option<FileId>)> {
+        mappings
+            .iter()
+            .filter(|m| &*m.name != "[vsyscall]")
+            .map(|m| {
+                (
+                    m.start,
+                    m.end,
+                    m.file_offset,
+                    m.name.to_string(),
+                    m.file.as_ref().map(|f| f.id),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(described(&info.mappings), described(&from_maps));
+    assert!(
+        info.mappings.iter().any(|m| m.name.contains("libc.so")),
+        "{:?}",
+        info.mappings
+    );
+    assert_eq!(info.labels.executable, exe.to_string_lossy());
+
+    // Announcements never say what was unmapped: an unknown address rereads the maps file.
+    registry
+        .refresh_for_address(pid, 0x10)
+        .expect("still running");
+    let stats = registry.stats();
+    assert_eq!((stats.refreshes, stats.maps_from_announcements), (1, 1));
+}
