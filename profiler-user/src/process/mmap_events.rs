@@ -262,8 +262,8 @@ impl MmapLog {
     }
 
     /// [`Self::mappings_at`], but only when every mapping that program made since its exec was
-    /// kept: no record lost or unparsable since, and none beyond [`MAX_MAPPINGS_PER_IMAGE`].
-    /// Such a list can stand in for /proc/PID/maps.
+    /// kept (no record lost or unparsable since, none beyond [`MAX_MAPPINGS_PER_IMAGE`]) and
+    /// no later exec was announced. Such a list can stand in for /proc/PID/maps.
     pub fn complete_mappings_at(
         &mut self,
         pid: Pid,
@@ -280,11 +280,15 @@ impl MmapLog {
     ) -> Option<Vec<AnnouncedMapping>> {
         let losses = self.losses;
         let images = self.processes.get_mut(&pid)?;
-        let image = images
+        let (index, image) = images
             .iter()
+            .enumerate()
             .rev()
-            .find(|i| i.exec_ns <= time_ns && i.exec_ns != 0)?;
-        if complete && (image.overflowed || image.losses_at_start != losses) {
+            .find(|(_, i)| i.exec_ns <= time_ns && i.exec_ns != 0)?;
+        // A complete list is the one of the program the process runs now: a later exec
+        // announced means it runs another.
+        let latest = index + 1 == images.len();
+        if complete && (!latest || image.overflowed || image.losses_at_start != losses) {
             return None;
         }
         let mut by_time = image.mappings.clone();
@@ -519,6 +523,40 @@ mod tests {
         assert!(log.mappings_at(Pid(3), 15).is_none(), "two images kept");
         assert_eq!(log.mappings_at(Pid(3), 25).map(|m| m.len()), Some(1));
         assert_eq!(log.stats().mappings, 3);
+    }
+
+    #[test]
+    fn a_complete_list_is_the_current_programs_with_nothing_lost() {
+        let mut log = MmapLog::default();
+        let pid = Pid(9);
+        log.exec(pid, 100);
+        log.mapped(pid, mapping(110, 0x1000, 0x2000, "/bin/a"));
+        assert_eq!(log.complete_mappings_at(pid, 150).map(|m| m.len()), Some(1));
+        // A later exec: the process runs another program now.
+        log.exec(pid, 200);
+        log.mapped(pid, mapping(210, 0x3000, 0x4000, "/bin/b"));
+        assert!(log.complete_mappings_at(pid, 150).is_none());
+        assert!(
+            log.mappings_at(pid, 150).is_some(),
+            "still there for a gone process"
+        );
+        assert_eq!(log.complete_mappings_at(pid, 250).map(|m| m.len()), Some(1));
+        // Lost records may have been this program's mappings.
+        log.lost();
+        assert!(log.complete_mappings_at(pid, 250).is_none());
+        assert!(log.mappings_at(pid, 250).is_some());
+        // A program exec'ed after the loss is complete again, until it maps too much.
+        let other = Pid(10);
+        log.exec(other, 300);
+        for page in 0..MAX_MAPPINGS_PER_IMAGE as u64 {
+            log.mapped(
+                other,
+                mapping(310, page * 0x1000, (page + 1) * 0x1000, "/lib/x"),
+            );
+        }
+        assert!(log.complete_mappings_at(other, 400).is_some());
+        log.mapped(other, mapping(320, 0x90_0000, 0x91_0000, "/lib/y"));
+        assert!(log.complete_mappings_at(other, 400).is_none());
     }
 
     /// The kernel announces this test's own dlopen on the ring of the CPU it ran on.

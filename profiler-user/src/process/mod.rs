@@ -420,6 +420,10 @@ impl ProcessRegistry {
         let Identity::Exec(record) = self.identities.get(pid)? else {
             return None;
         };
+        // Read up to now, as the maps file would be: the kernel writes an announcement during
+        // the mmap itself, so every mapping made before the sample being handled is in the
+        // rings, but the last drain (before this batch) may have been before it.
+        self.drain_mmaps();
         let announced = self
             .mmaps
             .as_mut()?
