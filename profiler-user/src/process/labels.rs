@@ -81,13 +81,14 @@ pub fn is_kernel_thread(stat_flags: Option<u64>, cmdline_is_empty: bool, has_exe
 
 /// Keeps only the variables in [`LABEL_ENV_VARS`] from the NUL-separated /proc/PID/environ.
 pub fn parse_environ(raw: &[u8]) -> BTreeMap<String, String> {
+    // Keys are compared as bytes: an environment holds dozens of variables and only a few
+    // are kept, so nothing is decoded or copied for the rest.
     raw.split(|b| *b == 0)
         .filter_map(|entry| {
-            let entry = String::from_utf8_lossy(entry);
-            let (key, value) = entry.split_once('=')?;
-            LABEL_ENV_VARS
-                .contains(&key)
-                .then(|| (key.to_owned(), value.to_owned()))
+            let equals = entry.iter().position(|b| *b == b'=')?;
+            let (key, value) = (&entry[..equals], &entry[equals + 1..]);
+            let key = LABEL_ENV_VARS.iter().find(|k| k.as_bytes() == key)?;
+            Some(((*key).to_owned(), String::from_utf8_lossy(value).into_owned()))
         })
         .collect()
 }
