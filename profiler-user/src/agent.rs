@@ -775,6 +775,7 @@ impl Pipeline {
             cgroup_paths: registry.cgroup_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,
+            process_snapshots: registry.snapshots_taken,
             announced_mmaps: self.processes.mmap_stats().unwrap_or_default(),
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,

@@ -60,6 +60,8 @@ pub struct SelfMetrics {
     pub process_snapshots_from_announced_mmaps: u64,
     /// Snapshots of live processes whose mappings came from the announcements, not /proc.
     pub process_maps_from_announcements: u64,
+    /// Snapshots taken from /proc, for any reason.
+    pub process_snapshots: u64,
     pub announced_mmaps: MmapLogStats,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
@@ -731,6 +733,12 @@ impl SelfMetrics {
                 "process_snapshots_from_announced_mmaps_total",
                 "Snapshots of processes gone from /proc whose libraries came from mmap announcements",
                 self.process_snapshots_from_announced_mmaps,
+                "counter",
+            ),
+            (
+                "process_snapshots_total",
+                "Process snapshots read from /proc (new processes, pid reuse, refreshes)",
+                self.process_snapshots,
                 "counter",
             ),
             (

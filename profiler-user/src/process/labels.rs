@@ -88,7 +88,10 @@ pub fn parse_environ(raw: &[u8]) -> BTreeMap<String, String> {
             let equals = entry.iter().position(|b| *b == b'=')?;
             let (key, value) = (&entry[..equals], &entry[equals + 1..]);
             let key = LABEL_ENV_VARS.iter().find(|k| k.as_bytes() == key)?;
-            Some(((*key).to_owned(), String::from_utf8_lossy(value).into_owned()))
+            Some((
+                (*key).to_owned(),
+                String::from_utf8_lossy(value).into_owned(),
+            ))
         })
         .collect()
 }

@@ -7,8 +7,9 @@
 //! `comm_exec` to know where a program's image starts), timed on CLOCK_MONOTONIC like the BPF
 //! events. The rings are drained by the pipeline before each batch of samples, so the mappings
 //! of a process whose sample is handled were read before it.
-use std::{borrow::Cow, collections::HashSet, sync::Arc};
+use std::{borrow::Cow, sync::Arc};
 
+use foldhash::{HashSet, HashSetExt};
 use perf_event::{
     Builder, Sampler,
     data::{

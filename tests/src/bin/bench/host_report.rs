@@ -582,6 +582,11 @@ fn render_timeline(out: &mut String, run: &HostRun) {
             ("profiler_symbol_file_bytes", "parsed symbol tables (bytes)"),
             ("profiler_process_identities", "exec/fork identities"),
             ("profiler_announced_mmaps", "announced mmaps"),
+            ("profiler_process_snapshots_total", "process snapshots read"),
+            (
+                "profiler_process_maps_from_announcements_total",
+                "of which mappings from announcements",
+            ),
             ("profiler_late_walks_held", "samples held for a late walk"),
         ] {
             if let (Some(x), Some(y)) = (a.metric(name), b.metric(name)) {
