@@ -578,6 +578,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
             ("profiler_store_catalog_names", "store strings"),
             ("profiler_store_catalog_frames", "store frames"),
             ("profiler_store_catalog_nodes", "store call-tree nodes"),
+            (
+                "profiler_store_sqlite_memory_bytes",
+                "SQLite memory (bytes)",
+            ),
             ("profiler_python_code_objects", "Python code objects"),
             ("profiler_symbol_file_bytes", "parsed symbol tables (bytes)"),
             ("profiler_process_identities", "exec/fork identities"),
