@@ -31,7 +31,7 @@ use crate::{
     },
     model::{
         FileId, Pid, PipelineAccess, ProcessInfo, Profile, ProfileEvent, ProfileKind, Sample,
-        SymbolizedFrame, UnwoundFrame, UnwoundStack,
+        SymbolizedFrame, UnwoundFrame, UnwoundStack, monotonic_now_ns,
     },
     off_cpu::OffCpu,
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
@@ -135,21 +135,6 @@ struct Pipeline {
 
 /// How long after an event, with no sample waiting, it is taken to be past.
 const LIFECYCLE_SETTLE_NS: u64 = 200_000_000;
-
-/// CLOCK_MONOTONIC in nanoseconds, the clock of `bpf_ktime_get_ns`.
-fn monotonic_now_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given.
-    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) } != 0 {
-        return 0;
-    }
-    (now.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(now.tv_nsec as u64)
-}
 
 /// How long a sample waits for the tables its late walk needs before it is cut there.
 const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);

@@ -526,3 +526,19 @@ pub struct ProfileEvent {
     /// A label of the event itself (a failed call's `cuda_error`).
     pub label: Option<(&'static str, Arc<str>)>,
 }
+
+/// CLOCK_MONOTONIC in nanoseconds, the clock of `bpf_ktime_get_ns` ([`Sample::ktime_ns`], the
+/// lifecycle events, the mmap announcements).
+pub fn monotonic_now_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) } != 0 {
+        return 0;
+    }
+    (now.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(now.tv_nsec as u64)
+}

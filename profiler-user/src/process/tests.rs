@@ -10,7 +10,7 @@ use std::{
 };
 
 use super::*;
-use crate::model::{ExecRecord, FileId, Pid};
+use crate::model::{ExecRecord, FileId, Pid, monotonic_now_ns};
 
 const CONTAINER_ID: &str = "4d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
 
@@ -861,16 +861,6 @@ fn file_descriptors_are_split_so_no_user_can_take_them_all() {
     // Absurdly low: still at least one of each.
     let starved = FdBudget::split(100, 1024, 4096, 16);
     assert_eq!((starved.connections, starved.mapped_files), (1, 1));
-}
-
-fn monotonic_now_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 /// A process exec'ed while the kernel announces mmaps gets its snapshot's mappings from the
