@@ -196,8 +196,13 @@ impl MmapLog {
 
     /// `pid` mapped executable code.
     pub fn mapped(&mut self, pid: Pid, mut mapping: AnnouncedMapping) {
-        self.changed(pid);
         mapping.path = self.intern(&mapping.path);
+        self.mapped_interned(pid, mapping);
+    }
+
+    /// [`Self::mapped`] for a mapping whose path is interned already.
+    fn mapped_interned(&mut self, pid: Pid, mapping: AnnouncedMapping) {
+        self.changed(pid);
         let time_ns = mapping.time_ns;
         let Some(images) = self.processes.get_mut(&pid) else {
             // No exec seen: a process started before the agent (its /proc entry serves).
@@ -361,7 +366,7 @@ impl MmapEvents {
                 match parser.parse_record_with_header(Announcement, header) {
                     Ok(Some(Parsed::Mapped(pid, fields, path))) => {
                         let path = self.log.intern_str(&String::from_utf8_lossy(&path));
-                        self.log.mapped(pid, fields.with_path(path));
+                        self.log.mapped_interned(pid, fields.with_path(path));
                     }
                     Ok(Some(Parsed::Execed(pid, time_ns))) => self.log.exec(pid, time_ns),
                     Ok(Some(Parsed::Lost(count))) => {
