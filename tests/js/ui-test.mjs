@@ -326,10 +326,24 @@ async function main() {
     log(`sandwich of ${functions.phaseOne}: callers up to ${functions.main}, callees down to ${functions.leaf}`);
 
     // ---- hover ----
-    const leaf = drawn.find((f) => f.name === functions.leaf);
-    const canvasBox = await (await page.$('#flame canvas')).boundingBox();
-    await page.mouse.move(canvasBox.x + leaf.x + leaf.width / 2, canvasBox.y + leaf.y + 9);
-    await page.waitForSelector('#tooltip:not([hidden])');
+    // The flame graph is redrawn whenever a query finishes (the filter and group-by above
+    // reload it, and "last 5 minutes" then holds newer samples), so the frames are read
+    // again just before the pointer moves; a redraw between reading and moving is retried.
+    let leaf;
+    let canvasBox;
+    for (let attempt = 1; ; attempt++) {
+      drawn = await frames(page);
+      leaf = drawn.find((f) => f.name === functions.leaf);
+      canvasBox = await (await page.$('#flame canvas')).boundingBox();
+      await page.mouse.move(canvasBox.x + leaf.x + leaf.width / 2, canvasBox.y + leaf.y + 9);
+      try {
+        await page.waitForSelector('#tooltip:not([hidden])', { timeout: 5000 });
+        break;
+      } catch (error) {
+        if (attempt === 3) throw new Error(`no tooltip over ${JSON.stringify(leaf)} in ${JSON.stringify(canvasBox)}: ${error.message}`);
+        await page.mouse.move(0, 0);
+      }
+    }
     const tip = await page.textContent('#tooltip');
     assert.ok(tip.includes(functions.leaf) && /Total.*%/.test(tip) && /Self/.test(tip), `tooltip: ${tip}`);
     log(`tooltip: ${tip}`);
