@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, TrySendError};
+use crossbeam_channel::{RecvTimeoutError, TrySendError};
 
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping, synthetic_frame},
@@ -36,7 +36,7 @@ use crate::{
     off_cpu::OffCpu,
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
     runtimes::python::PythonTracker,
-    sampling::SampleReader,
+    sampling::{SampleQueue, SampleReader},
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
     server::serve::{ServeError, Serving},
     store::sink::StoreSink,
@@ -802,6 +802,7 @@ fn add_reader_counts(metrics: &mut SelfMetrics, counts: crate::sampling::ReaderC
     metrics.samples_received = counts.received;
     metrics.decode_errors = counts.decode_errors;
     metrics.agent_queue_full = counts.channel_full;
+    metrics.stack_copies_shed = counts.copies_shed;
 }
 
 fn sampler_settings(sampling: &SamplingConfig) -> SamplerSettings {
@@ -904,7 +905,7 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
 /// samples left are for the stop's own bounded drain.
 fn pump(
     pipeline: &mut Pipeline,
-    rx: &Receiver<Sample>,
+    rx: &SampleQueue,
     stop: &AtomicBool,
     mut until: impl FnMut(&mut Pipeline) -> bool,
 ) {
@@ -933,7 +934,7 @@ fn pump(
 
 /// Handles the samples already read, for at most `budget`; the samples left are dropped (and
 /// returned as a count), so a deep queue on a busy host cannot hold up the stop.
-fn drain_queue(pipeline: &mut Pipeline, rx: &Receiver<Sample>, budget: Duration) -> u64 {
+fn drain_queue(pipeline: &mut Pipeline, rx: &SampleQueue, budget: Duration) -> u64 {
     let deadline = Instant::now() + budget;
     let mut dropped = 0u64;
     for (index, sample) in rx.try_iter().enumerate() {

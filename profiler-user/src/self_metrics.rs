@@ -32,6 +32,9 @@ pub struct SelfMetrics {
     pub decode_errors: u64,
     /// Samples lost between the ring-buffer reader and the pipeline.
     pub agent_queue_full: u64,
+    /// Samples whose stack copy the reader dropped (the queued copies were at their bound):
+    /// kept, with the stack cut where BPF stopped.
+    pub stack_copies_shed: u64,
     pub truncated_stacks: u64,
     pub unmapped_frames: u64,
     pub unknown_processes: u64,
@@ -426,6 +429,12 @@ impl SelfMetrics {
             "agent_queue_full_total",
             "Samples dropped because the pipeline lagged",
             self.agent_queue_full as f64,
+            "counter",
+        );
+        push(
+            "stack_copies_shed_total",
+            "Samples queued without their stack copy (the queued copies were at their bound), their stacks cut where the kernel stopped",
+            self.stack_copies_shed as f64,
             "counter",
         );
         push(

@@ -2,19 +2,22 @@
 //!
 //! The reader runs on its own thread and never waits for the rest of the pipeline: when the
 //! pipeline falls behind, the bounded channel is full and the sample is counted as dropped here
-//! (and when the reader itself falls behind, the kernel counts `ringbuf_full`).
+//! (and when the reader itself falls behind, the kernel counts `ringbuf_full`). The channel is
+//! bounded in samples and, for the stack copies some samples carry (up to 16 KiB each, for the
+//! agent to finish their walk), in bytes: past [`QUEUED_COPY_BYTES`] a new sample keeps its
+//! stack only as far as BPF walked it, marked truncated, rather than the queue growing.
 mod decode;
 
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     thread::JoinHandle,
     time::Duration,
 };
 
-use crossbeam_channel::{Receiver, Sender, TrySendError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 
 pub use decode::{DecodeError, decode_sample};
 
@@ -27,7 +30,16 @@ pub struct ReaderStats {
     pub decode_errors: AtomicU64,
     /// Samples dropped because the pipeline channel was full.
     pub channel_full: AtomicU64,
+    /// Stack copies dropped because the queued ones had reached [`QUEUED_COPY_BYTES`].
+    pub copies_shed: AtomicU64,
+    /// Bytes of the stack copies in the channel now.
+    queued_copy_bytes: AtomicUsize,
 }
+
+/// The stack copies the channel holds at most, in bytes: with a pipeline stalled for seconds
+/// (a large library's tables being built) the queue would otherwise hold up to 16 KiB for
+/// each of its 65,536 samples.
+pub const QUEUED_COPY_BYTES: usize = 16 << 20;
 
 /// [`ReaderStats`] read at one moment.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,6 +47,79 @@ pub struct ReaderCounts {
     pub received: u64,
     pub decode_errors: u64,
     pub channel_full: u64,
+    pub copies_shed: u64,
+}
+
+fn copy_bytes(sample: &Sample) -> usize {
+    sample
+        .stack_copy
+        .as_ref()
+        .map_or(0, |copy| copy.bytes.len())
+}
+
+impl ReaderStats {
+    /// Counts `sample`'s stack copy into the queued bytes, or drops the copy (the stack is then
+    /// cut where BPF stopped, and marked so) when it would pass `limit`. Returns the bytes
+    /// counted, to give back if the sample is not queued after all.
+    fn admit_copy(&self, sample: &mut Sample, limit: usize) -> usize {
+        let bytes = copy_bytes(sample);
+        if bytes == 0 {
+            return 0;
+        }
+        let admitted = self
+            .queued_copy_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
+                (queued + bytes <= limit).then_some(queued + bytes)
+            })
+            .is_ok();
+        if admitted {
+            return bytes;
+        }
+        self.copies_shed.fetch_add(1, Ordering::Relaxed);
+        sample.stack_copy = None;
+        sample.user_truncated = true;
+        0
+    }
+
+    fn release_copy(&self, bytes: usize) {
+        if bytes > 0 {
+            self.queued_copy_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        }
+    }
+
+    /// Bytes of the stack copies queued now.
+    pub fn queued_copy_bytes(&self) -> usize {
+        self.queued_copy_bytes.load(Ordering::Acquire)
+    }
+}
+
+/// The pipeline's end of the reader's channel: taking a sample out gives its stack copy's
+/// bytes back to the budget.
+pub struct SampleQueue {
+    rx: Receiver<Sample>,
+    stats: Arc<ReaderStats>,
+}
+
+impl SampleQueue {
+    fn taken(&self, sample: Sample) -> Sample {
+        self.stats.release_copy(copy_bytes(&sample));
+        sample
+    }
+
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Sample, RecvTimeoutError> {
+        self.rx
+            .recv_timeout(timeout)
+            .map(|sample| self.taken(sample))
+    }
+
+    /// The samples queued now, without waiting.
+    pub fn try_iter(&self) -> impl Iterator<Item = Sample> + '_ {
+        self.rx.try_iter().map(|sample| self.taken(sample))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rx.is_empty()
+    }
 }
 
 impl ReaderStats {
@@ -43,6 +128,7 @@ impl ReaderStats {
             received: self.received.load(Ordering::Relaxed),
             decode_errors: self.decode_errors.load(Ordering::Relaxed),
             channel_full: self.channel_full.load(Ordering::Relaxed),
+            copies_shed: self.copies_shed.load(Ordering::Relaxed),
         }
     }
 }
@@ -55,8 +141,8 @@ pub struct SampleReader {
 }
 
 impl SampleReader {
-    /// Starts reading `ring` into a channel of `capacity` samples.
-    pub fn spawn(ring: SampleRing, capacity: usize) -> (Self, Receiver<Sample>) {
+    /// Starts reading `ring` into a channel of `capacity` samples (and [`QUEUED_COPY_BYTES`]).
+    pub fn spawn(ring: SampleRing, capacity: usize) -> (Self, SampleQueue) {
         let (tx, rx) = crossbeam_channel::bounded(capacity);
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ReaderStats::default());
@@ -68,13 +154,17 @@ impl SampleReader {
                 .spawn(move || read_loop(ring, tx, &stop, &stats))
                 .expect("spawning the sample reader thread")
         };
+        let queue = SampleQueue {
+            rx,
+            stats: Arc::clone(&stats),
+        };
         (
             SampleReader {
                 stop,
                 thread: Some(thread),
                 stats,
             },
-            rx,
+            queue,
         )
     }
 
@@ -101,13 +191,17 @@ fn read_loop(mut ring: SampleRing, tx: Sender<Sample>, stop: &AtomicBool, stats:
         ring.drain(|bytes| {
             stats.received.fetch_add(1, Ordering::Relaxed);
             match decode_sample(bytes) {
-                Ok(sample) => match tx.try_send(sample) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) => {
-                        stats.channel_full.fetch_add(1, Ordering::Relaxed);
+                Ok(mut sample) => {
+                    let counted = stats.admit_copy(&mut sample, QUEUED_COPY_BYTES);
+                    match tx.try_send(sample) {
+                        Ok(()) => {}
+                        Err(TrySendError::Full(_)) => {
+                            stats.release_copy(counted);
+                            stats.channel_full.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(TrySendError::Disconnected(_)) => stats.release_copy(counted),
                     }
-                    Err(TrySendError::Disconnected(_)) => {}
-                },
+                }
                 Err(err) => {
                     if stats.decode_errors.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!("undecodable sample from the eBPF program: {err}");
@@ -128,3 +222,66 @@ fn read_loop(mut ring: SampleRing, tx: Sender<Sample>, stop: &AtomicBool, stats:
 /// How often the reader empties the ring buffer. The 4 MiB buffer holds ~1,300 samples of
 /// 3 KiB, i.e. 50 ms of 260 busy CPUs at 100 Hz.
 const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Pid, StackCopy, Tid};
+
+    fn sample_with_copy(bytes: usize) -> Sample {
+        Sample {
+            pid: Pid(7),
+            tid: Tid(7),
+            user_ips: vec![0x1000],
+            stack_copy: Some(Box::new(StackCopy {
+                rip: 0x1000,
+                rsp: 0x7000,
+                rbp: 0,
+                exact_pc: true,
+                bytes: vec![0; bytes],
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn queued_stack_copies_stay_within_their_bytes_and_are_given_back_when_taken() {
+        let (tx, rx) = crossbeam_channel::bounded(8);
+        let stats = Arc::new(ReaderStats::default());
+        let queue = SampleQueue {
+            rx,
+            stats: Arc::clone(&stats),
+        };
+        let limit = 10_000;
+        for _ in 0..3 {
+            let mut sample = sample_with_copy(4_000);
+            let counted = stats.admit_copy(&mut sample, limit);
+            tx.send(sample).unwrap();
+        }
+        // Two copies fit; the third sample is queued without one, its stack marked cut.
+        assert_eq!(stats.queued_copy_bytes(), 8_000);
+        assert_eq!(stats.counts().copies_shed, 1);
+        let taken: Vec<Sample> = queue.try_iter().collect();
+        assert_eq!(taken.len(), 3, "no sample is lost for its copy");
+        assert!(
+            taken[..2]
+                .iter()
+                .all(|s| s.stack_copy.is_some() && !s.user_truncated)
+        );
+        assert!(taken[2].stack_copy.is_none() && taken[2].user_truncated);
+        assert_eq!(
+            stats.queued_copy_bytes(),
+            0,
+            "taking a sample gives its bytes back"
+        );
+
+        // A sample without a copy costs nothing and is never marked.
+        let mut plain = Sample::default();
+        assert_eq!(stats.admit_copy(&mut plain, limit), 0);
+        assert!(!plain.user_truncated);
+        let mut again = sample_with_copy(4_000);
+        assert_eq!(stats.admit_copy(&mut again, limit), 4_000);
+        stats.release_copy(4_000);
+        assert_eq!(stats.queued_copy_bytes(), 0);
+    }
+}
