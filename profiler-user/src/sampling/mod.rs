@@ -253,11 +253,13 @@ mod tests {
             stats: Arc::clone(&stats),
         };
         let limit = 10_000;
+        let mut counted = Vec::new();
         for _ in 0..3 {
             let mut sample = sample_with_copy(4_000);
-            let counted = stats.admit_copy(&mut sample, limit);
+            counted.push(stats.admit_copy(&mut sample, limit));
             tx.send(sample).unwrap();
         }
+        assert_eq!(counted, [4_000, 4_000, 0]);
         // Two copies fit; the third sample is queued without one, its stack marked cut.
         assert_eq!(stats.queued_copy_bytes(), 8_000);
         assert_eq!(stats.counts().copies_shed, 1);
