@@ -761,6 +761,8 @@ impl Pipeline {
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,
             process_snapshots: registry.snapshots_taken,
+            process_refreshes: registry.refreshes,
+            process_refreshes_announced: registry.refreshes_announced,
             announced_mmaps: self.processes.mmap_stats().unwrap_or_default(),
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,

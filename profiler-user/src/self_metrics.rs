@@ -65,6 +65,10 @@ pub struct SelfMetrics {
     pub process_maps_from_announcements: u64,
     /// Snapshots taken from /proc, for any reason.
     pub process_snapshots: u64,
+    /// Snapshots retaken for an address in none of their mappings, and of those the ones
+    /// retaken at once because code was announced there since.
+    pub process_refreshes: u64,
+    pub process_refreshes_announced: u64,
     pub announced_mmaps: MmapLogStats,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
@@ -748,6 +752,18 @@ impl SelfMetrics {
                 "process_snapshots_total",
                 "Process snapshots read from /proc (new processes, pid reuse, refreshes)",
                 self.process_snapshots,
+                "counter",
+            ),
+            (
+                "process_refreshes_total",
+                "Process snapshots retaken for a sampled address in none of their mappings",
+                self.process_refreshes,
+                "counter",
+            ),
+            (
+                "process_refreshes_announced_total",
+                "Of those, retaken before the recheck interval because the kernel announced code mapped at the address since the snapshot",
+                self.process_refreshes_announced,
                 "counter",
             ),
             (

@@ -260,6 +260,17 @@ impl MmapLog {
         path
     }
 
+    /// Whether `pid` was announced mapping code at `addr` at or after `since_ns`: a snapshot
+    /// taken before then is missing a library loaded since.
+    pub fn announced_since(&mut self, pid: Pid, addr: u64, since_ns: u64) -> bool {
+        self.processes.get_mut(&pid).is_some_and(|images| {
+            images
+                .iter()
+                .flat_map(|image| &image.mappings)
+                .any(|m| m.time_ns >= since_ns && m.start <= addr && addr < m.end)
+        })
+    }
+
     /// The executable mappings of the program `pid` ran at `time_ns` (an exec event's time or
     /// a sample's), sorted by address: where two overlap, the later mmap replaced the earlier.
     /// `None` unless the exec that started that program was announced.

@@ -35,7 +35,9 @@ use self::{
     maps::executable_mappings,
     mmap_events::{AnnouncedMapping, MmapEvents, MmapLogStats},
 };
-use crate::model::{ExecRecord, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels};
+use crate::model::{
+    ExecRecord, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels, monotonic_now_ns,
+};
 
 /// Why a process could not be read.
 #[derive(Debug, Error)]
@@ -111,6 +113,8 @@ pub struct RegistryStats {
     pub snapshots_taken: u64,
     /// Snapshots retaken by [`ProcessRegistry::refresh_for_address`].
     pub refreshes: u64,
+    /// Of those, retaken before the recheck interval because code was announced at the address.
+    pub refreshes_announced: u64,
     /// Snapshots retaken because the pid now names another process.
     pub pid_reuse: u64,
     /// Lookups of pids with no /proc entry.
@@ -139,6 +143,8 @@ struct Entry {
     info: Arc<ProcessInfo>,
     start_checked_at: Instant,
     refreshed_at: Instant,
+    /// CLOCK_MONOTONIC time the snapshot was taken at (the mmap announcements' clock).
+    taken_ns: u64,
     /// The eviction interval in which the snapshot was last looked up.
     used_in_interval: u64,
     /// Taken while the process was mid-exec (no command line yet): retaken at the next check.
@@ -356,6 +362,7 @@ impl ProcessRegistry {
             info: Arc::clone(&info),
             start_checked_at: now,
             refreshed_at: now,
+            taken_ns: monotonic_now_ns(),
             used_in_interval: self.interval,
             provisional: false,
         };
@@ -465,8 +472,12 @@ impl ProcessRegistry {
     }
 
     /// Retakes the snapshot of `pid` because `addr` is in none of its mappings (a library
-    /// loaded or a program exec'ed after the snapshot), at most once per recheck interval per
-    /// pid. Returns the current snapshot, refreshed or not.
+    /// loaded or a program exec'ed after the snapshot): at once when the kernel announced code
+    /// mapped there since the snapshot (a process importing PyTorch loads libraries for
+    /// seconds, and each sample in one not yet known would be cut), else at most once per
+    /// recheck interval per pid (JIT code is in no file, and rereading the maps file for every
+    /// sample of it would cost more than it finds). Returns the current snapshot, refreshed or
+    /// not.
     pub fn refresh_for_address(&mut self, pid: Pid, addr: u64) -> Option<Arc<ProcessInfo>> {
         let now = Instant::now();
         let interval = self.interval;
@@ -475,13 +486,17 @@ impl ProcessRegistry {
             return self.lookup(pid);
         };
         entry.used_in_interval = interval;
-        if entry.info.mapping_for(addr).is_some()
-            || now.duration_since(entry.refreshed_at) < recheck
-        {
-            return Some(Arc::clone(&entry.info));
-        }
-        entry.refreshed_at = now;
         let previous = Arc::clone(&entry.info);
+        if previous.mapping_for(addr).is_some() {
+            return Some(previous);
+        }
+        let (refreshed_at, taken_ns) = (entry.refreshed_at, entry.taken_ns);
+        if now.duration_since(refreshed_at) < recheck {
+            if !self.announced_since(pid, addr, taken_ns) {
+                return Some(previous);
+            }
+            self.stats.refreshes_announced += 1;
+        }
         // Everything is reread, not just maps: an exec changes the program and its labels. The
         // maps file, not the announcements: they never say what was unmapped.
         match self.take_snapshot_with(pid, now, MapsSource::ProcMaps) {
@@ -493,6 +508,15 @@ impl ProcessRegistry {
             // Gone: keep serving the old snapshot to in-flight samples.
             None => Some(previous),
         }
+    }
+
+    /// Whether the kernel announced code mapped at `addr` by `pid` at or after `since_ns`
+    /// (the rings read up to now first).
+    fn announced_since(&mut self, pid: Pid, addr: u64, since_ns: u64) -> bool {
+        self.drain_mmaps();
+        self.mmaps
+            .as_mut()
+            .is_some_and(|events| events.log.announced_since(pid, addr, since_ns))
     }
 
     /// Drops the snapshot of `pid` (it exec'ed a new program): the next lookup takes a new one.
@@ -524,6 +548,8 @@ impl ProcessRegistry {
         now: Instant,
         maps: MapsSource,
     ) -> Option<Arc<ProcessInfo>> {
+        // Before anything is read: code mapped from now on may be missing from the snapshot.
+        let taken_ns = monotonic_now_ns();
         let process_dir = self.process_dir(pid);
         let announced = match maps {
             MapsSource::AnnouncementsWhenComplete => self.complete_announced_mappings(pid),
@@ -550,6 +576,7 @@ impl ProcessRegistry {
             info: Arc::clone(&info),
             start_checked_at: now,
             refreshed_at: now,
+            taken_ns,
             used_in_interval: self.interval,
             provisional,
         };

@@ -956,3 +956,65 @@ fn live_mappings_from_announcements_match_the_maps_file() {
     let stats = registry.stats();
     assert_eq!((stats.refreshes, stats.maps_from_announcements), (1, 1));
 }
+
+/// A library loaded after the snapshot (as `import torch` loads dozens): an address in it
+/// retakes the snapshot at once when the kernel announced the mapping, not only after the
+/// recheck interval; an address nothing was announced at waits for the interval.
+#[test]
+fn code_announced_since_the_snapshot_refreshes_it_at_once() {
+    let cpus: Vec<u32> = (0..thread::available_parallelism().map_or(1, |n| n.get()))
+        .map(|c| c as u32)
+        .collect();
+    let events = match MmapEvents::open(&cpus) {
+        Ok(events) => events,
+        Err(error) if error.raw_os_error() == Some(libc::EACCES) => {
+            eprintln!("skipped: perf events need privileges ({error})");
+            return;
+        }
+        Err(error) => panic!("cannot open perf events: {error}"),
+    };
+    let mut registry = ProcessRegistry::with_config(
+        PathBuf::from("/proc"),
+        "profiler-test-host".to_owned(),
+        RegistryConfig {
+            recheck_interval: Duration::from_secs(3600),
+            ..RegistryConfig::default()
+        },
+    );
+    registry.watch_mmaps(events);
+    let me = Pid(std::process::id());
+    let before = registry.lookup(me).expect("own snapshot");
+    let refreshes = registry.stats().refreshes;
+
+    // Nothing announced there: within the interval the snapshot stays.
+    let unmapped = 0x1000;
+    assert!(before.mapping_for(unmapped).is_none());
+    let same = registry
+        .refresh_for_address(me, unmapped)
+        .expect("snapshot");
+    assert!(Arc::ptr_eq(&same, &before));
+    assert_eq!(registry.stats().refreshes, refreshes);
+
+    // An executable mapping of a file, as a dlopen makes.
+    let library = std::env::current_exe().expect("own executable");
+    let file = fs::File::open(&library).expect("open own executable");
+    let mapped =
+        unsafe { memmap2::MmapOptions::new().len(4096).map_exec(&file) }.expect("map executable");
+    let address = mapped.as_ptr() as u64;
+    assert!(before.mapping_for(address).is_none());
+    let after = registry.refresh_for_address(me, address).expect("snapshot");
+    let stats = registry.stats();
+    drop(mapped);
+    assert!(
+        after.mapping_for(address).is_some(),
+        "{address:#x} not in the refreshed snapshot"
+    );
+    assert_eq!(stats.refreshes, refreshes + 1);
+    assert_eq!(stats.refreshes_announced, 1);
+
+    // The announcement is older than the new snapshot: it does not retake it again.
+    registry
+        .refresh_for_address(me, unmapped)
+        .expect("snapshot");
+    assert_eq!(registry.stats().refreshes, refreshes + 1);
+}
