@@ -497,6 +497,11 @@ impl ProcessRegistry {
             }
             self.stats.refreshes_announced += 1;
         }
+        // Marked before reading, so a process that is gone is not retried for every sample.
+        if let Some(entry) = self.processes.get_mut(&pid) {
+            entry.refreshed_at = now;
+            entry.taken_ns = monotonic_now_ns();
+        }
         // Everything is reread, not just maps: an exec changes the program and its labels. The
         // maps file, not the announcements: they never say what was unmapped.
         match self.take_snapshot_with(pid, now, MapsSource::ProcMaps) {
