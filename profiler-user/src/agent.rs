@@ -174,19 +174,12 @@ struct LateSamples {
 }
 
 impl LateSamples {
-    fn copy_bytes(sample: &Sample) -> usize {
-        sample
-            .stack_copy
-            .as_ref()
-            .map_or(0, |copy| copy.bytes.len())
-    }
-
     fn hold(&mut self, sample: Sample, process: Arc<ProcessInfo>) {
         self.hold_since(Instant::now(), sample, process);
     }
 
     fn hold_since(&mut self, since: Instant, mut sample: Sample, process: Arc<ProcessInfo>) {
-        let bytes = Self::copy_bytes(&sample);
+        let bytes = sample.stack_copy_bytes();
         if self.bytes + bytes > LATE_WALK_BYTES {
             // Over the bound the stack is cut at the stop frame rather than memory grown; the
             // sample is still counted, at the next retry.

@@ -56,6 +56,13 @@ pub struct Sample {
     pub stack_copy: Option<Box<StackCopy>>,
 }
 
+impl Sample {
+    /// Bytes of the stack copy it carries (0 without one): what holding the sample costs.
+    pub fn stack_copy_bytes(&self) -> usize {
+        self.stack_copy.as_ref().map_or(0, |copy| copy.bytes.len())
+    }
+}
+
 /// Who a process became at an exec, as the kernel saw it then (the exec event): enough to name
 /// a process that exits before its /proc entry is read, and to symbolize its main executable.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

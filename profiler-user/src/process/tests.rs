@@ -863,11 +863,9 @@ fn file_descriptors_are_split_so_no_user_can_take_them_all() {
     assert_eq!((starved.connections, starved.mapped_files), (1, 1));
 }
 
-/// A process exec'ed while the kernel announces mmaps gets its snapshot's mappings from the
-/// announcements, the same as /proc/PID/maps lists; an address in none of them rereads the maps
-/// file.
-#[test]
-fn live_mappings_from_announcements_match_the_maps_file() {
+/// A registry of the real /proc that reads the kernel's mmap announcements; `None` (the test
+/// skipped, with a line saying so) where perf events need privileges the test lacks.
+fn registry_watching_mmaps(recheck_interval: Duration) -> Option<ProcessRegistry> {
     let cpus: Vec<u32> = (0..thread::available_parallelism().map_or(1, |n| n.get()))
         .map(|c| c as u32)
         .collect();
@@ -875,7 +873,7 @@ fn live_mappings_from_announcements_match_the_maps_file() {
         Ok(events) => events,
         Err(error) if error.raw_os_error() == Some(libc::EACCES) => {
             eprintln!("skipped: perf events need privileges ({error})");
-            return;
+            return None;
         }
         Err(error) => panic!("cannot open perf events: {error}"),
     };
@@ -883,11 +881,22 @@ fn live_mappings_from_announcements_match_the_maps_file() {
         PathBuf::from("/proc"),
         "profiler-test-host".to_owned(),
         RegistryConfig {
-            recheck_interval: Duration::ZERO,
+            recheck_interval,
             ..RegistryConfig::default()
         },
     );
     registry.watch_mmaps(events);
+    Some(registry)
+}
+
+/// A process exec'ed while the kernel announces mmaps gets its snapshot's mappings from the
+/// announcements, the same as /proc/PID/maps lists; an address in none of them rereads the maps
+/// file.
+#[test]
+fn live_mappings_from_announcements_match_the_maps_file() {
+    let Some(mut registry) = registry_watching_mmaps(Duration::ZERO) else {
+        return;
+    };
     let child = spawn(Command::new("sleep").arg("30"));
     let pid = child.pid();
     wait_for_exe(pid, "sleep");
@@ -962,26 +971,9 @@ fn live_mappings_from_announcements_match_the_maps_file() {
 /// recheck interval; an address nothing was announced at waits for the interval.
 #[test]
 fn code_announced_since_the_snapshot_refreshes_it_at_once() {
-    let cpus: Vec<u32> = (0..thread::available_parallelism().map_or(1, |n| n.get()))
-        .map(|c| c as u32)
-        .collect();
-    let events = match MmapEvents::open(&cpus) {
-        Ok(events) => events,
-        Err(error) if error.raw_os_error() == Some(libc::EACCES) => {
-            eprintln!("skipped: perf events need privileges ({error})");
-            return;
-        }
-        Err(error) => panic!("cannot open perf events: {error}"),
+    let Some(mut registry) = registry_watching_mmaps(Duration::from_secs(3600)) else {
+        return;
     };
-    let mut registry = ProcessRegistry::with_config(
-        PathBuf::from("/proc"),
-        "profiler-test-host".to_owned(),
-        RegistryConfig {
-            recheck_interval: Duration::from_secs(3600),
-            ..RegistryConfig::default()
-        },
-    );
-    registry.watch_mmaps(events);
     let me = Pid(std::process::id());
     let before = registry.lookup(me).expect("own snapshot");
     let refreshes = registry.stats().refreshes;

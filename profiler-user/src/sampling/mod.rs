@@ -50,19 +50,12 @@ pub struct ReaderCounts {
     pub copies_shed: u64,
 }
 
-fn copy_bytes(sample: &Sample) -> usize {
-    sample
-        .stack_copy
-        .as_ref()
-        .map_or(0, |copy| copy.bytes.len())
-}
-
 impl ReaderStats {
     /// Counts `sample`'s stack copy into the queued bytes, or drops the copy (the stack is then
     /// cut where BPF stopped, and marked so) when it would pass `limit`. Returns the bytes
     /// counted, to give back if the sample is not queued after all.
     fn admit_copy(&self, sample: &mut Sample, limit: usize) -> usize {
-        let bytes = copy_bytes(sample);
+        let bytes = sample.stack_copy_bytes();
         if bytes == 0 {
             return 0;
         }
@@ -102,7 +95,7 @@ pub struct SampleQueue {
 
 impl SampleQueue {
     fn taken(&self, sample: Sample) -> Sample {
-        self.stats.release_copy(copy_bytes(&sample));
+        self.stats.release_copy(sample.stack_copy_bytes());
         sample
     }
 
