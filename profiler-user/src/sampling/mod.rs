@@ -51,6 +51,15 @@ pub struct ReaderCounts {
 }
 
 impl ReaderStats {
+    pub fn counts(&self) -> ReaderCounts {
+        ReaderCounts {
+            received: self.received.load(Ordering::Relaxed),
+            decode_errors: self.decode_errors.load(Ordering::Relaxed),
+            channel_full: self.channel_full.load(Ordering::Relaxed),
+            copies_shed: self.copies_shed.load(Ordering::Relaxed),
+        }
+    }
+
     /// Counts `sample`'s stack copy into the queued bytes, or drops the copy (the stack is then
     /// cut where BPF stopped, and marked so) when it would pass `limit`. Returns the bytes
     /// counted, to give back if the sample is not queued after all.
@@ -112,17 +121,6 @@ impl SampleQueue {
 
     pub fn is_empty(&self) -> bool {
         self.rx.is_empty()
-    }
-}
-
-impl ReaderStats {
-    pub fn counts(&self) -> ReaderCounts {
-        ReaderCounts {
-            received: self.received.load(Ordering::Relaxed),
-            decode_errors: self.decode_errors.load(Ordering::Relaxed),
-            channel_full: self.channel_full.load(Ordering::Relaxed),
-            copies_shed: self.copies_shed.load(Ordering::Relaxed),
-        }
     }
 }
 
