@@ -28,6 +28,11 @@ pub const DEFAULT_MAX_STACK_DEPTH: usize = 1_000;
 /// Default of `--max-query-nodes`: call-tree nodes one merge may read (20-80 bytes each while it
 /// runs, so at most about 160 MiB at the limit; a busy service's day is tens of thousands).
 pub const DEFAULT_MAX_QUERY_NODES: usize = 2_000_000;
+/// Default of `--max-catalog-nodes`: call-tree nodes kept in memory to find a stack's node at
+/// ingest, all services together (about 14 bytes each with their index, so about 1 MiB).
+/// Past it the largest service's tree is sealed: kept on disk for queries, started afresh in
+/// memory. A whole busy host adds about 450 nodes a second (stripped compilers mostly).
+pub const DEFAULT_MAX_CATALOG_NODES: usize = 65_536;
 
 /// The frame that replaces the root-side frames of a stack cut at `max_stack_depth`.
 pub const TRUNCATED_FRAME: &str = "[truncated]";
@@ -44,6 +49,7 @@ pub struct StoreLimits {
     pub max_label_value_length: usize,
     pub max_stack_depth: usize,
     pub max_query_nodes: usize,
+    pub max_catalog_nodes: usize,
 }
 
 impl Default for StoreLimits {
@@ -58,6 +64,7 @@ impl Default for StoreLimits {
             max_label_value_length: DEFAULT_MAX_LABEL_VALUE_LENGTH,
             max_stack_depth: DEFAULT_MAX_STACK_DEPTH,
             max_query_nodes: DEFAULT_MAX_QUERY_NODES,
+            max_catalog_nodes: DEFAULT_MAX_CATALOG_NODES,
         }
     }
 }
@@ -108,6 +115,12 @@ pub struct StoreLimitArgs {
     /// filled with distinct stacks cannot make one query take the server's memory. 0: no limit.
     #[arg(long, env = "PROFILER_MAX_QUERY_NODES", default_value_t = DEFAULT_MAX_QUERY_NODES)]
     pub max_query_nodes: usize,
+    /// Most call-tree nodes kept in memory for ingest, all services together (about 14 bytes
+    /// each). Past it the largest service's call tree is sealed: it stays on disk, where
+    /// queries read it, and stacks seen again get new nodes. 0: no limit (memory grows with
+    /// every distinct stack kept).
+    #[arg(long, env = "PROFILER_MAX_CATALOG_NODES", default_value_t = DEFAULT_MAX_CATALOG_NODES)]
+    pub max_catalog_nodes: usize,
     /// Skip the integrity check (`PRAGMA quick_check`) of the store when it opens. The check
     /// reads the whole file (about a second per GiB); a corrupt store is moved aside either way
     /// when opening it fails.
@@ -127,6 +140,7 @@ impl StoreLimitArgs {
             max_label_value_length: self.max_label_value_length,
             max_stack_depth: self.max_stack_depth,
             max_query_nodes: self.max_query_nodes,
+            max_catalog_nodes: self.max_catalog_nodes,
         }
     }
 }

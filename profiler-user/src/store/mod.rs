@@ -315,6 +315,8 @@ pub struct StoreCounters {
     pub disk_full_errors: AtomicU64,
     /// Queries refused at --max-query-nodes.
     pub queries_too_large: AtomicU64,
+    /// Call trees sealed at --max-catalog-nodes (see `Space::seal`).
+    pub node_trees_sealed: AtomicU64,
 }
 
 impl StoreCounters {
@@ -347,6 +349,11 @@ impl StoreCounters {
                 load(&self.queries_too_large),
             ),
             (
+                "profiler_store_node_trees_sealed_total",
+                "Services' in-memory call trees sealed (left on disk for queries) at --max-catalog-nodes.",
+                load(&self.node_trees_sealed),
+            ),
+            (
                 "profiler_store_negative_values_rejected_total",
                 "Writes refused for a negative sample value.",
                 load(&self.negative_values_rejected),
@@ -377,15 +384,21 @@ impl StoreCounters {
 struct Space {
     profile_type: String,
     service_name: String,
-    /// (parent, frame id) per node; node 0 is the root.
+    /// Nodes `1..=sealed` belong to earlier generations of this space's call tree: they are on
+    /// disk only, where queries read them ([`read_sealed_nodes`]), and ingest no longer finds
+    /// them (a stack seen again gets new nodes). Bounds the memory of a space that keeps
+    /// seeing new stacks ([`StoreLimits::max_catalog_nodes`]).
+    sealed: u32,
+    /// The current generation: `(parent, frame id)` per node, parents as node ids; position 0
+    /// is the root (node 0), position `p ≥ 1` is node `sealed + p`.
     nodes: Vec<(u32, u32)>,
-    /// The nodes (but the root) by (parent, frame id).
+    /// The current generation's nodes (but the root) by (parent, frame id), as positions.
     index: IdIndex,
     /// A whole stack's hash (frame ids, root first) → its leaf node: an agent sends mostly the
     /// same stacks every interval, so one lookup and a walk up the leaf's parents (which checks
     /// it is that stack) replace a lookup per frame. Only a shortcut, keyed by hash so an entry
     /// costs about 20 bytes, not the stack: a colliding stack replaces the entry; cleared when it
-    /// reaches [`MAX_CACHED_STACKS`] and whenever nodes are undone.
+    /// reaches [`MAX_CACHED_STACKS`] and whenever nodes are undone or sealed.
     leaf_by_stack: HashMap<u64, u32>,
 }
 
@@ -403,10 +416,42 @@ impl Space {
         Space {
             profile_type,
             service_name,
+            sealed: 0,
             nodes: vec![(u32::MAX, 0)],
             index: IdIndex::default(),
             leaf_by_stack: HashMap::new(),
         }
+    }
+
+    /// How many node ids the space has given out, sealed or not (the root included).
+    fn len(&self) -> usize {
+        self.sealed as usize + self.nodes.len()
+    }
+
+    /// The id of the current generation's node at `position`.
+    fn node_id(&self, position: usize) -> u32 {
+        if position == 0 {
+            0
+        } else {
+            self.sealed + position as u32
+        }
+    }
+
+    /// Where node `id` is in the current generation; `None` when sealed or not given out.
+    fn position(&self, id: u32) -> Option<usize> {
+        match id {
+            0 => Some(0),
+            id if id > self.sealed => {
+                Some((id - self.sealed) as usize).filter(|&p| p < self.nodes.len())
+            }
+            _ => None,
+        }
+    }
+
+    /// The nodes with ids from `first` (≥ the current generation's first) to the last.
+    fn nodes_from(&self, first: usize) -> &[(u32, u32)] {
+        let position = first.saturating_sub(self.sealed as usize).max(1);
+        self.nodes.get(position..).unwrap_or(&[])
     }
 
     /// The node of a root-first stack of frame ids, added (with its missing ancestors) when new.
@@ -420,12 +465,12 @@ impl Space {
         let mut node = 0u32;
         for &frame in stack {
             node = match self.index.find(&self.nodes, &(node, frame)) {
-                Some(child) => child,
+                Some(position) => self.node_id(position as usize),
                 None => {
-                    let child = self.nodes.len() as u32;
+                    let position = self.nodes.len();
                     self.nodes.push((node, frame));
-                    self.index.insert(&self.nodes, child);
-                    child
+                    self.index.insert(&self.nodes, position as u32);
+                    self.node_id(position)
                 }
             };
         }
@@ -440,13 +485,80 @@ impl Space {
     fn is_path_of(&self, node: u32, stack: &[u32]) -> bool {
         let mut node = node;
         for &frame in stack.iter().rev() {
-            match self.nodes.get(node as usize) {
-                Some(&(parent, own)) if node != 0 && own == frame => node = parent,
+            match self.position(node).map(|p| self.nodes[p]) {
+                Some((parent, own)) if node != 0 && own == frame => node = parent,
                 _ => return false,
             }
         }
         node == 0
     }
+
+    /// Forgets the nodes from id `len` on (a write that is undone).
+    fn truncate(&mut self, len: usize) {
+        let keep = len.saturating_sub(self.sealed as usize).max(1);
+        for position in (keep..self.nodes.len()).rev() {
+            self.index.remove(&self.nodes, position as u32);
+        }
+        self.nodes.truncate(keep);
+        self.leaf_by_stack.clear();
+    }
+
+    /// Every node of the space, ids as positions: the sealed ones read with `conn`.
+    fn all_nodes(
+        &self,
+        conn: &Connection,
+        space_id: i64,
+    ) -> Result<std::borrow::Cow<'_, [(u32, u32)]>, StoreError> {
+        if self.sealed == 0 {
+            return Ok(std::borrow::Cow::Borrowed(&self.nodes));
+        }
+        let mut nodes = read_sealed_nodes(conn, space_id, self.sealed)?;
+        nodes.extend_from_slice(&self.nodes[1..]);
+        Ok(std::borrow::Cow::Owned(nodes))
+    }
+
+    /// Ends the current generation (already on disk): its nodes leave memory.
+    fn seal(&mut self) {
+        self.sealed += self.nodes.len() as u32 - 1;
+        self.nodes = vec![(u32::MAX, 0)];
+        self.index = IdIndex::default();
+        self.leaf_by_stack = HashMap::new();
+    }
+}
+
+/// Nodes `1..=sealed` of a space, read from its node blocks, with the root at position 0:
+/// what [`Space::seal`] took out of memory.
+fn read_sealed_nodes(
+    conn: &Connection,
+    space_id: i64,
+    sealed: u32,
+) -> Result<Vec<(u32, u32)>, StoreError> {
+    let mut nodes = Vec::with_capacity(sealed as usize + 1);
+    nodes.push((u32::MAX, 0));
+    let mut stmt = conn.prepare_cached(
+        "SELECT first_idx, nodes FROM node_blocks WHERE space_id = ? AND first_idx <= ? \
+         ORDER BY first_idx",
+    )?;
+    let mut rows = stmt.query(params![space_id, i64::from(sealed)])?;
+    while let Some(row) = rows.next()? {
+        let first: i64 = row.get(0)?;
+        if first != nodes.len() as i64 {
+            return Err(StoreError::Corrupt(codec::CorruptProfile(
+                "call-tree node blocks do not follow each other",
+            )));
+        }
+        let block = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
+        codec::decode_nodes(first as usize, block, |parent, frame| {
+            nodes.push((parent, frame))
+        })?;
+    }
+    // Generations are sealed after their blocks are written, so a block never straddles one.
+    if nodes.len() != sealed as usize + 1 {
+        return Err(StoreError::Corrupt(codec::CorruptProfile(
+            "sealed call-tree nodes are missing",
+        )));
+    }
+    Ok(nodes)
 }
 
 #[derive(Debug, Default)]
@@ -617,6 +729,32 @@ impl Catalog {
         id
     }
 
+    /// Seals the spaces with the most nodes in memory until all together keep at most `max`
+    /// (0: no limit); returns how many were sealed. Only for nodes already on disk.
+    fn seal_over(&mut self, max: usize) -> u64 {
+        if max == 0 {
+            return 0;
+        }
+        let mut in_memory: usize = self.spaces.values().map(|s| s.nodes.len()).sum();
+        let mut sealed = 0;
+        while in_memory > max {
+            // Node ids are u32 and a sealed space numbers on: one that has used half of them
+            // keeps its tree in memory rather than run out.
+            let Some(space) = self
+                .spaces
+                .values_mut()
+                .filter(|s| s.nodes.len() > 1 && s.len() < u32::MAX as usize / 2)
+                .max_by_key(|s| s.nodes.len())
+            else {
+                break;
+            };
+            in_memory -= space.nodes.len() - 1;
+            space.seal();
+            sealed += 1;
+        }
+        sealed
+    }
+
     /// The name id of a frame, `None` for an unknown frame id.
     fn name_of_frame(&self, frame: u32) -> Option<u32> {
         self.frames.get(frame as usize).map(|f| f.name)
@@ -677,14 +815,19 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
     // before it returns, so it survives the process being killed (not necessarily power loss).
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
-    conn.pragma_update(None, "cache_size", CACHE_KIB_PER_CONNECTION)?;
+    conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)?;
     Ok(())
 }
 
-/// SQLite's page cache per connection, in KiB (as `PRAGMA cache_size` takes it, negated).
-/// The writer and up to 8 pooled readers each have one; pages beyond it come from the
-/// kernel's page cache, so the agent's RSS does not grow with the store.
-const CACHE_KIB_PER_CONNECTION: i64 = -4096;
+/// SQLite's page cache of each of up to 8 pooled readers, in KiB (as `PRAGMA cache_size`
+/// takes it, negated); pages beyond it come from the kernel's page cache, so the agent's RSS
+/// does not grow with the store.
+const READER_CACHE_KIB: i64 = -4096;
+
+/// The writer's page cache, in KiB. It appends (profiles at the end of their tables, a
+/// series' newest entry in its index), so the pages it needs again are few; a larger cache
+/// only filled during a run, a few MiB of the agent's growth, without making writes faster.
+const WRITER_CACHE_KIB: i64 = -1024;
 
 /// All of SQLite's memory together, a soft limit (`sqlite3_soft_heap_limit64`): past it SQLite
 /// recycles cached pages before allocating more.
@@ -718,10 +861,14 @@ fn unix_now_ns() -> i64 {
 /// Opens the database at `path` and loads its catalog; with `check`, runs `PRAGMA quick_check`
 /// first. On error the connection is closed without a checkpoint, so a damaged file and its
 /// WAL are left as they were found.
-fn open_database(path: &Path, check: bool) -> Result<(Connection, Catalog), StoreError> {
+fn open_database(
+    path: &Path,
+    check: bool,
+    max_catalog_nodes: usize,
+) -> Result<(Connection, Catalog), StoreError> {
     limit_sqlite_memory();
     let mut conn = Connection::open(path)?;
-    match prepare_database(&mut conn, check) {
+    match prepare_database(&mut conn, check, max_catalog_nodes) {
         Ok(catalog) => Ok((conn, catalog)),
         Err(err) => {
             let _ = conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true);
@@ -731,7 +878,11 @@ fn open_database(path: &Path, check: bool) -> Result<(Connection, Catalog), Stor
     }
 }
 
-fn prepare_database(conn: &mut Connection, check: bool) -> Result<Catalog, StoreError> {
+fn prepare_database(
+    conn: &mut Connection,
+    check: bool,
+    max_catalog_nodes: usize,
+) -> Result<Catalog, StoreError> {
     // Must precede the first table: lets deleted pages be returned to the file system.
     conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
     configure(conn)?;
@@ -749,7 +900,7 @@ fn prepare_database(conn: &mut Connection, check: bool) -> Result<Catalog, Store
     add_profile_column(conn, "period", "INTEGER")?;
     add_profile_column(conn, "labelled", "BLOB")?;
     give_names_frames(conn)?;
-    load_catalog(conn)
+    load_catalog(conn, max_catalog_nodes)
 }
 
 /// Renames the database and its `-wal` and `-shm` files to `<name>.corrupt-<UTC time>[-wal|-shm]`;
@@ -823,7 +974,8 @@ impl Store {
         })?;
         let path = settings.data_dir.join(DATABASE_FILE);
         let mut quarantined = 0;
-        let (conn, catalog) = match open_database(&path, options.integrity_check) {
+        let max_nodes = options.limits.max_catalog_nodes;
+        let (conn, catalog) = match open_database(&path, options.integrity_check, max_nodes) {
             Ok(opened) => opened,
             Err(err) if err.is_corruption() => {
                 let moved_to = quarantine(&path, SystemTime::now()).map_err(open_error)?;
@@ -834,7 +986,7 @@ impl Store {
                      -shm files and started an empty one"
                 );
                 quarantined = 1;
-                open_database(&path, false).map_err(open_error)?
+                open_database(&path, false, max_nodes).map_err(open_error)?
             }
             Err(err) => return Err(open_error(err)),
         };
@@ -877,7 +1029,7 @@ impl Store {
             let catalog = self.read_catalog();
             spaces
                 .filter_map(|id| catalog.spaces.get(id))
-                .map(|space| space.nodes.len())
+                .map(Space::len)
                 .sum()
         };
         if limits::exceeds(nodes, limit) {
@@ -1003,6 +1155,12 @@ impl Store {
                         series.last_ns = series.last_ns.max(row.time_ns);
                     }
                 }
+                // Only now: a sealed generation must be on disk, where queries read it.
+                let sealed = catalog.seal_over(self.inner.limits.max_catalog_nodes);
+                self.inner
+                    .counters
+                    .node_trees_sealed
+                    .fetch_add(sealed, Ordering::Relaxed);
                 Ok(())
             }
             Err(err) => {
@@ -1053,8 +1211,8 @@ impl Store {
                 let space = &catalog.spaces[&space_id];
                 // Node 0, the root, is implicit.
                 let first = before.max(1);
-                if first < space.nodes.len() {
-                    let block = codec::encode_nodes(first, &space.nodes[first..]);
+                if first < space.len() {
+                    let block = codec::encode_nodes(first, space.nodes_from(first));
                     insert_nodes.execute(params![space_id, first as i64, block])?;
                 }
             }
@@ -1100,11 +1258,7 @@ impl Store {
         }
         for &(space_id, before) in &additions.nodes {
             if let Some(space) = catalog.spaces.get_mut(&space_id) {
-                for node in (before..space.nodes.len()).rev() {
-                    space.index.remove(&space.nodes, node as u32);
-                }
-                space.nodes.truncate(before);
-                space.leaf_by_stack.clear();
+                space.truncate(before);
             }
         }
         for id in &additions.spaces {
@@ -1155,7 +1309,7 @@ impl Store {
                     OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
                 )?;
                 conn.busy_timeout(Duration::from_secs(10))?;
-                conn.pragma_update(None, "cache_size", CACHE_KIB_PER_CONNECTION)?;
+                conn.pragma_update(None, "cache_size", READER_CACHE_KIB)?;
                 conn
             }
         };
@@ -1484,7 +1638,7 @@ fn encode_profile(
         .get_mut(&space_id)
         .expect("space just resolved");
     if !additions.nodes.iter().any(|(id, _)| *id == space_id) {
-        additions.nodes.push((space_id, space.nodes.len()));
+        additions.nodes.push((space_id, space.len()));
     }
     let mut stack: Vec<u32> = Vec::new();
     let mut entries_of = |stacks: &[(Vec<u32>, i64)], truncated: &mut u64| {
@@ -1628,7 +1782,9 @@ fn migrate_node_rows(conn: &mut Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
-fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
+/// Loads the catalog; at most `max_nodes` call-tree nodes (0: all) stay in memory, a space
+/// with more is sealed as it loads (its nodes counted, not kept).
+fn load_catalog(conn: &Connection, max_nodes: usize) -> Result<Catalog, StoreError> {
     let mut catalog = Catalog::default();
     {
         let mut stmt = conn.prepare("SELECT id, name FROM names ORDER BY id")?;
@@ -1699,19 +1855,32 @@ fn load_catalog(conn: &Connection) -> Result<Catalog, StoreError> {
             };
             // Blocks are written in one transaction with the nodes before them, so a gap or
             // overlap means the file was damaged.
-            if first != space.nodes.len() as i64 {
+            if first != space.len() as i64 {
                 return Err(StoreError::Corrupt(codec::CorruptProfile(
                     "call-tree node blocks do not follow each other",
                 )));
             }
             let block = row.get_ref(2)?.as_blob().map_err(rusqlite::Error::from)?;
-            let Space { nodes, index, .. } = space;
+            let Space {
+                nodes,
+                index,
+                sealed,
+                ..
+            } = space;
             codec::decode_nodes(first as usize, block, |parent, name| {
-                nodes.push((parent, name));
-                index.insert(nodes, nodes.len() as u32 - 1);
+                if *sealed > 0 {
+                    *sealed += 1;
+                } else {
+                    nodes.push((parent, name));
+                    index.insert(nodes, nodes.len() as u32 - 1);
+                }
             })?;
+            if space.sealed == 0 && limits::exceeds(space.nodes.len(), max_nodes) {
+                space.seal();
+            }
         }
     }
+    catalog.seal_over(max_nodes);
     let mut ranges: HashMap<i64, (i64, i64)> = HashMap::new();
     {
         let mut stmt = conn.prepare(

@@ -670,65 +670,71 @@ impl Store {
             Ok(())
         })?;
 
-        let catalog = self.read_catalog();
-        let call_site = catalog.call_site_ids(&selection.call_site);
-        let mut builder = TreeBuilder::new(merge_by);
-        builder.tree.period = period;
         let mut labelled_out: HashMap<(u32, u32), i64> = HashMap::new();
-        sums.sort_by_key(|(space, _)| *space);
-        for (space_id, mut values) in sums {
-            let Some(space) = catalog.spaces.get(&space_id) else {
-                continue;
-            };
-            values.resize(space.nodes.len().max(values.len()), 0);
-            let under = call_site
-                .as_ref()
-                .map(|call_site| nodes_under_call_site(&catalog, &space.nodes, call_site));
-            if let Some(under) = &under {
-                for (value, under) in values.iter_mut().zip(under) {
-                    if !under {
-                        *value = 0;
-                    }
-                }
-            }
-            // Subtree totals (children have larger ids than parents), to skip empty branches.
-            let mut totals = values.clone();
-            for idx in (1..space.nodes.len()).rev() {
-                let parent = space.nodes[idx].0 as usize;
-                totals[parent] = totals[parent].saturating_add(totals[idx]);
-            }
-            let mut mapped = vec![u32::MAX; space.nodes.len()];
-            mapped[0] = 0;
-            for idx in 1..space.nodes.len() {
-                if totals[idx] == 0 {
-                    continue;
-                }
-                let (parent, frame) = space.nodes[idx];
-                let parent_out = mapped[parent as usize];
-                if parent_out == u32::MAX {
-                    continue;
-                }
-                let Some(out) = builder.child(&catalog, parent_out, frame) else {
+        let builder = self.with_reader(|conn| {
+            let catalog = self.read_catalog();
+            let call_site = catalog.call_site_ids(&selection.call_site);
+            let mut builder = TreeBuilder::new(merge_by);
+            builder.tree.period = period;
+            sums.sort_by_key(|(space, _)| *space);
+            for (space_id, mut values) in sums {
+                let Some(space) = catalog.spaces.get(&space_id) else {
                     continue;
                 };
-                mapped[idx] = out;
-                let node = &mut builder.tree.nodes[out as usize];
-                node.self_value = node.self_value.saturating_add(values[idx]);
-            }
-            let root = &mut builder.tree.nodes[0];
-            root.self_value = root.self_value.saturating_add(values[0]);
-            for ((node, group), value) in labelled.remove(&space_id).unwrap_or_default() {
-                let node = node as usize;
-                let counted = under.as_ref().is_none_or(|u| u.get(node) == Some(&true));
-                match mapped.get(node) {
-                    Some(&out) if out != u32::MAX && counted => {
-                        let sum = labelled_out.entry((out, group)).or_default();
-                        *sum = sum.saturating_add(value);
+                // Sealed generations are read from disk (under the catalog's read lock: a write
+                // waits for this query rather than seal more meanwhile).
+                let nodes = space.all_nodes(conn, space_id)?;
+                values.resize(nodes.len().max(values.len()), 0);
+                let under = call_site
+                    .as_ref()
+                    .map(|call_site| nodes_under_call_site(&catalog, &nodes, call_site));
+                if let Some(under) = &under {
+                    for (value, under) in values.iter_mut().zip(under) {
+                        if !under {
+                            *value = 0;
+                        }
                     }
-                    _ => {}
+                }
+                // Subtree totals (children have larger ids than parents), to skip empty branches.
+                let mut totals = values.clone();
+                for idx in (1..nodes.len()).rev() {
+                    let parent = nodes[idx].0 as usize;
+                    totals[parent] = totals[parent].saturating_add(totals[idx]);
+                }
+                let mut mapped = vec![u32::MAX; nodes.len()];
+                mapped[0] = 0;
+                for idx in 1..nodes.len() {
+                    if totals[idx] == 0 {
+                        continue;
+                    }
+                    let (parent, frame) = nodes[idx];
+                    let parent_out = mapped[parent as usize];
+                    if parent_out == u32::MAX {
+                        continue;
+                    }
+                    let Some(out) = builder.child(&catalog, parent_out, frame) else {
+                        continue;
+                    };
+                    mapped[idx] = out;
+                    let node = &mut builder.tree.nodes[out as usize];
+                    node.self_value = node.self_value.saturating_add(values[idx]);
+                }
+                let root = &mut builder.tree.nodes[0];
+                root.self_value = root.self_value.saturating_add(values[0]);
+                for ((node, group), value) in labelled.remove(&space_id).unwrap_or_default() {
+                    let node = node as usize;
+                    let counted = under.as_ref().is_none_or(|u| u.get(node) == Some(&true));
+                    match mapped.get(node) {
+                        Some(&out) if out != u32::MAX && counted => {
+                            let sum = labelled_out.entry((out, group)).or_default();
+                            *sum = sum.saturating_add(value);
+                        }
+                        _ => {}
+                    }
                 }
             }
-        }
+            Ok(builder)
+        })?;
         let mut tree = builder.finish();
         tree.labelled = labelled_out
             .into_iter()
@@ -799,17 +805,20 @@ impl Store {
         // Per stack space: which of its nodes count; read again when a profile has a node
         // added since (ingested meanwhile).
         let mut under: HashMap<i64, Vec<bool>> = HashMap::new();
-        let nodes_under = |space: i64| {
+        let nodes_under = |conn: &rusqlite::Connection, space_id: i64| {
             let catalog = self.read_catalog();
-            match (
-                catalog.spaces.get(&space),
-                catalog.call_site_ids(&selection.call_site),
-            ) {
-                (Some(space), Some(call_site)) => {
-                    nodes_under_call_site(&catalog, &space.nodes, &call_site)
-                }
-                _ => Vec::new(),
-            }
+            Ok::<_, StoreError>(
+                match (
+                    catalog.spaces.get(&space_id),
+                    catalog.call_site_ids(&selection.call_site),
+                ) {
+                    (Some(space), Some(call_site)) => {
+                        let nodes = space.all_nodes(conn, space_id)?;
+                        nodes_under_call_site(&catalog, &nodes, &call_site)
+                    }
+                    _ => Vec::new(),
+                },
+            )
         };
         self.with_reader(|conn| {
             let mut out = Vec::with_capacity(series.len());
@@ -826,9 +835,14 @@ impl Store {
                     values.clear();
                     entries.for_each(|node, value| values.push((node, value)))?;
                     let highest = values.iter().map(|&(node, _)| node as usize).max();
-                    let space_under = under.entry(s.space).or_insert_with(|| nodes_under(s.space));
+                    let space_under = match under.entry(s.space) {
+                        std::collections::hash_map::Entry::Occupied(known) => known.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(new) => {
+                            new.insert(nodes_under(conn, s.space)?)
+                        }
+                    };
                     if highest.is_some_and(|node| node >= space_under.len()) {
-                        *space_under = nodes_under(s.space);
+                        *space_under = nodes_under(conn, s.space)?;
                     }
                     let total = values
                         .iter()

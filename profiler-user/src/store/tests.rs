@@ -1036,8 +1036,8 @@ fn sqlite_memory_is_bounded_per_connection_and_in_all() {
             Ok(conn.pragma_query_value(None, "cache_size", |row| row.get::<_, i64>(0))?)
         })
         .unwrap();
-    assert_eq!(writer_cache, CACHE_KIB_PER_CONNECTION);
-    assert_eq!(reader_cache, CACHE_KIB_PER_CONNECTION);
+    assert_eq!(writer_cache, WRITER_CACHE_KIB);
+    assert_eq!(reader_cache, READER_CACHE_KIB);
 }
 
 #[test]
@@ -1519,4 +1519,94 @@ fn a_stack_shortcut_that_collides_is_checked_against_the_tree() {
         5,
         "root, 1, 2, 3, 4: nothing added twice"
     );
+}
+
+/// Past `--max-catalog-nodes` the largest service's call tree leaves memory: its nodes are read
+/// from disk by queries, and stacks seen again get new nodes. Every query answers as a store
+/// without the bound does: merged trees, downloads, a call site's trees and totals, after more
+/// writes and after a reopen.
+#[test]
+fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
+    let (bounded_dir, reference_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let limits = StoreLimits {
+        max_catalog_nodes: 8,
+        ..StoreLimits::default()
+    };
+    let mut bounded = open_limited(bounded_dir.path(), limits.clone());
+    let reference = open(reference_dir.path());
+    let write = |round: i64| {
+        let (new_leaf, scan) = (format!("b{round}"), format!("scan{}", round % 2));
+        let api = format!("main;work;{new_leaf}");
+        let db = format!("run;{scan}");
+        let time_ns = NOW + round * SECOND;
+        vec![
+            profile(
+                "api",
+                &[],
+                time_ns,
+                &[("main;work;a", 3), (&api, 2), ("main;idle", 1)],
+            ),
+            profile("db", &[], time_ns, &[("run;query", 5), (&db, 1 + round)]),
+        ]
+    };
+    let same_answers = |bounded: &Store, rounds: i64| {
+        let end = NOW + rounds * SECOND;
+        let at = |selector: &str, call_site: &[&str]| {
+            let mut selection = selection(selector, NOW, end);
+            selection.call_site = call_site.iter().map(|name| name.to_string()).collect();
+            selection
+        };
+        for (selector, call_site) in [
+            ("{}", &[][..]),
+            (r#"{service_name="api"}"#, &[][..]),
+            (r#"{service_name="api"}"#, &["main", "work"][..]),
+            (r#"{service_name="db"}"#, &["run"][..]),
+        ] {
+            let selection = at(selector, call_site);
+            let merged = bounded.merge(&selection).unwrap().folded();
+            assert!(!merged.is_empty(), "{selector} {call_site:?}");
+            assert_eq!(merged, reference.merge(&selection).unwrap().folded());
+            assert_eq!(
+                bounded.merge_with_frames(&selection).unwrap().folded(),
+                reference.merge_with_frames(&selection).unwrap().folded()
+            );
+            let totals = |store: &Store| -> Vec<(i64, i64)> {
+                let mut points: Vec<(i64, i64)> = store
+                    .totals(&selection)
+                    .unwrap()
+                    .into_iter()
+                    .flat_map(|(_, points)| points)
+                    .collect();
+                points.sort_unstable();
+                points
+            };
+            assert_eq!(
+                totals(bounded),
+                totals(&reference),
+                "{selector} {call_site:?}"
+            );
+        }
+    };
+    for round in 0..6 {
+        bounded.ingest(&write(round)).unwrap();
+        reference.ingest(&write(round)).unwrap();
+        let (_, _, in_memory) = bounded.catalog_sizes();
+        assert!(
+            in_memory <= 8,
+            "{in_memory} nodes in memory after round {round}"
+        );
+        same_answers(&bounded, round + 1);
+    }
+    let sealed = bounded.counters().node_trees_sealed.load(Ordering::Relaxed);
+    assert!(sealed >= 2, "sealed {sealed} times");
+    // Without the bound the same writes keep every node in memory.
+    assert!(reference.catalog_sizes().2 > 8);
+
+    drop(bounded);
+    bounded = open_limited(bounded_dir.path(), limits);
+    assert!(bounded.catalog_sizes().2 <= 8);
+    same_answers(&bounded, 6);
+    bounded.ingest(&write(6)).unwrap();
+    reference.ingest(&write(6)).unwrap();
+    same_answers(&bounded, 7);
 }
