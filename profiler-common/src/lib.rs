@@ -81,6 +81,11 @@ pub struct SamplerConfig {
     pub off_cpu_threshold: u32,
     /// The agent's own process, whose threads' waits are left out.
     pub off_cpu_exclude_pid: u32,
+    /// Offset of `vm_file` in `vm_area_struct`, 0 when unknown. A registered process running
+    /// code in no registered mapping: in a file (a library loaded since), the walk stops for a
+    /// stack copy the agent finishes once it has read the new mapping; else (JIT code) it goes
+    /// on by frame pointers.
+    pub vma_file_offset: u32,
 }
 
 /// Kernel struct offsets (from the BTF) behind the exec and fork events.
@@ -105,7 +110,7 @@ pub struct IdentityOffsets {
 }
 
 const _: () = assert!(core::mem::size_of::<IdentityOffsets>() == 56);
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 88);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 92);
 
 #[cfg(feature = "user")]
 mod pod {

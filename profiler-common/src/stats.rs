@@ -102,8 +102,12 @@ pub const STAT_OFF_CPU_STACKS: u32 = 44;
 pub const STAT_OFF_CPU_WOKEN: u32 = 45;
 /// Off-CPU records lost because the `OFF_CPU` ring buffer was full.
 pub const STAT_OFF_CPU_LOST: u32 = 46;
+/// Walks of a registered process stopped for a copy at code in a file it mapped after it was
+/// registered (a library loaded since): the agent finishes them once it has read the mapping.
+/// Also counted in `STAT_UNWIND_FP_NO_MAPPING`.
+pub const STAT_UNWIND_NEW_FILE_MAPPING: u32 = 47;
 /// Number of slots in `STATS`.
-pub const STAT_COUNT: u32 = 47;
+pub const STAT_COUNT: u32 = 48;
 
 /// The single value per CPU of the `STATS` map: all of that CPU's counters side by side, so a
 /// sample's counting touches a couple of cache lines instead of one allocation per counter.
@@ -125,7 +129,7 @@ impl Default for StatCounters {
 unsafe impl aya::Pod for StatCounters {}
 
 /// Human-readable names, indexed by id, used for logs and metrics.
-pub const STAT_NAMES: [&str; 47] = [
+pub const STAT_NAMES: [&str; 48] = [
     "samples_seen",
     "samples_sent",
     "ringbuf_full",
@@ -173,6 +177,7 @@ pub const STAT_NAMES: [&str; 47] = [
     "off_cpu_stacks",
     "off_cpu_woken",
     "off_cpu_lost",
+    "unwind_new_file_mapping",
 ];
 
 const _: () = assert!(STAT_NAMES.len() as u32 <= STAT_COUNT);

@@ -12,8 +12,8 @@ use aya_ebpf::{
     helpers::{
         bpf_probe_read_kernel, bpf_probe_read_user,
         generated::{
-            bpf_get_current_task_btf, bpf_loop, bpf_probe_read_user as bpf_probe_read_user_raw,
-            bpf_task_pt_regs,
+            bpf_find_vma, bpf_get_current_task_btf, bpf_loop,
+            bpf_probe_read_user as bpf_probe_read_user_raw, bpf_task_pt_regs,
         },
     },
     macros::map,
@@ -26,10 +26,10 @@ use profiler_common::{
     SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING, STACK_COPY_BYTES, STACK_COPY_EXACT_PC,
     STACK_COPY_SLACK, STAT_UNWIND_BAD_FRAME, STAT_UNWIND_COMPLETE, STAT_UNWIND_DEPTH_LIMIT,
     STAT_UNWIND_FP_END, STAT_UNWIND_FP_NO_CFI, STAT_UNWIND_FP_NO_MAPPING, STAT_UNWIND_FP_NO_TABLE,
-    STAT_UNWIND_FRAME_POINTER_CODE, STAT_UNWIND_FRAMES, STAT_UNWIND_NO_USER_CONTEXT,
-    STAT_UNWIND_PLT_FRAMES, STAT_UNWIND_READ_ERROR, STAT_UNWIND_RETURN_PROBE_FRAMES,
-    STAT_UNWIND_SIGNAL_FRAMES, STAT_UNWIND_STACK_COPIES, STAT_UNWIND_STACK_COPY_EMPTY,
-    STAT_UNWIND_STACK_COPY_SHED, StackCopyHeader,
+    STAT_UNWIND_FRAME_POINTER_CODE, STAT_UNWIND_FRAMES, STAT_UNWIND_NEW_FILE_MAPPING,
+    STAT_UNWIND_NO_USER_CONTEXT, STAT_UNWIND_PLT_FRAMES, STAT_UNWIND_READ_ERROR,
+    STAT_UNWIND_RETURN_PROBE_FRAMES, STAT_UNWIND_SIGNAL_FRAMES, STAT_UNWIND_STACK_COPIES,
+    STAT_UNWIND_STACK_COPY_EMPTY, STAT_UNWIND_STACK_COPY_SHED, StackCopyHeader,
     unwind::{
         CFA_PLT, CFA_SIGNAL, MAPPING_HAS_TABLE, MAPPING_PROCESS_MARKER,
         MAPPING_RELIABLE_FRAME_POINTERS, MAPPING_TABLE_PENDING, MappingKey, MappingValue,
@@ -40,7 +40,7 @@ use profiler_common::{
 
 pub use profiler_common::unwind::Registers;
 
-use crate::shared::{SCRATCH_SLOTS, count, count_by, scratch_sample};
+use crate::shared::{CONFIG, SCRATCH_SLOTS, count, count_by, scratch_sample};
 
 #[map(name = "UNWIND_ROWS")]
 static UNWIND_ROWS: Array<RowChunk> = Array::with_max_entries(DEFAULT_ROW_CHUNKS, 0);
@@ -296,6 +296,53 @@ fn stop_for_copy(state: &mut UnwindState, exact_pc: bool, flags: u32) -> i64 {
     1
 }
 
+/// What `vma_in_file` reads and answers.
+#[repr(C)]
+struct VmaQuery {
+    /// Offset of `vm_file` in `vm_area_struct`.
+    file_offset: u64,
+    in_file: u64,
+}
+
+/// `bpf_find_vma` callback: whether the mapping found maps a file.
+#[inline(never)]
+extern "C" fn vma_in_file(_task: *mut c_void, vma: *mut c_void, ctx: *mut c_void) -> i64 {
+    // SAFETY: `in_file` passes a pointer to a `VmaQuery` on its stack; the kernel's vma is read
+    // with probe_read_kernel.
+    unsafe {
+        let query = &mut *(ctx as *mut VmaQuery);
+        let file = bpf_probe_read_kernel((vma as u64 + query.file_offset) as *const u64);
+        query.in_file = u64::from(matches!(file, Ok(file) if file != 0));
+    }
+    0
+}
+
+/// Whether `pc` is in a file-backed mapping of the current task; false when unknown (no
+/// offset from the BTF, or the task's mappings are locked at the moment).
+#[inline(always)]
+fn in_file(pc: u64) -> bool {
+    let file_offset = CONFIG.get(0).map_or(0, |config| config.vma_file_offset);
+    if file_offset == 0 {
+        return false;
+    }
+    let mut query = VmaQuery {
+        file_offset: u64::from(file_offset),
+        in_file: 0,
+    };
+    // SAFETY: the current task's BTF pointer, a callback of the signature the helper expects
+    // and a pointer to the stack it reads.
+    let found = unsafe {
+        bpf_find_vma(
+            bpf_get_current_task_btf(),
+            pc,
+            vma_in_file as *mut c_void,
+            &mut query as *mut VmaQuery as *mut c_void,
+            0,
+        )
+    };
+    found == 0 && query.in_file != 0
+}
+
 /// Ends the walk; `stat` says why.
 #[inline(always)]
 fn stop(state: &mut UnwindState, stat: u32, flags: u32) -> i64 {
@@ -346,6 +393,12 @@ extern "C" fn unwind_step(_index: u64, ctx: *mut c_void) -> i64 {
             // mapped when registered (JIT code, a library loaded since).
             Some(found) if found.flags & MAPPING_PROCESS_MARKER != 0 => {
                 count(STAT_UNWIND_FP_NO_MAPPING);
+                // A file mapped since (a library being loaded) has CFI the agent can read once
+                // it sees the mapping: its callers are not guessed from RBP.
+                if in_file(lookup_pc) {
+                    count(STAT_UNWIND_NEW_FILE_MAPPING);
+                    return stop_for_copy(state, exact_pc, SAMPLE_USER_UNKNOWN_MAPPING);
+                }
                 state.flags |= SAMPLE_USER_UNKNOWN_MAPPING;
                 return frame_pointer_step(state);
             }

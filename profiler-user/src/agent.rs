@@ -270,6 +270,7 @@ impl PipelineAccess for Pipeline {
     ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool) {
         let pinned = if sample.stack_copy.is_some() {
             let process = self.processes.lookup(sample.pid);
+            let process = process.map(|process| self.snapshot_for_copy(sample, process));
             match &process {
                 Some(process) => {
                     self.finish_late_walk(sample, process, Patience::GiveUp);
@@ -420,12 +421,38 @@ impl Pipeline {
             self.late.stats.no_process += 1;
             return self.handle_unwound(&sample, None);
         };
+        let process = self.snapshot_for_copy(&sample, process);
         match self.finish_late_walk(&mut sample, &process, Patience::Wait) {
             Walk::Done => self.handle_unwound(&sample, Some(process)),
             // The snapshot goes with it: by the time the walk finishes the process may have
             // exec'ed another program.
             Walk::Pending => self.late.hold(sample, process),
         }
+    }
+
+    /// The snapshot to finish a stack copy's walk against: `process`, or a fresh one when the
+    /// copy starts in code it does not map (BPF stopped at a library loaded since the snapshot;
+    /// the refresh also registers the library, so BPF walks it from then on).
+    fn snapshot_for_copy(
+        &mut self,
+        sample: &Sample,
+        process: Arc<ProcessInfo>,
+    ) -> Arc<ProcessInfo> {
+        let Some(copy) = sample.stack_copy.as_deref() else {
+            return process;
+        };
+        // A return address points after its call.
+        let pc = if copy.exact_pc {
+            copy.rip
+        } else {
+            copy.rip.wrapping_sub(1)
+        };
+        if !sample.user_unknown_mapping || process.mapping_for(pc).is_some() {
+            return process;
+        }
+        self.processes
+            .refresh_for_address(sample.pid, pc)
+            .unwrap_or(process)
     }
 
     /// Finishes the walk of a sample BPF stopped against `process`: registers it (so BPF

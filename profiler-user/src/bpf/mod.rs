@@ -313,6 +313,8 @@ struct TaskOffsets {
     signal_live: Result<(u32, u32), String>,
     /// What the exec and fork events read.
     identity: Result<IdentityOffsets, String>,
+    /// `vm_area_struct.vm_file`: whether code in no registered mapping is in a file.
+    vma_file: Result<u32, String>,
 }
 
 fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
@@ -324,6 +326,7 @@ fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
     };
     Ok(TaskOffsets {
         fsbase: offset("task_struct", &["thread", "fsbase"]),
+        vma_file: offset("vm_area_struct", &["vm_file"]),
         signal_live: offset("task_struct", &["signal"])
             .and_then(|signal| Ok((signal, offset("signal_struct", &["live"])?))),
         identity: (|| {
@@ -578,7 +581,8 @@ impl Sampler {
             .unwrap_or_else(|reason| TaskOffsets {
                 fsbase: Err(reason.clone()),
                 signal_live: Err(reason.clone()),
-                identity: Err(reason),
+                identity: Err(reason.clone()),
+                vma_file: Err(reason),
             });
         let task_fsbase_offset = offsets.fsbase.unwrap_or_else(|reason| {
             tracing::warn!(
@@ -593,6 +597,14 @@ impl Sampler {
                 );
                 (0, 0)
             });
+        let vma_file_offset = offsets.vma_file.unwrap_or_else(|reason| {
+            tracing::info!(
+                "the first samples in a library loaded after its process was first sampled \
+                 are cut where the library starts: cannot find vm_file in the kernel's \
+                 vm_area_struct ({reason})"
+            );
+            0
+        });
         let identity = offsets.identity.unwrap_or_else(|reason| {
             tracing::info!(
                 "processes that exit before the agent reads /proc are named by their thread: \
@@ -620,6 +632,7 @@ impl Sampler {
             identity,
             off_cpu_threshold: off_cpu_probability.map_or(0, off_cpu_threshold),
             off_cpu_exclude_pid: std::process::id(),
+            vma_file_offset,
         };
         // Borrowed, not taken: the CUDA programs, loaded later, refer to these maps by the file
         // descriptors the object holds.
