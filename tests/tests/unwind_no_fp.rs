@@ -691,9 +691,29 @@ fn process_started_after_the_agent_is_unwound_from_its_first_sample() {
     );
 }
 
-#[test]
-fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
-    let _guard = exclusive();
+/// A run of tests/fixtures/dlopen_main.c (built without frame pointers, with libnofp2.c as its
+/// plugin) under an agent writing 1 s profiles, and what it left.
+struct DlopenRun {
+    _scratch: Scratch,
+    profiles: std::path::PathBuf,
+    service: String,
+    /// When the fixture said it had loaded the plugin.
+    loaded: SystemTime,
+    /// The fixture's CPU time `mark` after that, and in all.
+    cpu_at_mark: Duration,
+    cpu: Duration,
+}
+
+/// Runs the dlopen fixture for `seconds`, loading the plugin after `delay` (spinning until
+/// then when `busy`, else sleeping), once the agent is past its start-up backlog (so profile
+/// start times track sample times).
+fn run_dlopen_fixture(
+    tag: &str,
+    seconds: &str,
+    delay: &str,
+    busy: bool,
+    mark: Duration,
+) -> DlopenRun {
     let plugin = nofp_shared_library("libnofp2.c");
     let fixture = build_fixture(
         "dlopen_main-nofp",
@@ -702,15 +722,22 @@ fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
         &["dlopen_main.c"],
         &["-ldl"],
     );
-    let scratch = Scratch::new("nofp-dlopen");
-    let dir = scratch.path("profiles");
-    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
-    // Past the start-up backlog, so that profile start times track sample times.
+    let scratch = Scratch::new(tag);
+    let profiles = scratch.path("profiles");
+    let mut agent = Agent::start(&[
+        "--interval",
+        "1",
+        "--output-dir",
+        profiles.to_str().unwrap(),
+    ]);
     agent.wait_for_intervals(3, Duration::from_secs(30));
-    let service = format!("unwind-dlopen-{}", std::process::id());
-    // Runs 6 s in all: sleeps 1.5 s, dlopens the plugin, prints "loaded", spins in it.
+    let service = format!("unwind-{tag}-{}", std::process::id());
+    let mut args = vec![seconds, delay, plugin.to_str().unwrap()];
+    if busy {
+        args.push("busy");
+    }
     let child = Command::new(&fixture)
-        .args(["6", "1.5", plugin.to_str().unwrap()])
+        .args(&args)
         .env("OTEL_SERVICE_NAME", &service)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -727,19 +754,34 @@ fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
         "loaded",
         "the fixture did not dlopen its plugin"
     );
-    // The CPU time the fixture got from the threshold on: what the judged profiles can hold.
-    std::thread::sleep(Duration::from_secs(2));
-    let cpu_at_threshold = cpu_time_so_far(running.pid()).unwrap_or_default();
+    std::thread::sleep(mark);
+    let cpu_at_mark = cpu_time_so_far(running.pid()).unwrap_or_default();
     let (status, cpu) = running.wait_measuring_cpu();
     assert!(status.success(), "fixture failed: {status}");
     std::thread::sleep(Duration::from_millis(300));
     let (status, stderr) = agent.stop();
     assert!(status.success(), "agent failed with {status}:\n{stderr}");
+    DlopenRun {
+        _scratch: scratch,
+        profiles,
+        service,
+        loaded,
+        cpu_at_mark,
+        cpu,
+    }
+}
 
-    let threshold = loaded + Duration::from_secs(2);
-    let (samples, listing) = agent_samples_from(&dir, &service, threshold);
+#[test]
+fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
+    let _guard = exclusive();
+    // Runs 6 s in all: sleeps 1.5 s, dlopens the plugin, prints "loaded", spins in it. The CPU
+    // time it got from 2 s after the dlopen on is what the judged profiles can hold.
+    let run = run_dlopen_fixture("dlopen", "6", "1.5", false, Duration::from_secs(2));
+    let service = &run.service;
+    let threshold = run.loaded + Duration::from_secs(2);
+    let (samples, listing) = agent_samples_from(&run.profiles, service, threshold);
     // Profiles start on interval boundaries after the threshold: up to 1 s of it is not judged.
-    let floor = sample_floor(50, cpu.saturating_sub(cpu_at_threshold), 0.4);
+    let floor = sample_floor(50, run.cpu.saturating_sub(run.cpu_at_mark), 0.4);
     assert!(
         total_count(&samples) >= floor,
         "too few samples of {service} in profiles starting 2 s after the dlopen ({floor} wanted); \
@@ -769,46 +811,11 @@ fn library_dlopened_after_the_agent_started_is_unwound_within_two_seconds() {
 #[test]
 fn library_dlopened_by_a_registered_process_is_unwound_from_its_first_sample() {
     let _guard = exclusive();
-    let plugin = nofp_shared_library("libnofp2.c");
-    let fixture = build_fixture(
-        "dlopen_main-nofp",
-        "gcc",
-        NOFP_FLAGS,
-        &["dlopen_main.c"],
-        &["-ldl"],
-    );
-    let scratch = Scratch::new("nofp-dlopen-registered");
-    let dir = scratch.path("profiles");
-    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
-    agent.wait_for_intervals(3, Duration::from_secs(30));
-    let service = format!("unwind-dlopen-registered-{}", std::process::id());
     // Spins 1.5 s in main (sampled, so registered), dlopens the plugin and spins in it for the
     // last 0.6 s: a large share of those samples fall before the agent reads the new mapping.
-    let child = Command::new(&fixture)
-        .args(["2.1", "1.5", plugin.to_str().unwrap(), "busy"])
-        .env("OTEL_SERVICE_NAME", &service)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the dlopen fixture");
-    let mut running = Running { child };
-    let mut line = String::new();
-    BufReader::new(running.child.stdout.take().expect("stdout is piped"))
-        .read_line(&mut line)
-        .expect("read the fixture's stdout");
-    assert_eq!(
-        line.trim(),
-        "loaded",
-        "the fixture did not dlopen its plugin"
-    );
-    let cpu_at_load = cpu_time_so_far(running.pid()).unwrap_or_default();
-    let (status, cpu) = running.wait_measuring_cpu();
-    assert!(status.success(), "fixture failed: {status}");
-    std::thread::sleep(Duration::from_millis(300));
-    let (status, stderr) = agent.stop();
-    assert!(status.success(), "agent failed with {status}:\n{stderr}");
-
-    let (samples, listing) = agent_samples_from(&dir, &service, UNIX_EPOCH);
+    let run = run_dlopen_fixture("dlopen-registered", "2.1", "1.5", true, Duration::ZERO);
+    let service = &run.service;
+    let (samples, listing) = agent_samples_from(&run.profiles, service, UNIX_EPOCH);
     // Sampled before the dlopen: the process was registered when the plugin was loaded.
     let before: i64 = total_count(
         samples
@@ -816,7 +823,7 @@ fn library_dlopened_by_a_registered_process_is_unwound_from_its_first_sample() {
             .filter(|s| s.frames.iter().any(|f| f == "spin_before_loading")),
     );
     assert!(
-        before >= sample_floor(20, cpu_at_load, 0.4),
+        before >= sample_floor(20, run.cpu_at_mark, 0.4),
         "too few samples of {service} before the dlopen ({before}); profiles:\n{listing}"
     );
     let in_plugin: Vec<StackSample> = samples
@@ -826,7 +833,7 @@ fn library_dlopened_by_a_registered_process_is_unwound_from_its_first_sample() {
     assert_fraction(
         &in_plugin,
         1.0,
-        sample_floor(20, cpu.saturating_sub(cpu_at_load), 0.4),
+        sample_floor(20, run.cpu.saturating_sub(run.cpu_at_mark), 0.4),
         "in the plugin have main;call_plugin;plugin_outer, uncut",
         |s| {
             find_chain(&s.frames, &["main", "call_plugin", "plugin_outer"]).is_some()
