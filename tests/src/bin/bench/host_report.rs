@@ -579,6 +579,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
             ("profiler_store_catalog_frames", "store frames"),
             ("profiler_store_catalog_nodes", "store call-tree nodes"),
             (
+                "profiler_store_node_trees_sealed_total",
+                "store call trees sealed",
+            ),
+            (
                 "profiler_store_sqlite_memory_bytes",
                 "SQLite memory (bytes)",
             ),
