@@ -450,6 +450,8 @@ impl Space {
 
     /// The nodes with ids from `first` (≥ the current generation's first) to the last.
     fn nodes_from(&self, first: usize) -> &[(u32, u32)] {
+        // Sealing follows the write of a generation's last block, never precedes it.
+        debug_assert!(first > self.sealed as usize, "nodes {first}.. are sealed");
         let position = first.saturating_sub(self.sealed as usize).max(1);
         self.nodes.get(position..).unwrap_or(&[])
     }
