@@ -163,6 +163,7 @@ impl ServerArgs {
             store_options: StoreOptions {
                 limits: self.store_limits.limits(),
                 integrity_check: !self.store_limits.no_store_check,
+                ..StoreOptions::default()
             },
         }
     }

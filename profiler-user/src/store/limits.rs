@@ -30,8 +30,9 @@ pub const DEFAULT_MAX_STACK_DEPTH: usize = 1_000;
 pub const DEFAULT_MAX_QUERY_NODES: usize = 2_000_000;
 /// Default of `--max-catalog-nodes`: call-tree nodes kept in memory to find a stack's node at
 /// ingest, all services together (about 14 bytes each with their index, so about 1 MiB).
-/// Past it the largest service's tree is sealed: kept on disk for queries, started afresh in
-/// memory. A whole busy host adds about 450 nodes a second (stripped compilers mostly).
+/// Past it the largest service's tree that has doubled since its first minute is sealed: kept
+/// on disk for queries, started afresh in memory. A whole busy host adds about 450 nodes a
+/// second (stripped compilers mostly).
 pub const DEFAULT_MAX_CATALOG_NODES: usize = 65_536;
 
 /// The frame that replaces the root-side frames of a stack cut at `max_stack_depth`.
@@ -115,10 +116,11 @@ pub struct StoreLimitArgs {
     /// filled with distinct stacks cannot make one query take the server's memory. 0: no limit.
     #[arg(long, env = "PROFILER_MAX_QUERY_NODES", default_value_t = DEFAULT_MAX_QUERY_NODES)]
     pub max_query_nodes: usize,
-    /// Most call-tree nodes kept in memory for ingest, all services together (about 14 bytes
-    /// each). Past it the largest service's call tree is sealed: it stays on disk, where
-    /// queries read it, and stacks seen again get new nodes. 0: no limit (memory grows with
-    /// every distinct stack kept).
+    /// Call-tree nodes kept in memory for ingest, all services together (about 14 bytes each).
+    /// Past it the largest service's call tree that has at least doubled since its first minute
+    /// is sealed: it stays on disk, where queries read it, and stacks seen again get new nodes.
+    /// Trees that have not doubled stay (their services keep using them), so the services'
+    /// trees in use can exceed it. 0: no limit (memory grows with every distinct stack kept).
     #[arg(long, env = "PROFILER_MAX_CATALOG_NODES", default_value_t = DEFAULT_MAX_CATALOG_NODES)]
     pub max_catalog_nodes: usize,
     /// Skip the integrity check (`PRAGMA quick_check`) of the store when it opens. The check

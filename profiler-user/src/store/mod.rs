@@ -50,6 +50,8 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
 pub const DEFAULT_MAX_BYTES: u64 = 10 << 30;
 /// Default period of enforcing the retention and the size cap.
 pub const DEFAULT_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(60);
+/// Default of [`StoreOptions::settle_age`]: four agent intervals.
+pub const DEFAULT_SETTLE_AGE: Duration = Duration::from_secs(60);
 const DATABASE_FILE: &str = "profiles.db";
 
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +159,9 @@ pub struct StoreOptions {
     pub limits: StoreLimits,
     /// Run `PRAGMA quick_check` when opening (about a second per GiB).
     pub integrity_check: bool,
+    /// How long a service's call-tree generation lives before its size is taken as what the
+    /// service keeps using ([`StoreLimits::max_catalog_nodes`]).
+    pub settle_age: Duration,
 }
 
 impl Default for StoreOptions {
@@ -164,6 +169,7 @@ impl Default for StoreOptions {
         StoreOptions {
             limits: StoreLimits::default(),
             integrity_check: true,
+            settle_age: DEFAULT_SETTLE_AGE,
         }
     }
 }
@@ -380,7 +386,7 @@ impl StoreCounters {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Space {
     profile_type: String,
     service_name: String,
@@ -394,6 +400,12 @@ struct Space {
     nodes: Vec<(u32, u32)>,
     /// The current generation's nodes (but the root) by (parent, frame id), as positions.
     index: IdIndex,
+    /// When the current generation began: the space's creation, its last seal, the store's open.
+    generation_started: Instant,
+    /// The current generation's node count once it had lived [`StoreOptions::settle_age`]:
+    /// about the stacks the service keeps sending. A generation is sealed only once it holds
+    /// twice that (see [`Catalog::seal_over`]).
+    settled_nodes: Option<usize>,
     /// A whole stack's hash (frame ids, root first) → its leaf node: an agent sends mostly the
     /// same stacks every interval, so one lookup and a walk up the leaf's parents (which checks
     /// it is that stack) replace a lookup per frame. Only a shortcut, keyed by hash so an entry
@@ -419,6 +431,8 @@ impl Space {
             sealed: 0,
             nodes: vec![(u32::MAX, 0)],
             index: IdIndex::default(),
+            generation_started: Instant::now(),
+            settled_nodes: None,
             leaf_by_stack: HashMap::new(),
         }
     }
@@ -525,6 +539,8 @@ impl Space {
         self.nodes = vec![(u32::MAX, 0)];
         self.index = IdIndex::default();
         self.leaf_by_stack = HashMap::new();
+        self.generation_started = Instant::now();
+        self.settled_nodes = None;
     }
 }
 
@@ -733,10 +749,29 @@ impl Catalog {
 
     /// Seals the spaces with the most nodes in memory until all together keep at most `max`
     /// (0: no limit); returns how many were sealed. Only for nodes already on disk.
-    fn seal_over(&mut self, max: usize) -> u64 {
+    ///
+    /// With `settle_age`, only a generation that has at least doubled since it had lived that
+    /// long: one that holds about the stacks its service keeps sending would only be made again
+    /// by the next writes (its nodes on disk a second time), so it stays, and the bound is then
+    /// exceeded by what the services use. A service that keeps sending new stacks (a stripped
+    /// compiler's addresses) doubles and is sealed. Without, any (at open).
+    fn seal_over(&mut self, max: usize, settle_age: Option<Duration>) -> u64 {
         if max == 0 {
             return 0;
         }
+        if let Some(age) = settle_age {
+            for space in self.spaces.values_mut() {
+                if space.settled_nodes.is_none() && space.generation_started.elapsed() >= age {
+                    space.settled_nodes = Some(space.nodes.len());
+                }
+            }
+        }
+        let grown = |space: &Space| {
+            settle_age.is_none()
+                || space
+                    .settled_nodes
+                    .is_some_and(|n| space.nodes.len() >= 2 * n)
+        };
         let mut in_memory: usize = self.spaces.values().map(|s| s.nodes.len()).sum();
         let mut sealed = 0;
         while in_memory > max {
@@ -745,7 +780,7 @@ impl Catalog {
             let Some(space) = self
                 .spaces
                 .values_mut()
-                .filter(|s| s.nodes.len() > 1 && s.len() < u32::MAX as usize / 2)
+                .filter(|s| s.nodes.len() > 1 && s.len() < u32::MAX as usize / 2 && grown(s))
                 .max_by_key(|s| s.nodes.len())
             else {
                 break;
@@ -783,6 +818,7 @@ pub struct Store {
 struct Inner {
     settings: StoreSettings,
     limits: StoreLimits,
+    settle_age: Duration,
     path: PathBuf,
     /// When a disk-full and a corruption error were last logged (at most once a minute each).
     disk_full_logged: Mutex<Option<Instant>>,
@@ -1005,6 +1041,7 @@ impl Store {
             inner: Arc::new(Inner {
                 settings,
                 limits: options.limits,
+                settle_age: options.settle_age,
                 path,
                 disk_full_logged: Mutex::new(None),
                 corruption_logged: Mutex::new(None),
@@ -1158,7 +1195,10 @@ impl Store {
                     }
                 }
                 // Only now: a sealed generation must be on disk, where queries read it.
-                let sealed = catalog.seal_over(self.inner.limits.max_catalog_nodes);
+                let sealed = catalog.seal_over(
+                    self.inner.limits.max_catalog_nodes,
+                    Some(self.inner.settle_age),
+                );
                 self.inner
                     .counters
                     .node_trees_sealed
@@ -1882,7 +1922,7 @@ fn load_catalog(conn: &Connection, max_nodes: usize) -> Result<Catalog, StoreErr
             }
         }
     }
-    catalog.seal_over(max_nodes);
+    catalog.seal_over(max_nodes, None);
     let mut ranges: HashMap<i64, (i64, i64)> = HashMap::new();
     {
         let mut stmt = conn.prepare(

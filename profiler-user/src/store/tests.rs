@@ -488,7 +488,7 @@ fn open_limited(dir: &Path, limits: StoreLimits) -> Store {
         StoreSettings::new(dir),
         StoreOptions {
             limits,
-            integrity_check: true,
+            ..StoreOptions::default()
         },
     )
     .unwrap()
@@ -1521,32 +1521,60 @@ fn a_stack_shortcut_that_collides_is_checked_against_the_tree() {
     );
 }
 
-/// Past `--max-catalog-nodes` the largest service's call tree leaves memory: its nodes are read
-/// from disk by queries, and stacks seen again get new nodes. Every query answers as a store
-/// without the bound does: merged trees, downloads, a call site's trees and totals, after more
-/// writes and after a reopen.
+/// Past `--max-catalog-nodes` a service whose call tree keeps growing has it sealed: its nodes
+/// leave memory and are read from disk by queries, and stacks seen again get new nodes. A
+/// service that keeps sending the same stacks is not sealed (its nodes would only be made
+/// again). Every query answers as a store without the bound does: merged trees, downloads, a
+/// call site's trees and totals, after more writes and after a reopen.
 #[test]
 fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
     let (bounded_dir, reference_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let limits = StoreLimits {
-        max_catalog_nodes: 8,
-        ..StoreLimits::default()
+    let options = StoreOptions {
+        limits: StoreLimits {
+            max_catalog_nodes: 8,
+            ..StoreLimits::default()
+        },
+        // A generation's size is taken at its first write, so one that doubles after it is sealed.
+        settle_age: Duration::ZERO,
+        ..StoreOptions::default()
     };
-    let mut bounded = open_limited(bounded_dir.path(), limits.clone());
+    let open_bounded = || Store::open_with(StoreSettings::new(bounded_dir.path()), options.clone());
+    let mut bounded = open_bounded().unwrap();
     let reference = open(reference_dir.path());
+    // "api" adds three new stacks every round. "db" sends the same six and alternates between
+    // two more: its tree alone is over the bound, but sealing it would only make it again.
     let write = |round: i64| {
-        let (new_leaf, scan) = (format!("b{round}"), format!("scan{}", round % 2));
-        let api = format!("main;work;{new_leaf}");
-        let db = format!("run;{scan}");
+        let new: Vec<String> = (0..3).map(|k| format!("main;work;b{round}_{k}")).collect();
+        let scan = format!("run;scan{}", round % 2);
+        let db: Vec<String> = (0..6).map(|k| format!("run;query;q{k}")).collect();
         let time_ns = NOW + round * SECOND;
         vec![
             profile(
                 "api",
                 &[],
                 time_ns,
-                &[("main;work;a", 3), (&api, 2), ("main;idle", 1)],
+                &[
+                    ("main;work;a", 3),
+                    (&new[0], 2),
+                    (&new[1], 1),
+                    (&new[2], 4),
+                    ("main;idle", 1),
+                ],
             ),
-            profile("db", &[], time_ns, &[("run;query", 5), (&db, 1 + round)]),
+            profile(
+                "db",
+                &[],
+                time_ns,
+                &[
+                    (&db[0], 5),
+                    (&db[1], 1),
+                    (&db[2], 2),
+                    (&db[3], 3),
+                    (&db[4], 1),
+                    (&db[5], 7),
+                    (&scan, 1 + round),
+                ],
+            ),
         ]
     };
     let same_answers = |bounded: &Store, rounds: i64| {
@@ -1587,26 +1615,36 @@ fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
             );
         }
     };
-    for round in 0..6 {
+    let sealed_of = |store: &Store, service: &str| -> u32 {
+        let catalog = store.read_catalog();
+        catalog
+            .spaces
+            .values()
+            .find(|space| space.service_name == service)
+            .map_or(0, |space| space.sealed)
+    };
+    for round in 0..8 {
         bounded.ingest(&write(round)).unwrap();
         reference.ingest(&write(round)).unwrap();
-        let (_, _, in_memory) = bounded.catalog_sizes();
-        assert!(
-            in_memory <= 8,
-            "{in_memory} nodes in memory after round {round}"
-        );
         same_answers(&bounded, round + 1);
     }
-    let sealed = bounded.counters().node_trees_sealed.load(Ordering::Relaxed);
-    assert!(sealed >= 2, "sealed {sealed} times");
-    // Without the bound the same writes keep every node in memory.
-    assert!(reference.catalog_sizes().2 > 8);
+    assert!(
+        sealed_of(&bounded, "api") > 0,
+        "the growing tree was never sealed"
+    );
+    assert_eq!(sealed_of(&bounded, "db"), 0, "the steady tree was sealed");
+    assert!(
+        bounded.counters().node_trees_sealed.load(Ordering::Relaxed) >= 2,
+        "sealed once at most"
+    );
+    assert!(bounded.catalog_sizes().2 < reference.catalog_sizes().2);
 
+    // At open every tree over the bound is loaded sealed.
     drop(bounded);
-    bounded = open_limited(bounded_dir.path(), limits);
+    bounded = open_bounded().unwrap();
     assert!(bounded.catalog_sizes().2 <= 8);
-    same_answers(&bounded, 6);
-    bounded.ingest(&write(6)).unwrap();
-    reference.ingest(&write(6)).unwrap();
-    same_answers(&bounded, 7);
+    same_answers(&bounded, 8);
+    bounded.ingest(&write(8)).unwrap();
+    reference.ingest(&write(8)).unwrap();
+    same_answers(&bounded, 9);
 }
