@@ -414,17 +414,31 @@ struct BuildResult {
     elapsed: Duration,
 }
 
-/// Builds tables on its own thread, so a large library (or hundreds of processes appearing at
-/// once) never holds up sample processing. Two lines: tables a held sample waits for go before
-/// those registrations asked for, which on a busy host can be hundreds of files long.
+/// Files at least this large (libtorch_cpu, libLLVM, chromium: their tables take tens of seconds
+/// to build on a busy host) are built on a thread of their own, so the small tables of the
+/// processes that start meanwhile are never queued behind them.
+const LARGE_FILE_BYTES: u64 = 64 << 20;
+
+/// Builds tables on threads of their own, so a large library (or hundreds of processes
+/// appearing at once) never holds up sample processing. Two threads: one for files of at least
+/// [`LARGE_FILE_BYTES`], one for the rest. Each has two lines: tables a held sample waits for
+/// go before those registrations asked for, which on a busy host can be hundreds of files long.
 struct TableBuilder {
-    urgent: Option<crossbeam_channel::Sender<BuildRequest>>,
-    requests: Option<crossbeam_channel::Sender<BuildRequest>>,
+    small: BuildLine,
+    large: BuildLine,
+    /// [`LARGE_FILE_BYTES`] but in tests.
+    large_file_bytes: u64,
     results: crossbeam_channel::Receiver<BuildResult>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// Set when the manager goes (the agent stops): the build under way ends within a few
+    /// Set when the manager goes (the agent stops): the builds under way end within a few
     /// thousand FDEs and the requests still queued are dropped, not built.
     cancel: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// One builder thread and its two lines.
+struct BuildLine {
+    urgent: Option<crossbeam_channel::Sender<BuildRequest>>,
+    requests: Option<crossbeam_channel::Sender<BuildRequest>>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl TableBuilder {
@@ -432,15 +446,61 @@ impl TableBuilder {
         cache: Option<TableCache>,
         vdso: Option<Arc<[u8]>>,
         mut limits: BuildLimits,
+        large_file_bytes: u64,
     ) -> TableBuilder {
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         limits.cancel = Some(cancel.clone());
-        let cancelled = cancel.clone();
+        let (outgoing, results) = crossbeam_channel::unbounded();
+        let small = BuildLine::spawn(
+            "unwind-tables",
+            cache.clone(),
+            vdso.clone(),
+            limits.clone(),
+            outgoing.clone(),
+        );
+        let large = BuildLine::spawn("unwind-large", cache, vdso, limits, outgoing);
+        TableBuilder {
+            small,
+            large,
+            large_file_bytes,
+            results,
+            cancel,
+        }
+    }
+
+    fn submit(&self, request: BuildRequest, urgent: bool) {
+        // The same file always goes to the same thread, which builds it once.
+        let size = request
+            .source
+            .as_deref()
+            .and_then(|file| file.handle.as_ref())
+            .and_then(|handle| handle.metadata().ok())
+            .map_or(0, |meta| meta.len());
+        let line = if size >= self.large_file_bytes {
+            &self.large
+        } else {
+            &self.small
+        };
+        line.submit(request, urgent);
+    }
+}
+
+impl BuildLine {
+    fn spawn(
+        name: &str,
+        cache: Option<TableCache>,
+        vdso: Option<Arc<[u8]>>,
+        limits: BuildLimits,
+        outgoing: crossbeam_channel::Sender<BuildResult>,
+    ) -> BuildLine {
+        let cancelled = limits
+            .cancel
+            .clone()
+            .unwrap_or_else(|| Arc::new(std::sync::atomic::AtomicBool::new(false)));
         let (requests, incoming) = crossbeam_channel::unbounded::<BuildRequest>();
         let (urgent, incoming_urgent) = crossbeam_channel::unbounded::<BuildRequest>();
-        let (outgoing, results) = crossbeam_channel::unbounded();
         let thread = std::thread::Builder::new()
-            .name("unwind-tables".into())
+            .name(name.into())
             .spawn(move || {
                 // Built from the urgent line while also waiting in the other: built once.
                 let mut built_early: HashSet<TableKey> = HashSet::new();
@@ -486,13 +546,11 @@ impl TableBuilder {
                     }
                 }
             })
-            .expect("spawning the unwind-table builder thread");
-        TableBuilder {
+            .expect("spawning an unwind-table builder thread");
+        BuildLine {
             urgent: Some(urgent),
             requests: Some(requests),
-            results,
             thread: Some(thread),
-            cancel,
         }
     }
 
@@ -502,17 +560,23 @@ impl TableBuilder {
             let _ = line.send(request);
         }
     }
+
+    /// Closes the lines and waits for the thread (its build under way is cancelled).
+    fn stop(&mut self) {
+        self.urgent = None;
+        self.requests = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Drop for TableBuilder {
     fn drop(&mut self) {
         self.cancel
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        self.urgent = None;
-        self.requests = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.small.stop();
+        self.large.stop();
     }
 }
 
@@ -527,6 +591,7 @@ impl<M: UnwindMaps> NativeTables<M> {
                 cache_dir.map(TableCache::new),
                 vdso,
                 BuildLimits::for_row_capacity(capacity as usize * ROWS_PER_CHUNK),
+                LARGE_FILE_BYTES,
             ),
             builds_finished: 0,
             allocator: ChunkAllocator::new(capacity),
@@ -1464,6 +1529,61 @@ mod tests {
             build_id: None,
             handle: None,
         })
+    }
+
+    /// A table asked for after a large file's is built while the large one is still being
+    /// built: the processes that start while libtorch's table is built are not cut for it.
+    #[test]
+    fn a_small_table_is_not_queued_behind_a_large_one() {
+        let cc1 = std::process::Command::new("gcc")
+            .arg("-print-prog-name=cc1")
+            .output()
+            .expect("gcc runs");
+        let cc1 = String::from_utf8(cc1.stdout).unwrap().trim().to_string();
+        let open = |path: &str| {
+            let mut file = Arc::try_unwrap(mapped(path)).unwrap();
+            file.handle = Some(std::fs::File::open(path).unwrap());
+            Arc::new(file)
+        };
+        let (large, small) = (open(&cc1), open("/usr/bin/true"));
+        let large_bytes = std::fs::metadata(&cc1).unwrap().len();
+        assert!(large_bytes > 8 << 20, "cc1 is {large_bytes} bytes");
+        // cc1 (30 MiB) counts as large here; true (40 KiB) does not.
+        let builder =
+            TableBuilder::spawn(None, None, BuildLimits::for_row_capacity(1 << 22), 1 << 20);
+        // Eight builds of cc1 (under keys of their own) are queued first: with one line the
+        // small table would come last; with two it comes before the last of them at the latest,
+        // even when the machine is busy.
+        let large_keys: Vec<TableKey> = (0..8)
+            .map(|ino| TableKey::File(FileId { dev: u64::MAX, ino }))
+            .collect();
+        for key in &large_keys {
+            let request = BuildRequest {
+                key: key.clone(),
+                source: Some(large.clone()),
+            };
+            builder.submit(request, false);
+        }
+        let small_key = TableKey::File(small.id);
+        let request = BuildRequest {
+            key: small_key.clone(),
+            source: Some(small.clone()),
+        };
+        builder.submit(request, false);
+        let mut order = Vec::new();
+        while order.len() < large_keys.len() + 1 {
+            let result = builder
+                .results
+                .recv_timeout(Duration::from_secs(300))
+                .expect("every table is built");
+            assert!(result.table.is_ok(), "a table for {:?}", result.key);
+            order.push(result.key);
+        }
+        let small_at = order.iter().position(|key| *key == small_key).unwrap();
+        assert!(
+            small_at < large_keys.len(),
+            "the small table came after every large one: {order:?}"
+        );
     }
 
     fn process(pid: u32, files: &[Arc<MappedFile>]) -> Arc<ProcessInfo> {
