@@ -129,6 +129,11 @@ struct Pipeline {
     newest_sample_ns: u64,
     /// Events drained since the last poll, for the CUDA side (names, allocations).
     drained_since_poll: Vec<LifecycleEvent>,
+    /// The pids with an exec event not applied yet: the time of the oldest, and how many.
+    pending_execs: std::collections::HashMap<u32, (u64, u32)>,
+    /// When the rings of events (lifecycle, mmap announcements) were last read
+    /// (`bpf_ktime_get_ns` time): everything written before then is drained.
+    drained_at_ns: u64,
     /// No sample is waiting in the queue (set by the pump before each poll).
     idle: bool,
 }
@@ -138,6 +143,9 @@ const LIFECYCLE_SETTLE_NS: u64 = 200_000_000;
 
 /// How long a sample waits for the tables its late walk needs before it is cut there.
 const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);
+/// An event is written to its ring a moment after BPF takes its time: a sample taken within
+/// this of the last read of the rings has them read again first.
+const DRAIN_MARGIN_NS: u64 = 1_000_000;
 /// Bytes of stack copies held at most; beyond, a new sample is finished as far as it goes.
 const LATE_WALK_BYTES: usize = 16 << 20;
 /// After a stop signal: the samples already read are handled for at most this long (the rest
@@ -147,16 +155,27 @@ const LATE_WALK_BYTES: usize = 16 << 20;
 const STOP_DRAIN_BUDGET: Duration = Duration::from_secs(2);
 const STOP_LATE_WALK_PATIENCE: Duration = Duration::from_secs(2);
 
-/// The one snapshot a late walk was finished against, for the rest of its sample's way.
-struct Pinned(Arc<ProcessInfo>);
+/// The snapshot a sample is unwound and symbolized against.
+enum SnapshotOf {
+    /// What the registry holds for its pid, or takes now.
+    Registry,
+    /// The one its late walk was finished against, for the rest of its way.
+    LateWalk(Arc<ProcessInfo>),
+    /// The program its process ran before the exec the sample was taken in (`None`: not
+    /// known). Not registered: the exec has ended that program.
+    BeforeExec(Option<Arc<ProcessInfo>>),
+}
+
+/// A snapshot chosen before the sample is unwound (`None`: no process).
+struct Pinned(Option<Arc<ProcessInfo>>);
 
 impl ProcessSource for Pinned {
     fn lookup(&mut self, _pid: Pid) -> Option<Arc<ProcessInfo>> {
-        Some(Arc::clone(&self.0))
+        self.0.clone()
     }
 
     fn refresh_for_address(&mut self, _pid: Pid, _addr: u64) -> Option<Arc<ProcessInfo>> {
-        Some(Arc::clone(&self.0))
+        self.0.clone()
     }
 }
 
@@ -271,18 +290,19 @@ impl PipelineAccess for Pipeline {
         let pinned = if sample.stack_copy.is_some() {
             let process = self.processes.lookup(sample.pid);
             let process = process.map(|process| self.snapshot_for_copy(sample, process));
-            match &process {
+            match process {
                 Some(process) => {
-                    self.finish_late_walk(sample, process, Patience::GiveUp);
+                    self.finish_late_walk(sample, &process, Patience::GiveUp);
+                    SnapshotOf::LateWalk(process)
                 }
                 None => {
                     sample.stack_copy = None;
                     sample.user_truncated = true;
+                    SnapshotOf::Registry
                 }
             }
-            process
         } else {
-            None
+            SnapshotOf::Registry
         };
         self.symbolized_stack(sample, pinned)
     }
@@ -390,6 +410,8 @@ impl Pipeline {
             pending_lifecycle: std::collections::VecDeque::new(),
             newest_sample_ns: 0,
             drained_since_poll: Vec::new(),
+            drained_at_ns: 0,
+            pending_execs: std::collections::HashMap::new(),
             idle: false,
         }
     }
@@ -410,20 +432,36 @@ impl Pipeline {
     /// first, or held until the tables it needs are in.
     fn handle(&mut self, mut sample: Sample) {
         self.newest_sample_ns = self.newest_sample_ns.max(sample.ktime_ns);
+        // The exec, fork and mmaps of the sampled process happened before the sample: they are
+        // in the rings unless the sample is newer than their last read. Without this, a sample
+        // read while the batch is handled (the reader runs meanwhile) of a process that has
+        // exited is given its parent's identity, or its program without its libraries.
+        if sample.ktime_ns.saturating_add(DRAIN_MARGIN_NS) > self.drained_at_ns {
+            self.drain_events();
+        }
         self.apply_lifecycle(sample.ktime_ns);
+        if let Some(before) = self.before_exec(&sample) {
+            // Taken in an exec: its user registers are still the old program's. Its stack may
+            // already be the new program's (once the exec replaced the address space), so a
+            // copy of it is not walked.
+            if sample.stack_copy.take().is_some() {
+                sample.user_truncated = true;
+            }
+            return self.handle_unwound(&sample, SnapshotOf::BeforeExec(before));
+        }
         if sample.stack_copy.is_none() {
-            return self.handle_unwound(&sample, None);
+            return self.handle_unwound(&sample, SnapshotOf::Registry);
         }
         let Some(process) = self.processes.lookup(sample.pid) else {
             // Gone before its mappings were read: nothing to unwind against.
             sample.stack_copy = None;
             sample.user_truncated = true;
             self.late.stats.no_process += 1;
-            return self.handle_unwound(&sample, None);
+            return self.handle_unwound(&sample, SnapshotOf::Registry);
         };
         let process = self.snapshot_for_copy(&sample, process);
         match self.finish_late_walk(&mut sample, &process, Patience::Wait) {
-            Walk::Done => self.handle_unwound(&sample, Some(process)),
+            Walk::Done => self.handle_unwound(&sample, SnapshotOf::LateWalk(process)),
             // The snapshot goes with it: by the time the walk finishes the process may have
             // exec'ed another program.
             Walk::Pending => self.late.hold(sample, process),
@@ -509,16 +547,15 @@ impl Pipeline {
                 Patience::Wait
             };
             match self.finish_late_walk(&mut sample, &process, patience) {
-                Walk::Done => self.handle_unwound(&sample, Some(process)),
+                Walk::Done => self.handle_unwound(&sample, SnapshotOf::LateWalk(process)),
                 Walk::Pending => self.late.hold_since(held_since, sample, process),
             }
         }
     }
 
-    /// Aggregates a sample whose user walk is final; `process` is the snapshot it was
-    /// unwound against, if it was pinned (a late walk).
-    fn handle_unwound(&mut self, sample: &Sample, process: Option<Arc<ProcessInfo>>) {
-        let (frames, process, truncated) = self.symbolized_stack(sample, process);
+    /// Aggregates a sample whose user walk is final, against `snapshot`.
+    fn handle_unwound(&mut self, sample: &Sample, snapshot: SnapshotOf) {
+        let (frames, process, truncated) = self.symbolized_stack(sample, snapshot);
         let mut frames = frames;
         if sample.in_cuda_sync {
             frames.insert(0, self.synthetic(CUDA_SYNC_FRAME));
@@ -532,13 +569,17 @@ impl Pipeline {
     fn symbolized_stack(
         &mut self,
         sample: &Sample,
-        pinned: Option<Arc<ProcessInfo>>,
+        snapshot: SnapshotOf,
     ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool) {
-        let (mut stack, process) = match pinned {
-            Some(process) => self.unwinder.unwind(sample, &mut Pinned(process)),
-            None => self.unwinder.unwind(sample, &mut self.processes),
+        let register = !matches!(snapshot, SnapshotOf::BeforeExec(_));
+        let (mut stack, process) = match snapshot {
+            SnapshotOf::Registry => self.unwinder.unwind(sample, &mut self.processes),
+            SnapshotOf::LateWalk(process) => {
+                self.unwinder.unwind(sample, &mut Pinned(Some(process)))
+            }
+            SnapshotOf::BeforeExec(process) => self.unwinder.unwind(sample, &mut Pinned(process)),
         };
-        if let Some(process) = &process {
+        if let Some(process) = process.as_ref().filter(|_| register) {
             // The first sample of a process (or of a new snapshot after exec/dlopen) registers
             // its mappings, so BPF unwinds its next samples from the tables.
             self.native_tables.sync(process);
@@ -616,9 +657,11 @@ impl Pipeline {
         self.apply_lifecycle(horizon.max(self.newest_sample_ns));
     }
 
-    /// Takes the lifecycle events out of their ring. Called before each batch of samples: every
-    /// event that happened before a sample was read is then known when the sample is handled.
+    /// Takes the lifecycle events and the mmap announcements out of their rings. Called at each
+    /// poll and before a sample taken since the last call: every event that happened before a
+    /// sample is then known when the sample is handled.
     fn drain_events(&mut self) {
+        self.drained_at_ns = monotonic_now_ns();
         self.processes.drain_mmaps();
         let drained = self.events.drain();
         if drained.is_empty() {
@@ -627,7 +670,65 @@ impl Pipeline {
         if self.accelerator.is_some() {
             self.drained_since_poll.extend(drained.iter().cloned());
         }
+        for event in &drained {
+            if let LifecycleEvent::Execed { pid, ktime_ns, .. } = event {
+                let pending = self.pending_execs.entry(*pid).or_insert((*ktime_ns, 0));
+                pending.0 = pending.0.min(*ktime_ns);
+                pending.1 += 1;
+            }
+        }
         self.pending_lifecycle.extend(drained);
+    }
+
+    /// When the sample was taken in an exec of its process (before the exec's event): the
+    /// snapshot of the program the process ran until then (`Some(None)`: not known). /proc
+    /// shows the new program by now, but the sample is of the old.
+    fn before_exec(&mut self, sample: &Sample) -> Option<Option<Arc<ProcessInfo>>> {
+        if !self.processes.has_snapshot(sample.pid) {
+            // A snapshot is about to be read from /proc: an exec that ended before that read
+            // is to be known first.
+            self.drain_events();
+        }
+        let exec_ns = match self.pending_execs.get(&sample.pid.0) {
+            Some(&(exec_ns, _)) if exec_ns > sample.ktime_ns => exec_ns,
+            // Or applied already, when the sample is handled after samples taken since.
+            _ => self.processes.exec_after(sample.pid, sample.ktime_ns)?,
+        };
+        Some(
+            self.processes
+                .snapshot_before_exec(sample.pid, sample.ktime_ns, exec_ns),
+        )
+    }
+
+    /// An exec event of `pid` is applied: the next pending one, if any, becomes the oldest.
+    fn exec_applied(&mut self, pid: u32) {
+        let Some((_, count)) = self.pending_execs.get(&pid).copied() else {
+            return;
+        };
+        if count <= 1 {
+            self.pending_execs.remove(&pid);
+            return;
+        }
+        let next = self
+            .pending_lifecycle
+            .iter()
+            .filter_map(|event| match event {
+                LifecycleEvent::Execed {
+                    pid: other,
+                    ktime_ns,
+                    ..
+                } if *other == pid => Some(*ktime_ns),
+                _ => None,
+            })
+            .min();
+        match next {
+            Some(next) => {
+                self.pending_execs.insert(pid, (next, count - 1));
+            }
+            None => {
+                self.pending_execs.remove(&pid);
+            }
+        }
     }
 
     /// Applies the lifecycle events that happened before `until_ns` (`bpf_ktime_get_ns` time).
@@ -647,6 +748,7 @@ impl Pipeline {
                     self.symbolizer.forget_process(Pid(pid));
                 }
                 LifecycleEvent::Execed { pid, program, .. } => {
+                    self.exec_applied(pid);
                     // A new program: its next sample takes a new snapshot and registration.
                     self.native_tables.unregister(Pid(pid));
                     self.python.forget(Pid(pid));
@@ -776,6 +878,7 @@ impl Pipeline {
             processes_tracked: self.processes.len() as u64,
             open_files: registry.open_files,
             process_snapshots_from_events: registry.snapshots_from_events,
+            process_snapshots_before_exec: registry.snapshots_before_exec,
             process_identities: registry.identities,
             cgroup_paths: registry.cgroup_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
@@ -934,7 +1037,6 @@ fn pump(
     loop {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(sample) => {
-                pipeline.drain_events();
                 pipeline.handle(sample);
                 // Drain whatever else is queued before checking the clock again.
                 for (index, sample) in rx.try_iter().take(4096).enumerate() {

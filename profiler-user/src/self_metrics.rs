@@ -56,6 +56,8 @@ pub struct SelfMetrics {
     pub open_files: u64,
     /// Snapshots built from exec and fork events (/proc was gone), and identities held.
     pub process_snapshots_from_events: u64,
+    /// Snapshots of the program a process ran before the exec a sample was taken in.
+    pub process_snapshots_before_exec: u64,
     pub process_identities: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
@@ -734,6 +736,12 @@ impl SelfMetrics {
                 "process_snapshots_from_events_total",
                 "Snapshots of processes gone from /proc, built from their exec or fork event",
                 self.process_snapshots_from_events,
+                "counter",
+            ),
+            (
+                "process_snapshots_before_exec_total",
+                "Samples taken in an exec, resolved against the program before it (from its fork or exec event)",
+                self.process_snapshots_before_exec,
                 "counter",
             ),
             (

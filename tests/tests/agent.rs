@@ -461,6 +461,84 @@ fn short_lived_processes_keep_their_program_name() {
     }
 }
 
+/// A sample taken in an exec (here: while the exec tears down the child's copy of a large
+/// address space) has the old program's user registers and name. The process runs the new
+/// program by the time the agent reads /proc, so the sample is resolved against the program
+/// before the exec (the parent's, from the fork event): its service and `execve` in libc,
+/// never the new program's name with `[unknown]` frames.
+#[test]
+fn samples_taken_in_an_exec_belong_to_the_program_before_it() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let _guard = exclusive();
+    let fixture = nofp_fixture("exec_from_large.c");
+    let program = fixture.file_name().unwrap().to_string_lossy().into_owned();
+    let scratch = Scratch::new("exec-from-large");
+    let dir = scratch.path("profiles");
+    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
+    agent.wait_for_intervals(2, Duration::from_secs(30));
+    // Frozen while the children exec: when it handles their samples, /proc shows `sleep`.
+    unsafe { libc_kill(agent.pid() as i32, 19) };
+    let mut child = Command::new(&fixture)
+        .args(["768", "16", "60"])
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .expect("run the fixture");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("the fixture reports its spawns");
+    unsafe { libc_kill(agent.pid() as i32, 18) };
+    std::thread::sleep(Duration::from_millis(3000));
+    let (status, log) = agent.stop();
+    // The fixture and its sleeping children.
+    unsafe { libc_kill(-(child.id() as i32), 9) };
+    let _ = child.wait();
+    assert!(status.success(), "agent failed with {status}:\n{log}");
+    assert!(line.starts_with("spawned=16"), "fixture: {line}");
+
+    // Samples in the exec's teardown of the old address space, by service.
+    let mut by_service: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut with_execve = 0;
+    let mut unknown = Vec::new();
+    for (service, profile) in all_profiles(&dir) {
+        if service != program && service != "sleep" {
+            continue;
+        }
+        for sample in readable_samples(&profile) {
+            let in_exec = sample.functions.iter().any(|f| f == "begin_new_exec")
+                && sample.functions.iter().any(|f| f == "exit_mmap");
+            if !in_exec {
+                continue;
+            }
+            let count = sample.values[0];
+            *by_service.entry(service.clone()).or_default() += count;
+            if sample.functions.iter().any(|f| f == "execve") {
+                with_execve += count;
+            }
+            if sample.functions.iter().any(|f| f.starts_with("[unknown")) {
+                unknown.push(sample.functions.join(";"));
+            }
+        }
+    }
+    let total: i64 = by_service.values().sum();
+    assert!(
+        total >= 3,
+        "too few samples in the children's execs ({line}): {by_service:?}"
+    );
+    let before = by_service.get(&program).copied().unwrap_or(0);
+    assert_eq!(
+        before, total,
+        "samples in an exec named after the program it starts: {by_service:?}"
+    );
+    assert!(
+        with_execve as f64 >= 0.9 * total as f64,
+        "only {with_execve} of {total} samples in an exec have the old program's execve"
+    );
+    assert!(unknown.is_empty(), "unknown frames: {unknown:#?}");
+}
+
 /// A busy host: processes starting all the time (every one a new snapshot, new tables to build,
 /// new files to symbolize) and a CPU-bound fixture. SIGTERM must end the agent within 10 s
 /// (Kubernetes gives 30 before SIGKILL), with the interval under way written: the interval is

@@ -42,10 +42,18 @@ pub enum Identity {
     },
 }
 
-/// The latest identity per pid, bounded.
+/// The latest identity per pid, and the one before its latest exec, bounded.
 #[derive(Debug)]
 pub struct Identities {
-    entries: Lru<Pid, Identity>,
+    entries: Lru<Pid, Entry>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    current: Identity,
+    /// What the process was before the exec `current` records: for its samples taken in
+    /// that exec, handled after it.
+    before_exec: Option<Identity>,
 }
 
 impl Default for Identities {
@@ -58,11 +66,50 @@ impl Default for Identities {
 
 impl Identities {
     pub fn record(&mut self, pid: Pid, identity: Identity) {
-        self.entries.insert(pid, identity);
+        let before_exec = match identity {
+            // Its old program, unless that entry is another process's (a pid reused).
+            Identity::Exec(_) => self
+                .entries
+                .get_mut(&pid)
+                .map(|entry| entry.current.clone()),
+            Identity::Fork { .. } => None,
+        };
+        let entry = Entry {
+            current: identity,
+            before_exec,
+        };
+        self.entries.insert(pid, entry);
     }
 
     pub fn get(&mut self, pid: Pid) -> Option<Identity> {
-        self.entries.get_mut(&pid).cloned()
+        self.entries
+            .get_mut(&pid)
+            .map(|entry| entry.current.clone())
+    }
+
+    /// What `pid` was at `time_ns`, when its latest recorded exec ended after then: the
+    /// identity before that exec. `None` when no recorded exec ended after `time_ns`, or when
+    /// the process exec'ed twice since (the one before is not kept).
+    pub fn before_exec(&mut self, pid: Pid, time_ns: u64) -> Option<Identity> {
+        let entry = self.entries.get_mut(&pid)?;
+        let Identity::Exec(record) = &entry.current else {
+            return None;
+        };
+        if record.exec_ns <= time_ns {
+            return None;
+        }
+        match entry.before_exec.clone()? {
+            Identity::Exec(earlier) if earlier.exec_ns > time_ns => None,
+            before => Some(before),
+        }
+    }
+
+    /// When the latest exec recorded for `pid` ended, if it ended after `time_ns`.
+    pub fn exec_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
+        match &self.entries.get_mut(&pid)?.current {
+            Identity::Exec(record) if record.exec_ns > time_ns => Some(record.exec_ns),
+            _ => None,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -242,6 +289,53 @@ pub fn executable_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sample handled after its process's exec was recorded still finds the program it was
+    /// taken in: the fork before the first exec, the first program before the second, and
+    /// nothing when two execs ended after it.
+    #[test]
+    fn the_identity_before_an_exec_answers_for_samples_taken_in_it() {
+        let exec = |comm: &str, exec_ns| {
+            Identity::Exec(Arc::new(ExecRecord {
+                comm: comm.into(),
+                exec_ns,
+                ..Default::default()
+            }))
+        };
+        let comm = |identity: Option<Identity>| match identity {
+            Some(Identity::Exec(record)) => record.comm.clone(),
+            Some(Identity::Fork { parent, .. }) => format!("fork of {}", parent.0),
+            None => "none".into(),
+        };
+        let mut identities = Identities::default();
+        let pid = Pid(42);
+        identities.record(
+            pid,
+            Identity::Fork {
+                parent: Pid(7),
+                parent_info: None,
+            },
+        );
+        assert_eq!(identities.exec_after(pid, 0), None);
+        identities.record(pid, exec("bash", 100));
+        assert_eq!(identities.exec_after(pid, 50), Some(100));
+        assert_eq!(identities.exec_after(pid, 100), None);
+        assert_eq!(comm(identities.before_exec(pid, 50)), "fork of 7");
+        assert_eq!(comm(identities.before_exec(pid, 150)), "none");
+        identities.record(pid, exec("sleep", 200));
+        assert_eq!(comm(identities.before_exec(pid, 150)), "bash");
+        assert_eq!(comm(identities.before_exec(pid, 50)), "none");
+        assert_eq!(comm(identities.get(pid)), "sleep");
+        // A new process under the same pid has nothing before it.
+        identities.record(
+            pid,
+            Identity::Fork {
+                parent: Pid(8),
+                parent_info: None,
+            },
+        );
+        assert_eq!(comm(identities.before_exec(pid, 150)), "none");
+    }
 
     #[test]
     fn finds_the_cgroup2_mount() {

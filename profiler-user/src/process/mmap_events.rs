@@ -5,8 +5,8 @@
 //!
 //! One dummy software event per CPU carries the records (`mmap2` for executable mappings,
 //! `comm_exec` to know where a program's image starts), timed on CLOCK_MONOTONIC like the BPF
-//! events. The rings are drained by the pipeline before each batch of samples, so the mappings
-//! of a process whose sample is handled were read before it.
+//! events. The rings are drained by the pipeline before a sample newer than their last read, so
+//! the mappings of a process whose sample is handled were read before it.
 use std::{borrow::Cow, sync::Arc};
 
 use foldhash::{HashSet, HashSetExt};

@@ -121,6 +121,9 @@ pub struct RegistryStats {
     pub lookups_failed: u64,
     /// Snapshots built from the exec or fork event because /proc was gone already.
     pub snapshots_from_events: u64,
+    /// Snapshots built from the fork or earlier exec event for a sample taken in an exec
+    /// (before its exec event), whose /proc entry already shows the new program.
+    pub snapshots_before_exec: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,
     /// Snapshots from events whose mappings came from the kernel's mmap announcements.
@@ -202,8 +205,8 @@ impl ProcessRegistry {
         self.mmaps = Some(events);
     }
 
-    /// Reads the mmap announcements waiting; call before each batch of samples, so the
-    /// mappings of a process sampled before the batch are known when its sample is handled.
+    /// Reads the mmap announcements waiting; called before a sample newer than the last read,
+    /// so the mappings a process made before its sample are known when the sample is handled.
     pub fn drain_mmaps(&mut self) {
         if let Some(events) = &mut self.mmaps {
             events.drain();
@@ -335,7 +338,73 @@ impl ProcessRegistry {
         now: Instant,
         depth: usize,
     ) -> Option<Arc<ProcessInfo>> {
-        let info = match self.identities.get(pid)? {
+        let info = Arc::new(self.build_from_events(pid, now, depth)?);
+        self.stats.snapshots_from_events += 1;
+        let entry = Entry {
+            info: Arc::clone(&info),
+            start_checked_at: now,
+            refreshed_at: now,
+            taken_ns: monotonic_now_ns(),
+            used_in_interval: self.interval,
+            provisional: false,
+        };
+        self.processes.insert(pid, entry);
+        debug!(%pid, service_name = %info.labels.service_name, "snapshot from events");
+        Some(info)
+    }
+
+    /// When the latest exec recorded for `pid` ended, if after `time_ns`: a sample taken then
+    /// is of the program before it.
+    pub fn exec_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
+        self.identities.exec_after(pid, time_ns)
+    }
+
+    /// `pid` as it was at `time_ns`, in an exec that ended at `exec_ns` (the sample's user
+    /// registers are still the old program's): its snapshot if taken before the exec, else
+    /// built from the fork or exec event before it, whether or not that exec is recorded yet.
+    /// Never from /proc, which already shows the new program. `None` when the old program is
+    /// not known; nothing is kept, as the exec has ended the old program.
+    pub fn snapshot_before_exec(
+        &mut self,
+        pid: Pid,
+        time_ns: u64,
+        exec_ns: u64,
+    ) -> Option<Arc<ProcessInfo>> {
+        if let Some(entry) = self.processes.get_mut(&pid)
+            && entry.taken_ns < exec_ns
+        {
+            return Some(Arc::clone(&entry.info));
+        }
+        let identity = match self.identities.before_exec(pid, time_ns) {
+            Some(before) => before,
+            // An exec after `time_ns` is recorded, but not what came before it.
+            None if self.identities.exec_after(pid, time_ns).is_some() => return None,
+            // The exec is not recorded yet: the identity held is the old program's.
+            None => self.identities.get(pid)?,
+        };
+        let info = self.build_from_identity(pid, identity, Instant::now(), 0)?;
+        self.stats.snapshots_before_exec += 1;
+        Some(Arc::new(info))
+    }
+
+    /// Whether the registry holds a snapshot of `pid`.
+    pub fn has_snapshot(&self, pid: Pid) -> bool {
+        self.processes.contains_key(&pid)
+    }
+
+    fn build_from_events(&mut self, pid: Pid, now: Instant, depth: usize) -> Option<ProcessInfo> {
+        let identity = self.identities.get(pid)?;
+        self.build_from_identity(pid, identity, now, depth)
+    }
+
+    fn build_from_identity(
+        &mut self,
+        pid: Pid,
+        identity: Identity,
+        now: Instant,
+        depth: usize,
+    ) -> Option<ProcessInfo> {
+        let info = match identity {
             Identity::Exec(record) => self.exec_snapshot(pid, &record),
             Identity::Fork {
                 parent,
@@ -356,18 +425,6 @@ impl ProcessRegistry {
                 forked_snapshot(pid, &parent_info)
             }
         };
-        self.stats.snapshots_from_events += 1;
-        let info = Arc::new(info);
-        let entry = Entry {
-            info: Arc::clone(&info),
-            start_checked_at: now,
-            refreshed_at: now,
-            taken_ns: monotonic_now_ns(),
-            used_in_interval: self.interval,
-            provisional: false,
-        };
-        self.processes.insert(pid, entry);
-        debug!(%pid, service_name = %info.labels.service_name, "snapshot from events");
         Some(info)
     }
 

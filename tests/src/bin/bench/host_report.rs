@@ -595,6 +595,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                 "profiler_process_maps_from_announcements_total",
                 "of which mappings from announcements",
             ),
+            (
+                "profiler_process_snapshots_before_exec_total",
+                "samples taken in an exec, resolved against the program before it",
+            ),
             ("profiler_late_walks_held", "samples held for a late walk"),
         ] {
             if let (Some(x), Some(y)) = (a.metric(name), b.metric(name)) {
