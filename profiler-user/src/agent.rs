@@ -148,6 +148,21 @@ const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);
 const DRAIN_MARGIN_NS: u64 = 1_000_000;
 /// Bytes of stack copies held at most; beyond, a new sample is finished as far as it goes.
 const LATE_WALK_BYTES: usize = 16 << 20;
+
+/// Whether a kernel function is part of an exec syscall (for [`Pipeline::in_exec_syscall`]):
+/// the syscall's entry (`__x64_sys_execve`, `__x64_sys_execveat` and their compat and other
+/// architectures' names) or the steps below it that compilers keep as functions.
+fn is_exec_function(name: &str) -> bool {
+    name.contains("sys_execve")
+        || [
+            "do_execveat_common",
+            "bprm_execve",
+            "begin_new_exec",
+            "kernel_execve",
+        ]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
+}
 /// After a stop signal: the samples already read are handled for at most this long (the rest
 /// are dropped and counted), and held late walks wait at most this long for their tables, so
 /// the agent exits well within 10 s of SIGTERM (Kubernetes gives 30) with the current
@@ -180,7 +195,17 @@ impl ProcessSource for Pinned {
 }
 
 /// A sample waiting for its late walk: since when, and the snapshot it is walked against.
-type Held = (Instant, Sample, Arc<ProcessInfo>);
+type Held = (Instant, Sample, Arc<ProcessInfo>, Registration);
+
+/// Whether a held sample's snapshot is registered for BPF when its walk goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Registration {
+    /// The process's current program: registered, so BPF walks its next samples itself.
+    Register,
+    /// The program before an exec ([`Pipeline::walk_before_exec`]): the pid runs another
+    /// program now, whose samples BPF must not walk against it.
+    BeforeExec,
+}
 
 /// Samples held for their late walk, oldest first, bounded by the bytes of their copies.
 #[derive(Default)]
@@ -193,11 +218,17 @@ struct LateSamples {
 }
 
 impl LateSamples {
-    fn hold(&mut self, sample: Sample, process: Arc<ProcessInfo>) {
-        self.hold_since(Instant::now(), sample, process);
+    fn hold(&mut self, sample: Sample, process: Arc<ProcessInfo>, registration: Registration) {
+        self.hold_since(Instant::now(), sample, process, registration);
     }
 
-    fn hold_since(&mut self, since: Instant, mut sample: Sample, process: Arc<ProcessInfo>) {
+    fn hold_since(
+        &mut self,
+        since: Instant,
+        mut sample: Sample,
+        process: Arc<ProcessInfo>,
+        registration: Registration,
+    ) {
         let bytes = sample.stack_copy_bytes();
         if self.bytes + bytes > LATE_WALK_BYTES {
             // Over the bound the stack is cut at the stop frame rather than memory grown; the
@@ -205,11 +236,11 @@ impl LateSamples {
             self.stats.over_bound += 1;
             sample.stack_copy = None;
             sample.user_truncated = true;
-            self.queue.push_back((since, sample, process));
+            self.queue.push_back((since, sample, process, registration));
             return;
         }
         self.bytes += bytes;
-        self.queue.push_back((since, sample, process));
+        self.queue.push_back((since, sample, process, registration));
     }
 
     fn take(&mut self) -> Vec<Held> {
@@ -292,7 +323,12 @@ impl PipelineAccess for Pipeline {
             let process = process.map(|process| self.snapshot_for_copy(sample, process));
             match process {
                 Some(process) => {
-                    self.finish_late_walk(sample, &process, Patience::GiveUp);
+                    self.finish_late_walk(
+                        sample,
+                        &process,
+                        Patience::GiveUp,
+                        Registration::Register,
+                    );
                     SnapshotOf::LateWalk(process)
                 }
                 None => {
@@ -441,13 +477,25 @@ impl Pipeline {
         }
         self.apply_lifecycle(sample.ktime_ns);
         if let Some(before) = self.before_exec(&sample) {
-            // Taken in an exec: its user registers are still the old program's. Its stack may
-            // already be the new program's (once the exec replaced the address space), so a
-            // copy of it is not walked.
-            if sample.stack_copy.take().is_some() {
-                sample.user_truncated = true;
-            }
-            return self.handle_unwound(&sample, SnapshotOf::BeforeExec(before));
+            let process = match before {
+                Some(process) if self.walks_before_exec(&mut sample) => process,
+                before => {
+                    // In the exec, or the old program unknown: the copy is not walked.
+                    if sample.stack_copy.take().is_some() {
+                        sample.user_truncated = true;
+                    }
+                    return self.handle_unwound(&sample, SnapshotOf::BeforeExec(before));
+                }
+            };
+            return match self.finish_late_walk(
+                &mut sample,
+                &process,
+                Patience::Wait,
+                Registration::BeforeExec,
+            ) {
+                Walk::Done => self.handle_unwound(&sample, SnapshotOf::BeforeExec(Some(process))),
+                Walk::Pending => self.late.hold(sample, process, Registration::BeforeExec),
+            };
         }
         if sample.stack_copy.is_none() {
             return self.handle_unwound(&sample, SnapshotOf::Registry);
@@ -460,12 +508,48 @@ impl Pipeline {
             return self.handle_unwound(&sample, SnapshotOf::Registry);
         };
         let process = self.snapshot_for_copy(&sample, process);
-        match self.finish_late_walk(&mut sample, &process, Patience::Wait) {
+        match self.finish_late_walk(
+            &mut sample,
+            &process,
+            Patience::Wait,
+            Registration::Register,
+        ) {
             Walk::Done => self.handle_unwound(&sample, SnapshotOf::LateWalk(process)),
             // The snapshot goes with it: by the time the walk finishes the process may have
             // exec'ed another program.
-            Walk::Pending => self.late.hold(sample, process),
+            Walk::Pending => self.late.hold(sample, process, Registration::Register),
         }
+    }
+
+    /// Whether the stack copy of a sample taken before its process's exec event is walked,
+    /// against the program before the exec (never registered: the pid runs another program
+    /// now). Taken before the exec syscall (a fork child still in its parent's code) the copy
+    /// is the old program's stack. Taken inside the syscall it is not walked, and dropped: the
+    /// user registers are still the old program's, but once the exec has replaced the address
+    /// space the stack read is the new program's, so the stack ends there, marked truncated.
+    fn walks_before_exec(&mut self, sample: &mut Sample) -> bool {
+        if sample.stack_copy.is_none() {
+            return false;
+        }
+        if self.in_exec_syscall(sample) {
+            sample.stack_copy = None;
+            sample.user_truncated = true;
+            self.late.stats.in_exec_not_walked += 1;
+            return false;
+        }
+        true
+    }
+
+    /// Whether the sample's kernel stack is in an exec syscall (by its functions' names; the
+    /// lookups are the symbolizer's, cached for the stack's own symbolization).
+    fn in_exec_syscall(&mut self, sample: &Sample) -> bool {
+        sample.kernel_ips.iter().any(|&address| {
+            let frame = self.symbolizer.symbolize(&UnwoundFrame::Kernel(address));
+            frame
+                .lines
+                .iter()
+                .any(|line| is_exec_function(&line.function))
+        })
     }
 
     /// The snapshot to finish a stack copy's walk against: `process`, or a fresh one when the
@@ -500,11 +584,17 @@ impl Pipeline {
         sample: &mut Sample,
         process: &Arc<ProcessInfo>,
         patience: Patience,
+        registration: Registration,
     ) -> Walk {
-        self.native_tables.sync(process);
+        if registration == Registration::Register {
+            self.native_tables.sync(process);
+        }
         let walk = finish_walk(sample, process, &mut self.native_tables, patience);
         if walk == Walk::Done {
             self.late.stats.finished += 1;
+            if registration == Registration::BeforeExec {
+                self.late.stats.before_exec_walked += 1;
+            }
             if patience == Patience::GiveUp && sample.user_truncated {
                 self.late.stats.gave_up += 1;
             }
@@ -540,15 +630,23 @@ impl Pipeline {
             return;
         }
         self.late.builds_finished_at_last_try = builds_finished;
-        for (held_since, mut sample, process) in self.late.take() {
+        for (held_since, mut sample, process, registration) in self.late.take() {
             let patience = if give_up || held_since.elapsed() >= LATE_WALK_PATIENCE {
                 Patience::GiveUp
             } else {
                 Patience::Wait
             };
-            match self.finish_late_walk(&mut sample, &process, patience) {
-                Walk::Done => self.handle_unwound(&sample, SnapshotOf::LateWalk(process)),
-                Walk::Pending => self.late.hold_since(held_since, sample, process),
+            match self.finish_late_walk(&mut sample, &process, patience, registration) {
+                Walk::Done => {
+                    let snapshot = match registration {
+                        Registration::Register => SnapshotOf::LateWalk(process),
+                        Registration::BeforeExec => SnapshotOf::BeforeExec(Some(process)),
+                    };
+                    self.handle_unwound(&sample, snapshot)
+                }
+                Walk::Pending => self
+                    .late
+                    .hold_since(held_since, sample, process, registration),
             }
         }
     }

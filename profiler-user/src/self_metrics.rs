@@ -823,6 +823,18 @@ impl SelfMetrics {
                 "counter",
             ),
             (
+                "late_walks_before_exec_total",
+                "Late walks of samples taken before their process's exec, against the program before it",
+                late.before_exec_walked,
+                "counter",
+            ),
+            (
+                "late_walks_in_exec_total",
+                "Stack copies of samples taken inside an exec syscall, not walked (cut at the exec)",
+                late.in_exec_not_walked,
+                "counter",
+            ),
+            (
                 "late_walks_over_bound_total",
                 "Late walks cut because the held stack copies reached their bound",
                 late.over_bound,

@@ -465,9 +465,11 @@ fn short_lived_processes_keep_their_program_name() {
 /// address space) has the old program's user registers and name. The process runs the new
 /// program by the time the agent reads /proc, so the sample is resolved against the program
 /// before the exec (the parent's, from the fork event): its service and `execve` in libc,
-/// never the new program's name with `[unknown]` frames.
+/// never the new program's name with `[unknown]` frames. A sample the child gave before its
+/// exec (30 ms of CPU in the parent's code first) is walked against the parent's program to
+/// `main`, not cut where the exec came after it.
 #[test]
-fn samples_taken_in_an_exec_belong_to_the_program_before_it() {
+fn samples_before_and_in_an_exec_belong_to_the_program_before_it() {
     use std::io::BufRead;
     use std::os::unix::process::CommandExt;
     let _guard = exclusive();
@@ -480,7 +482,7 @@ fn samples_taken_in_an_exec_belong_to_the_program_before_it() {
     // Frozen while the children exec: when it handles their samples, /proc shows `sleep`.
     unsafe { libc_kill(agent.pid() as i32, 19) };
     let mut child = Command::new(&fixture)
-        .args(["768", "16", "60"])
+        .args(["768", "16", "60", "30"])
         .stdout(Stdio::piped())
         .process_group(0)
         .spawn()
@@ -502,11 +504,34 @@ fn samples_taken_in_an_exec_belong_to_the_program_before_it() {
     let mut by_service: std::collections::BTreeMap<String, i64> = Default::default();
     let mut with_execve = 0;
     let mut unknown = Vec::new();
+    // Samples of the children before their exec: by service, and those walked to `_start`.
+    let mut busy_by_service: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut busy_complete = 0;
+    let mut busy_incomplete = Vec::new();
     for (service, profile) in all_profiles(&dir) {
         if service != program && service != "sleep" {
             continue;
         }
         for sample in readable_samples(&profile) {
+            // Leaf first.
+            let at = |name: &str| sample.functions.iter().position(|f| f == name);
+            if let Some(busy) = at("child_busy") {
+                let count = sample.values[0];
+                *busy_by_service.entry(service.clone()).or_default() += count;
+                let chain = matches!(
+                    (at("child_before_exec"), at("main"), at("_start")),
+                    (Some(before), Some(main), Some(start)) if busy < before && before < main && main < start
+                );
+                let cut = sample
+                    .functions
+                    .iter()
+                    .any(|f| f == "[truncated]" || f.starts_with("[unknown"));
+                if chain && !cut {
+                    busy_complete += count;
+                } else {
+                    busy_incomplete.push(sample.functions.join(";"));
+                }
+            }
             let in_exec = sample.functions.iter().any(|f| f == "begin_new_exec")
                 && sample.functions.iter().any(|f| f == "exit_mmap");
             if !in_exec {
@@ -537,6 +562,23 @@ fn samples_taken_in_an_exec_belong_to_the_program_before_it() {
         "only {with_execve} of {total} samples in an exec have the old program's execve"
     );
     assert!(unknown.is_empty(), "unknown frames: {unknown:#?}");
+
+    // 16 children × 30 ms of CPU: about 48 samples at 100 Hz.
+    let busy_total: i64 = busy_by_service.values().sum();
+    assert!(
+        busy_total >= 10,
+        "too few samples of the children before their exec: {busy_by_service:?}"
+    );
+    assert_eq!(
+        busy_by_service.get(&program).copied().unwrap_or(0),
+        busy_total,
+        "samples before an exec named after the program it starts: {busy_by_service:?}"
+    );
+    assert!(
+        busy_complete as f64 >= 0.95 * busy_total as f64,
+        "only {busy_complete} of {busy_total} samples before the exec walked to _start: \
+         {busy_incomplete:#?}"
+    );
 }
 
 /// A busy host: processes starting all the time (every one a new snapshot, new tables to build,

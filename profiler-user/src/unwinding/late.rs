@@ -25,6 +25,12 @@ pub struct LateWalkStats {
     pub gave_up: u64,
     /// Samples whose process was gone before its mappings were read.
     pub no_process: u64,
+    /// Of `finished`: samples taken before their process's exec, walked against the program
+    /// before it.
+    pub before_exec_walked: u64,
+    /// Samples taken inside an exec syscall whose copy was not walked (it may be the new
+    /// program's stack).
+    pub in_exec_not_walked: u64,
     /// Samples not held because the held copies had reached their bound.
     pub over_bound: u64,
     /// Samples held now, and the bytes of their copies.
