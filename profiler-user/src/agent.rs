@@ -984,6 +984,7 @@ impl Pipeline {
             process_snapshots: registry.snapshots_taken,
             process_refreshes: registry.refreshes,
             process_refreshes_announced: registry.refreshes_announced,
+            process_refreshes_from_announcements: registry.refreshes_from_announcements,
             announced_mmaps: self.processes.mmap_stats().unwrap_or_default(),
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,

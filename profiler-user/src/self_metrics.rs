@@ -71,6 +71,7 @@ pub struct SelfMetrics {
     /// retaken at once because code was announced there since.
     pub process_refreshes: u64,
     pub process_refreshes_announced: u64,
+    pub process_refreshes_from_announcements: u64,
     pub announced_mmaps: MmapLogStats,
     pub pid_filter_entries: u32,
     pub pid_filter_capacity: u32,
@@ -772,6 +773,12 @@ impl SelfMetrics {
                 "process_refreshes_announced_total",
                 "Of those, retaken before the recheck interval because the kernel announced code mapped at the address since the snapshot",
                 self.process_refreshes_announced,
+                "counter",
+            ),
+            (
+                "process_refreshes_from_announcements_total",
+                "Of those, for a process gone from /proc: the mappings announced for its program placed the address",
+                self.process_refreshes_from_announcements,
                 "counter",
             ),
             (

@@ -115,6 +115,8 @@ pub struct RegistryStats {
     pub refreshes: u64,
     /// Of those, retaken before the recheck interval because code was announced at the address.
     pub refreshes_announced: u64,
+    /// Of those, for a process gone from /proc: its announced mappings placed the address.
+    pub refreshes_from_announcements: u64,
     /// Snapshots retaken because the pid now names another process.
     pub pid_reuse: u64,
     /// Lookups of pids with no /proc entry.
@@ -567,9 +569,54 @@ impl ProcessRegistry {
                 debug!(%pid, addr = format_args!("{addr:#x}"), "refreshed mappings");
                 Some(info)
             }
-            // Gone: keep serving the old snapshot to in-flight samples.
-            None => Some(previous),
+            // Gone: what the kernel announced its program mapped may still place the address
+            // (a library mapped after a snapshot taken while ld.so was loading them), else
+            // the old snapshot keeps serving in-flight samples.
+            None => self
+                .refresh_from_announcements(pid, &previous, addr, taken_ns)
+                .or(Some(previous)),
         }
+    }
+
+    /// `previous` with the mappings the kernel announced for the program it was a snapshot of
+    /// (the one `pid` ran at `taken_ns`), when they place `addr`: for a process gone from
+    /// /proc. Who it was (name, labels) stays as read before.
+    fn refresh_from_announcements(
+        &mut self,
+        pid: Pid,
+        previous: &ProcessInfo,
+        addr: u64,
+        taken_ns: u64,
+    ) -> Option<Arc<ProcessInfo>> {
+        self.drain_mmaps();
+        let announced = self.mmaps.as_mut()?.log.mappings_at(pid, taken_ns)?;
+        if !announced.iter().any(|m| m.start <= addr && addr < m.end) {
+            return None;
+        }
+        let mappings = announced
+            .into_iter()
+            .map(|mapping| {
+                let file = mapping
+                    .file
+                    .and_then(|id| self.files.announced(&mapping.path, id));
+                announced_mapping(mapping, file)
+            })
+            .collect();
+        let info = Arc::new(ProcessInfo {
+            pid: previous.pid,
+            start_time: previous.start_time,
+            comm: Arc::clone(&previous.comm),
+            labels: previous.labels.clone(),
+            mappings,
+            is_kernel_thread: previous.is_kernel_thread,
+        });
+        if let Some(entry) = self.processes.get_mut(&pid) {
+            entry.info = Arc::clone(&info);
+        }
+        self.stats.refreshes += 1;
+        self.stats.refreshes_from_announcements += 1;
+        debug!(%pid, addr = format_args!("{addr:#x}"), "mappings refreshed from announcements");
+        Some(info)
     }
 
     /// Whether the kernel announced code mapped at `addr` by `pid` at or after `since_ns`

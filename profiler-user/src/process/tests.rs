@@ -993,7 +993,11 @@ fn code_announced_since_the_snapshot_refreshes_it_at_once() {
     let mapped =
         unsafe { memmap2::MmapOptions::new().len(4096).map_exec(&file) }.expect("map executable");
     let address = mapped.as_ptr() as u64;
-    assert!(before.mapping_for(address).is_none());
+    assert!(
+        before.mapping_for(address).is_none(),
+        "{address:#x} in {:?}",
+        before.mapping_for(address).map(|m| &m.name)
+    );
     let after = registry.refresh_for_address(me, address).expect("snapshot");
     let stats = registry.stats();
     drop(mapped);
@@ -1009,4 +1013,66 @@ fn code_announced_since_the_snapshot_refreshes_it_at_once() {
         .refresh_for_address(me, unmapped)
         .expect("snapshot");
     assert_eq!(registry.stats().refreshes, refreshes + 1);
+}
+
+/// A snapshot taken before the process mapped a library (as one taken while ld.so is still
+/// loading them), then the process maps it, runs code there and exits before the agent looks:
+/// /proc is gone, but the mmap the kernel announced places the address, so the refreshed
+/// snapshot has the library and keeps the name read before.
+#[test]
+fn a_gone_process_is_refreshed_from_its_announced_mappings() {
+    use std::io::{BufRead, BufReader, Write};
+    let library = Path::new("/usr/lib/x86_64-linux-gnu/libuuid.so.1");
+    if !library.exists() {
+        eprintln!("skipped: {} not installed", library.display());
+        return;
+    }
+    let Some(mut registry) = registry_watching_mmaps(Duration::from_secs(3600)) else {
+        return;
+    };
+    // python3 does not link libuuid: it is mapped only when the script loads it.
+    let script = "import sys, ctypes\n\
+                  print('ready', flush=True)\n\
+                  sys.stdin.readline()\n\
+                  lib = ctypes.CDLL(sys.argv[1])\n\
+                  print(hex(ctypes.cast(lib.uuid_generate, ctypes.c_void_p).value), flush=True)\n";
+    let mut child = Command::new("python3")
+        .args(["-c", script, &library.to_string_lossy()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run python3");
+    let pid = Pid(child.id());
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("ready line");
+    assert_eq!(line.trim(), "ready");
+    let before = registry.lookup(pid).expect("snapshot of the running child");
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    line.clear();
+    stdout.read_line(&mut line).expect("address line");
+    let address = u64::from_str_radix(line.trim().trim_start_matches("0x"), 16)
+        .unwrap_or_else(|_| panic!("address from the child: {line:?}"));
+    child.wait().expect("child exits");
+    assert!(
+        before.mapping_for(address).is_none(),
+        "{address:#x} in {:?}",
+        before.mapping_for(address).map(|m| &m.name)
+    );
+
+    let after = registry
+        .refresh_for_address(pid, address)
+        .expect("a snapshot");
+    let mapping = after
+        .mapping_for(address)
+        .unwrap_or_else(|| panic!("{address:#x} not placed after the refresh"));
+    assert!(
+        mapping.name.contains("libuuid.so"),
+        "mapped as {}",
+        mapping.name
+    );
+    assert!(mapping.file.is_some(), "no file for {}", mapping.name);
+    assert_eq!(after.comm, before.comm);
+    assert_eq!(after.labels, before.labels);
+    assert_eq!(registry.stats().refreshes_from_announcements, 1);
 }
