@@ -517,7 +517,15 @@ impl ProcessRegistry {
         if announced.is_empty() {
             return None;
         }
-        let mappings = announced
+        let mappings = self.resolve_announced(announced);
+        self.stats.snapshots_from_announced_mmaps += 1;
+        Some(mappings)
+    }
+
+    /// Announced mappings with their files opened (by path, checked against the device and
+    /// inode the kernel announced).
+    fn resolve_announced(&mut self, announced: Vec<AnnouncedMapping>) -> Vec<Mapping> {
+        announced
             .into_iter()
             .map(|mapping| {
                 let file = mapping
@@ -525,9 +533,7 @@ impl ProcessRegistry {
                     .and_then(|id| self.files.announced(&mapping.path, id));
                 announced_mapping(mapping, file)
             })
-            .collect();
-        self.stats.snapshots_from_announced_mmaps += 1;
-        Some(mappings)
+            .collect()
     }
 
     /// Retakes the snapshot of `pid` because `addr` is in none of its mappings (a library
@@ -593,15 +599,7 @@ impl ProcessRegistry {
         if !announced.iter().any(|m| m.start <= addr && addr < m.end) {
             return None;
         }
-        let mappings = announced
-            .into_iter()
-            .map(|mapping| {
-                let file = mapping
-                    .file
-                    .and_then(|id| self.files.announced(&mapping.path, id));
-                announced_mapping(mapping, file)
-            })
-            .collect();
+        let mappings = self.resolve_announced(announced);
         let info = Arc::new(ProcessInfo {
             pid: previous.pid,
             start_time: previous.start_time,
