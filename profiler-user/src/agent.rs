@@ -540,15 +540,17 @@ impl Pipeline {
         true
     }
 
-    /// Whether the sample's kernel stack is in an exec syscall (by its functions' names; the
-    /// lookups are the symbolizer's, cached for the stack's own symbolization).
+    /// Whether the sample's kernel stack is in an exec syscall, or may be: by its functions'
+    /// names (the lookups are the symbolizer's, cached for the stack's own symbolization); a
+    /// kernel frame without a name (no kernel symbols) counts as one.
     fn in_exec_syscall(&mut self, sample: &Sample) -> bool {
         sample.kernel_ips.iter().any(|&address| {
             let frame = self.symbolizer.symbolize(&UnwoundFrame::Kernel(address));
-            frame
-                .lines
-                .iter()
-                .any(|line| is_exec_function(&line.function))
+            frame.unsymbolized
+                || frame
+                    .lines
+                    .iter()
+                    .any(|line| is_exec_function(&line.function))
         })
     }
 
