@@ -94,6 +94,8 @@ struct Figures<'a> {
     slope_mib_min: Option<f64>,
     anon_slope_mib_min: Option<f64>,
     peak_mib: Option<f64>,
+    /// The poll that first saw the peak, and the one before it (seconds since the start).
+    peak_between_s: Option<(f64, f64)>,
     steady_us: Option<f64>,
     whole_us: Option<f64>,
     whole_cpu_s: Option<f64>,
@@ -155,6 +157,16 @@ fn figures(run: &HostRun) -> Figures<'_> {
                 .and_then(|s| s.get("peak_rss_bytes"))
                 .map(|b| b / 1048576.0)
         });
+    let peak_between_s = run
+        .polls
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| Some((i, p.t, p.rss?.peak)))
+        .max_by_key(|&(i, _, peak)| (peak, std::cmp::Reverse(i)))
+        .map(|(i, t, _)| {
+            let before = i.checked_sub(1).map_or(0.0, |b| run.polls[b].t);
+            (before, t)
+        });
     Figures {
         growth_pct: growth(
             warm.and_then(|p| p.rss).map(|r| r.total),
@@ -171,6 +183,7 @@ fn figures(run: &HostRun) -> Figures<'_> {
         slope_mib_min: rss_slope(|r| r.total),
         anon_slope_mib_min: rss_slope(|r| r.anon),
         peak_mib: peak,
+        peak_between_s,
         steady_us,
         whole_us,
         whole_cpu_s,
@@ -421,7 +434,15 @@ fn render_agent(out: &mut String, run: &HostRun, f: &Figures<'_>) {
         opt(f.slope_mib_min, 2),
         opt(f.anon_slope_mib_min, 2)
     );
-    let _ = writeln!(out, "| peak RSS (VmHWM) | {} MiB |", opt(f.peak_mib, 1));
+    let reached = f
+        .peak_between_s
+        .map(|(from, to)| format!(", reached between {from:.0} s and {to:.0} s"))
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "| peak RSS (VmHWM) | {} MiB{reached} |",
+        opt(f.peak_mib, 1)
+    );
     let _ = writeln!(
         out,
         "| load average (1 min), steady state | median {}, min {}, max {} |",
