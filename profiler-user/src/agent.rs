@@ -163,6 +163,7 @@ fn is_exec_function(name: &str) -> bool {
         .iter()
         .any(|prefix| name.starts_with(prefix))
 }
+
 /// After a stop signal: the samples already read are handled for at most this long (the rest
 /// are dropped and counted), and held late walks wait at most this long for their tables, so
 /// the agent exits well within 10 s of SIGTERM (Kubernetes gives 30) with the current
@@ -202,7 +203,7 @@ type Held = (Instant, Sample, Arc<ProcessInfo>, Registration);
 enum Registration {
     /// The process's current program: registered, so BPF walks its next samples itself.
     Register,
-    /// The program before an exec ([`Pipeline::walk_before_exec`]): the pid runs another
+    /// The program before an exec ([`Pipeline::walks_before_exec`]): the pid runs another
     /// program now, whose samples BPF must not walk against it.
     BeforeExec,
 }
