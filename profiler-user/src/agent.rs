@@ -208,6 +208,16 @@ enum Registration {
     BeforeExec,
 }
 
+impl Registration {
+    /// The snapshot a sample walked against `process` is aggregated with.
+    fn snapshot(self, process: Arc<ProcessInfo>) -> SnapshotOf {
+        match self {
+            Registration::Register => SnapshotOf::LateWalk(process),
+            Registration::BeforeExec => SnapshotOf::BeforeExec(Some(process)),
+        }
+    }
+}
+
 /// Samples held for their late walk, oldest first, bounded by the bytes of their copies.
 #[derive(Default)]
 struct LateSamples {
@@ -488,15 +498,7 @@ impl Pipeline {
                     return self.handle_unwound(&sample, SnapshotOf::BeforeExec(before));
                 }
             };
-            return match self.finish_late_walk(
-                &mut sample,
-                &process,
-                Patience::Wait,
-                Registration::BeforeExec,
-            ) {
-                Walk::Done => self.handle_unwound(&sample, SnapshotOf::BeforeExec(Some(process))),
-                Walk::Pending => self.late.hold(sample, process, Registration::BeforeExec),
-            };
+            return self.walk_or_hold(sample, process, Registration::BeforeExec);
         }
         if sample.stack_copy.is_none() {
             return self.handle_unwound(&sample, SnapshotOf::Registry);
@@ -509,16 +511,21 @@ impl Pipeline {
             return self.handle_unwound(&sample, SnapshotOf::Registry);
         };
         let process = self.snapshot_for_copy(&sample, process);
-        match self.finish_late_walk(
-            &mut sample,
-            &process,
-            Patience::Wait,
-            Registration::Register,
-        ) {
-            Walk::Done => self.handle_unwound(&sample, SnapshotOf::LateWalk(process)),
-            // The snapshot goes with it: by the time the walk finishes the process may have
-            // exec'ed another program.
-            Walk::Pending => self.late.hold(sample, process, Registration::Register),
+        self.walk_or_hold(sample, process, Registration::Register);
+    }
+
+    /// Finishes the walk of a sample's stack copy against `process` and aggregates it, or
+    /// holds it until the tables it needs are in. The snapshot goes with a held sample: by the
+    /// time the walk finishes the process may have exec'ed another program.
+    fn walk_or_hold(
+        &mut self,
+        mut sample: Sample,
+        process: Arc<ProcessInfo>,
+        registration: Registration,
+    ) {
+        match self.finish_late_walk(&mut sample, &process, Patience::Wait, registration) {
+            Walk::Done => self.handle_unwound(&sample, registration.snapshot(process)),
+            Walk::Pending => self.late.hold(sample, process, registration),
         }
     }
 
@@ -640,13 +647,7 @@ impl Pipeline {
                 Patience::Wait
             };
             match self.finish_late_walk(&mut sample, &process, patience, registration) {
-                Walk::Done => {
-                    let snapshot = match registration {
-                        Registration::Register => SnapshotOf::LateWalk(process),
-                        Registration::BeforeExec => SnapshotOf::BeforeExec(Some(process)),
-                    };
-                    self.handle_unwound(&sample, snapshot)
-                }
+                Walk::Done => self.handle_unwound(&sample, registration.snapshot(process)),
                 Walk::Pending => self
                     .late
                     .hold_since(held_since, sample, process, registration),
