@@ -489,7 +489,7 @@ impl Pipeline {
         self.apply_lifecycle(sample.ktime_ns);
         if let Some(before) = self.before_exec(&sample) {
             let process = match before {
-                Some(process) if self.walks_before_exec(&mut sample) => process,
+                Some(process) if self.walks_before_exec(&sample) => process,
                 before => {
                     // In the exec, or the old program unknown: the copy is not walked.
                     if sample.stack_copy.take().is_some() {
@@ -532,16 +532,14 @@ impl Pipeline {
     /// Whether the stack copy of a sample taken before its process's exec event is walked,
     /// against the program before the exec (never registered: the pid runs another program
     /// now). Taken before the exec syscall (a fork child still in its parent's code) the copy
-    /// is the old program's stack. Taken inside the syscall it is not walked, and dropped: the
-    /// user registers are still the old program's, but once the exec has replaced the address
+    /// is the old program's stack. Taken inside the syscall it is not walked: the user
+    /// registers are still the old program's, but once the exec has replaced the address
     /// space the stack read is the new program's, so the stack ends there, marked truncated.
-    fn walks_before_exec(&mut self, sample: &mut Sample) -> bool {
+    fn walks_before_exec(&mut self, sample: &Sample) -> bool {
         if sample.stack_copy.is_none() {
             return false;
         }
         if self.in_exec_syscall(sample) {
-            sample.stack_copy = None;
-            sample.user_truncated = true;
             self.late.stats.in_exec_not_walked += 1;
             return false;
         }

@@ -146,27 +146,22 @@ fn figures(run: &HostRun) -> Figures<'_> {
         _ => None,
     };
     let loads: Vec<f64> = steady.iter().filter_map(|p| Some(p.load?[0])).collect();
-    let peak = run
-        .polls
-        .iter()
-        .filter_map(|p| p.rss.map(|r| r.peak))
-        .max()
-        .map(mib)
-        .or_else(|| {
-            stopped
-                .and_then(|s| s.get("peak_rss_bytes"))
-                .map(|b| b / 1048576.0)
-        });
-    let peak_between_s = run
+    // The first poll that saw the peak.
+    let peak_poll = run
         .polls
         .iter()
         .enumerate()
         .filter_map(|(i, p)| Some((i, p.t, p.rss?.peak)))
-        .max_by_key(|&(i, _, peak)| (peak, std::cmp::Reverse(i)))
-        .map(|(i, t, _)| {
-            let before = i.checked_sub(1).map_or(0.0, |b| run.polls[b].t);
-            (before, t)
-        });
+        .max_by_key(|&(i, _, peak)| (peak, std::cmp::Reverse(i)));
+    let peak = peak_poll.map(|(.., peak)| mib(peak)).or_else(|| {
+        stopped
+            .and_then(|s| s.get("peak_rss_bytes"))
+            .map(|b| b / 1048576.0)
+    });
+    let peak_between_s = peak_poll.map(|(i, t, _)| {
+        let before = i.checked_sub(1).map_or(0.0, |b| run.polls[b].t);
+        (before, t)
+    });
     Figures {
         growth_pct: growth(
             warm.and_then(|p| p.rss).map(|r| r.total),
