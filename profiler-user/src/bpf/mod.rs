@@ -555,6 +555,7 @@ impl Sampler {
         let btf_path = btf_path();
         // Parsed while the kernel verifies the programs.
         let offsets = std::thread::spawn(move || task_offsets(&btf_path));
+        let cpus = possible_cpus()?;
         let row_chunks = (settings.unwind_table_bytes / chunk_bytes)
             .clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
         // The program needs no CO-RE relocations, so skip parsing the kernel's BTF (a third of
@@ -563,6 +564,14 @@ impl Sampler {
             .btf(None)
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
+            .map_max_entries(
+                names::MAP_SAMPLES,
+                samples_ring_bytes(cpus, settings.frequency_hz),
+            )
+            .map_max_entries(
+                names::MAP_CUDA_EVENTS,
+                cuda_events_ring_bytes(cpus, settings.cuda),
+            )
             // Off, the ring is one page: no memory for a program that never runs.
             .map_max_entries(
                 names::MAP_OFF_CPU,
@@ -948,11 +957,52 @@ where
 
 /// Entries of `SCRATCH_SAMPLE`: its slots for every possible CPU (BPF indexes it by
 /// `bpf_get_smp_processor_id()`, which is below the possible count).
-fn scratch_records() -> Result<u32, BpfError> {
-    let cpus = aya::util::nr_cpus().map_err(|(path, source)| BpfError::Cpus {
+fn possible_cpus() -> Result<usize, BpfError> {
+    aya::util::nr_cpus().map_err(|(path, source)| BpfError::Cpus {
         path: path.to_owned(),
         source,
-    })?;
+    })
+}
+
+/// Bytes of the `SAMPLES` ring: a second of samples with stack copies on every CPU, so the
+/// program sheds copies (at half full) only when the reader is held up for half a second.
+/// Sized to the host because the kernel maps all of a ring into the agent at once, twice
+/// over (its data pages are mapped a second time for records that wrap): 4 MiB on a 2-CPU
+/// host was 8 MiB of resident memory for 600 KiB of samples a second.
+fn samples_ring_bytes(cpus: usize, frequency_hz: u64) -> u32 {
+    let per_second = (cpus as u64)
+        .saturating_mul(frequency_hz)
+        .saturating_mul(u64::from(profiler_common::SAMPLE_RECORD_TYPICAL_BYTES));
+    ring_bytes(
+        per_second,
+        profiler_common::SAMPLES_RING_MIN_BYTES,
+        profiler_common::SAMPLES_RING_BYTES,
+    )
+}
+
+/// Bytes of the `CUDA_EVENTS` ring: one page when the CUDA programs are not loaded, else
+/// sized to the CPUs that can launch at once (see [`samples_ring_bytes`] for why not fixed).
+fn cuda_events_ring_bytes(cpus: usize, cuda: bool) -> u32 {
+    if !cuda {
+        return 4096;
+    }
+    let wanted =
+        (cpus as u64).saturating_mul(u64::from(profiler_common::CUDA_EVENTS_RING_BYTES_PER_CPU));
+    ring_bytes(
+        wanted,
+        profiler_common::CUDA_EVENTS_RING_MIN_BYTES,
+        profiler_common::CUDA_EVENTS_RING_BYTES,
+    )
+}
+
+/// `wanted` rounded up to a power of two (the kernel requires one), within `min..=max`.
+fn ring_bytes(wanted: u64, min: u32, max: u32) -> u32 {
+    let rounded = wanted.checked_next_power_of_two().unwrap_or(u64::MAX);
+    rounded.clamp(u64::from(min), u64::from(max)) as u32
+}
+
+fn scratch_records() -> Result<u32, BpfError> {
+    let cpus = possible_cpus()?;
     u32::try_from(cpus)
         .ok()
         .and_then(|cpus| cpus.checked_mul(profiler_common::SCRATCH_SLOTS))
@@ -985,4 +1035,39 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
         source = next.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rings_are_sized_to_the_host_within_their_bounds() {
+        // 2 CPUs at 100 Hz: 600 KiB a second, rounded up to the 1 MiB floor.
+        assert_eq!(samples_ring_bytes(2, 100), 1 << 20);
+        // 8 CPUs: 2.4 MiB, rounded up to a power of two.
+        assert_eq!(samples_ring_bytes(8, 100), 4 << 20);
+        // Beyond the ABI's size (and absurd inputs) the ring stays at the largest size.
+        assert_eq!(
+            samples_ring_bytes(256, 100),
+            profiler_common::SAMPLES_RING_BYTES
+        );
+        assert_eq!(
+            samples_ring_bytes(usize::MAX, u64::MAX),
+            profiler_common::SAMPLES_RING_BYTES
+        );
+        // A higher frequency needs more room on the same CPUs (6 MiB wanted, 4 MiB at most).
+        assert_eq!(samples_ring_bytes(2, 400), 4 << 20);
+        assert_eq!(samples_ring_bytes(2, 1000), 4 << 20);
+        assert_eq!(cuda_events_ring_bytes(2, true), 1 << 20);
+        assert_eq!(cuda_events_ring_bytes(4, true), 2 << 20);
+        assert_eq!(
+            cuda_events_ring_bytes(64, true),
+            profiler_common::CUDA_EVENTS_RING_BYTES
+        );
+        assert_eq!(cuda_events_ring_bytes(64, false), 4096);
+        for bytes in [samples_ring_bytes(3, 97), cuda_events_ring_bytes(3, true)] {
+            assert!(bytes.is_power_of_two() && bytes % 4096 == 0, "{bytes}");
+        }
+    }
 }
