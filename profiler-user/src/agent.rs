@@ -968,6 +968,7 @@ impl Pipeline {
             unknown_processes: self.unwinder.stats.unknown_processes,
             frames_symbolized: symbols.frames_symbolized,
             symbolization_misses: symbols.misses,
+            symbolization_misses_by_function: symbols.named_by_function_start,
             symbolization_errors: symbols.errors,
             symbol_cache_entries: symbols.cache_entries as u64,
             symbol_cache_evicted: symbols.cache_evicted,

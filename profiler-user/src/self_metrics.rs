@@ -40,6 +40,8 @@ pub struct SelfMetrics {
     pub unknown_processes: u64,
     pub frames_symbolized: u64,
     pub symbolization_misses: u64,
+    /// Misses named after the function (FDE) that holds them: `module!sub_<address>`.
+    pub symbolization_misses_by_function: u64,
     pub symbolization_errors: u64,
     pub symbol_cache_entries: u64,
     /// Frames dropped from the symbol cache for its bound (symbolized again when they recur).
@@ -470,8 +472,14 @@ impl SelfMetrics {
         );
         push(
             "symbolization_misses_total",
-            "Frames left as module+offset or [unknown]",
+            "Frames without a symbol: module!sub_<function start>, module+offset or [unknown]",
             self.symbolization_misses as f64,
+            "counter",
+        );
+        push(
+            "symbolization_misses_by_function_total",
+            "Frames without a symbol named after the .eh_frame function that holds them (module!sub_<address>)",
+            self.symbolization_misses_by_function as f64,
             "counter",
         );
         push(

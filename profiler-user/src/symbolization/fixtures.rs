@@ -78,6 +78,8 @@ pub(super) fn run(command: &mut Command) -> TestResult {
 #[derive(Clone, Debug)]
 pub(super) struct FixtureSymbol {
     pub(super) raw_name: String,
+    /// The symbol's virtual address in the file.
+    pub(super) address: u64,
     pub(super) file_offset: u64,
     pub(super) size: u64,
 }
@@ -106,6 +108,7 @@ pub(super) fn find_symbol(
         .ok_or_else(|| format!("symbol address {address:#x} is in no segment"))?;
     Ok(FixtureSymbol {
         raw_name: symbol.name()?.to_owned(),
+        address,
         file_offset,
         size: symbol.size(),
     })

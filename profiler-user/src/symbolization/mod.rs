@@ -12,6 +12,7 @@
 mod demangle;
 #[cfg(test)]
 mod fixtures;
+mod functions;
 mod kernel;
 mod native;
 mod python;
@@ -107,6 +108,9 @@ pub struct SymbolizerStats {
     pub frames_symbolized: u64,
     /// Frames left unsymbolized: failed lookups plus frames outside any file mapping.
     pub misses: u64,
+    /// Of the misses, frames named after the start of the function (`.eh_frame` FDE) that
+    /// holds them (`module!sub_<address>`) rather than by their own offset.
+    pub named_by_function_start: u64,
     /// Frames answered from the cache.
     pub cache_hits: u64,
     /// Frames currently cached.
@@ -455,6 +459,9 @@ impl Symbolizer {
             if let Some(state) = self.files.get_mut(&id) {
                 state.resolver = None;
                 self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
+                if let Some(functions) = state.functions.take() {
+                    state.cost = state.cost.saturating_sub(functions.bytes());
+                }
                 self.stats.resolvers_dropped += 1;
             }
         }
@@ -470,6 +477,26 @@ impl Symbolizer {
         {
             self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
         }
+    }
+
+    /// The virtual address of the start of the function (FDE) that holds `file_offset` of a
+    /// file whose symbols do not name it; read at the file's first such address, held (and
+    /// counted) with its resolver.
+    fn function_start(&mut self, file: &MappedFile, file_offset: u64) -> Option<u64> {
+        let state = self.files.get_mut(&file.id)?;
+        let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
+        if state.functions.is_none() && state.resolver.is_some() {
+            let functions = functions::FunctionRanges::read(&file.open_path);
+            state.cost += functions.bytes();
+            self.resolver_bytes += functions.bytes();
+            state.functions = Some(functions);
+            self.bound_resolvers(file.id);
+        }
+        self.files
+            .get(&file.id)?
+            .functions
+            .as_ref()?
+            .start_of(vaddr)
     }
 
     fn mapping_info(
@@ -538,8 +565,15 @@ impl Symbolizer {
             None => {
                 self.stats.misses += 1;
                 let basename = file.path.rsplit('/').next().unwrap_or(&file.path);
+                let function = match self.function_start(file, file_offset) {
+                    Some(start) => {
+                        self.stats.named_by_function_start += 1;
+                        format!("{basename}!sub_{start:x}")
+                    }
+                    None => format!("{basename}+0x{file_offset:x}"),
+                };
                 let line = FrameLine {
-                    function: Arc::from(format!("{basename}+0x{file_offset:x}")),
+                    function: Arc::from(function),
                     system_name: None,
                     file: Some(Arc::clone(&file.path)),
                     line: 0,

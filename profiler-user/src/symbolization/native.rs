@@ -105,7 +105,7 @@ impl ElfLayout {
     }
 
     /// Converts a file offset of the binary into the virtual address its symbols use.
-    fn file_offset_to_vaddr(&self, file_offset: u64) -> Option<u64> {
+    pub(super) fn file_offset_to_vaddr(&self, file_offset: u64) -> Option<u64> {
         self.loads.iter().find_map(|load| {
             let delta = file_offset.checked_sub(load.file_offset)?;
             (delta < load.file_size).then(|| load.vaddr.wrapping_add(delta))
@@ -138,6 +138,11 @@ pub(super) struct FileState {
     pub(super) resolver: Option<bz::Symbolizer>,
     /// What holding the resolver is estimated to cost, in bytes.
     pub(super) cost: u64,
+    /// The binary's load segments, to turn file offsets into addresses (`None`: unreadable).
+    pub(super) layout: Option<ElfLayout>,
+    /// Its functions' ranges from `.eh_frame`, read at the first address without a symbol and
+    /// dropped with the resolver (their bytes are part of `cost` while held).
+    pub(super) functions: Option<super::functions::FunctionRanges>,
     /// When the file was last looked up (the symbolizer's tick).
     pub(super) used: u64,
     /// Whether a warning was logged for this file already (one per file).
@@ -150,6 +155,7 @@ pub(super) struct FileState {
 impl FileState {
     pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf], debug_info: bool) -> Self {
         let layout = ElfLayout::read(&file.open_path);
+        let kept_layout = layout.as_ref().ok().cloned();
         let cost = match &layout {
             // The index blazesym builds is about the size of the tables it reads.
             Ok(layout) => {
@@ -180,6 +186,8 @@ impl FileState {
             source,
             resolver: None,
             cost,
+            layout: kept_layout,
+            functions: None,
             used: 0,
             warned: false,
             consecutive_errors: 0,

@@ -119,20 +119,34 @@ fn stripped_binary_uses_dynsym_or_falls_back_to_offset() -> TestResult {
     assert_eq!(&*frame.lines[0].function, "fixture_alpha");
     assert_eq!(frame.lines[0].line, 0);
 
-    // Without -rdynamic the function is nowhere once stripped.
+    // Without -rdynamic the function has no name once stripped: its frames are named after
+    // the start of the `.eh_frame` FDE that holds them, one name for the whole function.
     let original = build_c(&dir, "c_plain", &["-O0"])?;
     let beta = symbol_named(&original, "fixture_beta")?;
+    let alpha = symbol_named(&original, "fixture_alpha")?;
     let binary = dir.copy(&original, "c_plain_stripped")?;
     run(Command::new("strip").arg("--strip-all").arg(&binary))?;
     let file = mapped_file(&binary)?;
-    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
-    assert!(frame.unsymbolized, "{frame:?}");
+    let beta_name = format!("c_plain_stripped!sub_{:x}", beta.address);
+    for offset in [beta.file_offset, beta.file_offset + beta.size / 2] {
+        let frame = symbolizer.symbolize(&user_frame(&file, offset));
+        assert!(frame.unsymbolized, "{frame:?}");
+        assert_eq!(&*frame.lines[0].function, beta_name, "offset {offset:#x}");
+        assert_eq!(frame.lines[0].file.as_deref(), Some(&*file.path));
+        assert!(frame.mapping.is_some());
+    }
+    // Another function, another name.
+    let frame = symbolizer.symbolize(&user_frame(&file, alpha.file_offset + 1));
     assert_eq!(
         &*frame.lines[0].function,
-        format!("c_plain_stripped+0x{:x}", beta.file_offset)
+        format!("c_plain_stripped!sub_{:x}", alpha.address)
     );
-    assert_eq!(frame.lines[0].file.as_deref(), Some(&*file.path));
-    assert!(frame.mapping.is_some());
+    // Where no FDE reaches (the ELF header), the offset is all there is.
+    let frame = symbolizer.symbolize(&user_frame(&file, 0x10));
+    assert!(frame.unsymbolized, "{frame:?}");
+    assert_eq!(&*frame.lines[0].function, "c_plain_stripped+0x10");
+    let stats = symbolizer.stats();
+    assert_eq!((stats.misses, stats.named_by_function_start), (4, 3));
     Ok(())
 }
 

@@ -102,14 +102,18 @@ fn is_unknown(frame: &str) -> bool {
     frame.starts_with("[unknown")
 }
 
-/// A frame without a symbol: `[unknown]` (no mapping) or `module+0xOFFSET` / `0xADDRESS`
-/// (a mapping or address without a symbol).
+/// A frame without a symbol: `[unknown]` (no mapping), `module!sub_ADDRESS` (named after the
+/// start of its function in `.eh_frame`) or `module+0xOFFSET` / `0xADDRESS` (a mapping or
+/// address without a symbol).
 fn is_unmapped(frame: &str) -> bool {
     let hex = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit());
     frame == "[unknown]"
         || frame
             .rsplit_once("+0x")
             .is_some_and(|(module, offset)| !module.is_empty() && hex(offset))
+        || frame
+            .rsplit_once("!sub_")
+            .is_some_and(|(module, address)| !module.is_empty() && hex(address))
         || frame.strip_prefix("0x").is_some_and(hex)
 }
 
@@ -459,6 +463,8 @@ mod tests {
     #[test]
     fn frame_kinds() {
         assert!(is_unmapped("libfoo.so+0x1a2b"));
+        assert!(is_unmapped("cc1!sub_71f5a0"));
+        assert!(!is_unmapped("cc1!sub_main"));
         assert!(is_unmapped("[unknown]"));
         assert!(is_unmapped("0x7f00"));
         assert!(!is_unmapped("[unknown python]"));

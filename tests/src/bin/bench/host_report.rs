@@ -645,7 +645,7 @@ fn render_quality(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) {
     let _ = writeln!(out, "\n#### Stack quality, every sample of the run\n");
     let _ = writeln!(
         out,
-        "From the agent's store after the run (`profiler server` on its data directory, each service's whole run as merged pprof from `/api/pprof`, type `{}`): the share of samples with at least one such frame. Unmapped: `[unknown]`, `module+0x…` or `0x…` (no symbol).\n",
+        "From the agent's store after the run (`profiler server` on its data directory, each service's whole run as merged pprof from `/api/pprof`, type `{}`): the share of samples with at least one such frame. Unmapped: `[unknown]`, `module!sub_…`, `module+0x…` or `0x…` (no symbol).\n",
         analysis.profile_type
     );
     let _ = writeln!(
