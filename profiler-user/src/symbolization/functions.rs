@@ -6,82 +6,97 @@
 //! frame at an address with no symbol is named after the start of the FDE that holds it, as
 //! disassemblers name such functions (`sub_<address>`), so the samples of one function come
 //! together instead of one frame per instruction address. An address that no FDE covers keeps
-//! its `module+0x<file offset>` name.
-use std::{fs::File, path::Path};
+//! its `module+0x<file offset>` name. The lookup is the binary search of `.eh_frame_hdr`, the
+//! table the kernel-less unwinders use, read in place.
+use std::{fs::File, ops::Range, path::Path};
 
 use object::{Object, ObjectSection, read::ReadCache};
 
-/// The `[start, end)` virtual-address ranges of a file's FDEs, sorted by start.
-#[derive(Debug, Default)]
-pub(super) struct FunctionRanges {
-    /// Starts and lengths, kept as two fields of one entry to halve the memory of 64-bit ends.
-    ranges: Vec<(u64, u32)>,
+/// A file's `.eh_frame_hdr` search table and `.eh_frame`, mapped, not read: a lookup touches
+/// a few pages of the file (given back with the symbol files' pages), so even libtorch's 17 MiB
+/// of CFI costs no heap.
+pub(super) struct FunctionIndex {
+    mapped: memmap2::Mmap,
+    little_endian: bool,
+    /// File ranges and virtual addresses of `.eh_frame_hdr` and `.eh_frame`.
+    header: (Range<usize>, u64),
+    frames: (Range<usize>, u64),
+    text: Option<u64>,
+    got: Option<u64>,
 }
 
-impl FunctionRanges {
-    /// Reads the ranges of the file at `path`; an unreadable or malformed file, or one without
-    /// `.eh_frame`, gives none (its frames keep their offset names).
-    pub(super) fn read(path: &Path) -> Self {
-        let Ok(file) = File::open(path) else {
-            return Self::default();
+impl FunctionIndex {
+    /// Maps the file at `path`; `None` for a file without `.eh_frame_hdr` (or unreadable):
+    /// its frames keep their offset names.
+    pub(super) fn open(path: &Path) -> Option<Self> {
+        let file = File::open(path).ok()?;
+        // The headers only, read through the cache; the sections are used in the mapping.
+        let (little_endian, header, frames, text, got) = {
+            let cache = ReadCache::new(&file);
+            let elf = object::File::parse(&cache).ok()?;
+            let placed = |name: &str| {
+                let section = elf.section_by_name(name)?;
+                let (offset, size) = section.file_range()?;
+                let start = usize::try_from(offset).ok()?;
+                let end = start.checked_add(usize::try_from(size).ok()?)?;
+                Some((start..end, section.address()))
+            };
+            let address = |name: &str| elf.section_by_name(name).map(|s| s.address());
+            (
+                elf.is_little_endian(),
+                placed(".eh_frame_hdr")?,
+                placed(".eh_frame")?,
+                address(".text"),
+                address(".got"),
+            )
         };
-        // Only the section headers and `.eh_frame` are read, not the whole file.
-        let cache = ReadCache::new(file);
-        let Ok(elf) = object::File::parse(&cache) else {
-            return Self::default();
-        };
-        let Some(eh_frame) = elf.section_by_name(".eh_frame") else {
-            return Self::default();
-        };
-        let Ok(data) = eh_frame.data() else {
-            return Self::default();
-        };
-        let endian = if elf.is_little_endian() {
+        // SAFETY: a read-only shared mapping; the handle the process stage holds keeps the
+        // file, and a file truncated under the mapping would fault, which ELF files in use
+        // are not.
+        let mapped = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+        if header.0.end > mapped.len() || frames.0.end > mapped.len() {
+            return None;
+        }
+        Some(Self {
+            mapped,
+            little_endian,
+            header,
+            frames,
+            text,
+            got,
+        })
+    }
+
+    /// The start of the function whose FDE holds `vaddr`, if one does.
+    pub(super) fn start_of(&self, vaddr: u64) -> Option<u64> {
+        let endian = if self.little_endian {
             gimli::RunTimeEndian::Little
         } else {
             gimli::RunTimeEndian::Big
         };
-        let section = gimli::EhFrame::new(data, endian);
-        let mut bases = gimli::BaseAddresses::default().set_eh_frame(eh_frame.address());
-        if let Some(text) = elf.section_by_name(".text") {
-            bases = bases.set_text(text.address());
+        let mut bases = gimli::BaseAddresses::default()
+            .set_eh_frame_hdr(self.header.1)
+            .set_eh_frame(self.frames.1);
+        if let Some(text) = self.text {
+            bases = bases.set_text(text);
         }
-        if let Some(got) = elf.section_by_name(".got") {
-            bases = bases.set_got(got.address());
+        if let Some(got) = self.got {
+            bases = bases.set_got(got);
         }
-        let mut ranges = Vec::new();
-        let mut entries = gimli::UnwindSection::entries(&section, &bases);
-        // A malformed entry ends the walk: the ranges read so far are still FDEs.
-        while let Ok(Some(entry)) = entries.next() {
-            if let gimli::CieOrFde::Fde(partial) = entry
-                && let Ok(fde) = partial.parse(gimli::UnwindSection::cie_from_offset)
-                && let Ok(length) = u32::try_from(fde.len())
-                && length > 0
-                && fde.initial_address().checked_add(fde.len()).is_some()
-            {
-                ranges.push((fde.initial_address(), length));
-            }
-        }
-        ranges.sort_unstable();
-        ranges.shrink_to_fit();
-        Self { ranges }
-    }
-
-    /// The start of the function that holds `vaddr`, if an FDE covers it. Where FDEs overlap
-    /// (malformed tables), the one starting nearest below `vaddr` that covers it.
-    pub(super) fn start_of(&self, vaddr: u64) -> Option<u64> {
-        let after = self.ranges.partition_point(|&(start, _)| start <= vaddr);
-        self.ranges[..after]
-            .iter()
-            .rev()
-            .take(8)
-            .find(|&&(start, length)| vaddr - start < u64::from(length))
-            .map(|&(start, _)| start)
-    }
-
-    /// Bytes held, for the symbolizer's memory budget.
-    pub(super) fn bytes(&self) -> u64 {
-        (self.ranges.capacity() * std::mem::size_of::<(u64, u32)>()) as u64
+        let header = gimli::EhFrameHdr::new(&self.mapped[self.header.0.clone()], endian)
+            .parse(&bases, 8)
+            .ok()?;
+        let frames = gimli::EhFrame::new(&self.mapped[self.frames.0.clone()], endian);
+        let fde = header
+            .table()?
+            .fde_for_address(
+                &frames,
+                &bases,
+                vaddr,
+                gimli::UnwindSection::cie_from_offset,
+            )
+            .ok()?;
+        (fde.len() > 0).then(|| fde.initial_address())
     }
 }
 
@@ -90,48 +105,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_address_is_named_by_the_fde_that_covers_it() {
-        let ranges = FunctionRanges {
-            ranges: vec![(0x1000, 0x40), (0x1040, 0x10), (0x2000, 0x100)],
-        };
-        assert_eq!(ranges.start_of(0x1000), Some(0x1000));
-        assert_eq!(ranges.start_of(0x103f), Some(0x1000));
-        assert_eq!(ranges.start_of(0x1040), Some(0x1040));
-        // Between FDEs (padding, a PLT without CFI) and outside all of them: no function.
-        assert_eq!(ranges.start_of(0x1050), None);
-        assert_eq!(ranges.start_of(0xfff), None);
-        assert_eq!(ranges.start_of(0x2100), None);
-        assert_eq!(ranges.start_of(u64::MAX), None);
-    }
-
-    #[test]
-    fn ranges_of_a_real_binary_hold_its_symbols_addresses() {
-        // The test binary has symbols: each function symbol's address must be the start of
-        // the range that holds it, and an address inside must find the same start.
+    fn addresses_of_a_real_binary_are_named_by_the_function_that_holds_them() {
+        // The test binary has symbols: a function symbol's address and an address inside it
+        // must both find the symbol's address as the start of their FDE.
         let exe = std::env::current_exe().expect("current exe");
-        let ranges = FunctionRanges::read(&exe);
-        assert!(ranges.ranges.len() > 100, "{} FDEs", ranges.ranges.len());
+        let index = FunctionIndex::open(&exe).expect("the test binary has .eh_frame_hdr");
         let data = std::fs::read(&exe).expect("read exe");
         let elf = object::File::parse(&*data).expect("parse exe");
-        let mut checked = 0;
+        let (mut checked, mut outside) = (0, 0);
         for symbol in object::Object::symbols(&elf) {
             use object::ObjectSymbol;
             if symbol.kind() != object::SymbolKind::Text || symbol.size() < 16 {
                 continue;
             }
-            let Some(start) = ranges.start_of(symbol.address()) else {
-                continue;
-            };
-            if start != symbol.address() {
+            if index.start_of(symbol.address()) != Some(symbol.address()) {
                 continue;
             }
+            let inside = symbol.address() + symbol.size() / 2;
             assert_eq!(
-                ranges.start_of(symbol.address() + symbol.size() / 2),
-                Some(start)
+                index.start_of(inside),
+                Some(symbol.address()),
+                "{inside:#x}"
             );
             checked += 1;
         }
+        // Nothing covers the ELF header or addresses past the end of the file's code.
+        for vaddr in [0, 0x10, u64::MAX - 1] {
+            if index.start_of(vaddr).is_none() {
+                outside += 1;
+            }
+        }
         assert!(checked > 100, "only {checked} functions checked");
-        assert_eq!(FunctionRanges::read(Path::new("/nonexistent")).bytes(), 0);
+        assert_eq!(outside, 3);
+        assert!(FunctionIndex::open(Path::new("/nonexistent")).is_none());
+        let not_elf = std::env::temp_dir().join(format!("not-elf-{}", std::process::id()));
+        std::fs::write(&not_elf, b"\x7fELF garbage").expect("write");
+        assert!(FunctionIndex::open(&not_elf).is_none());
+        let _ = std::fs::remove_file(&not_elf);
     }
 }

@@ -459,9 +459,7 @@ impl Symbolizer {
             if let Some(state) = self.files.get_mut(&id) {
                 state.resolver = None;
                 self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
-                if let Some(functions) = state.functions.take() {
-                    state.cost = state.cost.saturating_sub(functions.bytes());
-                }
+                state.functions = None;
                 self.stats.resolvers_dropped += 1;
             }
         }
@@ -480,21 +478,14 @@ impl Symbolizer {
     }
 
     /// The virtual address of the start of the function (FDE) that holds `file_offset` of a
-    /// file whose symbols do not name it; read at the file's first such address, held (and
-    /// counted) with its resolver.
+    /// file whose symbols do not name it; the file's index is mapped at its first such address
+    /// and let go of with its resolver.
     fn function_start(&mut self, file: &MappedFile, file_offset: u64) -> Option<u64> {
         let state = self.files.get_mut(&file.id)?;
         let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
-        if state.functions.is_none() && state.resolver.is_some() {
-            let functions = functions::FunctionRanges::read(&file.open_path);
-            state.cost += functions.bytes();
-            self.resolver_bytes += functions.bytes();
-            state.functions = Some(functions);
-            self.bound_resolvers(file.id);
-        }
-        self.files
-            .get(&file.id)?
+        state
             .functions
+            .get_or_insert_with(|| functions::FunctionIndex::open(&file.open_path))
             .as_ref()?
             .start_of(vaddr)
     }

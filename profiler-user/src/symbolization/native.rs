@@ -140,9 +140,9 @@ pub(super) struct FileState {
     pub(super) cost: u64,
     /// The binary's load segments, to turn file offsets into addresses (`None`: unreadable).
     pub(super) layout: Option<ElfLayout>,
-    /// Its functions' ranges from `.eh_frame`, read at the first address without a symbol and
-    /// dropped with the resolver (their bytes are part of `cost` while held).
-    pub(super) functions: Option<super::functions::FunctionRanges>,
+    /// Its functions' index from `.eh_frame_hdr`, mapped at the first address without a
+    /// symbol (`Some(None)`: the file has none) and dropped with the resolver.
+    pub(super) functions: Option<Option<super::functions::FunctionIndex>>,
     /// When the file was last looked up (the symbolizer's tick).
     pub(super) used: u64,
     /// Whether a warning was logged for this file already (one per file).
