@@ -196,6 +196,9 @@ pub struct Symbolizer {
 /// 170-211 µs of CPU per sample at 6 MiB against 188-200 µs at 12 MiB (one run at 4 MiB, at a
 /// higher load, 252 µs).
 pub const FILE_PAGES_SLACK_BYTES: u64 = 6 << 20;
+/// A resolver at least this costly (a symbol table of 3 MiB or more: libtorch_cpu's is 13 MiB)
+/// has the symbol files' pages given back right after it is made.
+const LARGE_RESOLVER_BYTES: u64 = 1 << 20;
 /// How often the agent's file-backed RSS is looked at.
 const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -537,8 +540,18 @@ impl Symbolizer {
         };
         let lookup = native::lookup_user(&mut ctx, state, file, file_offset);
         if !had_resolver && state.resolver.is_some() {
-            self.resolver_bytes += state.cost;
+            let cost = state.cost;
+            self.resolver_bytes += cost;
             self.bound_resolvers(file.id);
+            if cost >= LARGE_RESOLVER_BYTES {
+                // A large symbol table was just read through its file mapping: its pages go
+                // back now, not at the next check, so they do not add up with whatever else is
+                // resident at the time (the same library's unwind table being built).
+                self.release_file_pages();
+                if let Some(resident) = resident_file_bytes() {
+                    self.file_pages.resident_after_release = resident;
+                }
+            }
         }
         let lines = match lookup {
             native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
