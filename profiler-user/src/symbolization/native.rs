@@ -122,11 +122,9 @@ pub(super) fn hex(bytes: &[u8]) -> String {
 pub(super) enum SymbolSource {
     /// The binary itself; blazesym follows its `.gnu_debuglink` on its own.
     Binary,
-    /// A separate debug file we located; queried by virtual address, falling back to the binary.
-    SeparateDebugFile {
-        debug_path: PathBuf,
-        layout: ElfLayout,
-    },
+    /// A separate debug file we located; queried by virtual address (through the binary's
+    /// [`FileState::layout`]), falling back to the binary.
+    SeparateDebugFile { debug_path: PathBuf },
 }
 
 /// Per-file state, created the first time a file is seen.
@@ -154,39 +152,36 @@ pub(super) struct FileState {
 
 impl FileState {
     pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf], debug_info: bool) -> Self {
-        let layout = ElfLayout::read(&file.open_path);
-        let kept_layout = layout.as_ref().ok().cloned();
+        let layout = ElfLayout::read(&file.open_path)
+            .inspect_err(|err| debug!(file = %file.path, error = %err, "cannot read ELF layout"))
+            // blazesym reports its own error on the first lookup.
+            .ok();
         let cost = match &layout {
             // The index blazesym builds is about the size of the tables it reads.
-            Ok(layout) => {
+            Some(layout) => {
                 RESOLVER_OVERHEAD_BYTES
                     + layout.symbol_bytes
                     + if debug_info { layout.debug_bytes } else { 0 }
             }
-            Err(_) => RESOLVER_OVERHEAD_BYTES,
+            None => RESOLVER_OVERHEAD_BYTES,
         };
-        let source = match layout {
-            Ok(layout) if !layout.has_dwarf => {
-                match find_separate_debug_file(file, &layout, debug_dirs) {
+        let source = match &layout {
+            Some(layout) if !layout.has_dwarf => {
+                match find_separate_debug_file(file, layout, debug_dirs) {
                     Some(debug_path) => {
                         debug!(file = %file.path, debug_file = %debug_path.display(), "using separate debug file");
-                        SymbolSource::SeparateDebugFile { debug_path, layout }
+                        SymbolSource::SeparateDebugFile { debug_path }
                     }
                     None => SymbolSource::Binary,
                 }
             }
-            Ok(_) => SymbolSource::Binary,
-            // blazesym reports its own error on the first lookup.
-            Err(err) => {
-                debug!(file = %file.path, error = %err, "cannot read ELF layout");
-                SymbolSource::Binary
-            }
+            _ => SymbolSource::Binary,
         };
         Self {
             source,
             resolver: None,
             cost,
-            layout: kept_layout,
+            layout,
             functions: None,
             used: 0,
             warned: false,
@@ -336,8 +331,11 @@ fn lookup_with(
 ) -> UserLookup {
     let mut failed = false;
 
-    if let SymbolSource::SeparateDebugFile { debug_path, layout } = &state.source
-        && let Some(vaddr) = layout.file_offset_to_vaddr(file_offset)
+    if let SymbolSource::SeparateDebugFile { debug_path } = &state.source
+        && let Some(vaddr) = state
+            .layout
+            .as_ref()
+            .and_then(|layout| layout.file_offset_to_vaddr(file_offset))
     {
         let source = elf_source(debug_path, ctx.debug_info);
         match resolver.symbolize_single(&source, Input::VirtOffset(vaddr)) {
