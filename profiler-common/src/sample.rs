@@ -6,14 +6,10 @@ use crate::python::{MAX_PYTHON_FRAMES, PyFrameRecord};
 pub const MAX_KERNEL_FRAMES: usize = 127;
 /// Deepest user stack recorded (a power of two: the unwinder masks indexes with it).
 pub const MAX_USER_FRAMES: usize = 256;
-/// Largest size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page
-/// size). The agent sizes the ring at load time for the host's CPUs and sampling frequency
-/// (`SAMPLES_RING_MIN_BYTES` up to this); the program reads the size from the ring.
+/// Size of the `SAMPLES` ring buffer in bytes (power of two, multiple of the page size). The
+/// program sheds stack copies once half of it is waiting: about 700 samples, seconds of the
+/// reader being held up on a small host.
 pub const SAMPLES_RING_BYTES: u32 = 4 << 20;
-/// Smallest size the agent gives the `SAMPLES` ring.
-pub const SAMPLES_RING_MIN_BYTES: u32 = 1 << 20;
-/// Average bytes of one sample record with its stack copy, for sizing the ring.
-pub const SAMPLE_RECORD_TYPICAL_BYTES: u32 = 3 << 10;
 /// Scratch records per CPU in `SCRATCH_SAMPLE`: the CPU sampler's, the CUDA probes' and the
 /// off-CPU program's. A cpu-clock sample can interrupt a uprobe program on the same CPU, and
 /// a uprobe program can be preempted (a `sched_switch` in the middle of it), so no two share

@@ -565,10 +565,6 @@ impl Sampler {
             .map_max_entries(names::MAP_UNWIND_ROWS, row_chunks)
             .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
             .map_max_entries(
-                names::MAP_SAMPLES,
-                samples_ring_bytes(cpus, settings.frequency_hz),
-            )
-            .map_max_entries(
                 names::MAP_CUDA_EVENTS,
                 cuda_events_ring_bytes(cpus, settings.cuda),
             )
@@ -964,24 +960,11 @@ fn possible_cpus() -> Result<usize, BpfError> {
     })
 }
 
-/// Bytes of the `SAMPLES` ring: a second of samples with stack copies on every CPU, so the
-/// program sheds copies (at half full) only when the reader is held up for half a second.
-/// Sized to the host because the kernel maps all of a ring into the agent at once, twice
-/// over (its data pages are mapped a second time for records that wrap): 4 MiB on a 2-CPU
-/// host was 8 MiB of resident memory for 600 KiB of samples a second.
-fn samples_ring_bytes(cpus: usize, frequency_hz: u64) -> u32 {
-    let per_second = (cpus as u64)
-        .saturating_mul(frequency_hz)
-        .saturating_mul(u64::from(profiler_common::SAMPLE_RECORD_TYPICAL_BYTES));
-    ring_bytes(
-        per_second,
-        profiler_common::SAMPLES_RING_MIN_BYTES,
-        profiler_common::SAMPLES_RING_BYTES,
-    )
-}
-
 /// Bytes of the `CUDA_EVENTS` ring: one page when the CUDA programs are not loaded, else
-/// sized to the CPUs that can launch at once (see [`samples_ring_bytes`] for why not fixed).
+/// sized to the CPUs that can launch at once. Not a fixed 4 MiB because the kernel maps all of
+/// a ring into the agent at once, its data pages twice: 8 MiB of RSS on a 2-CPU host. (The
+/// `SAMPLES` ring stays at 4 MiB: at 1 MiB, the half that takes stack copies filled in under
+/// a second of the agent being held up, and stacks were cut.)
 fn cuda_events_ring_bytes(cpus: usize, cuda: bool) -> u32 {
     if !cuda {
         return 4096;
@@ -1042,23 +1025,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rings_are_sized_to_the_host_within_their_bounds() {
-        // 2 CPUs at 100 Hz: 600 KiB a second, rounded up to the 1 MiB floor.
-        assert_eq!(samples_ring_bytes(2, 100), 1 << 20);
-        // 8 CPUs: 2.4 MiB, rounded up to a power of two.
-        assert_eq!(samples_ring_bytes(8, 100), 4 << 20);
-        // Beyond the ABI's size (and absurd inputs) the ring stays at the largest size.
-        assert_eq!(
-            samples_ring_bytes(256, 100),
-            profiler_common::SAMPLES_RING_BYTES
-        );
-        assert_eq!(
-            samples_ring_bytes(usize::MAX, u64::MAX),
-            profiler_common::SAMPLES_RING_BYTES
-        );
-        // A higher frequency needs more room on the same CPUs (6 MiB wanted, 4 MiB at most).
-        assert_eq!(samples_ring_bytes(2, 400), 4 << 20);
-        assert_eq!(samples_ring_bytes(2, 1000), 4 << 20);
+    fn the_cuda_ring_is_sized_to_the_host_within_its_bounds() {
         assert_eq!(cuda_events_ring_bytes(2, true), 1 << 20);
         assert_eq!(cuda_events_ring_bytes(4, true), 2 << 20);
         assert_eq!(
@@ -1066,8 +1033,10 @@ mod tests {
             profiler_common::CUDA_EVENTS_RING_BYTES
         );
         assert_eq!(cuda_events_ring_bytes(64, false), 4096);
-        for bytes in [samples_ring_bytes(3, 97), cuda_events_ring_bytes(3, true)] {
-            assert!(bytes.is_power_of_two() && bytes % 4096 == 0, "{bytes}");
-        }
+        let bytes = cuda_events_ring_bytes(3, true);
+        assert!(
+            bytes.is_power_of_two() && bytes.is_multiple_of(4096),
+            "{bytes}"
+        );
     }
 }
