@@ -94,15 +94,9 @@ pub const CUDA_EVENT_KNOWN_FLAGS: u32 = (1 << 5) - 1;
 
 /// Bytes of a kernel name read from the process (longer names are cut).
 pub const KERNEL_NAME_BYTES: usize = 256;
-/// Largest size of the `CUDA_EVENTS` ring buffer in bytes. The agent sizes the ring at load
-/// time for the host's CPUs (`CUDA_EVENTS_RING_BYTES_PER_CPU` each, at least
-/// `CUDA_EVENTS_RING_MIN_BYTES`, up to this); the programs read the size from the ring.
+/// Size of the `CUDA_EVENTS` ring buffer in bytes (one page when the CUDA programs are not
+/// loaded); the programs read the size from the ring.
 pub const CUDA_EVENTS_RING_BYTES: u32 = 4 << 20;
-/// Smallest size the agent gives the `CUDA_EVENTS` ring.
-pub const CUDA_EVENTS_RING_MIN_BYTES: u32 = 1 << 20;
-/// `CUDA_EVENTS` bytes per CPU: about 9,000 records of 56 bytes (header and the ring's own),
-/// i.e. 90,000 launches a second on each CPU between the agent's reads (every 100 ms).
-pub const CUDA_EVENTS_RING_BYTES_PER_CPU: u32 = 512 << 10;
 /// Entries of the per-thread `CUDA_THREADS` LRU map.
 pub const MAX_CUDA_THREADS: u32 = 16_384;
 /// Entries of the `CUDA_STACK_KINDS` LRU map: the (thread, call, kernel or direction) kinds

@@ -555,7 +555,6 @@ impl Sampler {
         let btf_path = btf_path();
         // Parsed while the kernel verifies the programs.
         let offsets = std::thread::spawn(move || task_offsets(&btf_path));
-        let cpus = possible_cpus()?;
         let row_chunks = (settings.unwind_table_bytes / chunk_bytes)
             .clamp(1, u64::from(u32::MAX / ROWS_PER_CHUNK as u32)) as u32;
         // The program needs no CO-RE relocations, so skip parsing the kernel's BTF (a third of
@@ -566,7 +565,7 @@ impl Sampler {
             .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
             .map_max_entries(
                 names::MAP_CUDA_EVENTS,
-                cuda_events_ring_bytes(cpus, settings.cuda),
+                cuda_events_ring_bytes(settings.cuda),
             )
             // Off, the ring is one page: no memory for a program that never runs.
             .map_max_entries(
@@ -951,41 +950,24 @@ where
     T::try_from(map).map_err(map_error(name))
 }
 
+/// Bytes of the `CUDA_EVENTS` ring: one page when the CUDA programs are not loaded (the kernel
+/// maps all of a ring into the agent, its data pages twice: 8 MiB of RSS for nothing), else
+/// the ABI's 4 MiB. (1 MiB on a 2-CPU host lost 1,280 of a 20,000-launch storm.)
+fn cuda_events_ring_bytes(cuda: bool) -> u32 {
+    if cuda {
+        profiler_common::CUDA_EVENTS_RING_BYTES
+    } else {
+        4096
+    }
+}
+
 /// Entries of `SCRATCH_SAMPLE`: its slots for every possible CPU (BPF indexes it by
 /// `bpf_get_smp_processor_id()`, which is below the possible count).
-fn possible_cpus() -> Result<usize, BpfError> {
-    aya::util::nr_cpus().map_err(|(path, source)| BpfError::Cpus {
+fn scratch_records() -> Result<u32, BpfError> {
+    let cpus = aya::util::nr_cpus().map_err(|(path, source)| BpfError::Cpus {
         path: path.to_owned(),
         source,
-    })
-}
-
-/// Bytes of the `CUDA_EVENTS` ring: one page when the CUDA programs are not loaded, else
-/// sized to the CPUs that can launch at once. Not a fixed 4 MiB because the kernel maps all of
-/// a ring into the agent at once, its data pages twice: 8 MiB of RSS on a 2-CPU host. (The
-/// `SAMPLES` ring stays at 4 MiB: at 1 MiB, the half that takes stack copies filled in under
-/// a second of the agent being held up, and stacks were cut.)
-fn cuda_events_ring_bytes(cpus: usize, cuda: bool) -> u32 {
-    if !cuda {
-        return 4096;
-    }
-    let wanted =
-        (cpus as u64).saturating_mul(u64::from(profiler_common::CUDA_EVENTS_RING_BYTES_PER_CPU));
-    ring_bytes(
-        wanted,
-        profiler_common::CUDA_EVENTS_RING_MIN_BYTES,
-        profiler_common::CUDA_EVENTS_RING_BYTES,
-    )
-}
-
-/// `wanted` rounded up to a power of two (the kernel requires one), within `min..=max`.
-fn ring_bytes(wanted: u64, min: u32, max: u32) -> u32 {
-    let rounded = wanted.checked_next_power_of_two().unwrap_or(u64::MAX);
-    rounded.clamp(u64::from(min), u64::from(max)) as u32
-}
-
-fn scratch_records() -> Result<u32, BpfError> {
-    let cpus = possible_cpus()?;
+    })?;
     u32::try_from(cpus)
         .ok()
         .and_then(|cpus| cpus.checked_mul(profiler_common::SCRATCH_SLOTS))
@@ -1025,18 +1007,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_cuda_ring_is_sized_to_the_host_within_its_bounds() {
-        assert_eq!(cuda_events_ring_bytes(2, true), 1 << 20);
-        assert_eq!(cuda_events_ring_bytes(4, true), 2 << 20);
+    fn the_cuda_ring_is_one_page_without_the_cuda_programs() {
+        assert_eq!(cuda_events_ring_bytes(false), 4096);
         assert_eq!(
-            cuda_events_ring_bytes(64, true),
+            cuda_events_ring_bytes(true),
             profiler_common::CUDA_EVENTS_RING_BYTES
-        );
-        assert_eq!(cuda_events_ring_bytes(64, false), 4096);
-        let bytes = cuda_events_ring_bytes(3, true);
-        assert!(
-            bytes.is_power_of_two() && bytes.is_multiple_of(4096),
-            "{bytes}"
         );
     }
 }
