@@ -95,7 +95,7 @@ pub const CUDA_EVENT_KNOWN_FLAGS: u32 = (1 << 5) - 1;
 /// Bytes of a kernel name read from the process (longer names are cut).
 pub const KERNEL_NAME_BYTES: usize = 256;
 /// Size of the `CUDA_EVENTS` ring buffer in bytes (one page when the CUDA programs are not
-/// loaded); the programs read the size from the ring.
+/// loaded, and then no program writes to it).
 pub const CUDA_EVENTS_RING_BYTES: u32 = 4 << 20;
 /// Entries of the per-thread `CUDA_THREADS` LRU map.
 pub const MAX_CUDA_THREADS: u32 = 16_384;

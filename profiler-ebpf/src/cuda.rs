@@ -24,7 +24,7 @@
 //! pairs it with the free that names it); frees are reported without a stack.
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, BPF_RB_RING_SIZE, pt_regs},
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, pt_regs},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
         bpf_probe_read_user, bpf_probe_read_user_str_bytes, generated::bpf_get_attach_cookie,
@@ -227,8 +227,8 @@ fn emit(pid: u32, tid: u32, thread: *mut CudaThread, event: Event, caller: Optio
             (*sample).header.python_frames = 0;
             (*sample).header.comm = bpf_get_current_comm().unwrap_or([0; 16]);
             let fsbase_offset = CONFIG.get(0).map_or(0, |c| c.task_fsbase_offset);
-            let copy_allowed = CUDA_EVENTS.query(BPF_RB_AVAIL_DATA as u64)
-                < CUDA_EVENTS.query(BPF_RB_RING_SIZE as u64) / 2;
+            let copy_allowed =
+                CUDA_EVENTS.query(BPF_RB_AVAIL_DATA as u64) < (CUDA_EVENTS_RING_BYTES / 2) as u64;
             user_stack::collect(SLOT_CUDA, pid, caller, false, copy_allowed, None, sample);
             python::collect(SLOT_CUDA, pid, tid, fsbase_offset, sample);
             output_sample(

@@ -2,7 +2,7 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, BPF_RB_RING_SIZE, bpf_perf_event_data},
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_NO_WAKEUP, bpf_perf_event_data},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns,
         bpf_probe_read_kernel,
@@ -94,9 +94,9 @@ pub fn sample_cpu(ctx: PerfEventContext) -> u32 {
             user_stack::task_user_registers()
         };
         // Stack copies only while the ring is less than half full: under pressure the small
-        // records go on, the large ones are shed. The agent sizes the ring at load time.
+        // records go on, the large ones are shed.
         let copy_allowed =
-            SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < SAMPLES.query(BPF_RB_RING_SIZE as u64) / 2;
+            SAMPLES.query(BPF_RB_AVAIL_DATA as u64) < (SAMPLES_RING_BYTES / 2) as u64;
         take_stacks(
             ctx.as_ptr(),
             SLOT_SAMPLER,
