@@ -565,16 +565,14 @@ impl Sampler {
             .map_max_entries(names::MAP_SCRATCH_SAMPLE, scratch_records()?)
             .map_max_entries(
                 names::MAP_CUDA_EVENTS,
-                cuda_events_ring_bytes(settings.cuda),
+                ring_bytes(settings.cuda, profiler_common::CUDA_EVENTS_RING_BYTES),
             )
-            // Off, the ring is one page: no memory for a program that never runs.
             .map_max_entries(
                 names::MAP_OFF_CPU,
-                if settings.off_cpu_probability.is_some() {
-                    profiler_common::OFF_CPU_RING_BYTES
-                } else {
-                    4096
-                },
+                ring_bytes(
+                    settings.off_cpu_probability.is_some(),
+                    profiler_common::OFF_CPU_RING_BYTES,
+                ),
             )
             .load(EBPF_OBJECT)
             .map_err(BpfError::Load)?;
@@ -950,15 +948,12 @@ where
     T::try_from(map).map_err(map_error(name))
 }
 
-/// Bytes of the `CUDA_EVENTS` ring: one page when the CUDA programs are not loaded (the kernel
-/// maps all of a ring into the agent, its data pages twice: 8 MiB of RSS for nothing), else
-/// the ABI's 4 MiB. (1 MiB on a 2-CPU host lost 1,280 of a 20,000-launch storm.)
-fn cuda_events_ring_bytes(cuda: bool) -> u32 {
-    if cuda {
-        profiler_common::CUDA_EVENTS_RING_BYTES
-    } else {
-        4096
-    }
+/// Bytes of a ring whose programs are loaded only when `used`: the ABI's size then, else one
+/// page (the kernel maps all of a ring into the agent, its data pages twice: 8 MiB of RSS for
+/// a 4 MiB ring nothing writes to). The CUDA ring keeps its 4 MiB when used: 1 MiB on a 2-CPU
+/// host lost 1,280 of a 20,000-launch storm.
+fn ring_bytes(used: bool, abi_bytes: u32) -> u32 {
+    if used { abi_bytes } else { 4096 }
 }
 
 /// Entries of `SCRATCH_SAMPLE`: its slots for every possible CPU (BPF indexes it by
@@ -1007,11 +1002,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_cuda_ring_is_one_page_without_the_cuda_programs() {
-        assert_eq!(cuda_events_ring_bytes(false), 4096);
-        assert_eq!(
-            cuda_events_ring_bytes(true),
-            profiler_common::CUDA_EVENTS_RING_BYTES
-        );
+    fn a_ring_is_one_page_without_its_programs() {
+        let abi = profiler_common::CUDA_EVENTS_RING_BYTES;
+        assert_eq!(ring_bytes(false, abi), 4096);
+        assert_eq!(ring_bytes(true, abi), abi);
     }
 }
