@@ -14,6 +14,7 @@ pub mod labels;
 pub(crate) mod lru;
 pub mod maps;
 pub mod mmap_events;
+mod proc_dir;
 
 use std::{
     fs,
@@ -34,6 +35,7 @@ use self::{
     lru::Lru,
     maps::executable_mappings,
     mmap_events::{AnnouncedMapping, MmapEvents, MmapLogStats},
+    proc_dir::ProcDir,
 };
 use crate::model::{
     ExecRecord, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels, monotonic_now_ns,
@@ -299,14 +301,14 @@ impl ProcessRegistry {
         let now = Instant::now();
         let interval = self.interval;
         let recheck = self.config.recheck_interval;
-        let stat_path = self.process_dir(pid).join("stat");
+        let stat_path = || self.proc_root.join(pid.0.to_string()).join("stat");
         if let Some(entry) = self.processes.get_mut(&pid) {
             entry.used_in_interval = interval;
             if now.duration_since(entry.start_checked_at) < recheck {
                 return Some(Arc::clone(&entry.info));
             }
             entry.start_checked_at = now;
-            let current_start = fs::read_to_string(&stat_path)
+            let current_start = fs::read_to_string(stat_path())
                 .ok()
                 .and_then(|text| parse_stat(&text))
                 .map(|stat| stat.start_time);
@@ -722,10 +724,6 @@ fn announced_mapping(mapping: AnnouncedMapping, file: Option<Arc<MappedFile>>) -
 /// How the kernel's mmap announcements name anonymous memory.
 const ANNOUNCED_ANONYMOUS_NAME: &str = "//anon";
 
-fn read_bytes(path: &Path) -> Option<Vec<u8>> {
-    fs::read(path).ok()
-}
-
 /// A process as read from /proc.
 #[derive(Debug)]
 pub struct Snapshot {
@@ -754,12 +752,29 @@ pub fn read_identity(
     process_dir: &Path,
     host: &str,
 ) -> Result<LabelledProcess, ProcessError> {
-    let stat_path = process_dir.join("stat");
-    let stat_text = fs::read_to_string(&stat_path).map_err(|source| ProcessError::Read {
-        path: stat_path.clone(),
+    let dir = ProcDir::open(process_dir).map_err(|source| ProcessError::Read {
+        path: process_dir.to_owned(),
         source,
     })?;
-    let stat = parse_stat(&stat_text).ok_or(ProcessError::MalformedStat { path: stat_path })?;
+    read_identity_in(pid, process_dir, &dir, host)
+}
+
+/// [`read_identity`] from the process's directory, already open.
+fn read_identity_in(
+    pid: Pid,
+    process_dir: &Path,
+    dir: &ProcDir,
+    host: &str,
+) -> Result<LabelledProcess, ProcessError> {
+    let stat_path = || process_dir.join("stat");
+    let stat_text = dir
+        .read_to_string(c"stat")
+        .map_err(|source| ProcessError::Read {
+            path: stat_path(),
+            source,
+        })?;
+    let stat =
+        parse_stat(&stat_text).ok_or_else(|| ProcessError::MalformedStat { path: stat_path() })?;
     // Its memory and command line are gone already; the exec or fork event says who it was.
     if matches!(stat.state, 'Z' | 'X') {
         return Err(ProcessError::Exiting { pid });
@@ -767,10 +782,11 @@ pub fn read_identity(
 
     // The same `task->comm` as /proc/PID/comm, without opening another file.
     let comm = stat.comm.clone();
-    let cmdline = read_bytes(&process_dir.join("cmdline"))
+    let cmdline = dir
+        .read(c"cmdline")
         .map(|raw| parse_cmdline(&raw))
         .unwrap_or_default();
-    let exe = fs::read_link(process_dir.join("exe")).ok().map(|path| {
+    let exe = dir.read_link(c"exe").ok().map(|path| {
         let path = path.to_string_lossy().into_owned();
         match path.strip_suffix(maps::DELETED_SUFFIX) {
             Some(stripped) => stripped.to_owned(),
@@ -783,10 +799,12 @@ pub fn read_identity(
     let (env, cgroup) = if is_kernel_thread {
         Default::default()
     } else {
-        let env = read_bytes(&process_dir.join("environ"))
+        let env = dir
+            .read(c"environ")
             .map(|raw| parse_environ(&raw))
             .unwrap_or_default();
-        let cgroup = fs::read_to_string(process_dir.join("cgroup"))
+        let cgroup = dir
+            .read_to_string(c"cgroup")
             .map(|text| parse_cgroup(&text))
             .unwrap_or_default();
         (env, cgroup)
@@ -845,12 +863,16 @@ pub fn read_process(
     host: &str,
     files: &mut FileCache,
 ) -> Result<Snapshot, ProcessError> {
-    let identity = read_identity(pid, process_dir, host)?;
+    let dir = ProcDir::open(process_dir).map_err(|source| ProcessError::Read {
+        path: process_dir.to_owned(),
+        source,
+    })?;
+    let identity = read_identity_in(pid, process_dir, &dir, host)?;
     // Kernel threads have no user mappings.
     let mappings = if identity.is_kernel_thread {
         Vec::new()
     } else {
-        fs::read_to_string(process_dir.join("maps"))
+        dir.read_to_string(c"maps")
             .map(|text| executable_mappings(pid, process_dir, &text, files))
             .unwrap_or_default()
     };
