@@ -53,7 +53,8 @@ use crate::{
 pub const CUDA_SYNC_FRAME: &str = "[cuda sync]";
 pub use crate::gpu::attribution::STACK_NOT_SAMPLED_FRAME;
 
-/// Samples buffered between the reader and the pipeline (about 10 s of 64 busy CPUs at 100 Hz).
+/// Samples buffered between the reader and the pipeline at most (about 10 s of 64 busy CPUs at
+/// 100 Hz); the queue takes memory only for the samples in it.
 const SAMPLE_QUEUE: usize = 65_536;
 /// Profiles buffered between the pipeline and the exporter.
 const EXPORT_QUEUE: usize = 1_024;

@@ -1,11 +1,15 @@
 //! Stage ①: reads raw samples from the eBPF ring buffer and decodes them.
 //!
 //! The reader runs on its own thread and never waits for the rest of the pipeline: when the
-//! pipeline falls behind, the bounded channel is full and the sample is counted as dropped here
-//! (and when the reader itself falls behind, the kernel counts `ringbuf_full`). The channel is
-//! bounded in samples and, for the stack copies some samples carry (up to 16 KiB each, for the
-//! agent to finish their walk), in bytes: past [`QUEUED_COPY_BYTES`] a new sample keeps its
-//! stack only as far as BPF walked it, marked truncated, rather than the queue growing.
+//! pipeline falls behind, the queue is full and the sample is counted as dropped here (and when
+//! the reader itself falls behind, the kernel counts `ringbuf_full`). The queue is bounded in
+//! samples and, for the stack copies some samples carry (up to 16 KiB each, for the agent to
+//! finish their walk), in bytes: past [`QUEUED_COPY_BYTES`] a new sample keeps its stack only
+//! as far as BPF walked it, marked truncated, rather than the queue growing.
+//!
+//! The bound in samples is a count kept here, on a channel that allocates as it fills: a
+//! bounded channel allocates all its slots at once, and 65,536 slots of a sample are 9.5 MiB
+//! resident from the start for a queue that holds a few samples nearly all the time.
 mod decode;
 
 use std::{
@@ -17,7 +21,7 @@ use std::{
     time::Duration,
 };
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 pub use decode::{DecodeError, decode_sample};
 
@@ -34,6 +38,8 @@ pub struct ReaderStats {
     pub copies_shed: AtomicU64,
     /// Bytes of the stack copies in the channel now.
     queued_copy_bytes: AtomicUsize,
+    /// Samples in the channel now.
+    queued_samples: AtomicUsize,
 }
 
 /// The stack copies the channel holds at most, in bytes: with a pipeline stalled for seconds
@@ -83,6 +89,24 @@ impl ReaderStats {
         0
     }
 
+    /// Counts one more sample into the queue, unless it holds `capacity` already.
+    fn admit_sample(&self, capacity: usize) -> bool {
+        self.queued_samples
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
+                (queued < capacity).then_some(queued + 1)
+            })
+            .is_ok()
+    }
+
+    fn release_sample(&self) {
+        self.queued_samples.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Samples in the queue now.
+    pub fn queued_samples(&self) -> usize {
+        self.queued_samples.load(Ordering::Acquire)
+    }
+
     fn release_copy(&self, bytes: usize) {
         if bytes > 0 {
             self.queued_copy_bytes.fetch_sub(bytes, Ordering::AcqRel);
@@ -105,6 +129,7 @@ pub struct SampleQueue {
 impl SampleQueue {
     fn taken(&self, sample: Sample) -> Sample {
         self.stats.release_copy(sample.stack_copy_bytes());
+        self.stats.release_sample();
         sample
     }
 
@@ -132,9 +157,9 @@ pub struct SampleReader {
 }
 
 impl SampleReader {
-    /// Starts reading `ring` into a channel of `capacity` samples (and [`QUEUED_COPY_BYTES`]).
+    /// Starts reading `ring` into a queue of `capacity` samples (and [`QUEUED_COPY_BYTES`]).
     pub fn spawn(ring: SampleRing, capacity: usize) -> (Self, SampleQueue) {
-        let (tx, rx) = crossbeam_channel::bounded(capacity);
+        let (tx, rx) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ReaderStats::default());
         let thread = {
@@ -142,7 +167,14 @@ impl SampleReader {
             let stats = stats.clone();
             std::thread::Builder::new()
                 .name("sample-reader".into())
-                .spawn(move || read_loop(ring, tx, &stop, &stats))
+                .spawn(move || {
+                    let sender = QueueSender {
+                        tx,
+                        stats: &stats,
+                        capacity,
+                    };
+                    read_loop(ring, &sender, &stop)
+                })
                 .expect("spawning the sample reader thread")
         };
         let queue = SampleQueue {
@@ -177,22 +209,37 @@ impl Drop for SampleReader {
     }
 }
 
-fn read_loop(mut ring: SampleRing, tx: Sender<Sample>, stop: &AtomicBool, stats: &ReaderStats) {
+/// The reader's end of the queue, with its bounds.
+struct QueueSender<'a> {
+    tx: Sender<Sample>,
+    stats: &'a ReaderStats,
+    capacity: usize,
+}
+
+impl QueueSender<'_> {
+    /// Queues `sample`, or counts it dropped when the queue holds `capacity` samples.
+    fn send(&self, mut sample: Sample) {
+        let stats = self.stats;
+        if !stats.admit_sample(self.capacity) {
+            stats.channel_full.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let counted = stats.admit_copy(&mut sample, QUEUED_COPY_BYTES);
+        if self.tx.send(sample).is_err() {
+            // The pipeline is gone (the agent is stopping).
+            stats.release_copy(counted);
+            stats.release_sample();
+        }
+    }
+}
+
+fn read_loop(mut ring: SampleRing, sender: &QueueSender<'_>, stop: &AtomicBool) {
+    let stats = sender.stats;
     let drain = |ring: &mut SampleRing| {
         ring.drain(|bytes| {
             stats.received.fetch_add(1, Ordering::Relaxed);
             match decode_sample(bytes) {
-                Ok(mut sample) => {
-                    let counted = stats.admit_copy(&mut sample, QUEUED_COPY_BYTES);
-                    match tx.try_send(sample) {
-                        Ok(()) => {}
-                        Err(TrySendError::Full(_)) => {
-                            stats.release_copy(counted);
-                            stats.channel_full.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(TrySendError::Disconnected(_)) => stats.release_copy(counted),
-                    }
-                }
+                Ok(sample) => sender.send(sample),
                 Err(err) => {
                     if stats.decode_errors.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!("undecodable sample from the eBPF program: {err}");
@@ -237,7 +284,7 @@ mod tests {
 
     #[test]
     fn queued_stack_copies_stay_within_their_bytes_and_are_given_back_when_taken() {
-        let (tx, rx) = crossbeam_channel::bounded(8);
+        let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(ReaderStats::default());
         let queue = SampleQueue {
             rx,
@@ -248,6 +295,7 @@ mod tests {
         for _ in 0..3 {
             let mut sample = sample_with_copy(4_000);
             counted.push(stats.admit_copy(&mut sample, limit));
+            assert!(stats.admit_sample(8));
             tx.send(sample).unwrap();
         }
         assert_eq!(counted, [4_000, 4_000, 0]);
@@ -267,6 +315,7 @@ mod tests {
             0,
             "taking a sample gives its bytes back"
         );
+        assert_eq!(stats.queued_samples(), 0);
 
         // A sample without a copy costs nothing and is never marked.
         let mut plain = Sample::default();
@@ -275,6 +324,44 @@ mod tests {
         let mut again = sample_with_copy(4_000);
         assert_eq!(stats.admit_copy(&mut again, limit), 4_000);
         stats.release_copy(4_000);
+        assert_eq!(stats.queued_copy_bytes(), 0);
+    }
+
+    #[test]
+    fn the_queue_holds_at_most_its_capacity_and_takes_more_once_emptied() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let stats = Arc::new(ReaderStats::default());
+        let queue = SampleQueue {
+            rx,
+            stats: Arc::clone(&stats),
+        };
+        let sender = QueueSender {
+            tx,
+            stats: &stats,
+            capacity: 3,
+        };
+        let with_pid = |pid| Sample {
+            pid: Pid(pid),
+            ..sample_with_copy(100)
+        };
+        for pid in 1..=5 {
+            sender.send(with_pid(pid));
+        }
+        assert_eq!(stats.queued_samples(), 3);
+        assert_eq!(stats.counts().channel_full, 2, "the two past the bound");
+        assert_eq!(stats.queued_copy_bytes(), 300, "only queued copies count");
+        let first = queue.recv_timeout(Duration::from_secs(1)).expect("queued");
+        assert_eq!(first.pid, Pid(1));
+        sender.send(with_pid(6));
+        let rest: Vec<u32> = queue.try_iter().map(|s| s.pid.0).collect();
+        assert_eq!(rest, [2, 3, 6], "in order, the dropped ones missing");
+        assert_eq!(stats.queued_samples(), 0);
+        assert_eq!(stats.queued_copy_bytes(), 0);
+
+        // With the pipeline gone, nothing stays counted as queued.
+        drop(queue);
+        sender.send(with_pid(7));
+        assert_eq!(stats.queued_samples(), 0);
         assert_eq!(stats.queued_copy_bytes(), 0);
     }
 }
