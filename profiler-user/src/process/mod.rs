@@ -290,10 +290,6 @@ impl ProcessRegistry {
         self.len() == 0
     }
 
-    fn process_dir(&self, pid: Pid) -> PathBuf {
-        self.proc_root.join(pid.0.to_string())
-    }
-
     /// The snapshot of `pid`, taken now if the pid is new or now names another process. `None`
     /// only when there is no snapshot and /proc/PID does not exist (the process exited before
     /// its first sample was processed).
@@ -301,7 +297,7 @@ impl ProcessRegistry {
         let now = Instant::now();
         let interval = self.interval;
         let recheck = self.config.recheck_interval;
-        let stat_path = || self.proc_root.join(pid.0.to_string()).join("stat");
+        let stat_path = || process_dir(&self.proc_root, pid).join("stat");
         if let Some(entry) = self.processes.get_mut(&pid) {
             entry.used_in_interval = interval;
             if now.duration_since(entry.start_checked_at) < recheck {
@@ -639,7 +635,7 @@ impl ProcessRegistry {
         let current = self.interval;
         let proc_root = &self.proc_root;
         self.processes.retain(|pid, entry| {
-            entry.used_in_interval >= current || proc_root.join(pid.0.to_string()).exists()
+            entry.used_in_interval >= current || process_dir(proc_root, *pid).exists()
         });
         self.interval += 1;
     }
@@ -659,7 +655,7 @@ impl ProcessRegistry {
     ) -> Option<Arc<ProcessInfo>> {
         // Before anything is read: code mapped from now on may be missing from the snapshot.
         let taken_ns = monotonic_now_ns();
-        let process_dir = self.process_dir(pid);
+        let process_dir = process_dir(&self.proc_root, pid);
         let announced = match maps {
             MapsSource::AnnouncementsWhenComplete => self.complete_announced_mappings(pid),
             MapsSource::ProcMaps => None,
@@ -721,6 +717,19 @@ fn announced_mapping(mapping: AnnouncedMapping, file: Option<Arc<MappedFile>>) -
     }
 }
 
+/// /proc/PID under `proc_root`.
+fn process_dir(proc_root: &Path, pid: Pid) -> PathBuf {
+    proc_root.join(pid.0.to_string())
+}
+
+/// Opens a process's directory; a missing one (the process exited) is a read error of it.
+fn open_process_dir(process_dir: &Path) -> Result<ProcDir, ProcessError> {
+    ProcDir::open(process_dir).map_err(|source| ProcessError::Read {
+        path: process_dir.to_owned(),
+        source,
+    })
+}
+
 /// How the kernel's mmap announcements name anonymous memory.
 const ANNOUNCED_ANONYMOUS_NAME: &str = "//anon";
 
@@ -752,10 +761,7 @@ pub fn read_identity(
     process_dir: &Path,
     host: &str,
 ) -> Result<LabelledProcess, ProcessError> {
-    let dir = ProcDir::open(process_dir).map_err(|source| ProcessError::Read {
-        path: process_dir.to_owned(),
-        source,
-    })?;
+    let dir = open_process_dir(process_dir)?;
     read_identity_in(pid, process_dir, &dir, host)
 }
 
@@ -863,10 +869,7 @@ pub fn read_process(
     host: &str,
     files: &mut FileCache,
 ) -> Result<Snapshot, ProcessError> {
-    let dir = ProcDir::open(process_dir).map_err(|source| ProcessError::Read {
-        path: process_dir.to_owned(),
-        source,
-    })?;
+    let dir = open_process_dir(process_dir)?;
     let identity = read_identity_in(pid, process_dir, &dir, host)?;
     // Kernel threads have no user mappings.
     let mappings = if identity.is_kernel_thread {
