@@ -112,6 +112,17 @@ function frames(page) {
   );
 }
 
+/**
+ * The box of an element scrolled fully into the viewport. The pointer moves in viewport
+ * coordinates and never scrolls, and clicks elsewhere (a table row, the sandwich view) can
+ * leave the page scrolled so that part of the element is above or below the viewport.
+ */
+async function boxInView(page, selector) {
+  const element = await page.$(selector);
+  await element.scrollIntoViewIfNeeded();
+  return element.boundingBox();
+}
+
 /** Visible rows of the top table: name and each numeric cell's value. */
 function tableRows(page) {
   return page.$$eval('#top-table tbody tr:not([hidden])', (rows) =>
@@ -331,10 +342,11 @@ async function main() {
     // again just before the pointer moves; a redraw between reading and moving is retried.
     let leaf;
     let canvasBox;
+    log('scroll before hover: ' + await page.evaluate(() => { window.scrollTo(0, 10000); return [window.scrollY, document.documentElement.scrollHeight]; }));
     for (let attempt = 1; ; attempt++) {
       drawn = await frames(page);
       leaf = drawn.find((f) => f.name === functions.leaf);
-      canvasBox = await (await page.$('#flame canvas')).boundingBox();
+      canvasBox = await boxInView(page, '#flame canvas');
       await page.mouse.move(canvasBox.x + leaf.x + leaf.width / 2, canvasBox.y + leaf.y + 9);
       try {
         await page.waitForSelector('#tooltip:not([hidden])', { timeout: 5000 });
@@ -557,7 +569,7 @@ async function main() {
     // Red for more, blue for less (a colour-blind-safe pair), never green.
     assert.ok(diffPixels.red > 0 && diffPixels.blue > 0 && diffPixels.green === 0, `diff colours: ${JSON.stringify(diffPixels)}`);
     const grown = (await frames(page)).find((f) => f.name === functions.phaseTwo);
-    const diffBox = await (await page.$('#flame canvas')).boundingBox();
+    const diffBox = await boxInView(page, '#flame canvas');
     await page.mouse.move(diffBox.x + grown.x + grown.width / 2, diffBox.y + grown.y + 9);
     await page.waitForSelector('#tooltip:not([hidden])');
     assert.match(await page.textContent('#tooltip'), /Baseline.*Comparison/s);
@@ -634,7 +646,7 @@ async function main() {
     // Dragging across the timeline selects that part of the range.
     await page.click('#presets button[data-preset="5m"]');
     await page.waitForFunction((done) => document.querySelector('#status').dataset.done === done, `single:${service}:5m`);
-    const timelineBox = await (await page.$('#timeline')).boundingBox();
+    const timelineBox = await boxInView(page, '#timeline');
     const y = timelineBox.y + timelineBox.height / 2;
     await page.mouse.move(timelineBox.x + timelineBox.width * 0.4, y);
     await page.mouse.down();
