@@ -70,7 +70,7 @@ pub struct ExecRecord {
     /// The path given to execve (may be relative, or a symlink).
     pub filename: String,
     /// The argument strings (at most the first 512 bytes of them).
-    pub args: Vec<String>,
+    pub args: ExecArgs,
     /// The new process name (the executable's base name, truncated to 15 bytes).
     pub comm: String,
     /// The cgroup v2 id (the inode of the cgroup's directory in cgroupfs), 0 when unknown.
@@ -81,6 +81,36 @@ pub struct ExecRecord {
     pub code: Option<(u64, u64)>,
     /// When the exec happened (CLOCK_MONOTONIC ns, the BPF event's time).
     pub exec_ns: u64,
+}
+
+/// The arguments of an exec, kept as one allocation (each followed by a NUL) rather than a
+/// `String` each: the registry keeps thousands of exec records, most never looked at again,
+/// and a compiler's command line has dozens of arguments.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExecArgs(Box<str>);
+
+impl ExecArgs {
+    /// The arguments, argv[0] first.
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.0.split_terminator('\0')
+    }
+
+    pub fn to_vec(&self) -> Vec<String> {
+        self.iter().map(str::to_owned).collect()
+    }
+}
+
+impl<S: AsRef<str>> FromIterator<S> for ExecArgs {
+    /// An argument holding a NUL ends there, as it would in the kernel's copy.
+    fn from_iter<I: IntoIterator<Item = S>>(args: I) -> Self {
+        let mut joined = String::new();
+        for arg in args {
+            let arg = arg.as_ref();
+            joined.push_str(arg.split('\0').next().unwrap_or_default());
+            joined.push('\0');
+        }
+        ExecArgs(joined.into_boxed_str())
+    }
 }
 
 /// A copy of a thread's user stack, from the registers of the frame the BPF walk stopped at.

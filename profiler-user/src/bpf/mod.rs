@@ -11,7 +11,7 @@ use std::{
     sync::Arc,
 };
 
-use crate::model::{ExecRecord, FileId};
+use crate::model::{ExecArgs, ExecRecord, FileId};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
@@ -397,11 +397,11 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
     let args_bytes = &details.args[..(details.args_len as usize).min(details.args.len())];
     let args_bytes = args_bytes.strip_suffix(&[0]).unwrap_or(args_bytes);
     let args = if args_bytes.is_empty() {
-        Vec::new()
+        ExecArgs::default()
     } else {
         args_bytes
             .split(|&b| b == 0)
-            .map(|arg| String::from_utf8_lossy(arg).into_owned())
+            .map(String::from_utf8_lossy)
             .collect()
     };
     let (major, minor) = (
@@ -1006,5 +1006,39 @@ mod tests {
         let abi = profiler_common::CUDA_EVENTS_RING_BYTES;
         assert_eq!(ring_bytes(false, abi), 4096);
         assert_eq!(ring_bytes(true, abi), abi);
+    }
+
+    #[test]
+    fn an_exec_record_keeps_every_argument_as_the_kernel_copied_them() {
+        let mut details = ExecDetails {
+            cgroup_id: 7,
+            exe_ino: 0,
+            exe_dev: 0,
+            filename_len: 0,
+            args_len: 0,
+            start_code: 0,
+            end_code: 0,
+            comm: [0; 16],
+            filename: [0; profiler_common::EXEC_FILENAME_BYTES],
+            args: [0; profiler_common::EXEC_ARGS_BYTES],
+        };
+        let filename = b"/usr/lib/gcc/cc1\0";
+        details.filename[..filename.len()].copy_from_slice(filename);
+        details.filename_len = filename.len() as u16;
+        details.comm[..3].copy_from_slice(b"cc1");
+        // An empty argument in the middle, invalid UTF-8, and the kernel's final NUL.
+        let args = b"cc1\0\0-O2\0caf\xe9\0";
+        details.args[..args.len()].copy_from_slice(args);
+        details.args_len = args.len() as u16;
+        let record = exec_record(&details, 42);
+        assert_eq!(record.filename, "/usr/lib/gcc/cc1");
+        assert_eq!(record.comm, "cc1");
+        assert_eq!(record.args.to_vec(), ["cc1", "", "-O2", "caf\u{fffd}"]);
+        assert_eq!(record.exe, None);
+        assert_eq!(record.code, None);
+        assert_eq!((record.cgroup_id, record.exec_ns), (7, 42));
+
+        details.args_len = 0;
+        assert_eq!(exec_record(&details, 42).args.iter().count(), 0);
     }
 }

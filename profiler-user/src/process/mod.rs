@@ -437,8 +437,9 @@ impl ProcessRegistry {
             .path(record.cgroup_id)
             .map(|path| parse_cgroup(&format!("0::{path}")))
             .unwrap_or_default();
+        let cmdline = record.args.to_vec();
         let labels = derive_labels(&LabelInputs {
-            cmdline: &record.args,
+            cmdline: &cmdline,
             env: &Default::default(),
             exe: Some(&exe),
             comm: &record.comm,

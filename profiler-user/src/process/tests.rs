@@ -163,7 +163,7 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
     let metadata = fs::metadata(&sleep).expect("sleep metadata");
     let record = ExecRecord {
         filename: "/bin/sleep".into(),
-        args: vec!["sleep".into(), "0.01".into()],
+        args: ["sleep", "0.01"].into_iter().collect(),
         comm: "sleep".into(),
         cgroup_id: 0,
         exe: Some(FileId {
@@ -250,7 +250,7 @@ fn executable_deleted_after_its_exec_stays_readable() {
 fn registry_record(program: &str) -> ExecRecord {
     ExecRecord {
         filename: format!("/bin/{program}"),
-        args: vec![program.into()],
+        args: [program].into_iter().collect(),
         comm: program.into(),
         code: Some((0x1000, 0x2000)),
         ..ExecRecord::default()
@@ -914,7 +914,7 @@ fn live_mappings_from_announcements_match_the_maps_file() {
     let metadata = fs::metadata(&exe).expect("stat exe");
     let record = ExecRecord {
         filename: exe.to_string_lossy().into_owned(),
-        args: vec!["sleep".to_owned(), "30".to_owned()],
+        args: ["sleep", "30"].into_iter().collect(),
         comm: "sleep".to_owned(),
         cgroup_id: 0,
         exe: Some(FileId {
