@@ -342,7 +342,6 @@ async function main() {
     // again just before the pointer moves; a redraw between reading and moving is retried.
     let leaf;
     let canvasBox;
-    log('scroll before hover: ' + await page.evaluate(() => { window.scrollTo(0, 10000); return [window.scrollY, document.documentElement.scrollHeight]; }));
     for (let attempt = 1; ; attempt++) {
       drawn = await frames(page);
       leaf = drawn.find((f) => f.name === functions.leaf);
