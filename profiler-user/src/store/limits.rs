@@ -34,6 +34,11 @@ pub const DEFAULT_MAX_QUERY_NODES: usize = 2_000_000;
 /// on disk for queries, started afresh in memory. A whole busy host adds about 450 nodes a
 /// second (stripped compilers mostly).
 pub const DEFAULT_MAX_CATALOG_NODES: usize = 65_536;
+/// Default of `--max-catalog-frames`: frames, and strings, kept in memory to find a frame's id
+/// at ingest (a frame about 50 bytes with its index, a string about 100 with its text, so
+/// about 10 MiB at the bound). Past it the generation is sealed: kept on disk for queries,
+/// started afresh in memory. A whole busy host adds about 60 frames and 20 strings a second.
+pub const DEFAULT_MAX_CATALOG_FRAMES: usize = 65_536;
 
 /// The frame that replaces the root-side frames of a stack cut at `max_stack_depth`.
 pub const TRUNCATED_FRAME: &str = "[truncated]";
@@ -51,6 +56,7 @@ pub struct StoreLimits {
     pub max_stack_depth: usize,
     pub max_query_nodes: usize,
     pub max_catalog_nodes: usize,
+    pub max_catalog_frames: usize,
 }
 
 impl Default for StoreLimits {
@@ -66,6 +72,7 @@ impl Default for StoreLimits {
             max_stack_depth: DEFAULT_MAX_STACK_DEPTH,
             max_query_nodes: DEFAULT_MAX_QUERY_NODES,
             max_catalog_nodes: DEFAULT_MAX_CATALOG_NODES,
+            max_catalog_frames: DEFAULT_MAX_CATALOG_FRAMES,
         }
     }
 }
@@ -123,6 +130,13 @@ pub struct StoreLimitArgs {
     /// trees in use can exceed it. 0: no limit (memory grows with every distinct stack kept).
     #[arg(long, env = "PROFILER_MAX_CATALOG_NODES", default_value_t = DEFAULT_MAX_CATALOG_NODES)]
     pub max_catalog_nodes: usize,
+    /// Frames kept in memory for ingest, and as many strings (function and file names,
+    /// objects, build ids). Past it, after a write, the frames (or the strings) are sealed: they
+    /// stay on disk, where queries read them, and a frame (or string) seen again gets a new id;
+    /// flame graphs merge by name, so queries answer the same. 0: no limit (memory grows with
+    /// every distinct frame kept: a whole busy host adds about 60 a second).
+    #[arg(long, env = "PROFILER_MAX_CATALOG_FRAMES", default_value_t = DEFAULT_MAX_CATALOG_FRAMES)]
+    pub max_catalog_frames: usize,
     /// Skip the integrity check (`PRAGMA quick_check`) of the store when it opens. The check
     /// reads the whole file (about a second per GiB); a corrupt store is moved aside either way
     /// when opening it fails.
@@ -143,6 +157,7 @@ impl StoreLimitArgs {
             max_stack_depth: self.max_stack_depth,
             max_query_nodes: self.max_query_nodes,
             max_catalog_nodes: self.max_catalog_nodes,
+            max_catalog_frames: self.max_catalog_frames,
         }
     }
 }

@@ -323,6 +323,8 @@ pub struct StoreCounters {
     pub queries_too_large: AtomicU64,
     /// Call trees sealed at --max-catalog-nodes (see `Space::seal`).
     pub node_trees_sealed: AtomicU64,
+    /// Generations of frames or of names sealed at --max-catalog-frames.
+    pub frame_generations_sealed: AtomicU64,
 }
 
 impl StoreCounters {
@@ -358,6 +360,11 @@ impl StoreCounters {
                 "profiler_store_node_trees_sealed_total",
                 "Services' in-memory call trees sealed (left on disk for queries) at --max-catalog-nodes.",
                 load(&self.node_trees_sealed),
+            ),
+            (
+                "profiler_store_frame_generations_sealed_total",
+                "Generations of the store's in-memory frames or names sealed (left on disk for queries) at --max-catalog-frames.",
+                load(&self.frame_generations_sealed),
             ),
             (
                 "profiler_store_negative_values_rejected_total",
@@ -581,11 +588,22 @@ fn read_sealed_nodes(
 
 #[derive(Debug, Default)]
 struct Catalog {
-    /// Every string of the frames: function and file names, objects, build ids.
+    /// Names with ids below this belong to earlier generations: on disk only, where queries
+    /// read them ([`CatalogReader`](query::CatalogReader)), and no longer found by ingest (a
+    /// string seen again gets a new id). Bounds the memory of a store that keeps seeing new
+    /// strings ([`StoreLimits::max_catalog_frames`]).
+    sealed_names: u32,
+    /// The current generation of strings of the frames (function and file names, objects,
+    /// build ids): `names[i]` is name `sealed_names + i`.
     names: Vec<Arc<str>>,
+    /// The current generation's names → their ids.
     name_ids: HashMap<Arc<str>, u32>,
-    /// Frames of every space, their strings in `names`.
+    /// As `sealed_names`, for frames.
+    sealed_frames: u32,
+    /// The current generation of frames of every space: `frames[i]` is frame
+    /// `sealed_frames + i`; their strings are name ids of any generation.
     frames: Vec<Frame>,
+    /// The current generation's frames by value, as positions in `frames`.
     frame_ids: IdIndex,
     spaces: HashMap<i64, Space>,
     space_ids: HashMap<(String, String), i64>,
@@ -595,22 +613,6 @@ struct Catalog {
     next_series: i64,
     /// Per service: its series count and, per label name, the series count of each value.
     cardinality: HashMap<String, ServiceCardinality>,
-}
-
-impl Catalog {
-    /// A call site's names as name ids, root first, `None` for a name the store has never
-    /// seen (then no stack matches); `None` for the empty call site (no filter).
-    fn call_site_ids(&self, call_site: &[String]) -> Option<Vec<Option<u32>>> {
-        if call_site.is_empty() {
-            return None;
-        }
-        Some(
-            call_site
-                .iter()
-                .map(|name| self.name_ids.get(name.as_str()).copied())
-                .collect(),
-        )
-    }
 }
 
 #[derive(Debug, Default)]
@@ -725,26 +727,76 @@ impl Catalog {
         Ok(())
     }
 
+    /// Names given ids so far, sealed or not: the next name's id.
+    fn name_count(&self) -> usize {
+        self.sealed_names as usize + self.names.len()
+    }
+
+    /// Frames given ids so far, sealed or not: the next frame's id.
+    fn frame_count(&self) -> usize {
+        self.sealed_frames as usize + self.frames.len()
+    }
+
     fn intern_name(&mut self, name: &str) -> u32 {
         if let Some(&id) = self.name_ids.get(name) {
             return id;
         }
-        let id = self.names.len() as u32;
-        let name: Arc<str> = name.into();
+        self.push_name(name.into())
+    }
+
+    /// Adds `name` to the current generation without looking for it (loading the store).
+    fn push_name(&mut self, name: Arc<str>) -> u32 {
+        let id = self.name_count() as u32;
         self.names.push(name.clone());
         self.name_ids.insert(name, id);
         id
     }
 
-    /// `frame`'s strings must be ids in `names`.
+    /// `frame`'s strings must be name ids.
     fn intern_frame(&mut self, frame: Frame) -> u32 {
-        if let Some(id) = self.frame_ids.find(&self.frames, &frame) {
-            return id;
+        if let Some(position) = self.frame_ids.find(&self.frames, &frame) {
+            return self.sealed_frames + position;
         }
         self.frames.push(frame);
-        let id = self.frames.len() as u32 - 1;
-        self.frame_ids.insert(&self.frames, id);
-        id
+        let position = self.frames.len() as u32 - 1;
+        self.frame_ids.insert(&self.frames, position);
+        self.sealed_frames + position
+    }
+
+    /// Frame `id` when it is in memory (the current generation).
+    fn frame(&self, id: u32) -> Option<Frame> {
+        let position = id.checked_sub(self.sealed_frames)?;
+        self.frames.get(position as usize).copied()
+    }
+
+    /// Name `id` when it is in memory (the current generation).
+    fn name(&self, id: u32) -> Option<&Arc<str>> {
+        let position = id.checked_sub(self.sealed_names)?;
+        self.names.get(position as usize)
+    }
+
+    /// Ends the current generation of frames, and that of names, when it holds more than `max`
+    /// (0: no limit); returns how many generations ended. Only for what is already on disk.
+    /// Ids are u32 and a sealed generation numbers on: past half of them, the generation
+    /// stays in memory rather than run out.
+    fn seal_frames_and_names_over(&mut self, max: usize) -> u64 {
+        if max == 0 {
+            return 0;
+        }
+        let mut sealed = 0;
+        if self.frames.len() > max && self.frame_count() < u32::MAX as usize / 2 {
+            self.sealed_frames = self.frame_count() as u32;
+            self.frames = Vec::new();
+            self.frame_ids = IdIndex::default();
+            sealed += 1;
+        }
+        if self.names.len() > max && self.name_count() < u32::MAX as usize / 2 {
+            self.sealed_names = self.name_count() as u32;
+            self.names = Vec::new();
+            self.name_ids = HashMap::new();
+            sealed += 1;
+        }
+        sealed
     }
 
     /// Seals the spaces with the most nodes in memory until all together keep at most `max`
@@ -792,10 +844,6 @@ impl Catalog {
         sealed
     }
 
-    /// The name id of a frame, `None` for an unknown frame id.
-    fn name_of_frame(&self, frame: u32) -> Option<u32> {
-        self.frames.get(frame as usize).map(|f| f.name)
-    }
 }
 
 /// What one write added to the catalog, to persist it and to undo it if the commit fails.
@@ -902,11 +950,11 @@ fn unix_now_ns() -> i64 {
 fn open_database(
     path: &Path,
     check: bool,
-    max_catalog_nodes: usize,
+    limits: &StoreLimits,
 ) -> Result<(Connection, Catalog), StoreError> {
     limit_sqlite_memory();
     let mut conn = Connection::open(path)?;
-    match prepare_database(&mut conn, check, max_catalog_nodes) {
+    match prepare_database(&mut conn, check, limits) {
         Ok(catalog) => Ok((conn, catalog)),
         Err(err) => {
             let _ = conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true);
@@ -919,7 +967,7 @@ fn open_database(
 fn prepare_database(
     conn: &mut Connection,
     check: bool,
-    max_catalog_nodes: usize,
+    limits: &StoreLimits,
 ) -> Result<Catalog, StoreError> {
     // Must precede the first table: lets deleted pages be returned to the file system.
     conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
@@ -938,7 +986,7 @@ fn prepare_database(
     add_profile_column(conn, "period", "INTEGER")?;
     add_profile_column(conn, "labelled", "BLOB")?;
     give_names_frames(conn)?;
-    load_catalog(conn, max_catalog_nodes)
+    load_catalog(conn, limits.max_catalog_nodes, limits.max_catalog_frames)
 }
 
 /// Renames the database and its `-wal` and `-shm` files to `<name>.corrupt-<UTC time>[-wal|-shm]`;
@@ -1012,8 +1060,7 @@ impl Store {
         })?;
         let path = settings.data_dir.join(DATABASE_FILE);
         let mut quarantined = 0;
-        let max_nodes = options.limits.max_catalog_nodes;
-        let (conn, catalog) = match open_database(&path, options.integrity_check, max_nodes) {
+        let (conn, catalog) = match open_database(&path, options.integrity_check, &options.limits) {
             Ok(opened) => opened,
             Err(err) if err.is_corruption() => {
                 let moved_to = quarantine(&path, SystemTime::now()).map_err(open_error)?;
@@ -1024,7 +1071,7 @@ impl Store {
                      -shm files and started an empty one"
                 );
                 quarantined = 1;
-                open_database(&path, false, max_nodes).map_err(open_error)?
+                open_database(&path, false, &options.limits).map_err(open_error)?
             }
             Err(err) => return Err(open_error(err)),
         };
@@ -1157,8 +1204,8 @@ impl Store {
         let mut truncated = 0u64;
         let rows = {
             let mut catalog = self.write_catalog();
-            additions.names_before = catalog.names.len();
-            additions.frames_before = catalog.frames.len();
+            additions.names_before = catalog.name_count();
+            additions.frames_before = catalog.frame_count();
             profiles
                 .iter()
                 .map(|profile| {
@@ -1203,6 +1250,12 @@ impl Store {
                     .counters
                     .node_trees_sealed
                     .fetch_add(sealed, Ordering::Relaxed);
+                let sealed =
+                    catalog.seal_frames_and_names_over(self.inner.limits.max_catalog_frames);
+                self.inner
+                    .counters
+                    .frame_generations_sealed
+                    .fetch_add(sealed, Ordering::Relaxed);
                 Ok(())
             }
             Err(err) => {
@@ -1222,20 +1275,19 @@ impl Store {
         {
             let catalog = self.read_catalog();
             let mut insert_name = tx.prepare_cached("INSERT INTO names(id, name) VALUES (?, ?)")?;
-            for (id, name) in catalog
-                .names
-                .iter()
-                .enumerate()
-                .skip(additions.names_before)
-            {
+            // Sealing waits for the write to be on disk, so what it added is in memory.
+            let first_name = additions.names_before - catalog.sealed_names as usize;
+            for (position, name) in catalog.names.iter().enumerate().skip(first_name) {
+                let id = catalog.sealed_names as usize + position;
                 insert_name.execute(params![id as i64, name.as_ref()])?;
             }
-            if catalog.frames.len() > additions.frames_before {
+            let first_frame = additions.frames_before - catalog.sealed_frames as usize;
+            if catalog.frames.len() > first_frame {
                 tx.execute(
                     "INSERT INTO frame_blocks(first_id, frames) VALUES (?, ?)",
                     params![
                         additions.frames_before as i64,
-                        frames::encode_frames(&catalog.frames[additions.frames_before..])
+                        frames::encode_frames(&catalog.frames[first_frame..])
                     ],
                 )?;
             }
@@ -1311,12 +1363,13 @@ impl Store {
             }
         }
         let catalog = &mut *catalog;
-        for frame in (additions.frames_before..catalog.frames.len()).rev() {
-            catalog.frame_ids.remove(&catalog.frames, frame as u32);
+        let first_frame = additions.frames_before - catalog.sealed_frames as usize;
+        for position in (first_frame..catalog.frames.len()).rev() {
+            catalog.frame_ids.remove(&catalog.frames, position as u32);
         }
-        catalog.frames.truncate(additions.frames_before);
-        let before = additions.names_before;
-        for name in catalog.names.split_off(before) {
+        catalog.frames.truncate(first_frame);
+        let first_name = additions.names_before - catalog.sealed_names as usize;
+        for name in catalog.names.split_off(first_name) {
             catalog.name_ids.remove(&name);
         }
     }
@@ -1825,8 +1878,13 @@ fn migrate_node_rows(conn: &mut Connection) -> Result<(), StoreError> {
 }
 
 /// Loads the catalog; at most `max_nodes` call-tree nodes (0: all) stay in memory, a space
-/// with more is sealed as it loads (its nodes counted, not kept).
-fn load_catalog(conn: &Connection, max_nodes: usize) -> Result<Catalog, StoreError> {
+/// with more is sealed as it loads (its nodes counted, not kept); frames and names, the last
+/// `max_frames` or fewer of each (0: all), the ones before sealed as they load.
+fn load_catalog(
+    conn: &Connection,
+    max_nodes: usize,
+    max_frames: usize,
+) -> Result<Catalog, StoreError> {
     let mut catalog = Catalog::default();
     {
         let mut stmt = conn.prepare("SELECT id, name FROM names ORDER BY id")?;
@@ -1834,24 +1892,30 @@ fn load_catalog(conn: &Connection, max_nodes: usize) -> Result<Catalog, StoreErr
         while let Some(row) = rows.next()? {
             let id: i64 = row.get(0)?;
             let name: String = row.get(1)?;
-            // Ids are dense from 0 because they are assigned as the vector's length.
-            debug_assert_eq!(id as usize, catalog.names.len());
-            catalog.intern_name(&name);
+            // Ids are dense from 0 because they are assigned as the next free one.
+            if id != catalog.name_count() as i64 {
+                return Err(StoreError::Corrupt(codec::CorruptProfile(
+                    "names are not numbered in order",
+                )));
+            }
+            // Pushed, not interned: a string of a sealed generation may be there again.
+            catalog.push_name(name.into());
+            catalog.seal_frames_and_names_over(max_frames);
         }
     }
     {
         let mut stmt =
             conn.prepare("SELECT first_id, frames FROM frame_blocks ORDER BY first_id")?;
         let mut rows = stmt.query([])?;
+        let names = catalog.name_count() as u32;
         while let Some(row) = rows.next()? {
             let first: i64 = row.get(0)?;
-            if first != catalog.frames.len() as i64 {
+            if first != catalog.frame_count() as i64 {
                 return Err(StoreError::Corrupt(codec::CorruptProfile(
                     "frame blocks do not follow each other",
                 )));
             }
             let block = row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?;
-            let names = catalog.names.len() as u32;
             let mut bad = false;
             frames::decode_frames(block, |frame| {
                 let known = |id: u32| id == frames::NO_STRING || id < names;
@@ -1866,9 +1930,11 @@ fn load_catalog(conn: &Connection, max_nodes: usize) -> Result<Catalog, StoreErr
                     "a frame refers to a name that is not stored",
                 )));
             }
+            catalog.seal_frames_and_names_over(max_frames);
         }
-        for id in 0..catalog.frames.len() {
-            catalog.frame_ids.insert(&catalog.frames, id as u32);
+        // Only the generation kept: a frame of a sealed one may be there again.
+        for position in 0..catalog.frames.len() {
+            catalog.frame_ids.insert(&catalog.frames, position as u32);
         }
     }
     {

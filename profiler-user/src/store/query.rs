@@ -2,12 +2,90 @@
 use std::sync::Arc;
 
 use foldhash::{HashMap, HashMapExt};
+use rusqlite::{Connection, OptionalExtension};
 
 use super::{
     Catalog, SeriesInfo, Store, StoreError, codec,
-    frames::{Frame, NO_STRING},
+    frames::{self, Frame, NO_STRING},
     selector::Selector,
 };
+
+/// The frames and names a query reads: the catalog's current generations from memory, sealed
+/// ones from disk (their frame block, their row of `names`), each read once per query.
+pub(super) struct CatalogReader<'a> {
+    catalog: &'a Catalog,
+    conn: &'a Connection,
+    sealed_frames: HashMap<u32, Frame>,
+    sealed_names: HashMap<u32, Arc<str>>,
+}
+
+impl<'a> CatalogReader<'a> {
+    pub(super) fn new(catalog: &'a Catalog, conn: &'a Connection) -> Self {
+        CatalogReader {
+            catalog,
+            conn,
+            sealed_frames: HashMap::new(),
+            sealed_names: HashMap::new(),
+        }
+    }
+
+    /// Frame `id`; `None` for an id never given out.
+    fn frame(&mut self, id: u32) -> Result<Option<Frame>, StoreError> {
+        if id >= self.catalog.sealed_frames {
+            return Ok(self.catalog.frame(id));
+        }
+        if let Some(frame) = self.sealed_frames.get(&id) {
+            return Ok(Some(*frame));
+        }
+        // The block that holds it: the last one starting at or before it.
+        let block: Option<(i64, Vec<u8>)> = self
+            .conn
+            .prepare_cached(
+                "SELECT first_id, frames FROM frame_blocks WHERE first_id <= ? \
+                 ORDER BY first_id DESC LIMIT 1",
+            )?
+            .query_row([i64::from(id)], |row| Ok((row.get(0)?, row.get(1)?)))
+            .optional()?;
+        let Some((first, block)) = block else {
+            return Ok(None);
+        };
+        let mut next = first as u32;
+        let cache = &mut self.sealed_frames;
+        frames::decode_frames(&block, |frame| {
+            cache.insert(next, frame);
+            next = next.wrapping_add(1);
+        })?;
+        Ok(self.sealed_frames.get(&id).copied())
+    }
+
+    /// Name `id`; `None` for an id never given out.
+    fn name(&mut self, id: u32) -> Result<Option<Arc<str>>, StoreError> {
+        if id >= self.catalog.sealed_names {
+            return Ok(self.catalog.name(id).cloned());
+        }
+        if let Some(name) = self.sealed_names.get(&id) {
+            return Ok(Some(name.clone()));
+        }
+        let name: Option<String> = self
+            .conn
+            .prepare_cached("SELECT name FROM names WHERE id = ?")?
+            .query_row([i64::from(id)], |row| row.get(0))
+            .optional()?;
+        Ok(name.map(|name| {
+            let name: Arc<str> = name.into();
+            self.sealed_names.insert(id, name.clone());
+            name
+        }))
+    }
+
+    /// The function name of frame `id`.
+    fn name_of_frame(&mut self, id: u32) -> Result<Option<Arc<str>>, StoreError> {
+        match self.frame(id)? {
+            Some(frame) => self.name(frame.name),
+            None => Ok(None),
+        }
+    }
+}
 
 /// Which profiles a query reads: one profile type, a label selector, a time range (ns, inclusive).
 #[derive(Clone, Debug)]
@@ -185,19 +263,20 @@ fn for_each_profile_with_extras(
     Ok(())
 }
 
-/// Which nodes of a stack space lie at or below a call site (root-first name ids): a node is
-/// in when the names of its path from the root start with the whole call site. Parents come
+/// Which nodes of a stack space lie at or below a call site (root-first function names): a
+/// node is in when the names of its path from the root start with the whole call site. Names
+/// are compared as text: a name has a new id in each generation of the catalog. Parents come
 /// before their children in a space, so one pass decides every node.
 fn nodes_under_call_site(
-    catalog: &Catalog,
+    reader: &mut CatalogReader<'_>,
     nodes: &[(u32, u32)],
-    call_site: &[Option<u32>],
-) -> Vec<bool> {
+    call_site: &[String],
+) -> Result<Vec<bool>, StoreError> {
     // Per node: how many names of the call site its path matches so far; `None`: it left it.
     let mut matched: Vec<Option<usize>> = vec![None; nodes.len()];
     let mut under = vec![false; nodes.len()];
     if nodes.is_empty() {
-        return under;
+        return Ok(under);
     }
     matched[0] = Some(0);
     under[0] = call_site.is_empty();
@@ -211,12 +290,18 @@ fn nodes_under_call_site(
         let Some(depth) = matched.get(parent).copied().flatten() else {
             continue;
         };
-        if call_site.get(depth).copied().flatten() == catalog.name_of_frame(frame) {
+        let Some(wanted) = call_site.get(depth) else {
+            continue;
+        };
+        if reader
+            .name_of_frame(frame)?
+            .is_some_and(|name| *name == **wanted)
+        {
             matched[idx] = Some(depth + 1);
             under[idx] = depth + 1 == call_site.len();
         }
     }
-    under
+    Ok(under)
 }
 
 /// What a selection reads ([`Store::analyze`]).
@@ -428,14 +513,19 @@ enum MergeBy {
 }
 
 /// Builds a [`MergedTree`] from several stack spaces, merging nodes with the same path of
-/// names (or of frames).
+/// names (or of frames). Names and frames are merged by what they say, not by id: the same
+/// string or frame has a new id in each generation of the catalog.
 struct TreeBuilder {
     tree: MergedTree,
     merge_by: MergeBy,
     /// Store name id → index in the tree's names.
     name_ids: HashMap<u32, u32>,
+    /// Name → index in the tree's names.
+    name_indexes: HashMap<Arc<str>, u32>,
     /// Store frame id → index in the tree's frames, when merging by frame.
     frame_ids: HashMap<u32, u32>,
+    /// Frame → index in the tree's frames, when merging by frame.
+    frame_indexes: HashMap<FrameDetail, u32>,
     /// (parent, name or frame index) → child.
     children: HashMap<(u32, u32), u32>,
 }
@@ -446,20 +536,34 @@ impl TreeBuilder {
             tree: MergedTree::new(),
             merge_by,
             name_ids: HashMap::new(),
+            name_indexes: HashMap::new(),
             frame_ids: HashMap::new(),
+            frame_indexes: HashMap::new(),
             children: HashMap::new(),
         }
     }
 
     /// The child of `parent` for the store's frame `frame_id`; `None` for an unknown frame.
-    fn child(&mut self, catalog: &Catalog, parent: u32, frame_id: u32) -> Option<u32> {
-        let frame = *catalog.frames.get(frame_id as usize)?;
-        let string = |id: u32| catalog.names.get(id as usize).cloned();
+    fn child(
+        &mut self,
+        reader: &mut CatalogReader<'_>,
+        parent: u32,
+        frame_id: u32,
+    ) -> Result<Option<u32>, StoreError> {
+        let Some(frame) = reader.frame(frame_id)? else {
+            return Ok(None);
+        };
         let name_id = match self.name_ids.get(&frame.name) {
             Some(&id) => id,
             None => {
-                let id = self.tree.names.len() as u32;
-                self.tree.names.push(string(frame.name)?);
+                let Some(name) = reader.name(frame.name)? else {
+                    return Ok(None);
+                };
+                let next = self.tree.names.len() as u32;
+                let id = *self.name_indexes.entry(name.clone()).or_insert(next);
+                if id == next {
+                    self.tree.names.push(name);
+                }
                 self.name_ids.insert(frame.name, id);
                 id
             }
@@ -469,7 +573,13 @@ impl TreeBuilder {
             MergeBy::Frame => match self.frame_ids.get(&frame_id) {
                 Some(&index) => index,
                 None => {
-                    let optional = |id: u32| (id != NO_STRING).then(|| string(id)).flatten();
+                    let mut optional = |id: u32| {
+                        if id == NO_STRING {
+                            Ok(None)
+                        } else {
+                            reader.name(id)
+                        }
+                    };
                     let Frame {
                         start_line,
                         line,
@@ -477,18 +587,26 @@ impl TreeBuilder {
                         inlined,
                         ..
                     } = frame;
-                    let index = self.tree.frames.len() as u32;
-                    self.tree.frames.push(FrameDetail {
+                    let detail = FrameDetail {
                         name: self.tree.names[name_id as usize].clone(),
-                        system_name: optional(frame.system_name),
-                        file: optional(frame.file),
+                        system_name: optional(frame.system_name)?,
+                        file: optional(frame.file)?,
                         start_line,
                         line,
-                        object: optional(frame.object),
-                        build_id: optional(frame.build_id),
+                        object: optional(frame.object)?,
+                        build_id: optional(frame.build_id)?,
                         address,
                         inlined,
-                    });
+                    };
+                    let next = self.tree.frames.len() as u32;
+                    let index = match self.frame_indexes.get(&detail) {
+                        Some(&index) => index,
+                        None => {
+                            self.frame_indexes.insert(detail.clone(), next);
+                            self.tree.frames.push(detail);
+                            next
+                        }
+                    };
                     self.frame_ids.insert(frame_id, index);
                     index
                 }
@@ -498,7 +616,7 @@ impl TreeBuilder {
             MergeBy::Name => name_id,
             MergeBy::Frame => frame_index,
         };
-        Some(*self.children.entry((parent, key)).or_insert_with(|| {
+        Ok(Some(*self.children.entry((parent, key)).or_insert_with(|| {
             let id = self.tree.nodes.len() as u32;
             self.tree.nodes.push(TreeNode {
                 name: name_id,
@@ -510,7 +628,7 @@ impl TreeBuilder {
             });
             self.tree.nodes[parent as usize].children.push(id);
             id
-        }))
+        })))
     }
 
     fn finish(mut self) -> MergedTree {
@@ -673,7 +791,9 @@ impl Store {
         let mut labelled_out: HashMap<(u32, u32), i64> = HashMap::new();
         let builder = self.with_reader(|conn| {
             let catalog = self.read_catalog();
-            let call_site = catalog.call_site_ids(&selection.call_site);
+            let mut reader = CatalogReader::new(&catalog, conn);
+            let call_site =
+                (!selection.call_site.is_empty()).then_some(selection.call_site.as_slice());
             let mut builder = TreeBuilder::new(merge_by);
             builder.tree.period = period;
             sums.sort_by_key(|(space, _)| *space);
@@ -686,8 +806,8 @@ impl Store {
                 let nodes = space.all_nodes(conn, space_id)?;
                 values.resize(nodes.len().max(values.len()), 0);
                 let under = call_site
-                    .as_ref()
-                    .map(|call_site| nodes_under_call_site(&catalog, &nodes, call_site));
+                    .map(|call_site| nodes_under_call_site(&mut reader, &nodes, call_site))
+                    .transpose()?;
                 if let Some(under) = &under {
                     for (value, under) in values.iter_mut().zip(under) {
                         if !under {
@@ -712,7 +832,7 @@ impl Store {
                     if parent_out == u32::MAX {
                         continue;
                     }
-                    let Some(out) = builder.child(&catalog, parent_out, frame) else {
+                    let Some(out) = builder.child(&mut reader, parent_out, frame)? else {
                         continue;
                     };
                     mapped[idx] = out;
@@ -807,18 +927,14 @@ impl Store {
         let mut under: HashMap<i64, Vec<bool>> = HashMap::new();
         let nodes_under = |conn: &rusqlite::Connection, space_id: i64| {
             let catalog = self.read_catalog();
-            Ok::<_, StoreError>(
-                match (
-                    catalog.spaces.get(&space_id),
-                    catalog.call_site_ids(&selection.call_site),
-                ) {
-                    (Some(space), Some(call_site)) => {
-                        let nodes = space.all_nodes(conn, space_id)?;
-                        nodes_under_call_site(&catalog, &nodes, &call_site)
-                    }
-                    _ => Vec::new(),
-                },
-            )
+            match catalog.spaces.get(&space_id) {
+                Some(space) if !selection.call_site.is_empty() => {
+                    let nodes = space.all_nodes(conn, space_id)?;
+                    let mut reader = CatalogReader::new(&catalog, conn);
+                    nodes_under_call_site(&mut reader, &nodes, &selection.call_site)
+                }
+                _ => Ok(Vec::new()),
+            }
         };
         self.with_reader(|conn| {
             let mut out = Vec::with_capacity(series.len());

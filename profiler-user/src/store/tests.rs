@@ -1648,3 +1648,150 @@ fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
     reference.ingest(&write(8)).unwrap();
     same_answers(&bounded, 9);
 }
+
+/// Every node's stack with a self value as frames (name, file, line, object, address), root
+/// first: what a download shows.
+fn detailed(tree: &query::MergedTree) -> Vec<(String, i64)> {
+    let mut out: Vec<(String, i64)> = (1..tree.nodes.len())
+        .filter(|&n| tree.nodes[n].self_value != 0)
+        .map(|n| {
+            let mut path = Vec::new();
+            let mut node = n;
+            while node != 0 {
+                let frame = &tree.frames[tree.nodes[node].frame as usize];
+                path.push(format!(
+                    "{}@{:?}:{}:{:?}+{:x}",
+                    frame.name, frame.file, frame.line, frame.object, frame.address
+                ));
+                node = tree.nodes[node].parent as usize;
+            }
+            path.reverse();
+            (path.join(";"), tree.nodes[n].self_value)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Past `--max-catalog-frames` the frames and names in memory are sealed: they stay on disk,
+/// where queries read them, and a frame or name seen again gets a new id. Every query answers
+/// as a store without the bound does (names and frames merged by what they say, not by id):
+/// merged trees, downloads with files and lines, a call site's trees and totals, after more
+/// writes and after a reopen, which loads only the last generation.
+#[test]
+fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
+    let (bounded_dir, reference_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let options = StoreOptions {
+        limits: StoreLimits {
+            max_catalog_frames: 4,
+            ..StoreLimits::default()
+        },
+        ..StoreOptions::default()
+    };
+    let open_bounded = || Store::open_with(StoreSettings::new(bounded_dir.path()), options.clone());
+    let mut bounded = open_bounded().unwrap();
+    let reference = open(reference_dir.path());
+    // Each function has its file, line and address in `app.so`; "api" adds three new functions
+    // every round, "db" sends the same ones, so both old and new frames are written after seals.
+    let with_frames = |mut profile: NewProfile| {
+        let file = profile.names.len() as u32;
+        profile.names.push("src/app.rs".into());
+        let object = profile.names.len() as u32;
+        profile.names.push("app.so".into());
+        profile.frames = (0..file)
+            .map(|name| {
+                let text = &profile.names[name as usize];
+                let line = text.bytes().map(u32::from).sum::<u32>();
+                Frame {
+                    file,
+                    line,
+                    object,
+                    address: u64::from(line) * 16,
+                    ..Frame::named(name)
+                }
+            })
+            .collect();
+        profile
+    };
+    let write = |round: i64| {
+        let new: Vec<String> = (0..3).map(|k| format!("main;work;b{round}_{k}")).collect();
+        let time_ns = NOW + round * SECOND;
+        vec![
+            with_frames(profile(
+                "api",
+                &[],
+                time_ns,
+                &[
+                    ("main;work;a", 3),
+                    (&new[0], 2),
+                    (&new[1], 1),
+                    (&new[2], 4),
+                ],
+            )),
+            with_frames(profile(
+                "db",
+                &[],
+                time_ns,
+                &[("run;query;q0", 5), ("run;query;q1", 1 + round)],
+            )),
+        ]
+    };
+    let same_answers = |bounded: &Store, rounds: i64| {
+        let end = NOW + rounds * SECOND;
+        for (selector, call_site) in [
+            ("{}", &[][..]),
+            (r#"{service_name="api"}"#, &["main", "work"][..]),
+            (r#"{service_name="db"}"#, &["run", "query", "q1"][..]),
+        ] {
+            let mut selection = selection(selector, NOW, end);
+            selection.call_site = call_site.iter().map(|name| name.to_string()).collect();
+            let merged = bounded.merge(&selection).unwrap().folded();
+            assert!(!merged.is_empty(), "{selector} {call_site:?}");
+            assert_eq!(merged, reference.merge(&selection).unwrap().folded());
+            let downloaded = detailed(&bounded.merge_with_frames(&selection).unwrap());
+            assert!(downloaded.iter().all(|(path, _)| path.contains("app.rs")));
+            assert_eq!(
+                downloaded,
+                detailed(&reference.merge_with_frames(&selection).unwrap()),
+                "{selector} {call_site:?}"
+            );
+            let totals = |store: &Store| -> Vec<(i64, i64)> {
+                let mut points: Vec<(i64, i64)> = store
+                    .totals(&selection)
+                    .unwrap()
+                    .into_iter()
+                    .flat_map(|(_, points)| points)
+                    .collect();
+                points.sort_unstable();
+                points
+            };
+            assert_eq!(totals(bounded), totals(&reference), "{selector} {call_site:?}");
+        }
+    };
+    for round in 0..8 {
+        bounded.ingest(&write(round)).unwrap();
+        reference.ingest(&write(round)).unwrap();
+        same_answers(&bounded, round + 1);
+        let (names, frames, _) = bounded.catalog_sizes();
+        assert!(names <= 4 && frames <= 4, "{names} names, {frames} frames in memory");
+    }
+    assert!(
+        bounded
+            .counters()
+            .frame_generations_sealed
+            .load(Ordering::Relaxed)
+            >= 8,
+        "sealed too rarely"
+    );
+    let (names, frames, _) = reference.catalog_sizes();
+    assert!(names > 20 && frames > 20, "the reference keeps them all");
+
+    drop(bounded);
+    bounded = open_bounded().unwrap();
+    let (names, frames, _) = bounded.catalog_sizes();
+    assert!(names <= 4 && frames <= 4, "{names} names, {frames} frames after reopening");
+    same_answers(&bounded, 8);
+    bounded.ingest(&write(8)).unwrap();
+    reference.ingest(&write(8)).unwrap();
+    same_answers(&bounded, 9);
+}
