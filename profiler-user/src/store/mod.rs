@@ -843,7 +843,6 @@ impl Catalog {
         }
         sealed
     }
-
 }
 
 /// What one write added to the catalog, to persist it and to undo it if the commit fails.

@@ -10,6 +10,9 @@ use super::{
     selector::Selector,
 };
 
+/// Sealed names read from disk at once (a power of two): the aligned run around the one asked.
+const SEALED_NAMES_READ_TOGETHER: u32 = 256;
+
 /// The frames and names a query reads: the catalog's current generations from memory, sealed
 /// ones from disk (their frame block, their row of `names`), each read once per query.
 pub(super) struct CatalogReader<'a> {
@@ -66,16 +69,18 @@ impl<'a> CatalogReader<'a> {
         if let Some(name) = self.sealed_names.get(&id) {
             return Ok(Some(name.clone()));
         }
-        let name: Option<String> = self
+        // Its neighbours too: a write's names have consecutive ids, and its frames use them.
+        let first = id & !(SEALED_NAMES_READ_TOGETHER - 1);
+        let end = (first + SEALED_NAMES_READ_TOGETHER).min(self.catalog.sealed_names);
+        let mut stmt = self
             .conn
-            .prepare_cached("SELECT name FROM names WHERE id = ?")?
-            .query_row([i64::from(id)], |row| row.get(0))
-            .optional()?;
-        Ok(name.map(|name| {
-            let name: Arc<str> = name.into();
-            self.sealed_names.insert(id, name.clone());
-            name
-        }))
+            .prepare_cached("SELECT id, name FROM names WHERE id >= ? AND id < ?")?;
+        let mut rows = stmt.query([i64::from(first), i64::from(end)])?;
+        while let Some(row) = rows.next()? {
+            let (read, name): (u32, String) = (row.get(0)?, row.get(1)?);
+            self.sealed_names.entry(read).or_insert_with(|| name.into());
+        }
+        Ok(self.sealed_names.get(&id).cloned())
     }
 
     /// The function name of frame `id`.
@@ -616,19 +621,21 @@ impl TreeBuilder {
             MergeBy::Name => name_id,
             MergeBy::Frame => frame_index,
         };
-        Ok(Some(*self.children.entry((parent, key)).or_insert_with(|| {
-            let id = self.tree.nodes.len() as u32;
-            self.tree.nodes.push(TreeNode {
-                name: name_id,
-                frame: frame_index,
-                parent,
-                self_value: 0,
-                total: 0,
-                children: Vec::new(),
-            });
-            self.tree.nodes[parent as usize].children.push(id);
-            id
-        })))
+        Ok(Some(*self.children.entry((parent, key)).or_insert_with(
+            || {
+                let id = self.tree.nodes.len() as u32;
+                self.tree.nodes.push(TreeNode {
+                    name: name_id,
+                    frame: frame_index,
+                    parent,
+                    self_value: 0,
+                    total: 0,
+                    children: Vec::new(),
+                });
+                self.tree.nodes[parent as usize].children.push(id);
+                id
+            },
+        )))
     }
 
     fn finish(mut self) -> MergedTree {

@@ -1721,12 +1721,7 @@ fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
                 "api",
                 &[],
                 time_ns,
-                &[
-                    ("main;work;a", 3),
-                    (&new[0], 2),
-                    (&new[1], 1),
-                    (&new[2], 4),
-                ],
+                &[("main;work;a", 3), (&new[0], 2), (&new[1], 1), (&new[2], 4)],
             )),
             with_frames(profile(
                 "db",
@@ -1765,7 +1760,11 @@ fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
                 points.sort_unstable();
                 points
             };
-            assert_eq!(totals(bounded), totals(&reference), "{selector} {call_site:?}");
+            assert_eq!(
+                totals(bounded),
+                totals(&reference),
+                "{selector} {call_site:?}"
+            );
         }
     };
     for round in 0..8 {
@@ -1773,7 +1772,10 @@ fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
         reference.ingest(&write(round)).unwrap();
         same_answers(&bounded, round + 1);
         let (names, frames, _) = bounded.catalog_sizes();
-        assert!(names <= 4 && frames <= 4, "{names} names, {frames} frames in memory");
+        assert!(
+            names <= 4 && frames <= 4,
+            "{names} names, {frames} frames in memory"
+        );
     }
     assert!(
         bounded
@@ -1789,7 +1791,10 @@ fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
     drop(bounded);
     bounded = open_bounded().unwrap();
     let (names, frames, _) = bounded.catalog_sizes();
-    assert!(names <= 4 && frames <= 4, "{names} names, {frames} frames after reopening");
+    assert!(
+        names <= 4 && frames <= 4,
+        "{names} names, {frames} frames after reopening"
+    );
     same_answers(&bounded, 8);
     bounded.ingest(&write(8)).unwrap();
     reference.ingest(&write(8)).unwrap();
