@@ -599,6 +599,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                 "store call trees sealed",
             ),
             (
+                "profiler_store_frame_generations_sealed_total",
+                "store frame and string generations sealed",
+            ),
+            (
                 "profiler_store_sqlite_memory_bytes",
                 "SQLite memory (bytes)",
             ),
