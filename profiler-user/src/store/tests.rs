@@ -1521,6 +1521,18 @@ fn a_stack_shortcut_that_collides_is_checked_against_the_tree() {
     );
 }
 
+/// Every (time, total) point of a selection, all series together, sorted.
+fn sorted_totals(store: &Store, selection: &Selection) -> Vec<(i64, i64)> {
+    let mut points: Vec<(i64, i64)> = store
+        .totals(selection)
+        .unwrap()
+        .into_iter()
+        .flat_map(|(_, points)| points)
+        .collect();
+    points.sort_unstable();
+    points
+}
+
 /// Past `--max-catalog-nodes` a service whose call tree keeps growing has it sealed: its nodes
 /// leave memory and are read from disk by queries, and stacks seen again get new nodes. A
 /// service that keeps sending the same stacks is not sealed (its nodes would only be made
@@ -1598,19 +1610,9 @@ fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
                 bounded.merge_with_frames(&selection).unwrap().folded(),
                 reference.merge_with_frames(&selection).unwrap().folded()
             );
-            let totals = |store: &Store| -> Vec<(i64, i64)> {
-                let mut points: Vec<(i64, i64)> = store
-                    .totals(&selection)
-                    .unwrap()
-                    .into_iter()
-                    .flat_map(|(_, points)| points)
-                    .collect();
-                points.sort_unstable();
-                points
-            };
             assert_eq!(
-                totals(bounded),
-                totals(&reference),
+                sorted_totals(bounded, &selection),
+                sorted_totals(&reference, &selection),
                 "{selector} {call_site:?}"
             );
         }
@@ -1750,19 +1752,9 @@ fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
                 detailed(&reference.merge_with_frames(&selection).unwrap()),
                 "{selector} {call_site:?}"
             );
-            let totals = |store: &Store| -> Vec<(i64, i64)> {
-                let mut points: Vec<(i64, i64)> = store
-                    .totals(&selection)
-                    .unwrap()
-                    .into_iter()
-                    .flat_map(|(_, points)| points)
-                    .collect();
-                points.sort_unstable();
-                points
-            };
             assert_eq!(
-                totals(bounded),
-                totals(&reference),
+                sorted_totals(bounded, &selection),
+                sorted_totals(&reference, &selection),
                 "{selector} {call_site:?}"
             );
         }
