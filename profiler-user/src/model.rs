@@ -5,7 +5,7 @@
 //! sample into an [`UnwoundStack`] of normalized frames (kernel address, or file + file offset);
 //! `symbolization` turns those into [`SymbolizedFrame`]s; `aggregation` counts identical stacks
 //! per series and hands [`Profile`]s to `export`.
-use std::{fmt, fs::File, path::PathBuf, sync::Arc};
+use std::{fmt, fs::File, os::fd::AsRawFd, os::unix::fs::MetadataExt, path::PathBuf, sync::Arc};
 
 /// A process id (thread-group id).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -168,6 +168,21 @@ pub struct MappedFile {
     pub build_id: Option<Arc<str>>,
     /// Keeps the file open for as long as any snapshot refers to it.
     pub handle: Option<File>,
+}
+
+impl MappedFile {
+    /// A path that reads this file now: `open_path` while it still names this file (same
+    /// device and inode), else the agent's own descriptor of it. A path can come to name
+    /// another file (a rebuilt binary, an upgraded package) while processes still run the old.
+    /// The descriptor path is only good while `self` lives: use it to open, not to keep.
+    pub fn readable_path(&self) -> PathBuf {
+        let same = std::fs::metadata(&self.open_path)
+            .is_ok_and(|metadata| metadata.dev() == self.id.dev && metadata.ino() == self.id.ino);
+        match &self.handle {
+            Some(handle) if !same => PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd())),
+            _ => self.open_path.clone(),
+        }
+    }
 }
 
 /// One executable mapping of a process.

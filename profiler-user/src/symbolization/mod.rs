@@ -488,7 +488,7 @@ impl Symbolizer {
         let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
         state
             .functions
-            .get_or_insert_with(|| functions::FunctionIndex::open(&file.open_path))
+            .get_or_insert_with(|| functions::FunctionIndex::open(&file.readable_path()))
             .as_ref()?
             .start_of(vaddr)
     }

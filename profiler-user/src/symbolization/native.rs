@@ -134,6 +134,9 @@ pub(super) struct FileState {
     /// debug file): dropped, and its memory with it, when the file has not been used for a
     /// while and the budget is needed (see `Symbolizer`).
     pub(super) resolver: Option<bz::Symbolizer>,
+    /// The path `resolver` reads the binary by ([`MappedFile::readable_path`] when the resolver
+    /// was made; it keeps the file it opened by it).
+    binary_path: PathBuf,
     /// What holding the resolver is estimated to cost, in bytes.
     pub(super) cost: u64,
     /// The binary's load segments, to turn file offsets into addresses (`None`: unreadable).
@@ -152,7 +155,8 @@ pub(super) struct FileState {
 
 impl FileState {
     pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf], debug_info: bool) -> Self {
-        let layout = ElfLayout::read(&file.open_path)
+        let binary_path = file.readable_path();
+        let layout = ElfLayout::read(&binary_path)
             .inspect_err(|err| debug!(file = %file.path, error = %err, "cannot read ELF layout"))
             // blazesym reports its own error on the first lookup.
             .ok();
@@ -180,6 +184,7 @@ impl FileState {
         Self {
             source,
             resolver: None,
+            binary_path,
             cost,
             layout,
             functions: None,
@@ -291,6 +296,10 @@ pub(super) fn resolver(
     bz::Symbolizer::builder()
         // Demangling is ours, so the raw name stays available as `system_name`.
         .enable_demangling(false)
+        // The resolver serves one file (one device and inode): it keeps the file it opened
+        // first. Reloading would stat the path at every lookup, and read a file that replaced
+        // it there (a rebuilt binary, an upgraded package) for addresses of the old one.
+        .enable_auto_reload(false)
         .enable_code_info(debug_info)
         .enable_inlined_fns(debug_info && inline_frames)
         .set_debug_dirs(Some(debug_dirs))
@@ -313,10 +322,15 @@ pub(super) fn lookup_user(
     if state.failed {
         return UserLookup::NotFound;
     }
-    let resolver = state
-        .resolver
-        .take()
-        .unwrap_or_else(|| resolver(ctx.debug_info, ctx.inline_frames, ctx.debug_dirs));
+    let resolver = match state.resolver.take() {
+        Some(resolver) => resolver,
+        None => {
+            // Chosen again with each new resolver: a descriptor path chosen for an earlier one
+            // may name another file by now.
+            state.binary_path = file.readable_path();
+            resolver(ctx.debug_info, ctx.inline_frames, ctx.debug_dirs)
+        }
+    };
     let lookup = lookup_with(ctx, state, &resolver, file, file_offset);
     state.resolver = Some(resolver);
     lookup
@@ -357,7 +371,7 @@ fn lookup_with(
         }
     }
 
-    let source = elf_source(&file.open_path, ctx.debug_info);
+    let source = elf_source(&state.binary_path, ctx.debug_info);
     match resolver.symbolize_single(&source, Input::FileOffset(file_offset)) {
         Ok(Symbolized::Sym(sym)) => {
             state.consecutive_errors = 0;

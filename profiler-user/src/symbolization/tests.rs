@@ -150,6 +150,54 @@ fn stripped_binary_uses_dynsym_or_falls_back_to_offset() -> TestResult {
     Ok(())
 }
 
+/// A file is symbolized from what it held when first read, even once another file replaced it
+/// at its path (a rebuilt binary, an upgraded package): the frames are of the old one.
+#[test]
+fn a_file_replaced_at_its_path_is_still_read_as_it_was() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let binary = build_c(&dir, "c_replaced", &["-g", "-O0"])?;
+    let file = mapped_file(&binary)?;
+    let alpha = symbol_named(&binary, "fixture_alpha")?;
+    let beta = symbol_named(&binary, "fixture_beta")?;
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let frame = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
+    assert_eq!(&*frame.lines[0].function, "fixture_alpha");
+
+    // The same code under other names, at the same offsets, moved over the path.
+    let renamed = dir.compile(
+        "gcc",
+        "renamed.c",
+        &C_SOURCE.replace("fixture_", "renamed_"),
+        "c_renamed",
+        &["-g", "-O0"],
+    )?;
+    assert_eq!(
+        symbol_named(&renamed, "renamed_beta")?.file_offset,
+        beta.file_offset
+    );
+    std::fs::rename(&renamed, &binary)?;
+
+    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
+    assert!(!frame.unsymbolized, "{frame:?}");
+    assert_eq!(&*outer_line(&frame).function, "fixture_beta");
+
+    // Replaced before its first lookup: read through the agent's descriptor of the old file.
+    let binary = build_c(&dir, "c_replaced_early", &["-g", "-O0"])?;
+    let file = mapped_file(&binary)?;
+    let renamed = dir.compile(
+        "gcc",
+        "renamed.c",
+        &C_SOURCE.replace("fixture_", "renamed_"),
+        "c_renamed_early",
+        &["-g", "-O0"],
+    )?;
+    std::fs::rename(&renamed, &binary)?;
+    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
+    assert!(!frame.unsymbolized, "{frame:?}");
+    assert_eq!(&*outer_line(&frame).function, "fixture_beta");
+    Ok(())
+}
+
 /// Splits `binary`'s debug info into `debug_file` and links it with `.gnu_debuglink`.
 fn split_debug_with_link(binary: &Path, debug_file: &Path) -> TestResult {
     run(Command::new("objcopy")

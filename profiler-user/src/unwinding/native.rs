@@ -1371,7 +1371,12 @@ fn read_table(
             None => return (Err(String::from("no vdso").into()), false),
         },
         (_, Some(file)) => {
-            let handle = match std::fs::File::open(&file.open_path) {
+            // The agent's own descriptor when it has one: the path may name another file by now
+            // (a rebuilt binary, an upgraded package), whose table would be wrong for this one.
+            let handle = match file.handle.as_ref().map_or_else(
+                || std::fs::File::open(&file.open_path),
+                std::fs::File::try_clone,
+            ) {
                 Ok(handle) => handle,
                 Err(err) => return (Err(err.to_string().into()), false),
             };
@@ -1529,6 +1534,61 @@ mod tests {
             build_id: None,
             handle: None,
         })
+    }
+
+    /// A file's table is built from the file the agent holds, even once another file replaced
+    /// it at its path: the processes mapping the old one still run its code.
+    #[test]
+    fn a_table_is_built_from_the_file_held_not_from_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let compile = |name: &str, source: &str| {
+            let source_path = dir.path().join(format!("{name}.c"));
+            std::fs::write(&source_path, source).unwrap();
+            let output = dir.path().join(format!("{name}.so"));
+            let status = std::process::Command::new("gcc")
+                .args(["-O2", "-shared", "-fPIC", "-o"])
+                .arg(&output)
+                .arg(&source_path)
+                .status()
+                .unwrap();
+            assert!(status.success());
+            output
+        };
+        let small = compile("small", "int held(int x) { return x + 1; }\n");
+        let functions: String = (0..200)
+            .map(|i| format!("int other{i}(int x) {{ return x * {i} + held_elsewhere(x); }}\n"))
+            .collect();
+        let large = compile("large", &format!("int held_elsewhere(int);\n{functions}"));
+        let limits = BuildLimits::default();
+        let held = mapped(small.to_str().unwrap());
+        let held = Arc::new(MappedFile {
+            handle: Some(std::fs::File::open(&small).unwrap()),
+            ..Arc::into_inner(held).unwrap()
+        });
+        let key = TableKey::File(held.id);
+        let (before, _) = read_table(&key, Some(&held), None, None, &limits);
+        let (_, before_segments) = before.unwrap();
+
+        std::fs::rename(&large, &small).unwrap();
+        let (after, _) = read_table(&key, Some(&held), None, None, &limits);
+        let (_, after_segments) = after.unwrap();
+        assert_eq!(
+            format!("{after_segments:?}"),
+            format!("{before_segments:?}")
+        );
+        // The path's file is another: its segments differ (the test can tell the two apart).
+        let (replaced, _) = read_table(
+            &key,
+            Some(&mapped(small.to_str().unwrap())),
+            None,
+            None,
+            &limits,
+        );
+        let (_, replaced_segments) = replaced.unwrap();
+        assert_ne!(
+            format!("{replaced_segments:?}"),
+            format!("{before_segments:?}")
+        );
     }
 
     /// A table asked for after a large file's is built while the large one is still being

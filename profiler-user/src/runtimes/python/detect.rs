@@ -102,7 +102,7 @@ const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 /// executable, are opened: other processes cost a string comparison per mapping.
 pub fn detect_python(process: &ProcessInfo) -> Result<PythonProcess, DetectError> {
     detect_python_with(process, &mut |file| {
-        inspect_interpreter_elf(&file.open_path, &file.path)
+        inspect_interpreter_elf(&file.readable_path(), &file.path)
     })
 }
 

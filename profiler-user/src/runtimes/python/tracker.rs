@@ -431,7 +431,7 @@ impl<M: PythonMaps> PythonTracker<M> {
             if let Some(cached) = elf_files.get(&file.id) {
                 return Ok(cached.as_deref().cloned());
             }
-            let inspected = inspect_interpreter_elf(&file.open_path, &file.path)?;
+            let inspected = inspect_interpreter_elf(&file.readable_path(), &file.path)?;
             elf_files.insert(file.id, inspected.clone().map(Arc::new));
             Ok(inspected)
         })
