@@ -155,46 +155,40 @@ fn stripped_binary_uses_dynsym_or_falls_back_to_offset() -> TestResult {
 #[test]
 fn a_file_replaced_at_its_path_is_still_read_as_it_was() -> TestResult {
     let dir = FixtureDir::new()?;
+    // The same code under other names, at the same offsets, moved over `binary`'s path.
+    // Returns where `renamed_beta` is.
+    let replace = |binary: &Path, name: &str| -> TestResult<u64> {
+        let renamed = dir.compile(
+            "gcc",
+            "renamed.c",
+            &C_SOURCE.replace("fixture_", "renamed_"),
+            name,
+            &["-g", "-O0"],
+        )?;
+        let beta = symbol_named(&renamed, "renamed_beta")?;
+        std::fs::rename(&renamed, binary)?;
+        Ok(beta.file_offset)
+    };
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
     let binary = build_c(&dir, "c_replaced", &["-g", "-O0"])?;
     let file = mapped_file(&binary)?;
     let alpha = symbol_named(&binary, "fixture_alpha")?;
     let beta = symbol_named(&binary, "fixture_beta")?;
-    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
     let frame = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
     assert_eq!(&*frame.lines[0].function, "fixture_alpha");
-
-    // The same code under other names, at the same offsets, moved over the path.
-    let renamed = dir.compile(
-        "gcc",
-        "renamed.c",
-        &C_SOURCE.replace("fixture_", "renamed_"),
-        "c_renamed",
-        &["-g", "-O0"],
-    )?;
-    assert_eq!(
-        symbol_named(&renamed, "renamed_beta")?.file_offset,
-        beta.file_offset
-    );
-    std::fs::rename(&renamed, &binary)?;
-
-    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
-    assert!(!frame.unsymbolized, "{frame:?}");
-    assert_eq!(&*outer_line(&frame).function, "fixture_beta");
-
-    // Replaced before its first lookup: read through the agent's descriptor of the old file.
-    let binary = build_c(&dir, "c_replaced_early", &["-g", "-O0"])?;
-    let file = mapped_file(&binary)?;
-    let renamed = dir.compile(
-        "gcc",
-        "renamed.c",
-        &C_SOURCE.replace("fixture_", "renamed_"),
-        "c_renamed_early",
-        &["-g", "-O0"],
-    )?;
-    std::fs::rename(&renamed, &binary)?;
-    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
-    assert!(!frame.unsymbolized, "{frame:?}");
-    assert_eq!(&*outer_line(&frame).function, "fixture_beta");
+    // Read already, then replaced; and replaced before its first lookup (read through the
+    // agent's descriptor of the old file).
+    let renamed_beta = replace(&binary, "c_renamed")?;
+    let early_binary = build_c(&dir, "c_replaced_early", &["-g", "-O0"])?;
+    let early = mapped_file(&early_binary)?;
+    replace(&early_binary, "c_renamed_early")?;
+    // Were the new file read, the name would be `renamed_beta`, at the same offset.
+    assert_eq!(renamed_beta, beta.file_offset);
+    for file in [&file, &early] {
+        let frame = symbolizer.symbolize(&user_frame(file, beta.file_offset));
+        assert!(!frame.unsymbolized, "{frame:?}");
+        assert_eq!(&*outer_line(&frame).function, "fixture_beta");
+    }
     Ok(())
 }
 
