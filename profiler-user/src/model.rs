@@ -154,6 +154,22 @@ pub struct FileId {
     pub ino: u64,
 }
 
+impl FileId {
+    /// The identity of the file `metadata` describes.
+    pub fn of(metadata: &std::fs::Metadata) -> Self {
+        FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        }
+    }
+}
+
+/// `/proc/self/fd/N` of `handle`: a path that opens the very file the agent holds (good only
+/// while `handle` is open).
+pub fn descriptor_path(handle: &File) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+}
+
 /// A file mapped by at least one process, opened by the agent when first seen so it stays
 /// readable after the process exits, is deleted, or lives in another mount namespace.
 #[derive(Debug)]
@@ -177,9 +193,9 @@ impl MappedFile {
     /// The descriptor path is only good while `self` lives: use it to open, not to keep.
     pub fn readable_path(&self) -> PathBuf {
         let same = std::fs::metadata(&self.open_path)
-            .is_ok_and(|metadata| metadata.dev() == self.id.dev && metadata.ino() == self.id.ino);
+            .is_ok_and(|metadata| FileId::of(&metadata) == self.id);
         match &self.handle {
-            Some(handle) if !same => PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd())),
+            Some(handle) if !same => descriptor_path(handle),
             _ => self.open_path.clone(),
         }
     }

@@ -1,7 +1,7 @@
 //! Opening mapped files as the process sees them, shared across processes by [`FileId`].
 use std::{
     fs::{self, File},
-    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -10,7 +10,7 @@ use object::{Object, ReadCache};
 use tracing::debug;
 
 use super::{lru::Lru, maps::MapsEntry};
-use crate::model::{FileId, MappedFile, Pid};
+use crate::model::{FileId, MappedFile, Pid, descriptor_path};
 
 /// An LRU-bounded cache of opened mapped files. Evicting an entry only drops the cache's
 /// reference: snapshots still using the file keep it open. While cached, the open handle also
@@ -18,14 +18,6 @@ use crate::model::{FileId, MappedFile, Pid};
 #[derive(Debug)]
 pub struct FileCache {
     files: Lru<FileId, Arc<MappedFile>>,
-}
-
-/// A file's identity: device and inode.
-pub(super) fn file_id(metadata: &fs::Metadata) -> FileId {
-    FileId {
-        dev: metadata.dev(),
-        ino: metadata.ino(),
-    }
 }
 
 /// Descriptors kept for everything else the process opens: BPF maps, programs and links, perf
@@ -233,11 +225,11 @@ impl FileCache {
         let root_path = process_dir.join("root").join(path.trim_start_matches('/'));
         // stat before open: a cache hit costs no file descriptor.
         let (source, id) = match fs::metadata(&map_files_path) {
-            Ok(metadata) => (map_files_path, file_id(&metadata)),
+            Ok(metadata) => (map_files_path, FileId::of(&metadata)),
             Err(map_files_error) => match fs::metadata(&root_path) {
                 // The path may now name another file (upgraded, replaced): the inode must match.
                 Ok(metadata) if entry.inode == 0 || metadata.ino() == entry.inode => {
-                    (root_path, file_id(&metadata))
+                    (root_path, FileId::of(&metadata))
                 }
                 Ok(_) => {
                     debug!(%pid, path, "mapped file replaced on disk and map_files unavailable");
@@ -261,7 +253,7 @@ impl FileCache {
         };
         // Identify by what was actually opened (the file may have changed since the stat).
         let id = match handle.metadata() {
-            Ok(metadata) => file_id(&metadata),
+            Ok(metadata) => FileId::of(&metadata),
             Err(error) => {
                 debug!(%pid, path, %error, "cannot fstat mapped file");
                 return None;
@@ -273,7 +265,7 @@ impl FileCache {
         let file = Arc::new(MappedFile {
             id,
             path: Arc::from(path),
-            open_path: own_namespace_path(path, id).unwrap_or_else(|| fd_path(&handle)),
+            open_path: own_namespace_path(path, id).unwrap_or_else(|| descriptor_path(&handle)),
             build_id: read_build_id(&handle).map(Arc::from),
             handle: Some(handle),
         });
@@ -286,11 +278,7 @@ impl FileCache {
 /// looked up next to it (debug links) are found too.
 fn own_namespace_path(path: &str, id: FileId) -> Option<PathBuf> {
     let metadata = fs::metadata(path).ok()?;
-    (file_id(&metadata) == id).then(|| PathBuf::from(path))
-}
-
-fn fd_path(handle: &File) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+    (FileId::of(&metadata) == id).then(|| PathBuf::from(path))
 }
 
 /// The GNU build id of an ELF file as lower-case hex; `None` for non-ELF, malformed or

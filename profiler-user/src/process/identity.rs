@@ -24,7 +24,7 @@ use std::{
 
 use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
 
-use super::{files::file_id, lru::Lru};
+use super::lru::Lru;
 use crate::model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo};
 
 /// Identities kept at most (the oldest are forgotten first).
@@ -129,7 +129,7 @@ pub fn executable_path(record: &ExecRecord) -> String {
         && let Ok(real) = fs::canonicalize(path)
         && record
             .exe
-            .is_none_or(|id| fs::metadata(&real).is_ok_and(|m| file_id(&m) == id))
+            .is_none_or(|id| fs::metadata(&real).is_ok_and(|m| FileId::of(&m) == id))
     {
         return real.to_string_lossy().into_owned();
     }
@@ -153,7 +153,7 @@ pub fn code_file_offset(file: &fs::File) -> Option<u64> {
 /// The exec'ed file when it is still on disk as it was exec'ed (same inode).
 pub fn open_executable(path: &str, expected: FileId) -> Option<(fs::File, PathBuf)> {
     let file = fs::File::open(path).ok()?;
-    (file_id(&file.metadata().ok()?) == expected).then(|| (file, PathBuf::from(path)))
+    (FileId::of(&file.metadata().ok()?) == expected).then(|| (file, PathBuf::from(path)))
 }
 
 /// The cgroup v2 path of a cgroup id: ids are the inode numbers of the cgroup directories, so
@@ -378,7 +378,7 @@ mod tests {
     #[test]
     fn the_executable_is_taken_only_while_it_is_the_file_exec_ed() {
         let sleep = fs::metadata("/bin/sleep").unwrap();
-        let id = file_id(&sleep);
+        let id = FileId::of(&sleep);
         let (file, offset) = executable_file("/bin/sleep", id, |_| None).expect("opened");
         assert_eq!(file.id, id);
         assert!(offset > 0, "the code segment follows the ELF headers");
@@ -389,7 +389,7 @@ mod tests {
         assert!(executable_file("/bin/sleep", other, |_| None).is_none());
         let record = ExecRecord {
             filename: "/bin/sh".into(),
-            exe: Some(file_id(
+            exe: Some(FileId::of(
                 &fs::metadata(fs::canonicalize("/bin/sh").unwrap()).unwrap(),
             )),
             ..ExecRecord::default()
