@@ -14,6 +14,8 @@ use std::{
 
 use crossbeam_channel::{RecvTimeoutError, TrySendError};
 
+mod priority;
+
 use crate::{
     aggregation::{Aggregator, AggregatorSettings, Grouping, synthetic_frame},
     bpf::{
@@ -1185,6 +1187,8 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     Sampler::preflight()?;
     check_pids_exist(&config.sampling.pids)?;
     check_writable_file(&config.output)?;
+    // Every thread of a recording handles samples (there is no server or exporter).
+    priority::raise_sampling_threads(config.sampling.sampling_nice);
     let start_unix_ns = unix_now_ns();
     let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
     let (kernel, samples) = KernelInputs::from_parts(parts);
@@ -1418,6 +1422,9 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
         None => None,
     };
     let mut exporter = Exporter::spawn(Outputs(outputs), pusher);
+    // The server, store, pusher and exporter threads are started: the threads started from here
+    // on handle samples and inherit this one's priority (`priority`).
+    priority::raise_sampling_threads(config.sampling.sampling_nice);
     let (mut sampler, parts) = Sampler::load(&sampler_settings(&config.sampling))?;
     let (kernel, samples) = KernelInputs::from_parts(parts);
     let mut pipeline = Pipeline::new(

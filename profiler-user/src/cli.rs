@@ -6,8 +6,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     config::{
-        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_CUDA_STACKS_PER_SECOND, DEFAULT_UNWIND_TABLE_MIB,
-        GpuConfig, OffCpuSettings, RecordConfig, SamplingConfig,
+        AgentConfig, DEFAULT_CACHE_DIR, DEFAULT_CUDA_STACKS_PER_SECOND, DEFAULT_SAMPLING_NICE,
+        DEFAULT_UNWIND_TABLE_MIB, GpuConfig, OffCpuSettings, RecordConfig, SamplingConfig,
     },
     export::{OutputFormat, push::PushArgs},
     off_cpu::DEFAULT_OFF_CPU_PROBABILITY,
@@ -102,6 +102,10 @@ pub struct SamplingArgs {
     /// stay in `off_cpu`).
     #[arg(long, env = "PROFILER_NO_GIL_WAIT")]
     pub no_gil_wait: bool,
+    /// Nice value (-20 to 19) the threads that handle samples run at, at most: raised to it
+    /// when started lower, never lowered. The HTTP server, store and exporter keep theirs.
+    #[arg(long, env = "PROFILER_SAMPLING_NICE", default_value_t = DEFAULT_SAMPLING_NICE, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
+    pub sampling_nice: i32,
 }
 
 fn parse_probability(text: &str) -> Result<f64, String> {
@@ -197,6 +201,7 @@ impl SamplingArgs {
                 min_block: Duration::from_micros(self.off_cpu_min_block_us),
                 gil_wait: !self.no_gil_wait,
             }),
+            sampling_nice: self.sampling_nice,
         }
     }
 }

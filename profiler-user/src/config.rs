@@ -26,6 +26,9 @@ pub struct SamplingConfig {
     pub gpu: GpuConfig,
     /// Off-CPU and GIL-wait profiles (`None`: off).
     pub off_cpu: Option<OffCpuSettings>,
+    /// The nice value the threads that handle samples run at, at most (they are raised to it,
+    /// never lowered).
+    pub sampling_nice: i32,
 }
 
 /// CUDA uprobes and NVML polling.
@@ -66,9 +69,16 @@ impl Default for SamplingConfig {
             python_frames: true,
             gpu: GpuConfig::default(),
             off_cpu: None,
+            sampling_nice: DEFAULT_SAMPLING_NICE,
         }
     }
 }
+
+/// Default nice value of the threads that handle samples. On a busy host (load 20-40 on 2
+/// CPUs) the agent's fair share at nice 0 was less than its start-up work: samples were handled
+/// 15-20 s late, after their processes had exited, and hundreds came out `[unknown]`; at -5 none
+/// did (docs/benchmarks.md). Their steady work is about 5 % of one CPU.
+pub const DEFAULT_SAMPLING_NICE: i32 = -5;
 
 /// Default BPF memory budget for unwind tables (MiB). A CUDA PyTorch process alone needs
 /// about 60 MiB of rows (libtorch_cpu 2.7 M rows, libtorch_cuda, cuBLAS, libpython...; an

@@ -669,3 +669,95 @@ fn stops_within_ten_seconds_of_sigterm_on_a_busy_host_flushing_the_interval() {
     );
     eprintln!("stopped {took:?} after SIGTERM");
 }
+
+/// Each thread of process `pid`: its name and nice value (`/proc/PID/task/TID/stat`, field 19).
+fn thread_priorities(pid: u32) -> Vec<(String, i32)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the agent's threads");
+    let mut threads: Vec<(String, i32)> = tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("stat")).ok())
+        .map(|stat| {
+            let open = stat.find('(').expect("( in stat");
+            let close = stat.rfind(')').expect(") in stat");
+            let name = stat[open + 1..close].to_owned();
+            // After the name: field 3 (state) onwards; the nice value is field 19.
+            let nice = stat[close + 1..]
+                .split_whitespace()
+                .nth(19 - 3)
+                .and_then(|field| field.parse().ok())
+                .expect("the nice field");
+            (name, nice)
+        })
+        .collect();
+    threads.sort();
+    threads
+}
+
+/// Waits until the agent logged `agent running` (its sample reader is started by then).
+fn wait_until_running(agent: &Agent) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !agent.stderr().contains("agent running") {
+        assert!(
+            Instant::now() < deadline,
+            "the agent is not running after 60 s:\n{}",
+            agent.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `--sampling-nice`: the threads that handle samples (the pipeline on the main thread,
+/// `sample-reader`, the unwind-table builders) run at the raised priority, the HTTP server's
+/// and the exporter's at the agent's own. Without `CAP_SYS_NICE` the agent says so and runs on.
+#[test]
+fn the_threads_that_handle_samples_run_at_the_raised_priority_and_only_they() {
+    let _guard = exclusive();
+    let own_nice = thread_priorities(std::process::id())[0].1;
+    let sampling = ["profiler", "sample-reader", "unwind-tables", "unwind-large"];
+    let serving = ["http", "http-server", "exporter"];
+    let mut agent = Agent::start(&["--sampling-nice", "-7", "--no-gpu"]);
+    wait_until_running(&agent);
+    let threads = thread_priorities(agent.pid());
+    let (status, log) = agent.stop();
+    assert!(status.success(), "{log}");
+    for name in sampling.iter().chain(&serving) {
+        assert!(
+            threads.iter().any(|(thread, _)| thread == name),
+            "no thread {name}: {threads:?}"
+        );
+    }
+    for (thread, nice) in &threads {
+        if sampling.contains(&thread.as_str()) {
+            assert_eq!(*nice, -7, "{thread}: {threads:?}");
+        } else if serving.contains(&thread.as_str()) {
+            assert_eq!(*nice, own_nice, "{thread}: {threads:?}");
+        }
+    }
+
+    // Without CAP_SYS_NICE (and RLIMIT_NICE 0): a warning, the agent's own priority, samples.
+    let mut agent = Agent::start_through(
+        &[
+            "setpriv",
+            "--bounding-set",
+            "-sys_nice",
+            "--inh-caps",
+            "-sys_nice",
+            "prlimit",
+            "--nice=0",
+            "--",
+        ],
+        &["--sampling-nice", "-7", "--no-gpu"],
+        &[],
+    );
+    wait_until_running(&agent);
+    let threads = thread_priorities(agent.pid());
+    let (status, log) = agent.stop();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains("cannot raise the sampling threads' priority"),
+        "no warning:\n{log}"
+    );
+    assert!(
+        threads.iter().all(|(_, nice)| *nice == own_nice),
+        "{threads:?}"
+    );
+}

@@ -28,6 +28,7 @@ const CAPABILITIES: &[&str] = &[
     "CHECKPOINT_RESTORE",
     "DAC_READ_SEARCH",
     "SYSLOG",
+    "SYS_NICE",
 ];
 
 fn deploy(path: &str) -> PathBuf {
