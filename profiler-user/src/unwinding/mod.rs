@@ -31,7 +31,8 @@ pub struct UnwindStats {
     pub truncated_stacks: u64,
     /// User addresses that fell in no file-backed mapping even after a refresh.
     pub unmapped_frames: u64,
-    /// Samples of processes that were gone before their snapshot could be taken.
+    /// Samples (with or without a user stack) of processes that were gone before their
+    /// snapshot could be taken.
     pub unknown_processes: u64,
     /// Stacks cut at a frame whose table was not loaded yet: the callers BPF took from the
     /// frame-pointer chain there were guesses.
@@ -61,9 +62,6 @@ impl Unwinder {
         } else {
             processes.lookup(sample.pid)
         };
-        if process.is_none() && !sample.user_ips.is_empty() {
-            self.stats.unknown_processes += 1;
-        }
         // The innermost user address is the interrupted instruction itself only when the sample
         // hit user mode with no kernel frames; otherwise it is where the syscall or fault returns.
         let innermost_is_exact = sample.kernel_ips.is_empty();
@@ -96,6 +94,11 @@ impl Unwinder {
                 None
             }
         });
+        // Kernel-only samples count too: a thread's last moments in `do_exit` have no user
+        // stack, and without a process their service is a guess.
+        if process.is_none() {
+            self.stats.unknown_processes += 1;
+        }
         (UnwoundStack { frames, truncated }, process)
     }
 }
@@ -324,5 +327,19 @@ mod tests {
         assert_eq!(stack.frames.len(), 2, "frames are kept, never dropped");
         assert_eq!(unwinder.stats.unknown_processes, 1);
         assert_eq!(unwinder.stats.unmapped_frames, 2);
+
+        // A kernel-only sample (a thread exiting, its user memory gone) of a vanished process
+        // counts as well; one of a known process does not.
+        let (_, found) = unwinder.unwind(&sample(vec![0xffff_ffff_8100_0000], vec![]), &mut fake);
+        assert!(found.is_none());
+        assert_eq!(unwinder.stats.unknown_processes, 2);
+        let mut known = FakeProcesses {
+            first: Some(self::process(vec![])),
+            refreshed: None,
+            refreshes: 0,
+        };
+        let (_, found) = unwinder.unwind(&sample(vec![0xffff_ffff_8100_0000], vec![]), &mut known);
+        assert!(found.is_some());
+        assert_eq!(unwinder.stats.unknown_processes, 2);
     }
 }
