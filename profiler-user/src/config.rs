@@ -76,8 +76,9 @@ impl Default for SamplingConfig {
 
 /// Default nice value of the threads that handle samples. On a busy host (load 20-40 on 2
 /// CPUs) the agent's fair share at nice 0 was less than its start-up work: samples were handled
-/// 15-20 s late, after their processes had exited, and hundreds came out `[unknown]`; at -5 none
-/// did (docs/benchmarks.md). Their steady work is about 5 % of one CPU.
+/// 15-20 s late, after their processes had exited, and 300-550 came out `[unknown]`; at -5 at
+/// most 4 did (docs/benchmarks.md). Their steady work is 5-6 % of one CPU, 15-20 % more per
+/// sample than at 0.
 pub const DEFAULT_SAMPLING_NICE: i32 = -5;
 
 /// Default BPF memory budget for unwind tables (MiB). A CUDA PyTorch process alone needs
