@@ -636,6 +636,15 @@ impl Agent {
         self.process.stderr()
     }
 
+    /// Waits for a log line (so far or to come) containing `needle`; returns it.
+    pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
+        self.process
+            .wait_for_line(timeout, |line| {
+                line.contains(needle).then(|| line.to_string())
+            })
+            .unwrap_or_else(|log| panic!("the agent logged no {needle:?}: {log}"))
+    }
+
     /// How many intervals the agent has flushed so far (its `interval` log lines).
     pub fn intervals_flushed(&self) -> usize {
         self.stderr()

@@ -692,19 +692,6 @@ fn thread_priorities(pid: u32) -> Vec<(String, i32)> {
     threads
 }
 
-/// Waits until the agent logged `agent running` (its sample reader is started by then).
-fn wait_until_running(agent: &Agent) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !agent.stderr().contains("agent running") {
-        assert!(
-            Instant::now() < deadline,
-            "the agent is not running after 60 s:\n{}",
-            agent.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// `--sampling-nice`: the threads that handle samples (the pipeline on the main thread,
 /// `sample-reader`, the unwind-table builders) run at the raised priority, the HTTP server's
 /// and the exporter's at the agent's own. Without `CAP_SYS_NICE` the agent says so and runs on.
@@ -715,7 +702,8 @@ fn the_threads_that_handle_samples_run_at_the_raised_priority_and_only_they() {
     let sampling = ["profiler", "sample-reader", "unwind-tables", "unwind-large"];
     let serving = ["http", "http-server", "exporter"];
     let mut agent = Agent::start(&["--sampling-nice", "-7", "--no-gpu"]);
-    wait_until_running(&agent);
+    // The sample reader is started by then.
+    agent.wait_for("agent running", Duration::from_secs(60));
     let threads = thread_priorities(agent.pid());
     let (status, log) = agent.stop();
     assert!(status.success(), "{log}");
@@ -748,7 +736,8 @@ fn the_threads_that_handle_samples_run_at_the_raised_priority_and_only_they() {
         &["--sampling-nice", "-7", "--no-gpu"],
         &[],
     );
-    wait_until_running(&agent);
+    // The sample reader is started by then.
+    agent.wait_for("agent running", Duration::from_secs(60));
     let threads = thread_priorities(agent.pid());
     let (status, log) = agent.stop();
     assert!(status.success(), "{log}");
