@@ -80,7 +80,9 @@ pub enum AgentError {
 /// Sets glibc's allocator up for an agent that lives for months: a fixed threshold of 1 MiB
 /// above which allocations are mapped (and given back when freed), instead of the dynamic
 /// one that, once a large table was built, keeps such blocks in the heap for good; and two
-/// arenas rather than one per thread. Call before any thread starts.
+/// arenas rather than one per thread. The `profiler` binary gives Rust's allocations to
+/// jemalloc (main.rs), so there this serves the C code (SQLite, NVML); a program built on the
+/// library with glibc's allocator gets the same settings. Call before any thread starts.
 pub fn tune_allocator() {
     // SAFETY: mallopt only changes allocator parameters; it is called before other threads.
     unsafe {

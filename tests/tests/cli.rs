@@ -166,3 +166,25 @@ fn sigint_flushes_and_exits_zero() {
     );
     assert!(profile.duration_nanos < 30_000_000_000);
 }
+
+/// The binary allocates with jemalloc and its settings in main.rs are the ones in force: a
+/// misspelt settings symbol would be ignored without a word.
+#[test]
+fn the_binary_allocates_with_jemalloc_as_configured() {
+    let output =
+        run_profiler_with_env(&["--version"], &[("_RJEM_MALLOC_CONF", "stats_print:true")]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stats = stderr(&output);
+    for setting in [
+        "opt.narenas: 2",
+        "opt.dirty_decay_ms: 500",
+        "opt.muzzy_decay_ms: 0",
+        "opt.oversize_threshold: 1048576",
+        "opt.abort_conf: true",
+    ] {
+        assert!(
+            stats.contains(setting),
+            "jemalloc's statistics at exit lack `{setting}`:\n{stats}"
+        );
+    }
+}

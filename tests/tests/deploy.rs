@@ -718,7 +718,14 @@ fn dockerfile_follows_the_setup_recipe() {
         "both stages pin bpf-linker {version}"
     );
     let setup = read(&workspace_root().join("xtask/src/setup.rs"));
-    for package in ["rustc-web", "cargo-web", "libstd-rust-web-dev-bpf"] {
+    // gcc and make also build jemalloc, the agent's allocator.
+    for package in [
+        "rustc-web",
+        "cargo-web",
+        "libstd-rust-web-dev-bpf",
+        "gcc",
+        "make",
+    ] {
         assert!(
             setup.contains(&format!("\"{package}\"")),
             "setup installs {package}"

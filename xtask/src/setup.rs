@@ -33,11 +33,14 @@ const APT_PACKAGES: &[(&str, &str)] = &[
         "binutils",
         "objdump/readelf for the ELF and symbolization tests",
     ),
-    ("gcc", "builds the C test fixtures"),
+    (
+        "gcc",
+        "builds the C test fixtures and jemalloc (the agent's allocator)",
+    ),
     ("g++", "builds the C++ test fixtures"),
     (
         "make",
-        "builds the free-threaded CPython test interpreters from source",
+        "builds jemalloc and the free-threaded CPython test interpreters from source",
     ),
     (
         "libffi-dev",

@@ -215,7 +215,16 @@ impl CudaAttribution {
         }
         self.decode_errors += errors;
         let now = Instant::now();
-        self.names.begin_batch(lifecycle, now);
+        let mut naming: Vec<Pid> = records
+            .iter()
+            .filter_map(|record| match record {
+                CudaRecord::Name { header, .. } => Some(Pid(header.pid)),
+                CudaRecord::Call { .. } => None,
+            })
+            .collect();
+        naming.sort_unstable();
+        naming.dedup();
+        self.names.begin_batch(lifecycle, &naming, now);
         // A process that uses CUDA gets its unwind tables now, so even the stacks of its
         // first calls are unwound from tables rather than frame pointers.
         for &pid in new_users {

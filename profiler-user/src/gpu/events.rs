@@ -237,15 +237,19 @@ impl KernelNames {
     }
 
     /// Lifecycle events drained before this batch's records: each ends the process's current
-    /// program at the event's time, also for a process with no names yet (its names may be in
-    /// this batch, before the event).
-    pub fn begin_batch(&mut self, lifecycle: &[LifecycleEvent], now: Instant) {
+    /// program at the event's time, for a process with names and for one that names handles
+    /// in this batch (`naming`: those names may be from before the event). The others, most
+    /// of the hundreds of execs and exits a second of a busy host, are skipped.
+    pub fn begin_batch(&mut self, lifecycle: &[LifecycleEvent], naming: &[Pid], now: Instant) {
         for event in lifecycle {
             if matches!(event, LifecycleEvent::Forked { .. }) {
                 continue;
             }
-            let (pid, ktime_ns) = (event.pid(), event.ktime_ns());
-            let process = self.processes.entry(Pid(pid)).or_default();
+            let (pid, ktime_ns) = (Pid(event.pid()), event.ktime_ns());
+            if !self.processes.contains_key(&pid) && !naming.contains(&pid) {
+                continue;
+            }
+            let process = self.processes.entry(pid).or_default();
             let names = std::mem::take(&mut process.current);
             process.ended.push(EndedProgram {
                 ended_ns: ktime_ns,
@@ -386,7 +390,7 @@ mod tests {
         let mut names = KernelNames::default();
         let start = Instant::now();
         // Batch 1: the handles are named.
-        names.begin_batch(&[], start);
+        names.begin_batch(&[], &[], start);
         names.learn(&at(CALL_DRV_GET_FUNCTION, 0xabc, 100), "triton_fused_add");
         let mut stub_name = at(CALL_RT_GET_KERNEL, 0x55, 110);
         stub_name.aux = 0x2000;
@@ -397,7 +401,7 @@ mod tests {
             pid: 7,
             ktime_ns: 1_000,
         };
-        names.begin_batch(&[exit], start);
+        names.begin_batch(&[exit], &[], start);
         assert_eq!(
             names.kernel(&at(CALL_DRV_LAUNCH, 0xabc, 900)),
             KernelRef::Named("triton_fused_add".into())
@@ -413,7 +417,7 @@ mod tests {
         );
         names.end_batch(start);
         // Records handled in a later batch, within the grace period, are still named.
-        names.begin_batch(&[], start + Duration::from_secs(1));
+        names.begin_batch(&[], &[], start + Duration::from_secs(1));
         assert_eq!(
             names.kernel(&at(CALL_DRV_LAUNCH, 0xabc, 990)),
             KernelRef::Named("triton_fused_add".into())
@@ -438,7 +442,7 @@ mod tests {
             pid: 7,
             ktime_ns: 1_000,
         };
-        names.begin_batch(&[exit], now);
+        names.begin_batch(&[exit], &[Pid(7)], now);
         names.learn(&at(CALL_DRV_GET_FUNCTION, 0xabc, 500), "gemm");
         assert_eq!(
             names.kernel(&at(CALL_DRV_LAUNCH, 0xabc, 900)),
@@ -455,6 +459,7 @@ mod tests {
                 pid: 99,
                 ktime_ns: 2_000,
             }],
+            &[],
             now,
         );
         names.end_batch(now);
@@ -473,7 +478,7 @@ mod tests {
         };
         // The batch holds the exec, a launch of the old program, and the new program naming
         // the same handle value and launching it.
-        names.begin_batch(&[exec], now);
+        names.begin_batch(&[exec], &[Pid(7)], now);
         names.learn(&at(CALL_DRV_GET_FUNCTION, 0xabc, 600), "new_kernel");
         assert_eq!(
             names.kernel(&at(CALL_DRV_LAUNCH, 0xabc, 400)),

@@ -801,6 +801,13 @@ fn read_identity_in(
         }
     });
     let is_kernel_thread = is_kernel_thread(Some(stat.flags), cmdline.is_empty(), exe.is_some());
+    // A user process without a command line and an executable has lost its memory: it is
+    // exiting, its state not yet `Z` (exec keeps the executable set while the command line is
+    // not yet there). Read now, it would be named after nothing; its exec or fork event says
+    // who it was, and the kernel's announcements what it had mapped.
+    if !is_kernel_thread && cmdline.is_empty() && exe.is_none() {
+        return Err(ProcessError::Exiting { pid });
+    }
 
     // Kernel threads have no environment or cgroup of interest.
     let (env, cgroup) = if is_kernel_thread {

@@ -285,6 +285,32 @@ fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
     assert!(registry.lookup(Pid(801)).is_none());
 }
 
+/// A process read while it exits (its memory gone, its state still running) is named by its
+/// exec event, not read as a nameless process with no mappings; with no event it is unknown.
+#[test]
+fn exiting_process_is_named_by_its_exec_event() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    for pid in [510, 511] {
+        let dir = write_fake_process(root.path(), pid, 5000, "");
+        // What /proc shows once exit_mm has run: no command line, environment or executable.
+        fs::write(dir.join("cmdline"), b"").expect("write");
+        fs::write(dir.join("environ"), b"").expect("write");
+    }
+    registry.record_exec(Pid(510), Arc::new(registry_record("host_threads")));
+    let info = registry
+        .lookup(Pid(510))
+        .expect("a snapshot from the event");
+    assert_eq!(info.labels.service_name, "host_threads");
+    assert_eq!(info.labels.executable, "/bin/host_threads");
+    let stats = registry.stats();
+    assert_eq!((stats.snapshots_taken, stats.snapshots_from_events), (0, 1));
+    assert!(
+        registry.lookup(Pid(511)).is_none(),
+        "without an event nothing says who it was"
+    );
+}
+
 #[test]
 fn pid_reuse_takes_a_new_snapshot() {
     let root = tempfile::tempdir().expect("tempdir");
