@@ -912,6 +912,8 @@ impl SelfMetrics {
             ringbuf_full = self.bpf.get(profiler_common::STAT_RINGBUF_FULL),
             ringbuf_pending_bytes = self.bpf.get(profiler_common::STAT_RINGBUF_PENDING_BYTES),
             truncated_stacks = self.truncated_stacks,
+            unmapped_frames = self.unmapped_frames,
+            unknown_processes = self.unknown_processes,
             symbolization_misses = self.symbolization_misses,
             processes = self.processes_tracked,
             unwind_complete = self.bpf.get(profiler_common::STAT_UNWIND_COMPLETE),

@@ -261,7 +261,10 @@ impl LogReader {
                 values.extend(std::mem::take(&mut self.tables));
                 self.log.last_interval = values;
             }
-            "agent stopped" => self.log.stopped = Some(numbers(fields)),
+            // Two lines have this message: the counters, then the time the stop took.
+            "agent stopped" if fields.get("samples_processed").is_some() => {
+                self.log.stopped = Some(numbers(fields));
+            }
             _ => {}
         }
         let level = value.get("level").and_then(|l| l.as_str()).unwrap_or("");
@@ -1010,6 +1013,11 @@ mod tests {
         reader.line(r#"{"level":"INFO","fields":{"message":"interval","unwind_tables":12,"rss_bytes":1000}}"#);
         reader.line(r#"{"level":"WARN","fields":{"message":"slow"}}"#);
         reader.line(r#"{"level":"WARN","fields":{"message":"slow"}}"#);
+        // The agent's two `agent stopped` lines: its counters, then the time the stop took.
+        reader.line(r#"{"level":"INFO","fields":{"message":"agent stopped","samples_processed":900,"unknown_processes":3}}"#);
+        reader.line(r#"{"level":"INFO","fields":{"message":"agent stopped","elapsed_ms":40}}"#);
+        let stopped = reader.log.stopped.as_ref().expect("the counters line");
+        assert_eq!(stopped.get("unknown_processes"), Some(&3.0));
         assert_eq!(reader.addr, Some("127.0.0.1:4321".parse().unwrap()));
         assert!(reader.running);
         assert_eq!(reader.log.intervals, 1);

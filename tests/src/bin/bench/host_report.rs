@@ -704,6 +704,25 @@ fn render_quality(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) {
             per("profiler_unknown_processes_total"),
         );
     }
+    // The same counters over the whole run, the last (busy) interval and the stop included,
+    // as the store's figures are.
+    let stopped = run.log.stopped.as_ref();
+    let counter = |name: &str| stopped.and_then(|s| s.get(name).copied());
+    if let Some(samples) = counter("samples_processed").filter(|n| *n > 0.0) {
+        let per = |name: &str| {
+            counter(name).map_or("n/a".into(), |v| {
+                format!("{v:.0} ({:.2} % of samples)", v * 100.0 / samples)
+            })
+        };
+        let _ = writeln!(
+            out,
+            "\nThe same at its stop, over the whole run ({samples:.0} samples processed): truncated stacks {}; unmapped frames {}; symbolization misses {}; samples of processes it did not know {}.",
+            per("truncated_stacks"),
+            per("unmapped_frames"),
+            per("symbolization_misses"),
+            per("unknown_processes"),
+        );
+    }
 }
 
 fn render_fixtures(out: &mut String, analysis: &ProfileAnalysis) {
