@@ -688,41 +688,59 @@ fn render_quality(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) {
         }
     }
     let last = run.polls.iter().rev().find(|p| !p.metrics.is_empty());
-    let metric = |name: &str| last.and_then(|p| p.metric(name));
-    if let Some(samples) = metric(SAMPLES).filter(|n| *n > 0.0) {
-        let per = |name: &str| {
-            metric(name).map_or("n/a".into(), |v| {
-                format!("{v:.0} ({:.2} % of samples)", v * 100.0 / samples)
-            })
-        };
-        let _ = writeln!(
-            out,
-            "\nThe agent's own counters at its last interval ({samples:.0} samples processed): truncated stacks {}; unmapped frames {}; symbolization misses {}; samples of processes it did not know {}.",
-            per("profiler_truncated_stacks_total"),
-            per("profiler_unmapped_frames_total"),
-            per("profiler_symbolization_misses_total"),
-            per("profiler_unknown_processes_total"),
-        );
-    }
+    render_counters(
+        out,
+        "The agent's own counters at its last interval",
+        |name| last.and_then(|p| p.metric(name)),
+        [
+            SAMPLES,
+            "profiler_truncated_stacks_total",
+            "profiler_unmapped_frames_total",
+            "profiler_symbolization_misses_total",
+            "profiler_unknown_processes_total",
+        ],
+    );
     // The same counters over the whole run, the last (busy) interval and the stop included,
     // as the store's figures are.
     let stopped = run.log.stopped.as_ref();
-    let counter = |name: &str| stopped.and_then(|s| s.get(name).copied());
-    if let Some(samples) = counter("samples_processed").filter(|n| *n > 0.0) {
-        let per = |name: &str| {
-            counter(name).map_or("n/a".into(), |v| {
-                format!("{v:.0} ({:.2} % of samples)", v * 100.0 / samples)
-            })
-        };
-        let _ = writeln!(
-            out,
-            "\nThe same at its stop, over the whole run ({samples:.0} samples processed): truncated stacks {}; unmapped frames {}; symbolization misses {}; samples of processes it did not know {}.",
-            per("truncated_stacks"),
-            per("unmapped_frames"),
-            per("symbolization_misses"),
-            per("unknown_processes"),
-        );
-    }
+    render_counters(
+        out,
+        "The same at its stop, over the whole run",
+        |name| stopped.and_then(|s| s.get(name).copied()),
+        [
+            "samples_processed",
+            "truncated_stacks",
+            "unmapped_frames",
+            "symbolization_misses",
+            "unknown_processes",
+        ],
+    );
+}
+
+/// One sentence of the agent's stack-quality counters; `names`: samples processed, truncated
+/// stacks, unmapped frames, symbolization misses, samples of unknown processes.
+fn render_counters(
+    out: &mut String,
+    what: &str,
+    counter: impl Fn(&str) -> Option<f64>,
+    names: [&str; 5],
+) {
+    let Some(samples) = counter(names[0]).filter(|n| *n > 0.0) else {
+        return;
+    };
+    let per = |name: &str| {
+        counter(name).map_or("n/a".into(), |v| {
+            format!("{v:.0} ({:.2} % of samples)", v * 100.0 / samples)
+        })
+    };
+    let _ = writeln!(
+        out,
+        "\n{what} ({samples:.0} samples processed): truncated stacks {}; unmapped frames {}; symbolization misses {}; samples of processes it did not know {}.",
+        per(names[1]),
+        per(names[2]),
+        per(names[3]),
+        per(names[4]),
+    );
 }
 
 fn render_fixtures(out: &mut String, analysis: &ProfileAnalysis) {
