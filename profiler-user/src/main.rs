@@ -15,8 +15,9 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// jemalloc's settings (`malloc_conf`), read at its first allocation. Two arenas, as for
 /// glibc: the agent has a handful of busy threads. Freed pages go back to the system within
 /// half a second (at 2 s, pages the table builds had freed and jemalloc not yet purged made
-/// the anonymous RSS 57 MiB at 30 s of a busy host's start-up, against 40), and blocks of 1 MiB or more (a large unwind table) at once, from
-/// an arena of their own. A setting jemalloc does not know stops the agent at start.
+/// the anonymous RSS 57 MiB at 30 s of a busy host's start-up, against 40), and blocks of
+/// 1 MiB or more (a large unwind table) at once, from an arena of their own. A setting
+/// jemalloc does not know stops the agent at start.
 #[unsafe(export_name = "_rjem_malloc_conf")]
 static JEMALLOC_CONF: &u8 =
     &b"narenas:2,dirty_decay_ms:500,muzzy_decay_ms:0,oversize_threshold:1048576,abort_conf:true\0"
