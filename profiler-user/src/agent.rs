@@ -848,6 +848,7 @@ impl Pipeline {
             };
             match event {
                 LifecycleEvent::Exited { pid, .. } => {
+                    self.processes.record_exit(Pid(pid));
                     self.native_tables.unregister(Pid(pid));
                     self.python.forget(Pid(pid));
                     self.symbolizer.forget_process(Pid(pid));

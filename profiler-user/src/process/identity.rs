@@ -27,8 +27,13 @@ use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
 use super::lru::Lru;
 use crate::model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo};
 
-/// Identities kept at most (the oldest are forgotten first).
-pub const MAX_IDENTITIES: usize = 16_384;
+/// Identities of running processes kept at most (the least recently used are forgotten
+/// first, should exits go unseen).
+pub const MAX_LIVE_IDENTITIES: usize = 16_384;
+
+/// Identities of exited processes kept at most, for their samples still in flight and for
+/// the children forked from them (the oldest are forgotten first).
+pub const MAX_EXITED_IDENTITIES: usize = 8_192;
 
 /// What the events say about a process.
 #[derive(Clone, Debug)]
@@ -43,9 +48,15 @@ pub enum Identity {
 }
 
 /// The latest identity per pid, and the one before its latest exec, bounded.
+///
+/// Running processes and exited ones are bounded apart: on a host that forks hundreds of
+/// times a second, one bound would forget a long-running parent (a service's supervisor, a
+/// build's driver) within seconds, and with it the name of every child it forks that exits
+/// before /proc is read.
 #[derive(Debug)]
 pub struct Identities {
-    entries: Lru<Pid, Entry>,
+    live: Lru<Pid, Entry>,
+    exited: Lru<Pid, Entry>,
 }
 
 #[derive(Debug)]
@@ -59,7 +70,8 @@ struct Entry {
 impl Default for Identities {
     fn default() -> Self {
         Identities {
-            entries: Lru::new(MAX_IDENTITIES),
+            live: Lru::new(MAX_LIVE_IDENTITIES),
+            exited: Lru::new(MAX_EXITED_IDENTITIES),
         }
     }
 }
@@ -68,30 +80,42 @@ impl Identities {
     pub fn record(&mut self, pid: Pid, identity: Identity) {
         let before_exec = match identity {
             // Its old program, unless that entry is another process's (a pid reused).
-            Identity::Exec(_) => self
-                .entries
-                .get_mut(&pid)
-                .map(|entry| entry.current.clone()),
+            Identity::Exec(_) => self.entry(pid).map(|entry| entry.current.clone()),
             Identity::Fork { .. } => None,
         };
         let entry = Entry {
             current: identity,
             before_exec,
         };
-        self.entries.insert(pid, entry);
+        // A pid recorded again is a running process (an exec, or a new process reusing it).
+        self.exited.remove(&pid);
+        self.live.insert(pid, entry);
+    }
+
+    /// The process exited: its identity is kept, among the exited ones, while its last
+    /// samples and its children may still ask.
+    pub fn exited(&mut self, pid: Pid) {
+        if let Some(entry) = self.live.remove(&pid) {
+            self.exited.insert(pid, entry);
+        }
+    }
+
+    fn entry(&mut self, pid: Pid) -> Option<&mut Entry> {
+        if self.live.contains_key(&pid) {
+            return self.live.get_mut(&pid);
+        }
+        self.exited.get_mut(&pid)
     }
 
     pub fn get(&mut self, pid: Pid) -> Option<Identity> {
-        self.entries
-            .get_mut(&pid)
-            .map(|entry| entry.current.clone())
+        self.entry(pid).map(|entry| entry.current.clone())
     }
 
     /// What `pid` was at `time_ns`, when its latest recorded exec ended after then: the
     /// identity before that exec. `None` when no recorded exec ended after `time_ns`, or when
     /// the process exec'ed twice since (the one before is not kept).
     pub fn before_exec(&mut self, pid: Pid, time_ns: u64) -> Option<Identity> {
-        let entry = self.entries.get_mut(&pid)?;
+        let entry = self.entry(pid)?;
         let Identity::Exec(record) = &entry.current else {
             return None;
         };
@@ -106,14 +130,14 @@ impl Identities {
 
     /// When the latest exec recorded for `pid` ended, if it ended after `time_ns`.
     pub fn exec_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
-        match &self.entries.get_mut(&pid)?.current {
+        match &self.entry(pid)?.current {
             Identity::Exec(record) if record.exec_ns > time_ns => Some(record.exec_ns),
             _ => None,
         }
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.live.len() + self.exited.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -335,6 +359,52 @@ mod tests {
             },
         );
         assert_eq!(comm(identities.before_exec(pid, 150)), "none");
+    }
+
+    /// A running parent's identity outlives the churn of short-lived processes around it:
+    /// forks and exits of many more processes than either bound holds.
+    #[test]
+    fn running_processes_outlive_the_churn_of_exited_ones() {
+        let mut identities = Identities::default();
+        let parent = Pid(7);
+        identities.record(
+            parent,
+            Identity::Exec(Arc::new(ExecRecord {
+                comm: "supervisor".into(),
+                ..Default::default()
+            })),
+        );
+        let churn = (MAX_LIVE_IDENTITIES + MAX_EXITED_IDENTITIES) as u32 * 2;
+        for pid in 100..100 + churn {
+            identities.record(
+                Pid(pid),
+                Identity::Fork {
+                    parent,
+                    parent_info: None,
+                },
+            );
+            identities.exited(Pid(pid));
+        }
+        assert!(matches!(
+            identities.get(parent),
+            Some(Identity::Exec(record)) if record.comm == "supervisor"
+        ));
+        // The latest exited are still known, the oldest forgotten, within the bound.
+        let last = Pid(100 + churn - 1);
+        assert!(identities.get(last).is_some());
+        assert!(identities.get(Pid(100)).is_none());
+        assert!(identities.len() <= MAX_LIVE_IDENTITIES + MAX_EXITED_IDENTITIES);
+        // Once exited, the parent is among them, and a pid reused is running again.
+        identities.exited(parent);
+        assert!(identities.get(parent).is_some());
+        identities.record(
+            last,
+            Identity::Fork {
+                parent,
+                parent_info: None,
+            },
+        );
+        assert!(matches!(identities.get(last), Some(Identity::Fork { .. })));
     }
 
     #[test]

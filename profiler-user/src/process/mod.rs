@@ -281,6 +281,11 @@ impl ProcessRegistry {
         );
     }
 
+    /// The process exited (from the exit event): its identity moves among the exited ones.
+    pub fn record_exit(&mut self, pid: Pid) {
+        self.identities.exited(pid);
+    }
+
     /// Number of snapshots held.
     pub fn len(&self) -> usize {
         self.processes.len()
