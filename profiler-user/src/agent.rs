@@ -980,6 +980,7 @@ impl Pipeline {
             symbol_cache_evicted: symbols.cache_evicted,
             symbol_files: symbols.resolvers as u64,
             symbol_file_bytes: symbols.resolver_bytes,
+            symbol_file_page_releases: symbols.file_page_releases,
             symbol_files_dropped: symbols.resolvers_dropped,
             python_code_objects: symbols.python_code_entries as u64,
             processes_tracked: self.processes.len() as u64,

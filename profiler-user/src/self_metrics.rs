@@ -51,6 +51,9 @@ pub struct SelfMetrics {
     pub symbol_files: u64,
     pub symbol_file_bytes: u64,
     pub symbol_files_dropped: u64,
+    /// Times the pages of symbol files were given back (page-out) to keep the file-backed RSS
+    /// in its band.
+    pub symbol_file_page_releases: u64,
     /// Python code objects cached (bounded).
     pub python_code_objects: u64,
     pub processes_tracked: u64,
@@ -736,6 +739,12 @@ impl SelfMetrics {
                 "gauge",
             ),
             (
+                "symbol_file_page_releases_total",
+                "Times the pages of symbol files were given back to keep the file-backed RSS in its band",
+                self.symbol_file_page_releases,
+                "counter",
+            ),
+            (
                 "symbol_files_dropped_total",
                 "Parsed symbol tables dropped to stay within their bound (read again when needed)",
                 self.symbol_files_dropped,
@@ -915,6 +924,7 @@ impl SelfMetrics {
             unmapped_frames = self.unmapped_frames,
             unknown_processes = self.unknown_processes,
             symbolization_misses = self.symbolization_misses,
+            symbol_file_page_releases = self.symbol_file_page_releases,
             processes = self.processes_tracked,
             unwind_complete = self.bpf.get(profiler_common::STAT_UNWIND_COMPLETE),
             unwind_tables = self.native_tables.tables_loaded,

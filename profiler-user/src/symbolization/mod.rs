@@ -126,6 +126,8 @@ pub struct SymbolizerStats {
     pub resolvers_dropped: u64,
     /// Python code objects cached (bounded by `python::CODE_CACHE_ENTRIES`).
     pub python_code_entries: usize,
+    /// Times symbol files' pages were given back (`Symbolizer::release_file_pages`).
+    pub file_page_releases: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -207,6 +209,8 @@ const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_se
 struct FilePageWatch {
     checked_at: std::time::Instant,
     resident_after_release: u64,
+    /// Releases so far.
+    releases: u64,
 }
 
 /// The agent's file-backed and shared resident bytes (`shared` of /proc/self/statm).
@@ -240,6 +244,7 @@ impl Symbolizer {
             file_pages: FilePageWatch {
                 checked_at: std::time::Instant::now(),
                 resident_after_release: 0,
+                releases: 0,
             },
         }
     }
@@ -260,6 +265,7 @@ impl Symbolizer {
             return 0;
         }
         let released = self.release_file_pages();
+        self.file_pages.releases += 1;
         self.file_pages.resident_after_release = resident_file_bytes().unwrap_or(resident);
         released
     }
@@ -271,6 +277,7 @@ impl Symbolizer {
 
     pub fn stats(&self) -> SymbolizerStats {
         SymbolizerStats {
+            file_page_releases: self.file_pages.releases,
             cache_entries: self.frames.len(),
             cache_evicted: self.frames.evicted(),
             resolvers: self.files.values().filter(|f| f.resolver.is_some()).count(),
@@ -548,6 +555,7 @@ impl Symbolizer {
                 // back now, not at the next check, so they do not add up with whatever else is
                 // resident at the time (the same library's unwind table being built).
                 self.release_file_pages();
+                self.file_pages.releases += 1;
                 if let Some(resident) = resident_file_bytes() {
                     self.file_pages.resident_after_release = resident;
                 }
