@@ -663,6 +663,9 @@ fn file_pages_read_for_names_are_given_back_and_read_again() {
         resident_bytes_of_mapping(read_only.as_ptr()),
         read_only_before
     );
+    // Read back a page at a time, without readahead.
+    let flags = crate::test_support::flags_of_mapping(names.as_ptr());
+    assert!(flags.iter().any(|flag| flag == "rr"), "{flags:?}");
     // Read again from the file, unchanged.
     assert!(names[..] == bytes[..]);
     assert!(writable[..] == bytes[..]);
