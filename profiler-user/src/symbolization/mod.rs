@@ -265,7 +265,6 @@ impl Symbolizer {
             return 0;
         }
         let released = self.release_file_pages();
-        self.file_pages.releases += 1;
         self.file_pages.resident_after_release = resident_file_bytes().unwrap_or(resident);
         released
     }
@@ -415,7 +414,8 @@ impl Symbolizer {
     /// never loses data: clean file pages are reclaimed (the next lookup reads the few it
     /// needs again), anonymous ones at most go to swap, and pages other processes map stay.
     /// Files the agent runs (its binary, its libraries) or writes (the store) are left alone.
-    pub fn release_file_pages(&self) -> u64 {
+    pub fn release_file_pages(&mut self) -> u64 {
+        self.file_pages.releases += 1;
         let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
             return 0;
         };
@@ -568,7 +568,6 @@ impl Symbolizer {
                 // back now, not at the next check, so they do not add up with whatever else is
                 // resident at the time (the same library's unwind table being built).
                 self.release_file_pages();
-                self.file_pages.releases += 1;
                 if let Some(resident) = resident_file_bytes() {
                     self.file_pages.resident_after_release = resident;
                 }

@@ -650,8 +650,9 @@ fn file_pages_read_for_names_are_given_back_and_read_again() {
     let read_only_before = resident_bytes_of_mapping(read_only.as_ptr());
     assert!(names_before >= 3 << 20, "{names_before}");
 
-    let symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
     let released = symbolizer.release_file_pages();
+    assert_eq!(symbolizer.stats().file_page_releases, 1);
 
     let names_after = resident_bytes_of_mapping(names.as_ptr());
     assert!(released >= 4 << 20, "{released}");
