@@ -293,6 +293,49 @@ pub fn read_build_id(file: &File) -> Option<String> {
     Some(id.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Held by any thread while it creates or removes its own mapping of a file that processes map
+/// (their binaries and libraries), so the symbolizer can tell its own new mapping of such a file
+/// from another thread's: it gives its own mappings' pages back with `MADV_DONTNEED`, which is
+/// only safe on a range known to stay that mapping (see `Symbolizer::release_file_pages`).
+pub static FILE_MAPPING_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Takes [`FILE_MAPPING_LOCK`] (a panic elsewhere while holding it left nothing to repair).
+pub fn lock_file_mappings() -> std::sync::MutexGuard<'static, ()> {
+    FILE_MAPPING_LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A read-only mapping of a whole file, made and removed under [`FILE_MAPPING_LOCK`].
+pub struct GuardedMmap(Option<memmap2::Mmap>);
+
+impl GuardedMmap {
+    /// Maps all of `file` read-only.
+    ///
+    /// # Safety
+    /// As `memmap2::Mmap::map`: the file must not be truncated or changed while mapped.
+    pub unsafe fn map(file: &File) -> std::io::Result<Self> {
+        let _guard = lock_file_mappings();
+        // SAFETY: the caller's promise.
+        unsafe { memmap2::Mmap::map(file) }.map(|mapped| Self(Some(mapped)))
+    }
+}
+
+impl std::ops::Deref for GuardedMmap {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or_default()
+    }
+}
+
+impl Drop for GuardedMmap {
+    fn drop(&mut self) {
+        let _guard = lock_file_mappings();
+        drop(self.0.take());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::Write;

@@ -67,6 +67,11 @@ impl FunctionIndex {
         })
     }
 
+    /// Where the file is mapped: the symbolizer's own mapping, only dropped with the index.
+    pub(super) fn mapped_start(&self) -> u64 {
+        self.mapped.as_ptr() as u64
+    }
+
     /// The start of the function whose FDE holds `vaddr`, if one does.
     pub(super) fn start_of(&self, vaddr: u64) -> Option<u64> {
         let endian = if self.little_endian {

@@ -128,6 +128,8 @@ pub struct SymbolizerStats {
     pub python_code_entries: usize,
     /// Times symbol files' pages were given back (`Symbolizer::release_file_pages`).
     pub file_page_releases: u64,
+    /// Of the mappings given back, the symbolizer's own (their pages kept in the page cache).
+    pub own_mapping_releases: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -211,6 +213,19 @@ struct FilePageWatch {
     resident_after_release: u64,
     /// Releases so far.
     releases: u64,
+}
+
+/// The agent's own mappings of file `id` now, as (start, end); `None` when /proc/self/maps
+/// cannot be read.
+fn own_mappings_of(id: FileId) -> Option<Vec<(u64, u64)>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    Some(
+        maps.lines()
+            .filter_map(crate::process::maps::parse_maps_line)
+            .filter(|entry| entry.dev == Some(id.dev) && entry.inode == id.ino)
+            .map(|entry| (entry.start, entry.end))
+            .collect(),
+    )
 }
 
 /// The agent's file-backed and shared resident bytes (`shared` of /proc/self/statm).
@@ -408,12 +423,19 @@ impl Symbolizer {
     /// files shared, `r--s`). Called by [`Self::release_file_pages_when_grown`]; returns the
     /// bytes of the mappings advised.
     ///
-    /// `MADV_PAGEOUT`, not `MADV_DONTNEED`: between reading /proc/self/maps and the advice
-    /// another thread may unmap such a file (a table build ends, blazesym drops a parser) and
-    /// the range be reused for fresh heap memory, which `MADV_DONTNEED` would zero. Page-out
-    /// never loses data: clean file pages are reclaimed (the next lookup reads the few it
-    /// needs again), anonymous ones at most go to swap, and pages other processes map stay.
-    /// Files the agent runs (its binary, its libraries) or writes (the store) are left alone.
+    /// The symbolizer's own mappings (blazesym's, told apart when made, and the function
+    /// indexes') get `MADV_DONTNEED`: their pages leave the RSS and stay in the page cache, so
+    /// the next lookups map them again without reading the disk. That advice zeroes whatever
+    /// private memory is at the range by then, so it is only given to a range that stays the
+    /// same mapping: only this symbolizer, on this thread, unmaps them (dropping a resolver or
+    /// an index, which forgets its range first), and the range must still be that file's
+    /// mapping in /proc/self/maps. Any other read-only mapping of a large file gets
+    /// `MADV_PAGEOUT`, safe whatever is mapped there by the time of the advice (another thread
+    /// may unmap it meanwhile and the range be reused for fresh heap memory), but which also
+    /// drops the pages from the page cache: a lookup then waits for the disk, one page a fault
+    /// (0.5 to 7 ms a lookup on the host suite, where these faults were 6.6 % of the agent's
+    /// CPU). Files the agent runs (its binary, its libraries) or writes (the store) are left
+    /// alone.
     pub fn release_file_pages(&mut self) -> u64 {
         self.file_pages.releases += 1;
         let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
@@ -428,6 +450,22 @@ impl Symbolizer {
             .filter(|entry| entry.perms.contains(['w', 'x']))
             .map(|entry| (entry.dev, entry.inode))
             .collect();
+        let own: HashSet<(u64, FileId)> = self
+            .files
+            .iter()
+            .flat_map(|(id, state)| {
+                let blazesym = state.own_mapping.map(|(start, _)| start);
+                let index = state
+                    .functions
+                    .as_ref()
+                    .and_then(Option::as_ref)
+                    .map(functions::FunctionIndex::mapped_start);
+                [blazesym, index]
+                    .into_iter()
+                    .flatten()
+                    .map(|start| (start, *id))
+            })
+            .collect();
         let mut released = 0;
         for entry in &entries {
             let length = entry.end - entry.start;
@@ -439,6 +477,15 @@ impl Symbolizer {
             {
                 continue;
             }
+            let ours = entry.dev.is_some_and(|dev| {
+                own.contains(&(
+                    entry.start,
+                    FileId {
+                        dev,
+                        ino: entry.inode,
+                    },
+                ))
+            });
             // Read back one page at a time: a lookup touches a few scattered pages of the
             // symbol and string tables (a binary search), and the readahead of each fault on
             // them read tens of pages (6.7 % of the agent's CPU on the host suite), which grew
@@ -452,14 +499,17 @@ impl Symbolizer {
                     libc::MADV_RANDOM,
                 )
             };
-            // SAFETY: page-out changes no memory contents, whatever is mapped there by now.
-            if unsafe {
-                libc::madvise(
-                    entry.start as *mut libc::c_void,
-                    length as usize,
-                    libc::MADV_PAGEOUT,
-                )
-            } == 0
+            let advice = if ours {
+                self.stats.own_mapping_releases += 1;
+                libc::MADV_DONTNEED
+            } else {
+                libc::MADV_PAGEOUT
+            };
+            // SAFETY: page-out changes no memory contents, whatever is mapped there by now;
+            // `MADV_DONTNEED` is only given to the symbolizer's own read-only file mappings,
+            // which stay mapped until this symbolizer drops them (above).
+            if unsafe { libc::madvise(entry.start as *mut libc::c_void, length as usize, advice) }
+                == 0
             {
                 released += length;
             }
@@ -481,6 +531,7 @@ impl Symbolizer {
             };
             if let Some(state) = self.files.get_mut(&id) {
                 state.resolver = None;
+                state.own_mapping = None;
                 self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
                 state.functions = None;
                 self.stats.resolvers_dropped += 1;
@@ -551,6 +602,13 @@ impl Symbolizer {
         });
         state.used = self.tick;
         let had_resolver = state.resolver.is_some();
+        // A new resolver maps the file on this lookup: the one mapping of the file that
+        // appears meanwhile is blazesym's, as long as no other thread maps it meanwhile (the
+        // table builder maps the same files, under the same lock).
+        let before = (!had_resolver && !state.failed).then(|| {
+            let guard = crate::process::files::lock_file_mappings();
+            (guard, own_mappings_of(file.id))
+        });
         let mut ctx = native::LookupContext {
             strings: &mut self.strings,
             debug_dirs: &self.options.debug_dirs,
@@ -559,6 +617,18 @@ impl Symbolizer {
             debug_info: self.options.source_lines,
         };
         let lookup = native::lookup_user(&mut ctx, state, file, file_offset);
+        if let Some((guard, Some(before))) = before
+            && state.resolver.is_some()
+            && !matches!(lookup, native::UserLookup::Failed)
+        {
+            let after = own_mappings_of(file.id).unwrap_or_default();
+            drop(guard);
+            let mut new = after.into_iter().filter(|range| !before.contains(range));
+            state.own_mapping = match (new.next(), new.next()) {
+                (Some(range), None) => Some(range),
+                _ => None,
+            };
+        }
         if !had_resolver && state.resolver.is_some() {
             let cost = state.cost;
             self.resolver_bytes += cost;

@@ -144,13 +144,16 @@ pub(super) struct FileState {
     /// Its functions' index from `.eh_frame_hdr`, mapped at the first address without a
     /// symbol (`Some(None)`: the file has none) and dropped with the resolver.
     pub(super) functions: Option<Option<super::functions::FunctionIndex>>,
+    /// The range of blazesym's own mapping of the file, made by `resolver` (see
+    /// `Symbolizer::release_file_pages`); `None` until told apart, or when it could not be.
+    pub(super) own_mapping: Option<(u64, u64)>,
     /// When the file was last looked up (the symbolizer's tick).
     pub(super) used: u64,
     /// Whether a warning was logged for this file already (one per file).
     warned: bool,
     consecutive_errors: u32,
     /// Set once the file is given up on.
-    failed: bool,
+    pub(super) failed: bool,
 }
 
 impl FileState {
@@ -188,6 +191,7 @@ impl FileState {
             cost,
             layout,
             functions: None,
+            own_mapping: None,
             used: 0,
             warned: false,
             consecutive_errors: 0,

@@ -7,6 +7,7 @@ use super::{
         FixtureDir, TestResult, find_symbol, line_of, mapped_file, read_build_id, run,
         symbol_named, user_frame,
     },
+    own_mappings_of,
 };
 use crate::model::{FileId, FrameKind, MappedFile, SymbolizedFrame, UnwoundFrame, UnwoundStack};
 
@@ -629,9 +630,104 @@ fn touched_shared_mapping(path: &Path, bytes: &[u8]) -> memmap2::Mmap {
     mapped
 }
 
+/// Releases cover every mapping of the process: tests that measure them take turns.
+static PAGE_RELEASES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn page_release_turn() -> std::sync::MutexGuard<'static, ()> {
+    PAGE_RELEASES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Bytes of `[start, start + length)` in the page cache (for a file mapping: whether mapped
+/// or not).
+fn cached_bytes(start: u64, length: u64) -> u64 {
+    let mut cached = vec![0u8; length.div_ceil(4096) as usize];
+    // SAFETY: one byte for each page of a range this test keeps mapped.
+    let status = unsafe {
+        libc::mincore(
+            start as *mut libc::c_void,
+            length as usize,
+            cached.as_mut_ptr(),
+        )
+    };
+    assert_eq!(status, 0, "mincore");
+    cached.iter().filter(|page| **page & 1 != 0).count() as u64 * 4096
+}
+
+#[test]
+fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> TestResult {
+    use crate::test_support::resident_bytes_of_mapping;
+    let _turn = page_release_turn();
+    // A copy of the C library only this test maps, on the build's file system (page-out
+    // reclaims file pages there, not on tmpfs), written back so its pages are clean.
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let libc_path = maps
+        .lines()
+        .filter_map(crate::process::maps::parse_maps_line)
+        .find(|entry| entry.pathname.contains("/libc.so"))
+        .map(|entry| entry.pathname.to_owned())
+        .ok_or("no libc mapped")?;
+    let build_dir = std::env::current_exe()?;
+    let dir = tempfile::tempdir_in(build_dir.parent().ok_or("no deps dir")?)?;
+    let library = dir.path().join("libc-copy.so");
+    std::fs::copy(&libc_path, &library)?;
+    std::fs::File::open(&library)?.sync_all()?;
+    let file = mapped_file(&library)?;
+    let malloc = symbol_named(&library, "malloc")?;
+
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    let frame = symbolizer.symbolize(&user_frame(&file, malloc.file_offset));
+    assert!(!frame.unsymbolized, "{frame:?}");
+    // blazesym's mapping of the file, told apart as it was made: the only one of the copy.
+    let ranges = own_mappings_of(file.id).ok_or("maps")?;
+    assert_eq!(ranges.len(), 1, "{ranges:?}");
+    let (start, end) = ranges[0];
+    assert_eq!(symbolizer.files[&file.id].own_mapping, Some((start, end)));
+
+    // Every page read, as lookups all over the tables do over time.
+    // SAFETY: the symbolizer keeps the file mapped read-only until it is dropped.
+    let mapped = unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) };
+    let touched: u64 = mapped.iter().step_by(4096).map(|&b| u64::from(b)).sum();
+    assert!(touched > 0);
+    let resident_before = resident_bytes_of_mapping(start as *const u8);
+    assert!(
+        resident_before >= (end - start) * 9 / 10,
+        "{resident_before}"
+    );
+
+    let released = symbolizer.release_file_pages();
+    assert!(released >= end - start, "{released}");
+    assert_eq!(symbolizer.stats().own_mapping_releases, 1);
+    let resident_after = resident_bytes_of_mapping(start as *const u8);
+    assert!(
+        resident_after < resident_before / 4,
+        "{resident_after} of {resident_before} bytes still resident"
+    );
+    // Out of the RSS, not out of the page cache: the next lookups read no disk (page-out
+    // would have dropped these pages, which nothing else maps).
+    let cached = cached_bytes(start, end - start);
+    assert!(
+        cached >= (end - start) * 9 / 10,
+        "{cached} of {} bytes still cached",
+        end - start
+    );
+    let free = symbol_named(&library, "free")?;
+    let frame = symbolizer.symbolize(&user_frame(&file, free.file_offset));
+    assert!(!frame.unsymbolized, "{frame:?}");
+
+    // A dropped resolver's mapping is no longer the symbolizer's to give back.
+    symbolizer.options.max_resolver_bytes = 0;
+    symbolizer.bound_resolvers(FileId { dev: 0, ino: 0 });
+    assert_eq!(symbolizer.files[&file.id].own_mapping, None);
+    assert!(own_mappings_of(file.id).ok_or("maps")?.is_empty());
+    Ok(())
+}
+
 #[test]
 fn file_pages_read_for_names_are_given_back_and_read_again() {
     use crate::test_support::resident_bytes_of_mapping;
+    let _turn = page_release_turn();
     let build_dir = std::env::current_exe().expect("test binary");
     let dir = tempfile::tempdir_in(build_dir.parent().expect("deps dir")).expect("temp dir");
     let bytes: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8 + 1).collect();

@@ -1380,8 +1380,9 @@ fn read_table(
                 Ok(handle) => handle,
                 Err(err) => return (Err(err.to_string().into()), false),
             };
-            // SAFETY: read-only private mapping of a file the agent holds open.
-            mapped = match unsafe { memmap2::Mmap::map(&handle) } {
+            // SAFETY: read-only mapping of a file the agent holds open. Guarded: the
+            // symbolizer may map the same file at the same time (see `GuardedMmap`).
+            mapped = match unsafe { crate::process::files::GuardedMmap::map(&handle) } {
                 Ok(mapped) => mapped,
                 Err(err) => return (Err(err.to_string().into()), false),
             };
