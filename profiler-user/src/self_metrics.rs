@@ -923,6 +923,9 @@ impl SelfMetrics {
             truncated_stacks = self.truncated_stacks,
             unmapped_frames = self.unmapped_frames,
             unknown_processes = self.unknown_processes,
+            // Exec, fork and exit events the kernel could not queue: processes they were of
+            // may end up without a name (`unknown_processes`).
+            process_events_lost = self.bpf.get(profiler_common::STAT_EVENTS_LOST),
             symbolization_misses = self.symbolization_misses,
             symbol_file_page_releases = self.symbol_file_page_releases,
             processes = self.processes_tracked,

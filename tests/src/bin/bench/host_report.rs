@@ -715,6 +715,13 @@ fn render_quality(out: &mut String, run: &HostRun, analysis: &ProfileAnalysis) {
             "unknown_processes",
         ],
     );
+    // Lost lifecycle events leave short-lived processes without an identity.
+    if let Some(lost) = stopped.and_then(|s| s.get("process_events_lost").copied()) {
+        let _ = writeln!(
+            out,
+            "Exec, fork and exit events lost (events ring full), whole run: {lost}."
+        );
+    }
 }
 
 /// One sentence of the agent's stack-quality counters; `names`: samples processed, truncated
