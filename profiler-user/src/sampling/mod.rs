@@ -135,7 +135,12 @@ impl Wakeup {
         self.signal.notify_one();
     }
 
-    /// Waits until notified (since the last wait) or `timeout` has passed.
+    /// Forgets a notification whose samples were taken without waiting.
+    fn clear(&self) {
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+
+    /// Waits until notified (since the last wait or clear) or `timeout` has passed.
     fn wait(&self, timeout: Duration) {
         let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let (mut pending, _) = self
@@ -165,10 +170,18 @@ impl SampleQueue {
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Sample, RecvTimeoutError> {
         let received = match self.rx.try_recv() {
             Err(TryRecvError::Empty) => {
-                // A sample queued after the check above has set the flag by now, or will
-                // set it: the wait returns at once or at the notification.
-                self.wakeup.wait(timeout);
-                self.rx.try_recv()
+                // A notification left from a batch taken without waiting would end the wait
+                // at once for nothing, so it is cleared first and the queue looked at again:
+                // a sample queued after that look sets the flag, and the wait returns at once
+                // or at the notification.
+                self.wakeup.clear();
+                match self.rx.try_recv() {
+                    Err(TryRecvError::Empty) => {
+                        self.wakeup.wait(timeout);
+                        self.rx.try_recv()
+                    }
+                    received => received,
+                }
             }
             received => received,
         };
@@ -379,15 +392,22 @@ mod tests {
         assert_eq!(stats.queued_copy_bytes(), 0);
     }
 
-    #[test]
-    fn the_queue_holds_at_most_its_capacity_and_takes_more_once_emptied() {
+    /// The reader's sending end, the counters, the wake-up and the pipeline's queue.
+    fn channel_and_queue() -> (Sender<Sample>, Arc<ReaderStats>, Arc<Wakeup>, SampleQueue) {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(ReaderStats::default());
+        let wakeup = Arc::new(Wakeup::default());
         let queue = SampleQueue {
             rx,
             stats: Arc::clone(&stats),
-            wakeup: Arc::default(),
+            wakeup: Arc::clone(&wakeup),
         };
+        (tx, stats, wakeup, queue)
+    }
+
+    #[test]
+    fn the_queue_holds_at_most_its_capacity_and_takes_more_once_emptied() {
+        let (tx, stats, _, queue) = channel_and_queue();
         let sender = QueueSender {
             tx,
             stats: &stats,
@@ -420,14 +440,7 @@ mod tests {
 
     #[test]
     fn a_waiting_pipeline_wakes_for_each_batch_and_sees_the_reader_stop() {
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let stats = Arc::new(ReaderStats::default());
-        let wakeup = Arc::new(Wakeup::default());
-        let queue = SampleQueue {
-            rx,
-            stats: Arc::clone(&stats),
-            wakeup: Arc::clone(&wakeup),
-        };
+        let (tx, stats, wakeup, queue) = channel_and_queue();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded::<()>(0);
         let reader = std::thread::spawn({
             let stats = Arc::clone(&stats);
@@ -475,5 +488,45 @@ mod tests {
             idle.recv_timeout(Duration::from_millis(10)),
             Err(RecvTimeoutError::Timeout)
         ));
+    }
+
+    #[test]
+    fn a_batch_taken_without_waiting_does_not_end_the_next_wait_early() {
+        let (tx, stats, wakeup, queue) = channel_and_queue();
+        let sender = QueueSender {
+            tx: tx.clone(),
+            stats: &stats,
+            capacity: 16,
+        };
+        // A batch queued and notified while the pipeline was busy, then taken without a wait.
+        sender.send(Sample {
+            pid: Pid(1),
+            ..Default::default()
+        });
+        wakeup.notify();
+        assert_eq!(queue.try_iter().count(), 1);
+        let late = std::thread::spawn({
+            let stats = Arc::clone(&stats);
+            let wakeup = Arc::clone(&wakeup);
+            move || {
+                std::thread::sleep(Duration::from_millis(50));
+                let sender = QueueSender {
+                    tx,
+                    stats: &stats,
+                    capacity: 16,
+                };
+                sender.send(Sample {
+                    pid: Pid(2),
+                    ..Default::default()
+                });
+                wakeup.notify();
+            }
+        });
+        // The old notification would end this wait at once, empty-handed.
+        let sample = queue
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the next batch, not a timeout");
+        assert_eq!(sample.pid, Pid(2));
+        late.join().expect("sender");
     }
 }
