@@ -217,13 +217,18 @@ struct FilePageWatch {
 
 /// The agent's own mappings of file `id` now, as (start, end); `None` when /proc/self/maps
 /// cannot be read.
-fn own_mappings_of(id: FileId) -> Option<Vec<(u64, u64)>> {
+fn own_mappings_of(ids: &[FileId]) -> Option<Vec<(FileId, u64, u64)>> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     Some(
         maps.lines()
             .filter_map(crate::process::maps::parse_maps_line)
-            .filter(|entry| entry.dev == Some(id.dev) && entry.inode == id.ino)
-            .map(|entry| (entry.start, entry.end))
+            .filter_map(|entry| {
+                let id = FileId {
+                    dev: entry.dev?,
+                    ino: entry.inode,
+                };
+                ids.contains(&id).then_some((id, entry.start, entry.end))
+            })
             .collect(),
     )
 }
@@ -454,16 +459,16 @@ impl Symbolizer {
             .files
             .iter()
             .flat_map(|(id, state)| {
-                let blazesym = state.own_mapping.map(|(start, _)| start);
                 let index = state
                     .functions
                     .as_ref()
                     .and_then(Option::as_ref)
-                    .map(functions::FunctionIndex::mapped_start);
-                [blazesym, index]
-                    .into_iter()
-                    .flatten()
-                    .map(|start| (start, *id))
+                    .map(|index| (index.mapped_start(), *id));
+                let blazesym = state
+                    .own_mappings
+                    .iter()
+                    .map(|&(file, start)| (start, file));
+                blazesym.chain(index)
             })
             .collect();
         let mut released = 0;
@@ -531,7 +536,7 @@ impl Symbolizer {
             };
             if let Some(state) = self.files.get_mut(&id) {
                 state.resolver = None;
-                state.own_mapping = None;
+                state.own_mappings.clear();
                 self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
                 state.functions = None;
                 self.stats.resolvers_dropped += 1;
@@ -602,12 +607,14 @@ impl Symbolizer {
         });
         state.used = self.tick;
         let had_resolver = state.resolver.is_some();
-        // A new resolver maps the file on this lookup: the one mapping of the file that
-        // appears meanwhile is blazesym's, as long as no other thread maps it meanwhile (the
-        // table builder maps the same files, under the same lock).
+        // A new resolver maps the file (or its debug file) on this lookup: the one mapping of
+        // each that appears meanwhile is blazesym's, as long as no other thread maps it
+        // meanwhile (the table builder maps the same files, under the same lock).
         let before = (!had_resolver && !state.failed).then(|| {
+            let watched = state.mapped_files(file.id);
             let guard = crate::process::files::lock_file_mappings();
-            (guard, own_mappings_of(file.id))
+            let before = own_mappings_of(&watched);
+            (guard, watched, before)
         });
         let mut ctx = native::LookupContext {
             strings: &mut self.strings,
@@ -617,17 +624,24 @@ impl Symbolizer {
             debug_info: self.options.source_lines,
         };
         let lookup = native::lookup_user(&mut ctx, state, file, file_offset);
-        if let Some((guard, Some(before))) = before
+        if let Some((guard, watched, Some(before))) = before
             && state.resolver.is_some()
             && !matches!(lookup, native::UserLookup::Failed)
         {
-            let after = own_mappings_of(file.id).unwrap_or_default();
+            let after = own_mappings_of(&watched).unwrap_or_default();
             drop(guard);
-            let mut new = after.into_iter().filter(|range| !before.contains(range));
-            state.own_mapping = match (new.next(), new.next()) {
-                (Some(range), None) => Some(range),
-                _ => None,
-            };
+            state.own_mappings = watched
+                .iter()
+                .filter_map(|&id| {
+                    let mut new = after
+                        .iter()
+                        .filter(|mapping| mapping.0 == id && !before.contains(mapping));
+                    match (new.next(), new.next()) {
+                        (Some(&(_, start, _)), None) => Some((id, start)),
+                        _ => None,
+                    }
+                })
+                .collect();
         }
         if !had_resolver && state.resolver.is_some() {
             let cost = state.cost;

@@ -22,7 +22,7 @@ use object::{Object, ObjectSection, ObjectSegment, read::ReadCache};
 use tracing::{debug, warn};
 
 use super::{StringInterner, demangle::demangle};
-use crate::model::{FrameLine, MappedFile};
+use crate::model::{FileId, FrameLine, MappedFile};
 
 /// What a file's resolver costs besides its tables' size (blazesym's own structures).
 const RESOLVER_OVERHEAD_BYTES: u64 = 64 << 10;
@@ -84,11 +84,16 @@ impl ElfLayout {
             .ok()
             .flatten()
             .map(|(name, _crc)| String::from_utf8_lossy(name).into_owned());
+        // A compressed section (a distribution's debug files) is held decompressed.
         let size_of = |names: &[&str]| {
             names
                 .iter()
                 .filter_map(|name| elf.section_by_name(name))
-                .map(|section| section.size())
+                .map(|section| {
+                    section
+                        .compressed_file_range()
+                        .map_or(section.size(), |range| range.uncompressed_size)
+                })
                 .sum::<u64>()
         };
         Ok(Self {
@@ -102,6 +107,12 @@ impl ElfLayout {
             symbol_bytes: size_of(&[".symtab", ".dynsym"]) / 3,
             debug_bytes: size_of(&[".debug_info", ".debug_line", ".debug_str", ".debug_abbrev"]),
         })
+    }
+
+    /// What the file's tables cost a resolver that reads them: the index blazesym builds is
+    /// about the size of the tables it reads.
+    fn tables_bytes(&self, debug_info: bool) -> u64 {
+        self.symbol_bytes + if debug_info { self.debug_bytes } else { 0 }
     }
 
     /// Converts a file offset of the binary into the virtual address its symbols use.
@@ -123,8 +134,12 @@ pub(super) enum SymbolSource {
     /// The binary itself; blazesym follows its `.gnu_debuglink` on its own.
     Binary,
     /// A separate debug file we located; queried by virtual address (through the binary's
-    /// [`FileState::layout`]), falling back to the binary.
-    SeparateDebugFile { debug_path: PathBuf },
+    /// [`FileState::layout`]), falling back to the binary. `debug_file` is its identity when
+    /// it could be read, so that blazesym's mapping of it is told apart like the binary's.
+    SeparateDebugFile {
+        debug_path: PathBuf,
+        debug_file: Option<FileId>,
+    },
 }
 
 /// Per-file state, created the first time a file is seen.
@@ -144,9 +159,10 @@ pub(super) struct FileState {
     /// Its functions' index from `.eh_frame_hdr`, mapped at the first address without a
     /// symbol (`Some(None)`: the file has none) and dropped with the resolver.
     pub(super) functions: Option<Option<super::functions::FunctionIndex>>,
-    /// The range of blazesym's own mapping of the file, made by `resolver` (see
-    /// `Symbolizer::release_file_pages`); `None` until told apart, or when it could not be.
-    pub(super) own_mapping: Option<(u64, u64)>,
+    /// Where blazesym's own mappings start, of the binary and of its separate debug file,
+    /// made by `resolver` (see `Symbolizer::release_file_pages`): each file's one new mapping
+    /// when the resolver was made; a file whose mapping could not be told apart is missing.
+    pub(super) own_mappings: Vec<(FileId, u64)>,
     /// When the file was last looked up (the symbolizer's tick).
     pub(super) used: u64,
     /// Whether a warning was logged for this file already (one per file).
@@ -157,27 +173,42 @@ pub(super) struct FileState {
 }
 
 impl FileState {
+    /// The files the resolver of `binary` maps: the binary, and its separate debug file.
+    pub(super) fn mapped_files(&self, binary: FileId) -> Vec<FileId> {
+        let debug_file = match &self.source {
+            SymbolSource::SeparateDebugFile { debug_file, .. } => *debug_file,
+            SymbolSource::Binary => None,
+        };
+        std::iter::once(binary).chain(debug_file).collect()
+    }
+
     pub(super) fn new(file: &MappedFile, debug_dirs: &[PathBuf], debug_info: bool) -> Self {
         let binary_path = file.readable_path();
         let layout = ElfLayout::read(&binary_path)
             .inspect_err(|err| debug!(file = %file.path, error = %err, "cannot read ELF layout"))
             // blazesym reports its own error on the first lookup.
             .ok();
-        let cost = match &layout {
-            // The index blazesym builds is about the size of the tables it reads.
-            Some(layout) => {
-                RESOLVER_OVERHEAD_BYTES
-                    + layout.symbol_bytes
-                    + if debug_info { layout.debug_bytes } else { 0 }
-            }
-            None => RESOLVER_OVERHEAD_BYTES,
-        };
+        let mut cost = RESOLVER_OVERHEAD_BYTES
+            + layout
+                .as_ref()
+                .map_or(0, |layout| layout.tables_bytes(debug_info));
         let source = match &layout {
             Some(layout) if !layout.has_dwarf => {
                 match find_separate_debug_file(file, layout, debug_dirs) {
                     Some(debug_path) => {
                         debug!(file = %file.path, debug_file = %debug_path.display(), "using separate debug file");
-                        SymbolSource::SeparateDebugFile { debug_path }
+                        let debug_file = std::fs::metadata(&debug_path)
+                            .ok()
+                            .map(|metadata| FileId::of(&metadata));
+                        // Its tables and DWARF are what a lookup reads then (libc6-dbg's
+                        // DWARF is 8 MiB once decompressed).
+                        if let Ok(debug_layout) = ElfLayout::read(&debug_path) {
+                            cost += debug_layout.tables_bytes(debug_info);
+                        }
+                        SymbolSource::SeparateDebugFile {
+                            debug_path,
+                            debug_file,
+                        }
                     }
                     None => SymbolSource::Binary,
                 }
@@ -191,7 +222,7 @@ impl FileState {
             cost,
             layout,
             functions: None,
-            own_mapping: None,
+            own_mappings: Vec::new(),
             used: 0,
             warned: false,
             consecutive_errors: 0,
@@ -349,7 +380,7 @@ fn lookup_with(
 ) -> UserLookup {
     let mut failed = false;
 
-    if let SymbolSource::SeparateDebugFile { debug_path } = &state.source
+    if let SymbolSource::SeparateDebugFile { debug_path, .. } = &state.source
         && let Some(vaddr) = state
             .layout
             .as_ref()

@@ -1,5 +1,9 @@
 //! Symbolization tests against ELF files built at test time.
-use std::{path::Path, process::Command, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Arc,
+};
 
 use super::{
     Symbolizer, SymbolizerOptions,
@@ -257,25 +261,57 @@ fn debug_link_in_dot_debug_dir_resolves() -> TestResult {
     assert_resolves_c_functions(&binary, &original, isolated_options(&no_debug_dirs))
 }
 
-#[test]
-fn build_id_debug_file_resolves_fully_stripped_binary() -> TestResult {
-    let dir = FixtureDir::new()?;
-    let original = build_c(&dir, "c_original", &["-g", "-O0", "-Wl,--build-id=sha1"])?;
+/// Built with debug info and a build id, stripped, its debug file (compressed when asked) under
+/// `dir`'s `debug-root` by build id: (the original, the stripped binary, the debug file).
+fn split_by_build_id(
+    dir: &FixtureDir,
+    source: &str,
+    compress: bool,
+) -> TestResult<(PathBuf, PathBuf, PathBuf)> {
+    let original = dir.compile(
+        "gcc",
+        "fixture.c",
+        source,
+        "c_original",
+        &["-g", "-O0", "-Wl,--build-id=sha1"],
+    )?;
     let build_id = read_build_id(&original)?.ok_or("gcc produced no build id")?;
-    let debug_root = dir.path().join("debug-root");
     let (head, tail) = build_id.split_at(2);
-    let debug_file = debug_root
+    let debug_path = dir
+        .path()
+        .join("debug-root")
         .join(".build-id")
         .join(head)
         .join(format!("{tail}.debug"));
-    std::fs::create_dir_all(debug_file.parent().ok_or("no parent")?)?;
-    run(Command::new("objcopy")
-        .arg("--only-keep-debug")
-        .arg(&original)
-        .arg(&debug_file))?;
+    std::fs::create_dir_all(debug_path.parent().ok_or("no parent")?)?;
+    let mut objcopy = Command::new("objcopy");
+    objcopy.arg("--only-keep-debug");
+    if compress {
+        objcopy.arg("--compress-debug-sections=zlib");
+    }
+    run(objcopy.arg(&original).arg(&debug_path))?;
     let binary = dir.copy(&original, "c_stripped")?;
     run(Command::new("strip").arg("--strip-all").arg(&binary))?;
     assert_eq!(read_build_id(&binary)?.as_deref(), Some(build_id.as_str()));
+    Ok((original, binary, debug_path))
+}
+
+/// The fixture's functions and 3,000 more: debug info of a few hundred KiB, as a library has.
+fn large_c_source() -> String {
+    let mut source = C_SOURCE.to_owned();
+    for i in 0..3000 {
+        source.push_str(&format!(
+            "__attribute__((noinline)) int filler_{i}(int x) {{ return x * {i} + sink; }}\n"
+        ));
+    }
+    source
+}
+
+#[test]
+fn build_id_debug_file_resolves_fully_stripped_binary() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let (original, binary, _) = split_by_build_id(&dir, C_SOURCE, false)?;
+    let debug_root = dir.path().join("debug-root");
 
     assert_resolves_c_functions(&binary, &original, isolated_options(&debug_root))?;
 
@@ -287,6 +323,47 @@ fn build_id_debug_file_resolves_fully_stripped_binary() -> TestResult {
         symbolizer
             .symbolize(&user_frame(&file, beta.file_offset))
             .unsymbolized
+    );
+    Ok(())
+}
+
+#[test]
+fn a_separate_debug_files_dwarf_counts_against_the_bound_as_decompressed() -> TestResult {
+    let dir = FixtureDir::new()?;
+    // Compressed, as distributions ship their debug files.
+    let (original, binary, debug_path) = split_by_build_id(&dir, &large_c_source(), true)?;
+    let debug_root = dir.path().join("debug-root");
+    // The sizes of its sections, compressed and (in a decompressed copy) not.
+    let decompressed_copy = dir.path().join("decompressed.debug");
+    run(Command::new("objcopy")
+        .arg("--decompress-debug-sections")
+        .arg(&debug_path)
+        .arg(&decompressed_copy))?;
+    let dwarf_bytes = |path: &Path| -> TestResult<u64> {
+        use object::{Object, ObjectSection};
+        let data = std::fs::read(path)?;
+        let elf = object::File::parse(&*data)?;
+        Ok(
+            [".debug_info", ".debug_line", ".debug_str", ".debug_abbrev"]
+                .iter()
+                .filter_map(|name| elf.section_by_name(name))
+                .map(|section| section.size())
+                .sum(),
+        )
+    };
+    let (compressed, decompressed) = (dwarf_bytes(&debug_path)?, dwarf_bytes(&decompressed_copy)?);
+    assert!(decompressed > compressed, "{decompressed} <= {compressed}");
+
+    let file = mapped_file(&binary)?;
+    let mut symbolizer = Symbolizer::new(isolated_options(&debug_root));
+    let beta = symbol_named(&original, "fixture_beta")?;
+    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
+    assert_eq!(&*outer_line(&frame).function, "fixture_beta");
+    // The DWARF blazesym decompresses is held with the resolver: the bound counts all of it.
+    let counted = symbolizer.stats().resolver_bytes;
+    assert!(
+        counted >= decompressed,
+        "{counted} bytes counted, {decompressed} of DWARF decompressed"
     );
     Ok(())
 }
@@ -655,6 +732,16 @@ fn cached_bytes(start: u64, length: u64) -> u64 {
     cached.iter().filter(|page| **page & 1 != 0).count() as u64 * 4096
 }
 
+/// At least 90 % of `start..end` of this process's mappings is in the page cache.
+fn assert_still_cached(start: u64, end: u64) {
+    let cached = cached_bytes(start, end - start);
+    assert!(
+        cached >= (end - start) * 9 / 10,
+        "{cached} of {} bytes still cached",
+        end - start
+    );
+}
+
 #[test]
 fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> TestResult {
     use crate::test_support::resident_bytes_of_mapping;
@@ -680,10 +767,10 @@ fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> Test
     let frame = symbolizer.symbolize(&user_frame(&file, malloc.file_offset));
     assert!(!frame.unsymbolized, "{frame:?}");
     // blazesym's mapping of the file, told apart as it was made: the only one of the copy.
-    let ranges = own_mappings_of(file.id).ok_or("maps")?;
+    let ranges = own_mappings_of(&[file.id]).ok_or("maps")?;
     assert_eq!(ranges.len(), 1, "{ranges:?}");
-    let (start, end) = ranges[0];
-    assert_eq!(symbolizer.files[&file.id].own_mapping, Some((start, end)));
+    let (_, start, end) = ranges[0];
+    assert_eq!(symbolizer.files[&file.id].own_mappings, [(file.id, start)]);
 
     // Every page read, as lookups all over the tables do over time.
     // SAFETY: the symbolizer keeps the file mapped read-only until it is dropped.
@@ -706,12 +793,7 @@ fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> Test
     );
     // Out of the RSS, not out of the page cache: the next lookups read no disk (page-out
     // would have dropped these pages, which nothing else maps).
-    let cached = cached_bytes(start, end - start);
-    assert!(
-        cached >= (end - start) * 9 / 10,
-        "{cached} of {} bytes still cached",
-        end - start
-    );
+    assert_still_cached(start, end);
     let free = symbol_named(&library, "free")?;
     let frame = symbolizer.symbolize(&user_frame(&file, free.file_offset));
     assert!(!frame.unsymbolized, "{frame:?}");
@@ -719,8 +801,53 @@ fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> Test
     // A dropped resolver's mapping is no longer the symbolizer's to give back.
     symbolizer.options.max_resolver_bytes = 0;
     symbolizer.bound_resolvers(FileId { dev: 0, ino: 0 });
-    assert_eq!(symbolizer.files[&file.id].own_mapping, None);
-    assert!(own_mappings_of(file.id).ok_or("maps")?.is_empty());
+    assert!(symbolizer.files[&file.id].own_mappings.is_empty());
+    assert!(own_mappings_of(&[file.id]).ok_or("maps")?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn a_separate_debug_files_mapping_is_given_back_and_its_pages_stay_cached() -> TestResult {
+    let _turn = page_release_turn();
+    // Debug info over the size releases skip (256 KiB), as a distribution's libc6-dbg has.
+    let dir = FixtureDir::new()?;
+    let (original, binary, debug_path) = split_by_build_id(&dir, &large_c_source(), false)?;
+    let debug_root = dir.path().join("debug-root");
+    // Written back, so that its pages are clean and page-out could drop them.
+    std::fs::File::open(&debug_path)?.sync_all()?;
+    let file = mapped_file(&binary)?;
+    let debug_file = FileId::of(&std::fs::metadata(&debug_path)?);
+
+    let mut symbolizer = Symbolizer::new(isolated_options(&debug_root));
+    let beta = symbol_named(&original, "fixture_beta")?;
+    let frame = symbolizer.symbolize(&user_frame(&file, beta.file_offset));
+    assert_eq!(&*outer_line(&frame).function, "fixture_beta");
+    // The lookup went to the debug file: blazesym's one mapping of it is told apart.
+    let ranges = own_mappings_of(&[debug_file]).ok_or("maps")?;
+    assert_eq!(ranges.len(), 1, "{ranges:?}");
+    let (_, start, end) = ranges[0];
+    assert!(end - start >= 256 << 10, "{} bytes", end - start);
+    assert!(
+        symbolizer.files[&file.id]
+            .own_mappings
+            .contains(&(debug_file, start)),
+        "{:?}",
+        symbolizer.files[&file.id].own_mappings
+    );
+
+    // SAFETY: the symbolizer keeps the debug file mapped read-only until it is dropped.
+    let mapped = unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) };
+    let touched: u64 = mapped.iter().step_by(4096).map(|&b| u64::from(b)).sum();
+    assert!(touched > 0);
+    let releases_before = symbolizer.stats().own_mapping_releases;
+    symbolizer.release_file_pages();
+    assert!(symbolizer.stats().own_mapping_releases > releases_before);
+    // Still in the page cache: page-out would have dropped these pages, which nothing else
+    // maps, and every later lookup in the debug file would read them from disk again.
+    assert_still_cached(start, end);
+    let alpha = symbol_named(&original, "fixture_alpha")?;
+    let frame = symbolizer.symbolize(&user_frame(&file, alpha.file_offset));
+    assert_eq!(&*outer_line(&frame).function, "fixture_alpha");
     Ok(())
 }
 
