@@ -215,8 +215,8 @@ struct FilePageWatch {
     releases: u64,
 }
 
-/// The agent's own mappings of file `id` now, as (start, end); `None` when /proc/self/maps
-/// cannot be read.
+/// The agent's own mappings of the files `ids` now, as (file, start, end); `None` when
+/// /proc/self/maps cannot be read.
 fn own_mappings_of(ids: &[FileId]) -> Option<Vec<(FileId, u64, u64)>> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     Some(
