@@ -978,6 +978,8 @@ impl Pipeline {
             symbolization_errors: symbols.errors,
             symbol_cache_entries: symbols.cache_entries as u64,
             symbol_cache_evicted: symbols.cache_evicted,
+            symbol_lookups: symbols.native_lookups,
+            symbol_lookup_time: symbols.native_lookup_time,
             symbol_files: symbols.resolvers as u64,
             symbol_file_bytes: symbols.resolver_bytes,
             symbol_file_page_releases: symbols.file_page_releases,

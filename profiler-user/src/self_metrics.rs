@@ -46,6 +46,9 @@ pub struct SelfMetrics {
     pub symbol_cache_entries: u64,
     /// Frames dropped from the symbol cache for its bound (symbolized again when they recur).
     pub symbol_cache_evicted: u64,
+    /// Native frames looked up in their files (symbol cache misses) and the wall time taken.
+    pub symbol_lookups: u64,
+    pub symbol_lookup_time: Duration,
     /// Files whose parsed symbol tables are held, their estimated bytes (bounded), and how many
     /// were dropped for the bound.
     pub symbol_files: u64,
@@ -501,6 +504,18 @@ impl SelfMetrics {
             "symbol_cache_evicted_total",
             "Frames dropped from the symbol cache for its bound",
             self.symbol_cache_evicted as f64,
+            "counter",
+        );
+        push(
+            "symbol_lookups_total",
+            "Native frames looked up in their files (symbol cache misses)",
+            self.symbol_lookups as f64,
+            "counter",
+        );
+        push(
+            "symbol_lookup_seconds_total",
+            "Wall time of the native symbol lookups, waits for the disk included",
+            self.symbol_lookup_time.as_secs_f64(),
             "counter",
         );
         push(

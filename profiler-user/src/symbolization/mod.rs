@@ -113,6 +113,11 @@ pub struct SymbolizerStats {
     pub named_by_function_start: u64,
     /// Frames answered from the cache.
     pub cache_hits: u64,
+    /// Native frames looked up in their files (cache misses), and the wall time those lookups
+    /// took, waits for the disk included: a file whose pages are read again at every lookup
+    /// shows here.
+    pub native_lookups: u64,
+    pub native_lookup_time: std::time::Duration,
     /// Frames currently cached.
     pub cache_entries: usize,
     /// Lookups that failed with an error (unreadable or malformed file, bad kallsyms).
@@ -343,7 +348,10 @@ impl Symbolizer {
                 }
                 let mapping =
                     self.mapping_info(file, *mapping_start, *mapping_end, *mapping_offset);
+                let started = std::time::Instant::now();
                 let symbolized = self.symbolize_user(*addr, file, *file_offset, mapping);
+                self.stats.native_lookups += 1;
+                self.stats.native_lookup_time += started.elapsed();
                 self.remember(key, symbolized)
             }
             UnwoundFrame::Python { frame, runtime } => {

@@ -573,6 +573,9 @@ fn repeated_keys_share_frames_and_stats_count() -> TestResult {
     let stats = symbolizer.stats();
     assert_eq!(stats.frames_symbolized, 2);
     assert_eq!(stats.cache_hits, 1);
+    // Two lookups in the file (the repeat was a cache hit; the unmapped frames need none).
+    assert_eq!(stats.native_lookups, 2);
+    assert!(stats.native_lookup_time > std::time::Duration::ZERO);
     assert_eq!(stats.cache_entries, 2);
     assert_eq!(stats.misses, 3);
     assert_eq!(stats.errors, 0);

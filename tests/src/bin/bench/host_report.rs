@@ -641,6 +641,18 @@ fn render_timeline(out: &mut String, run: &HostRun) {
             b.t,
             changes.join("; ")
         );
+        let lookups = |name| a.metric(name).zip(b.metric(name)).map(|(x, y)| y - x);
+        if let (Some(count), Some(seconds)) = (
+            lookups("profiler_symbol_lookups_total"),
+            lookups("profiler_symbol_lookup_seconds_total"),
+        ) && count > 0.0
+        {
+            let _ = writeln!(
+                out,
+                "Symbol lookups in that time (native frames that missed the symbol cache): {count:.0}, {seconds:.2} s of wall time, {:.0} µs each.",
+                seconds / count * 1e6
+            );
+        }
     }
 }
 
