@@ -993,6 +993,7 @@ impl Pipeline {
             cgroup_paths: registry.cgroup_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,
+            process_cmdlines_from_exec: registry.cmdlines_from_exec,
             process_snapshots: registry.snapshots_taken,
             process_refreshes: registry.refreshes,
             process_refreshes_announced: registry.refreshes_announced,

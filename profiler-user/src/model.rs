@@ -71,6 +71,8 @@ pub struct ExecRecord {
     pub filename: String,
     /// The argument strings (at most the first 512 bytes of them).
     pub args: ExecArgs,
+    /// `args` holds every argument, as /proc/PID/cmdline had them at the exec.
+    pub args_complete: bool,
     /// The new process name (the executable's base name, truncated to 15 bytes).
     pub comm: String,
     /// The cgroup v2 id (the inode of the cgroup's directory in cgroupfs), 0 when unknown.

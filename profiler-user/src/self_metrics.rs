@@ -73,6 +73,8 @@ pub struct SelfMetrics {
     pub process_snapshots_from_announced_mmaps: u64,
     /// Snapshots of live processes whose mappings came from the announcements, not /proc.
     pub process_maps_from_announcements: u64,
+    /// Snapshots of live processes whose command line came from their exec event, not /proc.
+    pub process_cmdlines_from_exec: u64,
     /// Snapshots taken from /proc, for any reason.
     pub process_snapshots: u64,
     /// Snapshots retaken for an address in none of their mappings, and of those the ones
@@ -817,6 +819,12 @@ impl SelfMetrics {
                 "process_maps_from_announcements_total",
                 "Snapshots of live processes whose mappings came from mmap announcements instead of /proc/PID/maps",
                 self.process_maps_from_announcements,
+                "counter",
+            ),
+            (
+                "process_cmdlines_from_exec_total",
+                "Snapshots of live processes whose command line came from their exec event instead of /proc/PID/cmdline",
+                self.process_cmdlines_from_exec,
                 "counter",
             ),
             (

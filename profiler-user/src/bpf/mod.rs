@@ -395,6 +395,9 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
         String::from_utf8_lossy(bytes).into_owned()
     };
     let args_bytes = &details.args[..(details.args_len as usize).min(details.args.len())];
+    // The whole argument area was read when it was shorter than the buffer (at its size it
+    // may have been cut) and ends with its last argument's NUL.
+    let args_complete = args_bytes.len() < details.args.len() && args_bytes.last() == Some(&0);
     let args_bytes = args_bytes.strip_suffix(&[0]).unwrap_or(args_bytes);
     let args = if args_bytes.is_empty() {
         ExecArgs::default()
@@ -411,6 +414,7 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
     ExecRecord {
         filename: text(&details.filename, details.filename_len as usize),
         args,
+        args_complete,
         comm: text(&details.comm, details.comm.len()),
         cgroup_id: details.cgroup_id,
         exe: (details.exe_ino != 0).then(|| FileId {
@@ -1037,8 +1041,40 @@ mod tests {
         assert_eq!(record.exe, None);
         assert_eq!(record.code, None);
         assert_eq!((record.cgroup_id, record.exec_ns), (7, 42));
+        assert!(record.args_complete);
 
         details.args_len = 0;
-        assert_eq!(exec_record(&details, 42).args.iter().count(), 0);
+        let unread = exec_record(&details, 42);
+        assert_eq!(unread.args.iter().count(), 0);
+        assert!(
+            !unread.args_complete,
+            "no arguments read is not all of them"
+        );
+    }
+
+    #[test]
+    fn an_exec_record_whose_arguments_fill_the_buffer_may_have_lost_some() {
+        let mut details = ExecDetails {
+            cgroup_id: 0,
+            exe_ino: 0,
+            exe_dev: 0,
+            filename_len: 0,
+            args_len: 0,
+            start_code: 0,
+            end_code: 0,
+            comm: [0; 16],
+            filename: [0; profiler_common::EXEC_FILENAME_BYTES],
+            args: [b'x'; profiler_common::EXEC_ARGS_BYTES],
+        };
+        // Cut by the buffer: the kernel had more, even when its last byte is a NUL.
+        details.args_len = profiler_common::EXEC_ARGS_BYTES as u16;
+        assert!(!exec_record(&details, 1).args_complete);
+        details.args[profiler_common::EXEC_ARGS_BYTES - 1] = 0;
+        assert!(!exec_record(&details, 1).args_complete);
+        // Shorter than the buffer but not ending with a NUL: read partly.
+        details.args_len = 100;
+        assert!(!exec_record(&details, 1).args_complete);
+        details.args[99] = 0;
+        assert!(exec_record(&details, 1).args_complete);
     }
 }

@@ -24,7 +24,10 @@ use std::{
 
 use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
 
-use super::lru::Lru;
+use super::{
+    cgroup::{CgroupInfo, parse_cgroup},
+    lru::Lru,
+};
 use crate::model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo};
 
 /// Identities of running processes kept at most (the least recently used are forgotten
@@ -186,6 +189,9 @@ pub fn open_executable(path: &str, expected: FileId) -> Option<(fs::File, PathBu
 #[derive(Debug)]
 pub struct CgroupPaths {
     root: Option<PathBuf>,
+    /// cgroup v2 is the only hierarchy mounted: a process's cgroup is the one its id names, as
+    /// /proc/PID/cgroup would say (with v1 hierarchies too, that file says more).
+    unified: bool,
     paths: HashMap<u64, String>,
     walked_at: Option<Instant>,
 }
@@ -196,14 +202,19 @@ const MAX_CGROUPS: usize = 65_536;
 impl CgroupPaths {
     /// Finds the cgroup2 mount in the agent's mount table.
     pub fn new() -> Self {
-        let root = fs::read_to_string("/proc/self/mountinfo")
-            .ok()
-            .and_then(|text| cgroup2_mount(&text));
-        Self::with_root(root)
+        Self::from_mountinfo(&fs::read_to_string("/proc/self/mountinfo").unwrap_or_default())
+    }
+
+    /// From the text of a mount table (/proc/PID/mountinfo).
+    pub fn from_mountinfo(mountinfo: &str) -> Self {
+        let mut paths = Self::with_root(cgroup2_mount(mountinfo));
+        paths.unified = paths.root.is_some() && !has_cgroup_v1_mount(mountinfo);
+        paths
     }
 
     pub fn with_root(root: Option<PathBuf>) -> Self {
         CgroupPaths {
+            unified: false,
             root,
             paths: HashMap::new(),
             walked_at: None,
@@ -240,6 +251,16 @@ impl CgroupPaths {
         self.paths.get(&id).cloned()
     }
 
+    /// What /proc/PID/cgroup would say of a process in cgroup `id`, without reading it: only
+    /// on a host with cgroup v2 alone, and when the id's directory is found.
+    pub fn unified_cgroup(&mut self, id: u64) -> Option<CgroupInfo> {
+        if !self.unified {
+            return None;
+        }
+        self.path(id)
+            .map(|path| parse_cgroup(&format!("0::{path}")))
+    }
+
     fn walk(&mut self, root: &Path, dir: &Path) {
         if self.paths.len() >= MAX_CGROUPS {
             return;
@@ -270,6 +291,15 @@ impl Default for CgroupPaths {
 }
 
 /// The mount point of the cgroup2 file system in a /proc/PID/mountinfo text.
+/// Whether a cgroup v1 hierarchy is mounted (a hybrid or v1 host).
+fn has_cgroup_v1_mount(mountinfo: &str) -> bool {
+    mountinfo.lines().any(|line| {
+        line.split_once(" - ")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            == Some("cgroup")
+    })
+}
+
 fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
     mountinfo.lines().find_map(|line| {
         // ... mount-point ... - fstype source options
@@ -424,6 +454,8 @@ mod tests {
             Some(PathBuf::from("/sys/fs/cgroup"))
         );
         assert_eq!(cgroup2_mount("garbage\n1 2 3\n"), None);
+        assert!(has_cgroup_v1_mount(hybrid));
+        assert!(!has_cgroup_v1_mount(unified));
     }
 
     #[test]
@@ -443,6 +475,39 @@ mod tests {
         fs::create_dir(&later).unwrap();
         assert_eq!(paths.path(fs::metadata(&later).unwrap().ino()), None);
         assert_eq!(paths.path(0), None);
+    }
+
+    /// A cgroup id says what /proc/PID/cgroup would only where cgroup v2 is the one hierarchy:
+    /// with v1 hierarchies mounted too, that file names more (a container's id in a v1 path).
+    #[test]
+    fn a_cgroup_id_stands_for_the_cgroup_file_only_with_cgroup_v2_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let scope = dir
+            .path()
+            .join("system.slice")
+            .join(format!("docker-{}.scope", "ab".repeat(32)));
+        fs::create_dir_all(&scope).unwrap();
+        let id = fs::metadata(&scope).unwrap().ino();
+        let root = dir.path().display();
+        let unified = format!("30 1 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n");
+        let cgroup = CgroupPaths::from_mountinfo(&unified)
+            .unified_cgroup(id)
+            .expect("found");
+        assert_eq!(cgroup.container_id, Some("ab".repeat(32)));
+        assert_eq!(
+            cgroup.path.as_deref(),
+            Some(&*format!("/system.slice/docker-{}.scope", "ab".repeat(32)))
+        );
+        let hybrid =
+            format!("{unified}27 25 0:24 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n");
+        assert_eq!(
+            CgroupPaths::from_mountinfo(&hybrid).unified_cgroup(id),
+            None
+        );
+        assert_eq!(
+            CgroupPaths::from_mountinfo(&unified).unified_cgroup(id + 1_000_000),
+            None
+        );
     }
 
     #[test]

@@ -27,7 +27,7 @@ use thiserror::Error;
 use tracing::debug;
 
 use self::{
-    cgroup::parse_cgroup,
+    cgroup::{CgroupInfo, parse_cgroup},
     files::FileCache,
     identity::{CgroupPaths, Identities, Identity, executable_path, forked_snapshot},
     kubernetes::{KubernetesNames, KubernetesSources, kubernetes_names},
@@ -135,6 +135,9 @@ pub struct RegistryStats {
     /// Snapshots of live processes whose mappings came from the announcements instead of
     /// /proc/PID/maps.
     pub maps_from_announcements: u64,
+    /// Snapshots of live processes whose command line came from their exec event instead of
+    /// /proc/PID/cmdline.
+    pub cmdlines_from_exec: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
     /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
@@ -646,6 +649,20 @@ impl ProcessRegistry {
         self.interval += 1;
     }
 
+    /// What the exec event of the program `pid` runs already says, so its snapshot need not
+    /// read it from /proc again: its arguments when the event holds all of them, and its cgroup
+    /// on a host with cgroup v2 alone (one hierarchy, whose id the event carries). Nothing for a
+    /// process that has not exec'ed since the agent started.
+    fn known_program(&mut self, pid: Pid) -> KnownProgram {
+        let Some(Identity::Exec(record)) = self.identities.get(pid) else {
+            return KnownProgram::default();
+        };
+        KnownProgram {
+            cmdline: record.args_complete.then(|| record.args.to_vec()),
+            cgroup: self.cgroups.unified_cgroup(record.cgroup_id),
+        }
+    }
+
     /// Reads /proc/PID and stores the snapshot; `None` when the process does not exist. The
     /// mappings come from the kernel's announcements when they are complete for the program
     /// it runs, else from /proc/PID/maps (the larger part of a snapshot's cost).
@@ -667,11 +684,15 @@ impl ProcessRegistry {
             MapsSource::ProcMaps => None,
         };
         let from_announcements = announced.is_some();
-        let snapshot = match announced {
-            Some(mappings) => read_identity(pid, &process_dir, &self.host)
-                .map(|identity| identity.with_mappings(pid, mappings)),
-            None => read_process(pid, &process_dir, &self.host, &mut self.files),
-        };
+        let known = self.known_program(pid);
+        let known_from_exec = known.cmdline.is_some();
+        let snapshot = open_process_dir(&process_dir).and_then(|dir| {
+            let identity = read_identity_in(pid, &process_dir, &dir, &self.host, known)?;
+            Ok(match announced {
+                Some(mappings) => identity.with_mappings(pid, mappings),
+                None => read_mappings(pid, &process_dir, &dir, identity, &mut self.files),
+            })
+        });
         let (info, provisional) = match snapshot {
             Ok(snapshot) => (Arc::new(snapshot.info), snapshot.provisional),
             Err(error) => {
@@ -680,6 +701,9 @@ impl ProcessRegistry {
             }
         };
         self.stats.snapshots_taken += 1;
+        if known_from_exec {
+            self.stats.cmdlines_from_exec += 1;
+        }
         if from_announcements {
             self.stats.maps_from_announcements += 1;
         }
@@ -768,7 +792,15 @@ pub fn read_identity(
     host: &str,
 ) -> Result<LabelledProcess, ProcessError> {
     let dir = open_process_dir(process_dir)?;
-    read_identity_in(pid, process_dir, &dir, host)
+    read_identity_in(pid, process_dir, &dir, host, KnownProgram::default())
+}
+
+/// What a process's exec event says of it (see `ProcessRegistry::known_program`); what is
+/// `None` is read from /proc.
+#[derive(Debug, Default)]
+struct KnownProgram {
+    cmdline: Option<Vec<String>>,
+    cgroup: Option<CgroupInfo>,
 }
 
 /// [`read_identity`] from the process's directory, already open.
@@ -777,6 +809,7 @@ fn read_identity_in(
     process_dir: &Path,
     dir: &ProcDir,
     host: &str,
+    known: KnownProgram,
 ) -> Result<LabelledProcess, ProcessError> {
     let stat_path = || process_dir.join("stat");
     let stat_text = dir
@@ -794,10 +827,12 @@ fn read_identity_in(
 
     // The same `task->comm` as /proc/PID/comm, without opening another file.
     let comm = stat.comm.clone();
-    let cmdline = dir
-        .read(c"cmdline")
-        .map(|raw| parse_cmdline(&raw))
-        .unwrap_or_default();
+    let cmdline_from_exec = known.cmdline.is_some();
+    let cmdline = known.cmdline.unwrap_or_else(|| {
+        dir.read(c"cmdline")
+            .map(|raw| parse_cmdline(&raw))
+            .unwrap_or_default()
+    });
     let exe = dir.read_link(c"exe").ok().map(|path| {
         let path = path.to_string_lossy().into_owned();
         match path.strip_suffix(maps::DELETED_SUFFIX) {
@@ -809,8 +844,9 @@ fn read_identity_in(
     // A user process without a command line and an executable has lost its memory: it is
     // exiting, its state not yet `Z` (exec keeps the executable set while the command line is
     // not yet there). Read now, it would be named after nothing; its exec or fork event says
-    // who it was, and the kernel's announcements what it had mapped.
-    if !is_kernel_thread && cmdline.is_empty() && exe.is_none() {
+    // who it was, and the kernel's announcements what it had mapped. A command line from the
+    // exec event says nothing of that: the executable alone tells.
+    if !is_kernel_thread && exe.is_none() && (cmdline_from_exec || cmdline.is_empty()) {
         return Err(ProcessError::Exiting { pid });
     }
 
@@ -822,10 +858,11 @@ fn read_identity_in(
             .read(c"environ")
             .map(|raw| parse_environ(&raw))
             .unwrap_or_default();
-        let cgroup = dir
-            .read_to_string(c"cgroup")
-            .map(|text| parse_cgroup(&text))
-            .unwrap_or_default();
+        let cgroup = known.cgroup.unwrap_or_else(|| {
+            dir.read_to_string(c"cgroup")
+                .map(|text| parse_cgroup(&text))
+                .unwrap_or_default()
+        });
         (env, cgroup)
     };
     let kubernetes = match (&cgroup.pod_uid, process_dir.parent()) {
@@ -883,7 +920,19 @@ pub fn read_process(
     files: &mut FileCache,
 ) -> Result<Snapshot, ProcessError> {
     let dir = open_process_dir(process_dir)?;
-    let identity = read_identity_in(pid, process_dir, &dir, host)?;
+    let identity = read_identity_in(pid, process_dir, &dir, host, KnownProgram::default())?;
+    Ok(read_mappings(pid, process_dir, &dir, identity, files))
+}
+
+/// The snapshot of a process whose identity was read, with its executable mappings from
+/// /proc/PID/maps.
+fn read_mappings(
+    pid: Pid,
+    process_dir: &Path,
+    dir: &ProcDir,
+    identity: LabelledProcess,
+    files: &mut FileCache,
+) -> Snapshot {
     // Kernel threads have no user mappings.
     let mappings = if identity.is_kernel_thread {
         Vec::new()
@@ -892,7 +941,7 @@ pub fn read_process(
             .map(|text| executable_mappings(pid, process_dir, &text, files))
             .unwrap_or_default()
     };
-    Ok(identity.with_mappings(pid, mappings))
+    identity.with_mappings(pid, mappings)
 }
 
 #[cfg(test)]

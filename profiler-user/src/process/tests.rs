@@ -164,6 +164,7 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
     let record = ExecRecord {
         filename: "/bin/sleep".into(),
         args: ["sleep", "0.01"].into_iter().collect(),
+        args_complete: true,
         comm: "sleep".into(),
         cgroup_id: 0,
         exe: Some(FileId {
@@ -251,6 +252,7 @@ fn registry_record(program: &str) -> ExecRecord {
     ExecRecord {
         filename: format!("/bin/{program}"),
         args: [program].into_iter().collect(),
+        args_complete: true,
         comm: program.into(),
         code: Some((0x1000, 0x2000)),
         ..ExecRecord::default()
@@ -259,6 +261,77 @@ fn registry_record(program: &str) -> ExecRecord {
 
 /// A child forked without exec that exits before its lookup is its parent's program: the
 /// parent's name and mappings under the child's pid, whatever the child named its thread.
+/// A live process's command line and cgroup come from its exec event when the event holds
+/// them whole (two /proc reads fewer for each new process), else from /proc.
+#[test]
+fn a_complete_exec_event_says_who_a_live_process_is() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let cgroups = tempfile::tempdir().expect("tempdir");
+    let unit = cgroups.path().join("system.slice").join("checkout.service");
+    fs::create_dir_all(&unit).expect("a cgroup directory");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    registry.cgroups = CgroupPaths::from_mountinfo(&format!(
+        "30 1 0:26 / {} rw - cgroup2 cgroup2 rw\n",
+        cgroups.path().display()
+    ));
+    let exec = |complete| ExecRecord {
+        filename: "/usr/bin/python3".into(),
+        args: ["/usr/bin/python3", "/srv/app/from_exec.py"]
+            .into_iter()
+            .collect(),
+        args_complete: complete,
+        cgroup_id: fs::metadata(&unit).expect("cgroup").ino(),
+        ..registry_record("python3")
+    };
+    for (pid, complete) in [(100, true), (101, false)] {
+        let dir = write_fake_process(root.path(), pid, 5000, ANON_MAPS);
+        // Outside any container, so the systemd unit, else the script, names the service.
+        fs::write(dir.join("environ"), b"PATH=/bin\0").expect("write");
+        fs::write(dir.join("cgroup"), b"0::/user.slice\n").expect("write");
+        fs::write(
+            dir.join("cmdline"),
+            b"/usr/bin/python3\0/srv/app/from_proc.py\0",
+        )
+        .expect("write");
+        // Alive: its executable is there (read after its memory is gone, the exec event would
+        // name it, the case of another test).
+        std::os::unix::fs::symlink("/usr/bin/python3", dir.join("exe")).expect("symlink");
+        registry.record_exec(Pid(pid), Arc::new(exec(complete)));
+    }
+    let whole = registry.lookup(Pid(100)).expect("snapshot");
+    assert_eq!(
+        whole.labels.systemd_unit.as_deref(),
+        Some("checkout.service")
+    );
+    assert_eq!(whole.labels.service_name, "checkout");
+    assert_eq!(registry.stats().cmdlines_from_exec, 1);
+
+    // Arguments cut by the event's buffer: /proc says it all. The cgroup id still counts.
+    let cut = registry.lookup(Pid(101)).expect("snapshot");
+    assert_eq!(cut.labels.service_name, "checkout");
+    assert_eq!(registry.stats().cmdlines_from_exec, 1);
+    registry.cgroups = CgroupPaths::with_root(None);
+    for pid in [100, 101] {
+        registry.forget(Pid(pid));
+    }
+    let named = |registry: &mut ProcessRegistry, pid| {
+        registry
+            .lookup(Pid(pid))
+            .expect("snapshot")
+            .labels
+            .service_name
+            .clone()
+    };
+    assert_eq!(named(&mut registry, 100), "from_exec");
+    assert_eq!(named(&mut registry, 101), "from_proc");
+    let stats = registry.stats();
+    assert_eq!(
+        (stats.snapshots_taken, stats.snapshots_from_events),
+        (4, 0),
+        "read from /proc, not built from the events"
+    );
+}
+
 #[test]
 fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
     let root = tempfile::tempdir().expect("tempdir");
@@ -941,6 +1014,7 @@ fn live_mappings_from_announcements_match_the_maps_file() {
     let record = ExecRecord {
         filename: exe.to_string_lossy().into_owned(),
         args: ["sleep", "30"].into_iter().collect(),
+        args_complete: true,
         comm: "sleep".to_owned(),
         cgroup_id: 0,
         exe: Some(FileId {

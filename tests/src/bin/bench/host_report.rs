@@ -616,6 +616,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                 "of which mappings from announcements",
             ),
             (
+                "profiler_process_cmdlines_from_exec_total",
+                "of which command lines from exec events",
+            ),
+            (
                 "profiler_process_snapshots_before_exec_total",
                 "samples taken in an exec, resolved against the program before it",
             ),
