@@ -1012,10 +1012,9 @@ mod tests {
         assert_eq!(ring_bytes(true, abi), abi);
     }
 
-    #[test]
-    fn an_exec_record_keeps_every_argument_as_the_kernel_copied_them() {
-        let mut details = ExecDetails {
-            cgroup_id: 7,
+    fn empty_exec_details() -> ExecDetails {
+        ExecDetails {
+            cgroup_id: 0,
             exe_ino: 0,
             exe_dev: 0,
             filename_len: 0,
@@ -1025,6 +1024,14 @@ mod tests {
             comm: [0; 16],
             filename: [0; profiler_common::EXEC_FILENAME_BYTES],
             args: [0; profiler_common::EXEC_ARGS_BYTES],
+        }
+    }
+
+    #[test]
+    fn an_exec_record_keeps_every_argument_as_the_kernel_copied_them() {
+        let mut details = ExecDetails {
+            cgroup_id: 7,
+            ..empty_exec_details()
         };
         let filename = b"/usr/lib/gcc/cc1\0";
         details.filename[..filename.len()].copy_from_slice(filename);
@@ -1055,16 +1062,8 @@ mod tests {
     #[test]
     fn an_exec_record_whose_arguments_fill_the_buffer_may_have_lost_some() {
         let mut details = ExecDetails {
-            cgroup_id: 0,
-            exe_ino: 0,
-            exe_dev: 0,
-            filename_len: 0,
-            args_len: 0,
-            start_code: 0,
-            end_code: 0,
-            comm: [0; 16],
-            filename: [0; profiler_common::EXEC_FILENAME_BYTES],
             args: [b'x'; profiler_common::EXEC_ARGS_BYTES],
+            ..empty_exec_details()
         };
         // Cut by the buffer: the kernel had more, even when its last byte is a NUL.
         details.args_len = profiler_common::EXEC_ARGS_BYTES as u16;
