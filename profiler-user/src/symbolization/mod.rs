@@ -198,13 +198,13 @@ pub struct Symbolizer {
     file_pages: FilePageWatch,
 }
 
-/// File-backed memory the agent may gain between two releases of symbol files' pages. Each
-/// release costs reads of the pages still in use (page-out drops them from the page cache
-/// too), so releases stay rare; but the file-backed RSS moves within this band, so it is as
-/// much of the RSS growth as a measurement can show. 300 s host-benchmark runs measured
-/// 170-211 µs of CPU per sample at 6 MiB against 188-200 µs at 12 MiB (one run at 4 MiB, at a
-/// higher load, 252 µs).
-pub const FILE_PAGES_SLACK_BYTES: u64 = 6 << 20;
+/// File-backed memory the agent may gain between two releases of symbol files' pages. The
+/// file-backed RSS moves within this band, so it is as much of the RSS growth as a measurement
+/// can show. Releases are cheap now that the symbolizer's own mappings (nearly all of it) keep
+/// their pages in the page cache: 300 s host-benchmark runs measured 192-225 µs of CPU per
+/// sample at 6 MiB (three runs) and 205 µs at 2 MiB, whose file-backed part of the growth was
+/// 1.4 % against 2-10 % (docs/benchmarks.md, k5-k8).
+pub const FILE_PAGES_SLACK_BYTES: u64 = 2 << 20;
 /// A resolver at least this costly (a symbol table of 3 MiB or more: libtorch_cpu's is 13 MiB)
 /// has the symbol files' pages given back right after it is made.
 const LARGE_RESOLVER_BYTES: u64 = 1 << 20;
