@@ -658,6 +658,7 @@ impl ProcessRegistry {
             return KnownProgram::default();
         };
         KnownProgram {
+            comm: record.comm.clone(),
             cmdline: record.args_complete.then(|| record.args.to_vec()),
             cgroup: self.cgroups.unified_cgroup(record.cgroup_id),
         }
@@ -685,7 +686,6 @@ impl ProcessRegistry {
         };
         let from_announcements = announced.is_some();
         let known = self.known_program(pid);
-        let known_from_exec = known.cmdline.is_some();
         let snapshot = open_process_dir(&process_dir).and_then(|dir| {
             let identity = read_identity_in(pid, &process_dir, &dir, &self.host, known)?;
             Ok(match announced {
@@ -693,15 +693,19 @@ impl ProcessRegistry {
                 None => read_mappings(pid, &process_dir, &dir, identity, &mut self.files),
             })
         });
-        let (info, provisional) = match snapshot {
-            Ok(snapshot) => (Arc::new(snapshot.info), snapshot.provisional),
+        let (info, provisional, cmdline_from_exec) = match snapshot {
+            Ok(snapshot) => (
+                Arc::new(snapshot.info),
+                snapshot.provisional,
+                snapshot.cmdline_from_exec,
+            ),
             Err(error) => {
                 debug!(%pid, %error, "no snapshot");
                 return None;
             }
         };
         self.stats.snapshots_taken += 1;
-        if known_from_exec {
+        if cmdline_from_exec {
             self.stats.cmdlines_from_exec += 1;
         }
         if from_announcements {
@@ -771,6 +775,8 @@ pub struct Snapshot {
     /// and the kernel writing argv and the environment (a vfork parent, like the spawner, is
     /// released in between), so labels may be missing. Worth reading again.
     pub provisional: bool,
+    /// See [`LabelledProcess::cmdline_from_exec`].
+    pub cmdline_from_exec: bool,
 }
 
 /// Who a process is, as read from /proc: its name, labels and start time.
@@ -782,6 +788,8 @@ pub struct LabelledProcess {
     pub is_kernel_thread: bool,
     /// Read before the kernel wrote argv (see [`Snapshot::provisional`]).
     pub provisional: bool,
+    /// The command line came from the exec event, not /proc/PID/cmdline.
+    pub cmdline_from_exec: bool,
 }
 
 /// Reads who a process is. Only /proc/PID/stat is required; every other file may vanish as the
@@ -799,6 +807,10 @@ pub fn read_identity(
 /// `None` is read from /proc.
 #[derive(Debug, Default)]
 struct KnownProgram {
+    /// The name the exec gave the process. Another name in /proc/PID/stat means the event is
+    /// not of the program the process runs (a later exec's event was lost), or the program
+    /// renamed itself: all is read from /proc then.
+    comm: String,
     cmdline: Option<Vec<String>>,
     cgroup: Option<CgroupInfo>,
 }
@@ -827,6 +839,11 @@ fn read_identity_in(
 
     // The same `task->comm` as /proc/PID/comm, without opening another file.
     let comm = stat.comm.clone();
+    let known = if known.comm == comm {
+        known
+    } else {
+        KnownProgram::default()
+    };
     let cmdline_from_exec = known.cmdline.is_some();
     let cmdline = known.cmdline.unwrap_or_else(|| {
         dir.read(c"cmdline")
@@ -891,6 +908,7 @@ fn read_identity_in(
         labels,
         is_kernel_thread,
         provisional: !is_kernel_thread && cmdline.is_empty(),
+        cmdline_from_exec,
     })
 }
 
@@ -900,6 +918,7 @@ impl LabelledProcess {
         debug!(%pid, comm = %self.comm, service_name = %self.labels.service_name, mappings = mappings.len(), "snapshot");
         Snapshot {
             provisional: self.provisional,
+            cmdline_from_exec: self.cmdline_from_exec,
             info: ProcessInfo {
                 pid,
                 start_time: self.start_time,

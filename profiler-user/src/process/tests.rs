@@ -262,7 +262,8 @@ fn registry_record(program: &str) -> ExecRecord {
 /// A child forked without exec that exits before its lookup is its parent's program: the
 /// parent's name and mappings under the child's pid, whatever the child named its thread.
 /// A live process's command line and cgroup come from its exec event when the event holds
-/// them whole (two /proc reads fewer for each new process), else from /proc.
+/// them whole (two /proc reads fewer for each new process) and is of the program the process
+/// runs, else from /proc.
 #[test]
 fn a_complete_exec_event_says_who_a_live_process_is() {
     let root = tempfile::tempdir().expect("tempdir");
@@ -283,8 +284,15 @@ fn a_complete_exec_event_says_who_a_live_process_is() {
         cgroup_id: fs::metadata(&unit).expect("cgroup").ino(),
         ..registry_record("python3")
     };
-    for (pid, complete) in [(100, true), (101, false)] {
+    // 102 runs another program (its name says so) than the one its last exec event recorded:
+    // a later exec's event was lost.
+    for (pid, complete, comm) in [
+        (100, true, "python3"),
+        (101, false, "python3"),
+        (102, true, "node"),
+    ] {
         let dir = write_fake_process(root.path(), pid, 5000, ANON_MAPS);
+        fs::write(dir.join("stat"), stat_line(pid, comm, 0x0040_0100, 5000)).expect("write");
         // Outside any container, so the systemd unit, else the script, names the service.
         fs::write(dir.join("environ"), b"PATH=/bin\0").expect("write");
         fs::write(dir.join("cgroup"), b"0::/user.slice\n").expect("write");
@@ -310,8 +318,14 @@ fn a_complete_exec_event_says_who_a_live_process_is() {
     let cut = registry.lookup(Pid(101)).expect("snapshot");
     assert_eq!(cut.labels.service_name, "checkout");
     assert_eq!(registry.stats().cmdlines_from_exec, 1);
+    let other = registry.lookup(Pid(102)).expect("snapshot");
+    assert_eq!(
+        other.labels.systemd_unit, None,
+        "/proc's cgroup, not the event's"
+    );
+    assert_eq!(registry.stats().cmdlines_from_exec, 1);
     registry.cgroups = CgroupPaths::with_root(None);
-    for pid in [100, 101] {
+    for pid in [100, 101, 102] {
         registry.forget(Pid(pid));
     }
     let named = |registry: &mut ProcessRegistry, pid| {
@@ -324,10 +338,11 @@ fn a_complete_exec_event_says_who_a_live_process_is() {
     };
     assert_eq!(named(&mut registry, 100), "from_exec");
     assert_eq!(named(&mut registry, 101), "from_proc");
+    assert_eq!(named(&mut registry, 102), "from_proc");
     let stats = registry.stats();
     assert_eq!(
         (stats.snapshots_taken, stats.snapshots_from_events),
-        (4, 0),
+        (6, 0),
         "read from /proc, not built from the events"
     );
 }
