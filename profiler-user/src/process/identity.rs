@@ -251,14 +251,20 @@ impl CgroupPaths {
         self.paths.get(&id).cloned()
     }
 
+    /// What the v2 path of cgroup `id` says of a process in it, when the id's directory is
+    /// found.
+    pub fn cgroup(&mut self, id: u64) -> Option<CgroupInfo> {
+        self.path(id)
+            .map(|path| parse_cgroup(&format!("0::{path}")))
+    }
+
     /// What /proc/PID/cgroup would say of a process in cgroup `id`, without reading it: only
     /// on a host with cgroup v2 alone, and when the id's directory is found.
     pub fn unified_cgroup(&mut self, id: u64) -> Option<CgroupInfo> {
         if !self.unified {
             return None;
         }
-        self.path(id)
-            .map(|path| parse_cgroup(&format!("0::{path}")))
+        self.cgroup(id)
     }
 
     fn walk(&mut self, root: &Path, dir: &Path) {
@@ -290,7 +296,6 @@ impl Default for CgroupPaths {
     }
 }
 
-/// The mount point of the cgroup2 file system in a /proc/PID/mountinfo text.
 /// Whether a cgroup v1 hierarchy is mounted (a hybrid or v1 host).
 fn has_cgroup_v1_mount(mountinfo: &str) -> bool {
     mountinfo.lines().any(|line| {
@@ -300,6 +305,7 @@ fn has_cgroup_v1_mount(mountinfo: &str) -> bool {
     })
 }
 
+/// The mount point of the cgroup2 file system in a /proc/PID/mountinfo text.
 fn cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
     mountinfo.lines().find_map(|line| {
         // ... mount-point ... - fstype source options

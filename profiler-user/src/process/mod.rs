@@ -440,11 +440,7 @@ impl ProcessRegistry {
     /// as the one mapping known.
     fn exec_snapshot(&mut self, pid: Pid, record: &ExecRecord) -> ProcessInfo {
         let exe = executable_path(record);
-        let cgroup = self
-            .cgroups
-            .path(record.cgroup_id)
-            .map(|path| parse_cgroup(&format!("0::{path}")))
-            .unwrap_or_default();
+        let cgroup = self.cgroups.cgroup(record.cgroup_id).unwrap_or_default();
         let cmdline = record.args.to_vec();
         let labels = derive_labels(&LabelInputs {
             cmdline: &cmdline,
