@@ -31,8 +31,9 @@ pub const DEFAULT_MAX_QUERY_NODES: usize = 2_000_000;
 /// Default of `--max-catalog-nodes`: call-tree nodes kept in memory to find a stack's node at
 /// ingest, all services together (about 14 bytes each with their index, so about 1 MiB).
 /// Past it the largest service's tree that has doubled since its first minute is sealed: kept
-/// on disk for queries, started afresh in memory. A whole busy host adds about 450 nodes a
-/// second (stripped compilers mostly).
+/// on disk for queries, started afresh in memory; past four times it, the largest trees whether
+/// or not they doubled. A whole busy host adds about 450 nodes a second (stripped compilers
+/// mostly).
 pub const DEFAULT_MAX_CATALOG_NODES: usize = 65_536;
 /// Default of `--max-catalog-frames`: frames, and strings, kept in memory to find a frame's id
 /// at ingest (a frame about 50 bytes with its index, a string about 100 with its text, so
@@ -127,7 +128,8 @@ pub struct StoreLimitArgs {
     /// Past it the largest service's call tree that has at least doubled since its first minute
     /// is sealed: it stays on disk, where queries read it, and stacks seen again get new nodes.
     /// Trees that have not doubled stay (their services keep using them), so the services'
-    /// trees in use can exceed it. 0: no limit (memory grows with every distinct stack kept).
+    /// trees in use can exceed it, up to four times it: past that the largest are sealed anyway.
+    /// 0: no limit (memory grows with every distinct stack kept).
     #[arg(long, env = "PROFILER_MAX_CATALOG_NODES", default_value_t = DEFAULT_MAX_CATALOG_NODES)]
     pub max_catalog_nodes: usize,
     /// Frames kept in memory for ingest, and as many strings (function and file names,

@@ -323,6 +323,9 @@ pub struct StoreCounters {
     pub queries_too_large: AtomicU64,
     /// Call trees sealed at --max-catalog-nodes (see `Space::seal`).
     pub node_trees_sealed: AtomicU64,
+    /// Of those, trees sealed at four times the bound without having doubled: trees in steady use,
+    /// whose nodes the next writes store again (a bound too small for the host's services).
+    pub node_trees_sealed_in_use: AtomicU64,
     /// Generations of frames or of names sealed at --max-catalog-frames.
     pub frame_generations_sealed: AtomicU64,
 }
@@ -360,6 +363,11 @@ impl StoreCounters {
                 "profiler_store_node_trees_sealed_total",
                 "Services' in-memory call trees sealed (left on disk for queries) at --max-catalog-nodes.",
                 load(&self.node_trees_sealed),
+            ),
+            (
+                "profiler_store_node_trees_sealed_in_use_total",
+                "Of those, trees sealed at four times --max-catalog-nodes without having doubled: trees in steady use, whose nodes the next writes store again (raise the bound when it keeps growing).",
+                load(&self.node_trees_sealed_in_use),
             ),
             (
                 "profiler_store_frame_generations_sealed_total",
@@ -423,6 +431,10 @@ struct Space {
 
 /// Stacks remembered per space.
 const MAX_CACHED_STACKS: usize = 8_192;
+
+/// How far the call trees in steady use may take the nodes in memory past
+/// `--max-catalog-nodes` before trees are sealed that have not doubled ([`Catalog::seal_over`]).
+const HARD_BOUND_FACTOR: usize = 4;
 
 /// Hashes a stack for [`Space::leaf_by_stack`]: the same stack, the same hash, within the process.
 fn stack_hash(stack: &[u32]) -> u64 {
@@ -800,16 +812,22 @@ impl Catalog {
     }
 
     /// Seals the spaces with the most nodes in memory until all together keep at most `max`
-    /// (0: no limit); returns how many were sealed. Only for nodes already on disk.
+    /// (0: no limit); returns how many were sealed, and of those how many had not doubled.
+    /// Only for nodes already on disk.
     ///
     /// With `settle_age`, only a generation that has at least doubled since it had lived that
     /// long: one that holds about the stacks its service keeps sending would only be made again
     /// by the next writes (its nodes on disk a second time), so it stays, and the bound is then
     /// exceeded by what the services use. A service that keeps sending new stacks (a stripped
     /// compiler's addresses) doubles and is sealed. Without, any (at open).
-    fn seal_over(&mut self, max: usize, settle_age: Option<Duration>) -> u64 {
+    ///
+    /// What the services use may exceed `max` only up to [`HARD_BOUND_FACTOR`] times it: when
+    /// the trees left after sealing the grown ones are past that (many services, each with a
+    /// large steady tree), the largest are sealed whether or not they doubled, until `max`
+    /// holds again. Their nodes are then written a second time, the price of the memory bound.
+    fn seal_over(&mut self, max: usize, settle_age: Option<Duration>) -> (u64, u64) {
         if max == 0 {
-            return 0;
+            return (0, 0);
         }
         if let Some(age) = settle_age {
             for space in self.spaces.values_mut() {
@@ -825,23 +843,34 @@ impl Catalog {
                     .is_some_and(|n| space.nodes.len() >= 2 * n)
         };
         let mut in_memory: usize = self.spaces.values().map(|s| s.nodes.len()).sum();
-        let mut sealed = 0;
-        while in_memory > max {
-            // Node ids are u32 and a sealed space numbers on: one that has used half of them
-            // keeps its tree in memory rather than run out.
-            let Some(space) = self
-                .spaces
-                .values_mut()
-                .filter(|s| s.nodes.len() > 1 && s.len() < u32::MAX as usize / 2 && grown(s))
-                .max_by_key(|s| s.nodes.len())
-            else {
+        let (mut sealed, mut sealed_in_use) = (0, 0);
+        // Grown trees first; then, only if the trees in use alone are past the hard bound, any.
+        for any_tree in [false, true] {
+            if any_tree && in_memory <= max.saturating_mul(HARD_BOUND_FACTOR) {
                 break;
-            };
-            in_memory -= space.nodes.len() - 1;
-            space.seal();
-            sealed += 1;
+            }
+            while in_memory > max {
+                // Node ids are u32 and a sealed space numbers on: one that has used half of
+                // them keeps its tree in memory rather than run out.
+                let Some(space) = self
+                    .spaces
+                    .values_mut()
+                    .filter(|s| {
+                        s.nodes.len() > 1
+                            && s.len() < u32::MAX as usize / 2
+                            && (any_tree || grown(s))
+                    })
+                    .max_by_key(|s| s.nodes.len())
+                else {
+                    break;
+                };
+                in_memory -= space.nodes.len() - 1;
+                sealed_in_use += u64::from(!grown(space));
+                space.seal();
+                sealed += 1;
+            }
         }
-        sealed
+        (sealed, sealed_in_use)
     }
 }
 
@@ -1241,14 +1270,17 @@ impl Store {
                     }
                 }
                 // Only now: a sealed generation must be on disk, where queries read it.
-                let sealed = catalog.seal_over(
+                let (sealed, sealed_in_use) = catalog.seal_over(
                     self.inner.limits.max_catalog_nodes,
                     Some(self.inner.settle_age),
                 );
-                self.inner
-                    .counters
+                let counters = &self.inner.counters;
+                counters
                     .node_trees_sealed
                     .fetch_add(sealed, Ordering::Relaxed);
+                counters
+                    .node_trees_sealed_in_use
+                    .fetch_add(sealed_in_use, Ordering::Relaxed);
                 let sealed =
                     catalog.seal_frames_and_names_over(self.inner.limits.max_catalog_frames);
                 self.inner

@@ -1635,6 +1635,13 @@ fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
         "the growing tree was never sealed"
     );
     assert_eq!(sealed_of(&bounded, "db"), 0, "the steady tree was sealed");
+    assert_eq!(
+        bounded
+            .counters()
+            .node_trees_sealed_in_use
+            .load(Ordering::Relaxed),
+        0
+    );
     assert!(
         bounded.counters().node_trees_sealed.load(Ordering::Relaxed) >= 2,
         "sealed once at most"
@@ -1649,6 +1656,64 @@ fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
     bounded.ingest(&write(8)).unwrap();
     reference.ingest(&write(8)).unwrap();
     same_answers(&bounded, 9);
+}
+
+/// Trees in steady use may keep the nodes in memory past `--max-catalog-nodes`, but not past
+/// four times it: many services whose trees never double (here none settles at all) still have the
+/// largest sealed until the bound holds, and queries answer as a store without the bound does.
+#[test]
+fn call_trees_in_steady_use_are_sealed_past_four_times_the_bound() {
+    let (bounded_dir, reference_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let options = StoreOptions {
+        limits: StoreLimits {
+            max_catalog_nodes: 8,
+            ..StoreLimits::default()
+        },
+        settle_age: Duration::from_secs(3600),
+        ..StoreOptions::default()
+    };
+    let bounded = Store::open_with(StoreSettings::new(bounded_dir.path()), options).unwrap();
+    let reference = open(reference_dir.path());
+    // Five services, each sending the same five stacks every round: 7 nodes a tree, 35 in all.
+    let write = |round: i64| -> Vec<NewProfile> {
+        (0..5)
+            .map(|service| {
+                let stacks: Vec<(String, i64)> = (0..5)
+                    .map(|k| (format!("main;s{service}_f{k}"), 1 + k + round))
+                    .collect();
+                let stacks: Vec<(&str, i64)> =
+                    stacks.iter().map(|(s, v)| (s.as_str(), *v)).collect();
+                profile(&format!("svc{service}"), &[], NOW + round * SECOND, &stacks)
+            })
+            .collect()
+    };
+    for round in 0..3 {
+        bounded.ingest(&write(round)).unwrap();
+        reference.ingest(&write(round)).unwrap();
+        let in_memory = bounded.catalog_sizes().2;
+        assert!(in_memory <= 8, "round {round}: {in_memory} nodes in memory");
+        assert_eq!(
+            reference.catalog_sizes().2,
+            35,
+            "the reference is unbounded"
+        );
+        let selection = selection("{}", NOW, NOW + (round + 1) * SECOND);
+        assert_eq!(
+            bounded.merge(&selection).unwrap().folded(),
+            reference.merge(&selection).unwrap().folded()
+        );
+        assert_eq!(
+            sorted_totals(&bounded, &selection),
+            sorted_totals(&reference, &selection)
+        );
+    }
+    let counters = bounded.counters();
+    assert!(counters.node_trees_sealed.load(Ordering::Relaxed) >= 12);
+    assert_eq!(
+        counters.node_trees_sealed_in_use.load(Ordering::Relaxed),
+        counters.node_trees_sealed.load(Ordering::Relaxed),
+        "every tree sealed here was in steady use"
+    );
 }
 
 /// Every node's stack with a self value as frames (name, file, line, object, address), root
