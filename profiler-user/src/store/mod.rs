@@ -401,8 +401,13 @@ impl StoreCounters {
     }
 }
 
+/// One service's call tree for the profiles of one name (`process_cpu`, `off_cpu`, ...): the
+/// sample types of a profile (`samples:count` and `cpu:nanoseconds`) have the same stacks, so
+/// they share it, each series keeping its own values per node. Stores written before kept one
+/// tree per sample type; those stay as they are, each used by its own series.
 #[derive(Debug)]
 struct Space {
+    /// The type id of the profile that made the space (the `spaces` row), whose name is its key.
     profile_type: String,
     service_name: String,
     /// Nodes `1..=sealed` belong to earlier generations of this space's call tree: they are on
@@ -435,6 +440,13 @@ const MAX_CACHED_STACKS: usize = 8_192;
 /// How far the call trees in steady use may take the nodes in memory past
 /// `--max-catalog-nodes` before trees are sealed that have not doubled ([`Catalog::seal_over`]).
 const HARD_BOUND_FACTOR: usize = 4;
+
+/// The key of a space: the profile name of `type_id` (`process_cpu` of
+/// `process_cpu:cpu:nanoseconds:cpu:nanoseconds`) and the service.
+fn space_key(type_id: &str, service: &str) -> (String, String) {
+    let name = type_id.split(':').next().unwrap_or(type_id);
+    (name.to_owned(), service.to_owned())
+}
 
 /// Hashes a stack for [`Space::leaf_by_stack`]: the same stack, the same hash, within the process.
 fn stack_hash(stack: &[u32]) -> u64 {
@@ -618,6 +630,7 @@ struct Catalog {
     /// The current generation's frames by value, as positions in `frames`.
     frame_ids: IdIndex,
     spaces: HashMap<i64, Space>,
+    /// The space new series of a profile name and service use ([`space_key`]).
     space_ids: HashMap<(String, String), i64>,
     series: HashMap<i64, SeriesInfo>,
     series_ids: HashMap<String, i64>,
@@ -737,6 +750,16 @@ impl Catalog {
             }
         }
         Ok(())
+    }
+
+    /// Forgets space `id` (unused, or added by a write that is undone).
+    fn remove_space(&mut self, id: i64) {
+        if let Some(space) = self.spaces.remove(&id) {
+            let key = space_key(&space.profile_type, &space.service_name);
+            if self.space_ids.get(&key) == Some(&id) {
+                self.space_ids.remove(&key);
+            }
+        }
     }
 
     /// Names given ids so far, sealed or not: the next name's id.
@@ -1387,11 +1410,7 @@ impl Store {
             }
         }
         for id in &additions.spaces {
-            if let Some(space) = catalog.spaces.remove(id) {
-                catalog
-                    .space_ids
-                    .remove(&(space.profile_type, space.service_name));
-            }
+            catalog.remove_space(*id);
         }
         let catalog = &mut *catalog;
         let first_frame = additions.frames_before - catalog.sealed_frames as usize;
@@ -1560,11 +1579,7 @@ impl Store {
         for id in unused {
             writer.execute("DELETE FROM node_blocks WHERE space_id = ?", [id])?;
             writer.execute("DELETE FROM spaces WHERE id = ?", [id])?;
-            if let Some(space) = catalog.spaces.remove(&id) {
-                catalog
-                    .space_ids
-                    .remove(&(space.profile_type, space.service_name));
-            }
+            catalog.remove_space(id);
         }
         Ok(())
     }
@@ -1694,16 +1709,18 @@ fn encode_profile(
         catalog.check_new_series(limits, &labels)?;
     }
 
-    let space_key = (type_id.clone(), service.clone());
-    let space_id = match catalog.space_ids.get(&space_key) {
-        Some(&id) => id,
+    // An existing series keeps its space (a store written before may have one per sample type).
+    let series_space = existing_series.and_then(|id| catalog.series.get(&id).map(|s| s.space));
+    let tree_key = space_key(&type_id, &service);
+    let space_id = match series_space.or_else(|| catalog.space_ids.get(&tree_key).copied()) {
+        Some(id) => id,
         None => {
             let id = catalog.next_space;
             catalog.next_space += 1;
             catalog
                 .spaces
                 .insert(id, Space::new(type_id.clone(), service));
-            catalog.space_ids.insert(space_key, id);
+            catalog.space_ids.insert(tree_key, id);
             additions.spaces.push(id);
             id
         }
@@ -1974,9 +1991,12 @@ fn load_catalog(
         while let Some(row) = rows.next()? {
             let id: i64 = row.get(0)?;
             let (profile_type, service): (String, String) = (row.get(1)?, row.get(2)?);
+            // Two spaces of one key (a store written with one per sample type): new series use
+            // the first, each existing series its own.
             catalog
                 .space_ids
-                .insert((profile_type.clone(), service.clone()), id);
+                .entry(space_key(&profile_type, &service))
+                .or_insert(id);
             catalog.spaces.insert(id, Space::new(profile_type, service));
             catalog.next_space = catalog.next_space.max(id + 1);
         }

@@ -1658,6 +1658,150 @@ fn sealed_call_trees_leave_memory_and_queries_answer_the_same() {
     same_answers(&bounded, 9);
 }
 
+const CPU_SAMPLES: &str = "process_cpu:samples:count:cpu:nanoseconds";
+
+/// `profile` of another type: the same stacks, counted as samples.
+fn profile_of_type(
+    type_id: &str,
+    service: &str,
+    time_ns: i64,
+    stacks: &[(&str, i64)],
+) -> NewProfile {
+    NewProfile {
+        profile_type: Some(ProfileType::parse(type_id).unwrap()),
+        ..profile(service, &[], time_ns, stacks)
+    }
+}
+
+/// The sample types of one profile (the agent's `samples:count` and `cpu:nanoseconds`) share
+/// their service's call tree: its nodes are kept (in memory and on disk) once, not once per
+/// type, and each type still answers with its own values.
+#[test]
+fn the_sample_types_of_a_profile_share_one_call_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let stacks_at = |round: i64| -> Vec<(String, i64)> {
+        vec![
+            ("main;work;a".to_owned(), 3),
+            (format!("main;work;b{round}"), 2),
+            ("main;idle".to_owned(), 1),
+        ]
+    };
+    for round in 0..3 {
+        let stacks = stacks_at(round);
+        let counts: Vec<(&str, i64)> = stacks.iter().map(|(s, v)| (s.as_str(), *v)).collect();
+        let nanos: Vec<(&str, i64)> = stacks
+            .iter()
+            .map(|(s, v)| (s.as_str(), v * 10_000_000))
+            .collect();
+        store
+            .ingest(&[
+                profile_of_type(CPU_SAMPLES, "api", NOW + round * SECOND, &counts),
+                profile_of_type(CPU, "api", NOW + round * SECOND, &nanos),
+                profile_of_type(CPU, "web", NOW + round * SECOND, &[("serve;parse", 5)]),
+            ])
+            .unwrap();
+    }
+    // api: root, main, work, a, b0, b1, b2, idle; web: root, serve, parse.
+    assert_eq!(store.catalog_sizes().2, 8 + 3);
+    let end = NOW + 3 * SECOND;
+    let mut of_samples = selection(r#"{service_name="api"}"#, NOW, end);
+    of_samples.profile_type = CPU_SAMPLES.to_owned();
+    let merged = store.merge(&of_samples).unwrap().folded();
+    assert_eq!(
+        merged,
+        [
+            ("main;idle", 3),
+            ("main;work;a", 9),
+            ("main;work;b0", 2),
+            ("main;work;b1", 2),
+            ("main;work;b2", 2)
+        ]
+        .map(|(s, v)| (s.to_owned(), v))
+        .into_iter()
+        .collect::<Vec<_>>()
+    );
+    let nanos = store
+        .merge(&selection(r#"{service_name="api"}"#, NOW, end))
+        .unwrap()
+        .folded();
+    let scaled: Vec<(String, i64)> = merged
+        .iter()
+        .map(|(s, v)| (s.clone(), v * 10_000_000))
+        .collect();
+    assert_eq!(nanos, scaled);
+    drop(store);
+    let reopened = open(dir.path());
+    assert_eq!(reopened.catalog_sizes().2, 8 + 3);
+    assert_eq!(reopened.merge(&of_samples).unwrap().folded(), merged);
+}
+
+/// A store written with one call tree per sample type (before they were shared) answers as
+/// before after it is opened, also after more writes: each existing series keeps writing into
+/// its own tree, and a new series uses one of them.
+#[test]
+fn a_store_with_a_call_tree_per_sample_type_keeps_answering() {
+    let (dir, reference_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let reference = open(reference_dir.path());
+    let write = |store: &Store, round: i64, extra: &[(&str, &str)]| {
+        let stack = format!("main;step{round}");
+        let stacks = [(stack.as_str(), 1 + round), ("main;idle", 2)];
+        let mut counts = profile_of_type(CPU_SAMPLES, "api", NOW + round * SECOND, &stacks);
+        let mut nanos = profile_of_type(CPU, "api", NOW + round * SECOND, &stacks);
+        for (k, v) in extra {
+            counts.labels.push((k.to_string(), v.to_string()));
+            nanos.labels.push((k.to_string(), v.to_string()));
+        }
+        store.ingest(&[counts, nanos]).unwrap();
+    };
+    {
+        let store = open(dir.path());
+        write(&store, 0, &[]);
+        write(&reference, 0, &[]);
+    }
+    // Give the `samples:count` series a tree of its own, as stores written before had.
+    {
+        let conn = Connection::open(dir.path().join(DATABASE_FILE)).unwrap();
+        let shared: i64 = conn
+            .query_row("SELECT id FROM spaces", [], |r| r.get(0))
+            .unwrap();
+        conn.execute_batch(&format!(
+            "INSERT INTO spaces(id, profile_type, service_name) VALUES (9, '{CPU_SAMPLES}', 'api');
+             INSERT INTO node_blocks(space_id, first_idx, nodes)
+                 SELECT 9, first_idx, nodes FROM node_blocks WHERE space_id = {shared};
+             UPDATE series SET space_id = 9 WHERE profile_type = '{CPU_SAMPLES}';"
+        ))
+        .unwrap();
+    }
+    let store = open(dir.path());
+    assert_eq!(
+        store.catalog_sizes().2,
+        2 * 4,
+        "two trees of root, main, step0, idle"
+    );
+    for round in 1..4 {
+        write(&store, round, &[]);
+        write(&reference, round, &[]);
+    }
+    // A new series of each type: both into one of the existing trees.
+    write(&store, 4, &[("region", "eu")]);
+    write(&reference, 4, &[("region", "eu")]);
+    let end = NOW + 5 * SECOND;
+    for type_id in [CPU, CPU_SAMPLES] {
+        for selector in ["{}", r#"{region="eu"}"#] {
+            let mut selection = selection(selector, NOW, end);
+            selection.profile_type = type_id.to_owned();
+            let answer = store.merge(&selection).unwrap().folded();
+            assert!(!answer.is_empty(), "{type_id} {selector}");
+            assert_eq!(answer, reference.merge(&selection).unwrap().folded());
+        }
+    }
+    let spaces: i64 = store
+        .with_reader(|conn| Ok(conn.query_row("SELECT count(*) FROM spaces", [], |r| r.get(0))?))
+        .unwrap();
+    assert_eq!(spaces, 2, "no third tree for the new series");
+}
+
 /// Trees in steady use may keep the nodes in memory past `--max-catalog-nodes`, but not past
 /// four times it: many services whose trees never double (here none settles at all) still have the
 /// largest sealed until the bound holds, and queries answer as a store without the bound does.
