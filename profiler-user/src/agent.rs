@@ -154,9 +154,9 @@ const DRAIN_MARGIN_NS: u64 = 1_000_000;
 /// Bytes of stack copies held at most; beyond, a new sample is finished as far as it goes.
 const LATE_WALK_BYTES: usize = 16 << 20;
 
-/// Whether a kernel function is part of an exec syscall (for [`Pipeline::in_exec_syscall`]):
-/// the syscall's entry (`__x64_sys_execve`, `__x64_sys_execveat` and their compat and other
-/// architectures' names) or the steps below it that compilers keep as functions.
+/// Whether a kernel function is part of an exec syscall (for [`exec_stage`]): the syscall's
+/// entry (`__x64_sys_execve`, `__x64_sys_execveat` and their compat and other architectures'
+/// names) or the steps below it that compilers keep as functions.
 fn is_exec_function(name: &str) -> bool {
     name.contains("sys_execve")
         || [
@@ -167,6 +167,60 @@ fn is_exec_function(name: &str) -> bool {
         ]
         .iter()
         .any(|prefix| name.starts_with(prefix))
+}
+
+/// Where a sample's kernel stack is in an exec, for the walk of its user stack copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ExecStage {
+    /// Not in an exec syscall.
+    Outside,
+    /// Setting the exec up (opening the file, copying the arguments and environment): the
+    /// address space is still the old program's, and so is the stack copy.
+    BeforeNewAddressSpace,
+    /// In `bprm_execve` or below, where the exec replaces the address space (or a kernel frame
+    /// without a name, which could be anywhere): the copy may be the new program's stack.
+    MayHaveNewAddressSpace,
+}
+
+/// Functions of an exec that run before `bprm_execve`, with the old address space.
+const EXEC_SETUP_FUNCTIONS: [&str; 4] = [
+    "copy_strings",
+    "copy_string_kernel",
+    "alloc_bprm",
+    "do_open_execat",
+];
+
+/// Functions from `bprm_execve` down to where the exec replaces the address space, whichever
+/// a kernel keeps as functions; any of them may be past it.
+const EXEC_LOAD_FUNCTIONS: [&str; 10] = [
+    "bprm_execve",
+    "exec_binprm",
+    "search_binary_handler",
+    "load_elf_binary",
+    "load_script",
+    "load_misc_binary",
+    "begin_new_exec",
+    "exec_mmap",
+    "setup_new_exec",
+    "setup_arg_pages",
+];
+
+/// [`ExecStage`] of a kernel stack given its functions' names (`None`: a frame without one).
+fn exec_stage<'a>(functions: impl IntoIterator<Item = Option<&'a str>>) -> ExecStage {
+    let (mut in_exec, mut setting_up, mut loading) = (false, false, false);
+    for function in functions {
+        let Some(name) = function else {
+            return ExecStage::MayHaveNewAddressSpace;
+        };
+        in_exec |= is_exec_function(name);
+        setting_up |= EXEC_SETUP_FUNCTIONS.iter().any(|f| name.starts_with(f));
+        loading |= EXEC_LOAD_FUNCTIONS.iter().any(|f| name.starts_with(f));
+    }
+    match (in_exec, setting_up && !loading) {
+        (false, _) => ExecStage::Outside,
+        (true, true) => ExecStage::BeforeNewAddressSpace,
+        (true, false) => ExecStage::MayHaveNewAddressSpace,
+    }
 }
 
 /// After a stop signal: the samples already read are handled for at most this long (the rest
@@ -536,33 +590,36 @@ impl Pipeline {
 
     /// Whether the stack copy of a sample taken before its process's exec event is walked,
     /// against the program before the exec (never registered: the pid runs another program
-    /// now). Taken before the exec syscall (a fork child still in its parent's code) the copy
-    /// is the old program's stack. Taken inside the syscall it is not walked: the user
-    /// registers are still the old program's, but once the exec has replaced the address
-    /// space the stack read is the new program's, so the stack ends there, marked truncated.
+    /// now). Taken before the exec syscall (a fork child still in its parent's code), or in
+    /// it before the exec replaces the address space (copying the arguments), the copy is the
+    /// old program's stack. Taken later in the syscall it is not walked: the user registers
+    /// are still the old program's, but once the exec has replaced the address space the
+    /// stack read is the new program's, so the stack ends there, marked truncated.
     fn walks_before_exec(&mut self, sample: &Sample) -> bool {
         if sample.stack_copy.is_none() {
             return false;
         }
-        if self.in_exec_syscall(sample) {
+        if self.exec_stage(sample) == ExecStage::MayHaveNewAddressSpace {
             self.late.stats.in_exec_not_walked += 1;
             return false;
         }
         true
     }
 
-    /// Whether the sample's kernel stack is in an exec syscall, or may be: by its functions'
-    /// names (the lookups are the symbolizer's, cached for the stack's own symbolization); a
-    /// kernel frame without a name (no kernel symbols) counts as one.
-    fn in_exec_syscall(&mut self, sample: &Sample) -> bool {
-        sample.kernel_ips.iter().any(|&address| {
-            let frame = self.symbolizer.symbolize(&UnwoundFrame::Kernel(address));
-            frame.unsymbolized
-                || frame
-                    .lines
-                    .iter()
-                    .any(|line| is_exec_function(&line.function))
-        })
+    /// Where the sample's kernel stack is in an exec, by its functions' names (the lookups
+    /// are the symbolizer's, cached for the stack's own symbolization).
+    fn exec_stage(&mut self, sample: &Sample) -> ExecStage {
+        let frames: Vec<_> = sample
+            .kernel_ips
+            .iter()
+            .map(|&address| self.symbolizer.symbolize(&UnwoundFrame::Kernel(address)))
+            .collect();
+        exec_stage(frames.iter().flat_map(|frame| {
+            let unnamed = (frame.unsymbolized || frame.lines.is_empty()).then_some(None);
+            unnamed
+                .into_iter()
+                .chain(frame.lines.iter().map(|line| Some(line.function.as_ref())))
+        }))
     }
 
     /// The snapshot to finish a stack copy's walk against: `process`, or a fresh one when the
@@ -1529,4 +1586,58 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
 struct ExportCounters {
     written: std::sync::atomic::AtomicU64,
     errors: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ExecStage, exec_stage};
+
+    /// A kernel stack, root first, as the host benchmark's samples of exec'ing processes have it.
+    fn stage(stack: &str) -> ExecStage {
+        exec_stage(stack.split(';').map(|name| (name != "?").then_some(name)))
+    }
+
+    /// Only an exec still setting up (copying the arguments) keeps the old program's address
+    /// space for certain; from `bprm_execve` on, or with a frame without a name, it may not.
+    #[test]
+    fn an_exec_keeps_the_old_address_space_only_while_it_sets_up() {
+        const SYSCALL: &str = "entry_SYSCALL_64_after_hwframe;do_syscall_64;__x64_sys_execve";
+        for (below, expected) in [
+            (
+                "do_execveat_common.isra.0;copy_strings.isra.0;strnlen_user",
+                ExecStage::BeforeNewAddressSpace,
+            ),
+            (
+                "do_execveat_common.isra.0;alloc_bprm;do_open_execat;do_filp_open",
+                ExecStage::BeforeNewAddressSpace,
+            ),
+            (
+                "do_execveat_common.isra.0;bprm_execve;load_elf_binary;strnlen_user",
+                ExecStage::MayHaveNewAddressSpace,
+            ),
+            (
+                "do_execveat_common.isra.0;bprm_execve;load_elf_binary;begin_new_exec;__mmput;exit_mmap",
+                ExecStage::MayHaveNewAddressSpace,
+            ),
+            // bprm_execve inlined: the loader's own frames still tell.
+            (
+                "do_execveat_common.isra.0;load_elf_binary;elf_load;vm_mmap_pgoff",
+                ExecStage::MayHaveNewAddressSpace,
+            ),
+            (
+                "do_execveat_common.isra.0;?;copy_strings.isra.0",
+                ExecStage::MayHaveNewAddressSpace,
+            ),
+        ] {
+            assert_eq!(stage(&format!("{SYSCALL};{below}")), expected, "{below}");
+        }
+        assert_eq!(
+            stage("entry_SYSCALL_64_after_hwframe;do_syscall_64;__x64_sys_read;copy_strings"),
+            ExecStage::Outside
+        );
+        assert_eq!(
+            stage("entry_SYSCALL_64_after_hwframe;?;__x64_sys_read"),
+            ExecStage::MayHaveNewAddressSpace
+        );
+    }
 }
