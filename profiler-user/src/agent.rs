@@ -205,6 +205,15 @@ const EXEC_LOAD_FUNCTIONS: [&str; 10] = [
     "setup_arg_pages",
 ];
 
+/// Whether a kernel function is the agent's own exec event program (`bpf_prog_<tag>_process_exec`
+/// in kallsyms). It runs on `sched_process_exec`, once the new program is loaded, and the
+/// kernel's unwinder may not get past it: a stack of it alone is an exec past its point of no
+/// return.
+fn is_exec_event_program(name: &str) -> bool {
+    name.strip_prefix("bpf_prog_")
+        .is_some_and(|rest| rest.ends_with("_process_exec"))
+}
+
 /// [`ExecStage`] of a kernel stack given its functions' names (`None`: a frame without one).
 fn exec_stage<'a>(functions: impl IntoIterator<Item = Option<&'a str>>) -> ExecStage {
     let (mut in_exec, mut setting_up, mut loading) = (false, false, false);
@@ -212,6 +221,9 @@ fn exec_stage<'a>(functions: impl IntoIterator<Item = Option<&'a str>>) -> ExecS
         let Some(name) = function else {
             return ExecStage::MayHaveNewAddressSpace;
         };
+        if is_exec_event_program(name) {
+            return ExecStage::MayHaveNewAddressSpace;
+        }
         in_exec |= is_exec_function(name);
         setting_up |= EXEC_SETUP_FUNCTIONS.iter().any(|f| name.starts_with(f));
         loading |= EXEC_LOAD_FUNCTIONS.iter().any(|f| name.starts_with(f));
@@ -220,6 +232,34 @@ fn exec_stage<'a>(functions: impl IntoIterator<Item = Option<&'a str>>) -> ExecS
         (false, _) => ExecStage::Outside,
         (true, true) => ExecStage::BeforeNewAddressSpace,
         (true, false) => ExecStage::MayHaveNewAddressSpace,
+    }
+}
+
+/// Cuts the user addresses of a sample taken late in an exec (at
+/// [`ExecStage::MayHaveNewAddressSpace`], not walked) at the first one the program before the
+/// exec did not map, and says whether it cut. Once the exec has set up the new program, the
+/// user registers BPF read are the new program's entry (ld.so's `_start`): that address is
+/// neither the old program's nor, the exec not yet ended, known as the new one's, so it is
+/// dropped and the stack ends `[truncated]` instead of in an `[unknown]` frame.
+fn cut_at_new_program(sample: &mut Sample, before_exec: &ProcessInfo) -> bool {
+    // As the unwinder looks them up: a return address belongs to the call before it, the
+    // innermost address is exact only when the sample interrupted user code.
+    let innermost_is_exact = sample.kernel_ips.is_empty();
+    let first_unmapped = sample.user_ips.iter().enumerate().position(|(depth, &ip)| {
+        let lookup = if depth == 0 && innermost_is_exact {
+            ip
+        } else {
+            ip.saturating_sub(1)
+        };
+        before_exec.mapping_for(lookup).is_none()
+    });
+    match first_unmapped {
+        Some(depth) => {
+            sample.user_ips.truncate(depth);
+            sample.user_truncated = true;
+            true
+        }
+        None => false,
     }
 }
 
@@ -553,6 +593,12 @@ impl Pipeline {
                     // In the exec, or the old program unknown: the copy is not walked.
                     if sample.stack_copy.take().is_some() {
                         sample.user_truncated = true;
+                    }
+                    if let Some(old) = &before
+                        && self.exec_stage(&sample) == ExecStage::MayHaveNewAddressSpace
+                        && cut_at_new_program(&mut sample, old)
+                    {
+                        self.late.stats.in_exec_new_program_cut += 1;
                     }
                     return self.handle_unwound(&sample, SnapshotOf::BeforeExec(before));
                 }
@@ -1590,7 +1636,10 @@ struct ExportCounters {
 
 #[cfg(test)]
 mod tests {
-    use super::{ExecStage, exec_stage};
+    use std::{path::PathBuf, sync::Arc};
+
+    use super::{ExecStage, cut_at_new_program, exec_stage};
+    use crate::model::{FileId, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels, Sample, Tid};
 
     /// A kernel stack, root first, as the host benchmark's samples of exec'ing processes have it.
     fn stage(stack: &str) -> ExecStage {
@@ -1639,5 +1688,91 @@ mod tests {
             stage("entry_SYSCALL_64_after_hwframe;?;__x64_sys_read"),
             ExecStage::MayHaveNewAddressSpace
         );
+        // The agent's exec event program alone: the kernel's unwinder stopped in it, on
+        // `sched_process_exec`, after the new program was loaded (host benchmark samples).
+        assert_eq!(
+            stage("bpf_prog_990ba2c658a839b5_process_exec"),
+            ExecStage::MayHaveNewAddressSpace
+        );
+        assert_eq!(
+            stage(&format!(
+                "{SYSCALL};do_execveat_common.isra.0;bprm_execve;bpf_trace_run3;\
+                 bpf_prog_990ba2c658a839b5_process_exec;__bpf_ringbuf_reserve"
+            )),
+            ExecStage::MayHaveNewAddressSpace
+        );
+        // Another program's: no sign of an exec.
+        assert_eq!(
+            stage("bpf_prog_6deef7357e7b4530_sd_devices"),
+            ExecStage::Outside
+        );
+    }
+
+    fn program_before_exec() -> ProcessInfo {
+        let libc = Arc::new(MappedFile {
+            id: FileId { dev: 1, ino: 2 },
+            path: "/lib/libc.so.6".into(),
+            open_path: PathBuf::from("/lib/libc.so.6"),
+            build_id: None,
+            handle: None,
+        });
+        ProcessInfo {
+            pid: Pid(7),
+            start_time: 1,
+            comm: "sh".into(),
+            labels: ProcessLabels::default(),
+            mappings: vec![Mapping {
+                start: 0x7f00_0000_0000,
+                end: 0x7f00_0010_0000,
+                file_offset: 0x2_8000,
+                file: Some(libc),
+                name: "/lib/libc.so.6".into(),
+            }],
+            is_kernel_thread: false,
+        }
+    }
+
+    fn sample_in_exec(user_ips: Vec<u64>) -> Sample {
+        Sample {
+            pid: Pid(7),
+            tid: Tid(7),
+            kernel_ips: vec![0xffff_ffff_8100_0000],
+            user_ips,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_sample_late_in_an_exec_keeps_only_the_old_programs_addresses() {
+        let old = program_before_exec();
+        // The exec has set the new program's entry (ld.so's `_start`, mapped by the exec
+        // at an address the old program never used): dropped, and the stack is truncated.
+        let mut entry = sample_in_exec(vec![0x7f55_1234_5290]);
+        assert!(cut_at_new_program(&mut entry, &old));
+        assert!(entry.user_ips.is_empty());
+        assert!(entry.user_truncated);
+
+        // Still the old program's registers: `execve` in its libc stays.
+        let mut in_libc = sample_in_exec(vec![0x7f00_0000_1234]);
+        assert!(!cut_at_new_program(&mut in_libc, &old));
+        assert_eq!(in_libc.user_ips, vec![0x7f00_0000_1234]);
+        assert!(!in_libc.user_truncated);
+
+        // Cut from the first address the old program did not map: what BPF walked past it
+        // is not the old program's stack.
+        let mut mixed = sample_in_exec(vec![0x7f00_0000_1234, 0x55aa_0000_1000, 0x7f00_0000_2000]);
+        assert!(cut_at_new_program(&mut mixed, &old));
+        assert_eq!(mixed.user_ips, vec![0x7f00_0000_1234]);
+        assert!(mixed.user_truncated);
+
+        // A return address at a mapping's end belongs to the call before it (the mapping's);
+        // the interrupted address itself (no kernel frames) is exact.
+        let mut at_end = sample_in_exec(vec![0x7f00_0000_1234, 0x7f00_0010_0000]);
+        assert!(!cut_at_new_program(&mut at_end, &old));
+        let mut exact = Sample {
+            kernel_ips: Vec::new(),
+            ..sample_in_exec(vec![0x7f00_0010_0000])
+        };
+        assert!(cut_at_new_program(&mut exact, &old));
     }
 }

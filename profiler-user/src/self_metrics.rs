@@ -882,6 +882,12 @@ impl SelfMetrics {
                 "counter",
             ),
             (
+                "exec_samples_cut_at_new_program_total",
+                "Samples taken inside an exec whose user addresses were the new program's entry, dropped (the stack ends [truncated])",
+                late.in_exec_new_program_cut,
+                "counter",
+            ),
+            (
                 "late_walks_over_bound_total",
                 "Late walks cut because the held stack copies reached their bound",
                 late.over_bound,

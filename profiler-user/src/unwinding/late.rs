@@ -31,6 +31,10 @@ pub struct LateWalkStats {
     /// Samples taken inside an exec syscall whose copy was not walked (it may be the new
     /// program's stack).
     pub in_exec_not_walked: u64,
+    /// Samples taken inside an exec whose user addresses were already the new program's (its
+    /// entry point), dropped: the stack ends `[truncated]` (any sample cut at an exec, not
+    /// only those with a stack copy).
+    pub in_exec_new_program_cut: u64,
     /// Samples not held because the held copies had reached their bound.
     pub over_bound: u64,
     /// Samples held now, and the bytes of their copies.
