@@ -63,7 +63,8 @@ pub struct AllocationStats {
 /// process on the host) only looks at that process's allocations.
 #[derive(Debug)]
 pub struct LiveAllocations {
-    live: HashMap<Pid, HashMap<u64, Live>>,
+    /// foldhash: every exit and exec on the host releases its process here.
+    live: foldhash::HashMap<Pid, HashMap<u64, Live>>,
     /// Allocations in `live`, all processes together.
     live_count: usize,
     sites: HashMap<SiteKey, Arc<AllocationSite>>,
@@ -80,7 +81,7 @@ impl Default for LiveAllocations {
 impl LiveAllocations {
     pub fn new(capacity: usize) -> Self {
         LiveAllocations {
-            live: HashMap::new(),
+            live: foldhash::HashMap::default(),
             live_count: 0,
             sites: HashMap::new(),
             capacity,

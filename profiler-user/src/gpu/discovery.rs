@@ -7,12 +7,14 @@
 //! process started are found at the next scan. Files are opened through `/proc/PID/root`, which
 //! reaches into containers' mount namespaces.
 use std::{
-    collections::{HashMap, HashSet},
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
+// foldhash, not SipHash: every announced mmap and lifecycle event notes its process here,
+// thousands a second on a busy host.
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::{
     CALL_DRV_ALLOC, CALL_DRV_FREE, CALL_DRV_GET_FUNCTION, CALL_DRV_GRAPH_LAUNCH, CALL_DRV_LAUNCH,

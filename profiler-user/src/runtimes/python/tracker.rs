@@ -190,7 +190,8 @@ struct Tracked {
 pub struct PythonTracker<M: PythonMaps> {
     maps: M,
     proc_root: PathBuf,
-    processes: HashMap<Pid, Tracked>,
+    /// foldhash: every exit and exec on the host looks its process up here.
+    processes: foldhash::HashMap<Pid, Tracked>,
     elf_files: HashMap<FileId, Option<Arc<InterpreterElf>>>,
     /// Detection errors already logged (free-threaded or unknown builds), so each is logged once.
     reported: HashSet<String>,
@@ -205,7 +206,7 @@ impl<M: PythonMaps> PythonTracker<M> {
             enabled,
             maps,
             proc_root,
-            processes: HashMap::new(),
+            processes: foldhash::HashMap::default(),
             elf_files: HashMap::new(),
             reported: HashSet::new(),
             stats: PythonStats::default(),
