@@ -432,10 +432,10 @@ impl PipelineAccess for Pipeline {
             let process = self.processes.lookup(sample.pid);
             let process = process.map(|process| self.snapshot_for_copy(sample, process));
             match process {
-                Some(process) => {
+                Some(mut process) => {
                     self.finish_late_walk(
                         sample,
-                        &process,
+                        &mut process,
                         Patience::GiveUp,
                         Registration::Register,
                     );
@@ -625,10 +625,10 @@ impl Pipeline {
     fn walk_or_hold(
         &mut self,
         mut sample: Sample,
-        process: Arc<ProcessInfo>,
+        mut process: Arc<ProcessInfo>,
         registration: Registration,
     ) {
-        match self.finish_late_walk(&mut sample, &process, Patience::Wait, registration) {
+        match self.finish_late_walk(&mut sample, &mut process, Patience::Wait, registration) {
             Walk::Done => self.handle_unwound(&sample, registration.snapshot(process)),
             Walk::Pending => self.late.hold(sample, process, registration),
         }
@@ -698,14 +698,33 @@ impl Pipeline {
     fn finish_late_walk(
         &mut self,
         sample: &mut Sample,
-        process: &Arc<ProcessInfo>,
+        process: &mut Arc<ProcessInfo>,
         patience: Patience,
         registration: Registration,
     ) -> Walk {
         if registration == Registration::Register {
             self.native_tables.sync(process);
         }
-        let walk = finish_walk(sample, process, &mut self.native_tables, patience);
+        let pid = sample.pid;
+        let walked_against = Arc::clone(process);
+        let processes = &mut self.processes;
+        // Against the program before an exec, /proc shows another program: no refresh.
+        let mut refresh = |address: u64| match registration {
+            Registration::Register => processes.refresh_for_address(pid, address),
+            Registration::BeforeExec => None,
+        };
+        let walk = finish_walk(
+            sample,
+            process,
+            &mut self.native_tables,
+            patience,
+            &mut refresh,
+        );
+        if !Arc::ptr_eq(&walked_against, process) {
+            self.late.stats.refreshed_mid_walk += 1;
+            // Registered too, so BPF walks the library from the next sample on.
+            self.native_tables.sync(process);
+        }
         if walk == Walk::Done {
             self.late.stats.finished += 1;
             if registration == Registration::BeforeExec {
@@ -746,13 +765,13 @@ impl Pipeline {
             return;
         }
         self.late.builds_finished_at_last_try = builds_finished;
-        for (held_since, mut sample, process, registration) in self.late.take() {
+        for (held_since, mut sample, mut process, registration) in self.late.take() {
             let patience = if give_up || held_since.elapsed() >= LATE_WALK_PATIENCE {
                 Patience::GiveUp
             } else {
                 Patience::Wait
             };
-            match self.finish_late_walk(&mut sample, &process, patience, registration) {
+            match self.finish_late_walk(&mut sample, &mut process, patience, registration) {
                 Walk::Done => self.handle_unwound(&sample, registration.snapshot(process)),
                 Walk::Pending => self
                     .late
@@ -967,8 +986,12 @@ impl Pipeline {
                         self.processes.record_exec(Pid(pid), program);
                     }
                 }
-                LifecycleEvent::Forked { pid, parent, .. } => {
-                    self.processes.record_fork(Pid(pid), Pid(parent));
+                LifecycleEvent::Forked {
+                    pid,
+                    parent,
+                    ktime_ns,
+                } => {
+                    self.processes.record_fork(Pid(pid), Pid(parent), ktime_ns);
                 }
             }
         }

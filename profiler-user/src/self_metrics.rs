@@ -882,6 +882,12 @@ impl SelfMetrics {
                 "counter",
             ),
             (
+                "late_walks_refreshed_total",
+                "Late walks that reached an address their snapshot did not map and went on against a newer snapshot",
+                late.refreshed_mid_walk,
+                "counter",
+            ),
+            (
                 "exec_samples_cut_at_new_program_total",
                 "Samples taken inside an exec whose user addresses were the new program's entry, dropped (the stack ends [truncated])",
                 late.in_exec_new_program_cut,

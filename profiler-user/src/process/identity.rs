@@ -43,10 +43,12 @@ pub const MAX_EXITED_IDENTITIES: usize = 8_192;
 pub enum Identity {
     /// It exec'ed this program.
     Exec(Arc<ExecRecord>),
-    /// It was forked from `parent` and has not exec'ed; the parent's snapshot at the fork.
+    /// It was forked from `parent` at `forked_ns` (`bpf_ktime_get_ns` time) and has not
+    /// exec'ed; the parent's snapshot at the fork.
     Fork {
         parent: Pid,
         parent_info: Option<Arc<ProcessInfo>>,
+        forked_ns: u64,
     },
 }
 
@@ -374,6 +376,7 @@ mod tests {
             Identity::Fork {
                 parent: Pid(7),
                 parent_info: None,
+                forked_ns: 0,
             },
         );
         assert_eq!(identities.exec_after(pid, 0), None);
@@ -392,6 +395,7 @@ mod tests {
             Identity::Fork {
                 parent: Pid(8),
                 parent_info: None,
+                forked_ns: 0,
             },
         );
         assert_eq!(comm(identities.before_exec(pid, 150)), "none");
@@ -417,6 +421,7 @@ mod tests {
                 Identity::Fork {
                     parent,
                     parent_info: None,
+                    forked_ns: 0,
                 },
             );
             identities.exited(Pid(pid));
@@ -438,6 +443,7 @@ mod tests {
             Identity::Fork {
                 parent,
                 parent_info: None,
+                forked_ns: 0,
             },
         );
         assert!(matches!(identities.get(last), Some(Identity::Fork { .. })));

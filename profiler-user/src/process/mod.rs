@@ -270,7 +270,7 @@ impl ProcessRegistry {
 
     /// The process was forked from `parent` (from the fork event): until it execs, it is the
     /// parent's program, whose snapshot (if the registry holds one) is kept for it.
-    pub fn record_fork(&mut self, pid: Pid, parent: Pid) {
+    pub fn record_fork(&mut self, pid: Pid, parent: Pid, forked_ns: u64) {
         let parent_info = self
             .processes
             .get_mut(&parent)
@@ -280,6 +280,7 @@ impl ProcessRegistry {
             Identity::Fork {
                 parent,
                 parent_info,
+                forked_ns,
             },
         );
     }
@@ -346,6 +347,10 @@ impl ProcessRegistry {
         now: Instant,
         depth: usize,
     ) -> Option<Arc<ProcessInfo>> {
+        let forked_from = match self.identities.get(pid) {
+            Some(Identity::Fork { parent, .. }) => Some(parent),
+            _ => None,
+        };
         let info = Arc::new(self.build_from_events(pid, now, depth)?);
         self.stats.snapshots_from_events += 1;
         let entry = Entry {
@@ -357,7 +362,13 @@ impl ProcessRegistry {
             provisional: false,
         };
         self.processes.insert(pid, entry);
-        debug!(%pid, service_name = %info.labels.service_name, "snapshot from events");
+        debug!(
+            %pid,
+            service_name = %info.labels.service_name,
+            mappings = info.mappings.len(),
+            forked_from = forked_from.map(|parent| parent.0),
+            "snapshot from events"
+        );
         Some(info)
     }
 
@@ -417,11 +428,19 @@ impl ProcessRegistry {
             Identity::Fork {
                 parent,
                 parent_info,
+                forked_ns,
             } => {
                 // A parent not snapshotted at the fork: now, from /proc or its own events (a
-                // fork of a fork, a few levels at most).
+                // fork of a fork, a few levels at most). A parent that exec'ed since the fork
+                // runs another program now (a shell forks for `<(…)`, then execs its last
+                // command): as it was before that exec, never from /proc.
                 let parent_info = match parent_info {
                     Some(info) => info,
+                    None if depth < 4
+                        && let Some(exec_ns) = self.identities.exec_after(parent, forked_ns) =>
+                    {
+                        self.snapshot_before_exec(parent, forked_ns, exec_ns)?
+                    }
                     None if depth < 4 => match self.processes.get_mut(&parent) {
                         Some(entry) => Arc::clone(&entry.info),
                         None => self

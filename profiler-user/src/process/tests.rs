@@ -355,10 +355,10 @@ fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
     write_fake_process(root.path(), 600, 77, maps);
     let mut registry = fake_registry(root.path(), Duration::ZERO);
     let parent = registry.lookup(Pid(600)).expect("parent");
-    registry.record_fork(Pid(601), Pid(600));
+    registry.record_fork(Pid(601), Pid(600), 0);
     // A child whose parent the registry had not seen at the fork: read then.
     write_fake_process(root.path(), 700, 78, maps);
-    registry.record_fork(Pid(701), Pid(700));
+    registry.record_fork(Pid(701), Pid(700), 0);
     for (child, parent_pid) in [(601, 600), (701, 700)] {
         let info = registry.lookup(Pid(child)).expect("the parent's snapshot");
         assert_eq!(info.pid, Pid(child));
@@ -369,8 +369,44 @@ fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
         assert_eq!(info.mappings.len(), 1);
     }
     // A fork with no known parent at all: nothing to build from.
-    registry.record_fork(Pid(801), Pid(800));
+    registry.record_fork(Pid(801), Pid(800), 0);
     assert!(registry.lookup(Pid(801)).is_none());
+}
+
+/// A child gone before its lookup, whose parent exec'ed another program after the fork (a shell
+/// forks for `<(…)`, then execs its last command in place): it is the parent's program before
+/// that exec, not the one the parent's pid runs now, whose mappings are another address
+/// space's.
+#[test]
+fn a_fork_child_is_its_parents_program_at_the_fork_not_after_a_later_exec() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let (parent, child) = (Pid(900), Pid(901));
+    registry.record_exec(
+        parent,
+        Arc::new(ExecRecord {
+            exec_ns: 100,
+            ..registry_record("shell_before")
+        }),
+    );
+    registry.record_fork(child, parent, 150);
+    registry.record_exec(
+        parent,
+        Arc::new(ExecRecord {
+            exec_ns: 200,
+            ..registry_record("program_after")
+        }),
+    );
+    let info = registry.lookup(child).expect("built from the events");
+    assert_eq!(info.pid, child);
+    assert_eq!(&*info.comm, "shell_before");
+    assert_eq!(info.labels.service_name, "shell_before");
+
+    // Forked after the second exec: that program.
+    let later = Pid(902);
+    registry.record_fork(later, parent, 250);
+    let info = registry.lookup(later).expect("built from the events");
+    assert_eq!(info.labels.service_name, "program_after");
 }
 
 /// A process read while it exits (its memory gone, its state still running) is named by its

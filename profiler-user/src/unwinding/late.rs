@@ -13,6 +13,8 @@ use profiler_common::{
     unwind::{CFA_SIGNAL, Registers, Step, frame_pointer_caller, signal_registers, step},
 };
 
+use std::sync::Arc;
+
 use super::native::RowLookup;
 use crate::model::{Mapping, ProcessInfo, Sample};
 
@@ -35,6 +37,9 @@ pub struct LateWalkStats {
     /// entry point), dropped: the stack ends `[truncated]` (any sample cut at an exec, not
     /// only those with a stack copy).
     pub in_exec_new_program_cut: u64,
+    /// Walks that reached a return address their snapshot did not map and went on against a
+    /// newer one that does (a library mapped since the snapshot).
+    pub refreshed_mid_walk: u64,
     /// Samples not held because the held copies had reached their bound.
     pub over_bound: u64,
     /// Samples held now, and the bytes of their copies.
@@ -73,11 +78,17 @@ pub enum Walk {
 /// Finishes the user walk of `sample` from its stack copy against `process`'s mappings. On
 /// [`Walk::Done`] the callers found are appended to `user_ips`, `user_truncated` and
 /// `fallback_frame` say how the walk ended (as for a BPF walk) and the copy is dropped.
+///
+/// A return address in none of `process`'s mappings asks `refresh` for a newer snapshot (a
+/// snapshot taken while ld.so was still mapping libraries has no libc, where `main`'s and
+/// every thread's callers are); when it maps the address, the walk goes on against it and
+/// `process` becomes it, so the frames are symbolized against the same mappings.
 pub fn finish_walk(
     sample: &mut Sample,
-    process: &ProcessInfo,
+    process: &mut Arc<ProcessInfo>,
     rows: &mut impl LateRows,
     patience: Patience,
+    refresh: &mut dyn FnMut(u64) -> Option<Arc<ProcessInfo>>,
 ) -> Walk {
     let Some(copy) = sample.stack_copy.as_deref() else {
         return Walk::Done;
@@ -104,6 +115,11 @@ pub fn finish_walk(
         } else {
             regs.rip.wrapping_sub(1)
         };
+        if process.mapping_for(pc).is_none()
+            && let Some(fresh) = refresh(pc).filter(|fresh| fresh.mapping_for(pc).is_some())
+        {
+            *process = fresh;
+        }
         let lookup = match process.mapping_for(pc) {
             Some(mapping) => rows.row_at(mapping, pc),
             None => RowLookup::NoTable,

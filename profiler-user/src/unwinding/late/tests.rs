@@ -60,6 +60,11 @@ fn process() -> ProcessInfo {
     }
 }
 
+/// [`finish_walk`] against [`process`], with no newer snapshot to be had.
+fn walk(s: &mut Sample, rows: &mut Rows, patience: Patience) -> Walk {
+    finish_walk(s, &mut Arc::new(process()), rows, patience, &mut |_| None)
+}
+
 /// A sample whose BPF walk recorded `recorded` and stopped at its last frame, with registers
 /// `rip`/`rsp`/`rbp` and the stack `words` from `rsp`.
 fn sample(recorded: &[u64], rsp: u64, rbp: u64, exact_pc: bool, words: &[u64]) -> Sample {
@@ -93,10 +98,7 @@ fn finishes_a_walk_with_the_rows_and_the_copy() {
         true,
         &[0xdead, 0x40_2010, 0x40_3010],
     );
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_1000, 0x40_2010, 0x40_3010]);
     assert!(!s.user_truncated);
     assert_eq!(s.fallback_frame, None);
@@ -120,10 +122,7 @@ fn restores_rbp_from_the_frame_and_follows_an_rbp_based_caller() {
     // STACK: [saved rbp = STACK + 0x20][ra 0x402010][pad][pad][caller's saved rbp][ra 0x403010]
     let words = [STACK + 0x20, 0x40_2010, 0, 0, 0, 0x40_3010];
     let mut s = sample(&[0x40_1000], STACK, 0x1234, true, &words);
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_1000, 0x40_2010, 0x40_3010]);
     assert!(!s.user_truncated);
 }
@@ -135,16 +134,10 @@ fn waits_for_a_table_being_built_and_cuts_there_when_giving_up() {
     rows.pending.push(0x40_200f);
     let words = [0x40_2010, 0x40_3010];
     let mut s = sample(&[0x40_1000], STACK, 0, true, &words);
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Pending
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Pending);
     assert_eq!(s.user_ips, vec![0x40_1000], "unchanged while pending");
     assert!(s.stack_copy.is_some());
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::GiveUp),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::GiveUp), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_1000, 0x40_2010]);
     assert!(
         s.user_truncated,
@@ -159,10 +152,7 @@ fn code_without_a_table_falls_back_to_frame_pointers_and_says_where() {
     rows.rows.insert(0x40_200f, row(CFA_END, 0));
     let words = [0, 0, 0, 0x40_2010];
     let mut s = sample(&[0x40_0100, 0x40_1000], STACK, STACK + 0x10, false, &words);
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_0100, 0x40_1000, 0x40_2010]);
     assert_eq!(
         s.fallback_frame,
@@ -177,10 +167,7 @@ fn a_copy_that_ends_too_soon_or_frames_that_do_not_move_up_cut_the_stack() {
     let mut rows = Rows::default();
     rows.rows.insert(0x40_1000, row(CFA_RSP, 64));
     let mut s = sample(&[0x40_1000], STACK, 0, true, &[1, 2]);
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_1000]);
     assert!(s.user_truncated, "the return address lies beyond the copy");
 
@@ -190,10 +177,7 @@ fn a_copy_that_ends_too_soon_or_frames_that_do_not_move_up_cut_the_stack() {
     let words = [0x40_2010; 4];
     let mut s = sample(&[0x40_1000], STACK + 0x10, STACK - 0x100, true, &words);
     s.stack_copy.as_mut().unwrap().rsp = STACK;
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert!(s.user_truncated);
 }
 
@@ -210,10 +194,7 @@ fn a_signal_frame_resumes_at_the_interrupted_instruction() {
     words[gregs + SIGNAL_GREG_RSP as usize] = STACK + 0x1000;
     words[gregs + SIGNAL_GREG_RBP as usize] = 0;
     let mut s = sample(&[0x40_1000], STACK, 0, false, &words);
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_1000, 0x40_3000]);
     assert!(!s.user_truncated);
 }
@@ -226,11 +207,66 @@ fn an_address_outside_every_mapping_uses_frame_pointers_and_a_gap_row_too() {
     // RBP is 0: the end of the chain.
     let words = [0, 0x9000_0000];
     let mut s = sample(&[0x40_1000], STACK, STACK, false, &words);
-    assert_eq!(
-        finish_walk(&mut s, &process(), &mut rows, Patience::Wait),
-        Walk::Done
-    );
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
     assert_eq!(s.user_ips, vec![0x40_1000, 0x9000_0000]);
     assert_eq!(s.fallback_frame, Some(0));
     assert!(!s.user_truncated);
+}
+
+#[test]
+fn a_caller_outside_the_snapshot_is_walked_against_a_newer_one_that_maps_it() {
+    // leaf 0x401000 → 0x7f00_0000_1010 in a library mapped after the snapshot (libc, mapped by
+    // ld.so after a snapshot of the binary and ld.so alone) → 0x402010, where the stack ends.
+    let mut rows = Rows::default();
+    rows.rows.insert(0x40_1000, row(CFA_RSP, 8));
+    rows.rows.insert(0x7f00_0000_100f, row(CFA_RSP, 8));
+    rows.rows.insert(0x40_200f, row(CFA_END, 0));
+    let words = [0x7f00_0000_1010, 0x40_2010];
+    let newer = {
+        let mut info = process();
+        info.mappings.push(Mapping {
+            start: 0x7f00_0000_0000,
+            end: 0x7f00_0010_0000,
+            file_offset: 0,
+            file: None,
+            name: Arc::from("/lib/libc.so.6"),
+        });
+        Arc::new(info)
+    };
+    let mut asked = Vec::new();
+    let mut refresh = |address: u64| {
+        asked.push(address);
+        Some(Arc::clone(&newer))
+    };
+    let mut s = sample(&[0x40_1000], STACK, 0, true, &words);
+    let mut snapshot = Arc::new(process());
+    assert_eq!(
+        finish_walk(
+            &mut s,
+            &mut snapshot,
+            &mut rows,
+            Patience::Wait,
+            &mut refresh
+        ),
+        Walk::Done
+    );
+    assert_eq!(s.user_ips, vec![0x40_1000, 0x7f00_0000_1010, 0x40_2010]);
+    assert!(!s.user_truncated);
+    assert_eq!(s.fallback_frame, None, "every caller from a table");
+    assert_eq!(
+        asked,
+        vec![0x7f00_0000_100f],
+        "asked once, for the return address's call"
+    );
+    assert!(
+        Arc::ptr_eq(&snapshot, &newer),
+        "the frames go with the newer snapshot"
+    );
+
+    // Without a newer snapshot the library frame has no table: the walk guesses from RBP (0:
+    // the end) and says so.
+    let mut s = sample(&[0x40_1000], STACK, 0, true, &words);
+    assert_eq!(walk(&mut s, &mut rows, Patience::Wait), Walk::Done);
+    assert_eq!(s.user_ips, vec![0x40_1000, 0x7f00_0000_1010]);
+    assert_eq!(s.fallback_frame, Some(1));
 }
