@@ -47,7 +47,7 @@ use crate::{
         ProcessSource, Unwinder,
         late::{LateWalkStats, Patience, Walk, finish_walk},
         native::NativeTables,
-        resolve_address,
+        resolve_address, user_lookup_address,
     },
 };
 
@@ -242,16 +242,10 @@ fn exec_stage<'a>(functions: impl IntoIterator<Item = Option<&'a str>>) -> ExecS
 /// neither the old program's nor, the exec not yet ended, known as the new one's, so it is
 /// dropped and the stack ends `[truncated]` instead of in an `[unknown]` frame.
 fn cut_at_new_program(sample: &mut Sample, before_exec: &ProcessInfo) -> bool {
-    // As the unwinder looks them up: a return address belongs to the call before it, the
-    // innermost address is exact only when the sample interrupted user code.
-    let innermost_is_exact = sample.kernel_ips.is_empty();
     let first_unmapped = sample.user_ips.iter().enumerate().position(|(depth, &ip)| {
-        let lookup = if depth == 0 && innermost_is_exact {
-            ip
-        } else {
-            ip.saturating_sub(1)
-        };
-        before_exec.mapping_for(lookup).is_none()
+        before_exec
+            .mapping_for(user_lookup_address(sample, depth, ip))
+            .is_none()
     });
     match first_unmapped {
         Some(depth) => {

@@ -62,15 +62,8 @@ impl Unwinder {
         } else {
             processes.lookup(sample.pid)
         };
-        // The innermost user address is the interrupted instruction itself only when the sample
-        // hit user mode with no kernel frames; otherwise it is where the syscall or fault returns.
-        let innermost_is_exact = sample.kernel_ips.is_empty();
         for (depth, &ip) in sample.user_ips.iter().enumerate() {
-            let lookup = if depth == 0 && innermost_is_exact {
-                ip
-            } else {
-                ip.saturating_sub(1)
-            };
+            let lookup = user_lookup_address(sample, depth, ip);
             let mut frame = resolve(process.as_deref(), ip, lookup);
             if matches!(frame, UnwoundFrame::UserUnmapped { name: None, .. })
                 && let Some(fresh) = processes.refresh_for_address(sample.pid, lookup)
@@ -100,6 +93,18 @@ impl Unwinder {
             self.stats.unknown_processes += 1;
         }
         (UnwoundStack { frames, truncated }, process)
+    }
+}
+
+/// Where the user address at `depth` of `sample` is looked up in the mappings: a return
+/// address belongs to the call before it, so one byte back. The innermost address is the
+/// interrupted instruction itself only when the sample hit user mode with no kernel frames;
+/// otherwise it is where the syscall or fault returns.
+pub fn user_lookup_address(sample: &Sample, depth: usize, ip: u64) -> u64 {
+    if depth == 0 && sample.kernel_ips.is_empty() {
+        ip
+    } else {
+        ip.saturating_sub(1)
     }
 }
 
