@@ -49,8 +49,11 @@ pub const SAMPLE_IN_CUDA_SYNC: u32 = 1 << 10;
 /// whose table is not loaded yet). The record ends with a [`StackCopyHeader`] and that many
 /// bytes of the user stack from the frame's RSP, and the agent finishes the walk.
 pub const SAMPLE_USER_STACK_COPY: u32 = 1 << 11;
+/// `SampleHeader::flags`: the first user address is a return address (a CUDA probe's caller,
+/// just after its call), not the instruction the thread was stopped at.
+pub const SAMPLE_USER_LEAF_RETURN_ADDRESS: u32 = 1 << 12;
 /// All flags this ABI version defines; anything else means the two sides disagree.
-pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 12) - 1;
+pub const SAMPLE_KNOWN_FLAGS: u32 = (1 << 13) - 1;
 
 /// Most bytes of user stack a record carries (from the stopping frame's RSP upward).
 pub const STACK_COPY_BYTES: usize = 16 << 10;

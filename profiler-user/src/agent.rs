@@ -905,7 +905,8 @@ impl Pipeline {
     /// snapshot of the program the process ran until then (`Some(None)`: not known). /proc
     /// shows the new program by now, but the sample is of the old.
     fn before_exec(&mut self, sample: &Sample) -> Option<Option<Arc<ProcessInfo>>> {
-        if !self.processes.has_snapshot(sample.pid) {
+        let first_lookup = !self.processes.has_snapshot(sample.pid);
+        if first_lookup {
             // A snapshot is about to be read from /proc: an exec that ended before that read
             // is to be known first.
             self.drain_events();
@@ -913,7 +914,18 @@ impl Pipeline {
         let exec_ns = match self.pending_execs.get(&sample.pid.0) {
             Some(&(exec_ns, _)) if exec_ns > sample.ktime_ns => exec_ns,
             // Or applied already, when the sample is handled after samples taken since.
-            _ => self.processes.exec_after(sample.pid, sample.ktime_ns)?,
+            _ => match self.processes.exec_after(sample.pid, sample.ktime_ns) {
+                Some(exec_ns) => exec_ns,
+                None if first_lookup => {
+                    // Or during the read of /proc, which then shows the new program: the
+                    // kernel announced that exec before mapping it.
+                    self.processes.lookup(sample.pid);
+                    let exec_ns = self.processes.exec_since(sample.pid, sample.ktime_ns)?;
+                    self.late.stats.exec_during_first_lookup += 1;
+                    exec_ns
+                }
+                None => return None,
+            },
         };
         Some(
             self.processes

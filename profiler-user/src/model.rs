@@ -33,8 +33,11 @@ pub struct Sample {
     pub comm: Arc<str>,
     /// Kernel return addresses, innermost first.
     pub kernel_ips: Vec<u64>,
-    /// User return addresses, innermost first.
+    /// User addresses, innermost first: the instruction the thread was stopped at (unless
+    /// `user_leaf_is_return_address`), then return addresses.
     pub user_ips: Vec<u64>,
+    /// The first user address is a return address too (a CUDA probe's caller).
+    pub user_leaf_is_return_address: bool,
     pub kernel_truncated: bool,
     pub user_truncated: bool,
     pub user_stack_error: bool,

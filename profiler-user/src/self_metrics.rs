@@ -894,6 +894,12 @@ impl SelfMetrics {
                 "counter",
             ),
             (
+                "exec_during_first_lookup_total",
+                "Samples of a process first read from /proc while it exec'ed (the read shows the new program), resolved against the program before the exec",
+                late.exec_during_first_lookup,
+                "counter",
+            ),
+            (
                 "late_walks_over_bound_total",
                 "Late walks cut because the held stack copies reached their bound",
                 late.over_bound,

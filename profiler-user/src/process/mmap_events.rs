@@ -264,6 +264,17 @@ impl MmapLog {
         path
     }
 
+    /// When `pid` first exec'ed after `time_ns`, by the kernel's announcements: they are read
+    /// before every batch of samples and on demand, while the exec events wait for the samples
+    /// taken before them.
+    pub fn exec_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
+        self.processes
+            .get_mut(&pid)?
+            .iter()
+            .map(|image| image.exec_ns)
+            .find(|&exec_ns| exec_ns > time_ns)
+    }
+
     /// Whether `pid` was announced mapping code at `addr` at or after `since_ns`: a snapshot
     /// taken before then is missing a library loaded since.
     pub fn announced_since(&mut self, pid: Pid, addr: u64, since_ns: u64) -> bool {

@@ -406,6 +406,18 @@ impl ProcessRegistry {
         Some(Arc::new(info))
     }
 
+    /// When `pid` exec'ed after `time_ns`: by its exec event when applied, else by the
+    /// kernel's announcements read up to now (the exec event may still wait behind samples
+    /// taken before it, or be written after a read of /proc that already shows the new
+    /// program: the kernel announces an exec before it maps the new program).
+    pub fn exec_since(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
+        if let Some(exec_ns) = self.identities.exec_after(pid, time_ns) {
+            return Some(exec_ns);
+        }
+        self.drain_mmaps();
+        self.mmaps.as_mut()?.log.exec_after(pid, time_ns)
+    }
+
     /// Whether the registry holds a snapshot of `pid`.
     pub fn has_snapshot(&self, pid: Pid) -> bool {
         self.processes.contains_key(&pid)
@@ -437,16 +449,26 @@ impl ProcessRegistry {
                 let parent_info = match parent_info {
                     Some(info) => info,
                     None if depth < 4
-                        && let Some(exec_ns) = self.identities.exec_after(parent, forked_ns) =>
+                        && let Some(exec_ns) = self.exec_since(parent, forked_ns) =>
                     {
                         self.snapshot_before_exec(parent, forked_ns, exec_ns)?
                     }
-                    None if depth < 4 => match self.processes.get_mut(&parent) {
-                        Some(entry) => Arc::clone(&entry.info),
-                        None => self
-                            .take_snapshot(parent, now)
-                            .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
-                    },
+                    None if depth < 4 => {
+                        let info = match self.processes.get_mut(&parent) {
+                            Some(entry) => Arc::clone(&entry.info),
+                            None => self
+                                .take_snapshot(parent, now)
+                                .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
+                        };
+                        // It may have exec'ed while /proc was read: by now the kernel has
+                        // announced it.
+                        match self.exec_since(parent, forked_ns) {
+                            Some(exec_ns) => {
+                                self.snapshot_before_exec(parent, forked_ns, exec_ns)?
+                            }
+                            None => info,
+                        }
+                    }
                     None => return None,
                 };
                 forked_snapshot(pid, &parent_info)

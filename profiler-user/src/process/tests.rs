@@ -1117,6 +1117,83 @@ fn live_mappings_from_announcements_match_the_maps_file() {
     assert_eq!((stats.refreshes, stats.maps_from_announcements), (1, 1));
 }
 
+/// A shell forks (for `<(…)`) and then execs another program in place; its fork child exits
+/// unread. When the child's sample is resolved, the shell's exec event may still wait behind
+/// samples taken before it, but the kernel has announced the exec: the child is the shell's
+/// program at the fork, not what /proc shows of its parent by then.
+#[test]
+fn a_fork_child_is_not_given_its_parents_program_after_an_exec_not_yet_applied() {
+    let Some(mut registry) = registry_watching_mmaps(Duration::ZERO) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let made = Command::new("mkfifo")
+        .arg(dir.path().join("child"))
+        .arg(dir.path().join("parent"))
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let script =
+        r#"( read x < "$1/child" ) & echo $! > "$1/pid"; read y < "$1/parent"; exec sleep 30"#;
+    let parent = spawn(
+        Command::new("bash")
+            .args(["-c", script, "bash"])
+            .arg(dir.path()),
+    );
+    let pid_file = dir.path().join("pid");
+    let mut child = None;
+    for _ in 0..250 {
+        child = fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|text| text.trim().parse::<u32>().ok());
+        if child.is_some() {
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    let child = Pid(child.expect("the shell forked"));
+    // The shell's exec event and the fork, as the agent applies them.
+    let forked_ns = monotonic_now_ns();
+    registry.drain_mmaps();
+    let bash = fs::read_link(format!("/proc/{}/exe", parent.pid())).expect("exe");
+    registry.record_exec(
+        parent.pid(),
+        Arc::new(ExecRecord {
+            filename: bash.to_string_lossy().into_owned(),
+            comm: "bash".into(),
+            exec_ns: forked_ns,
+            ..ExecRecord::default()
+        }),
+    );
+    registry.record_fork(child, parent.pid(), forked_ns);
+
+    // The shell execs `sleep` (its event not applied), then the child exits unread.
+    fs::write(dir.path().join("parent"), "go\n").expect("write fifo");
+    wait_for_exe(parent.pid(), "sleep");
+    fs::write(dir.path().join("child"), "go\n").expect("write fifo");
+    for _ in 0..250 {
+        let gone = fs::read_to_string(format!("/proc/{child}/stat")).map_or(true, |stat| {
+            parse_stat(&stat).is_some_and(|s| s.state == 'Z')
+        });
+        if gone {
+            break;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    let info = registry.lookup(child).expect("built from the events");
+    let names: Vec<&str> = info.mappings.iter().map(|m| &*m.name).collect();
+    assert!(
+        names.iter().any(|name| name.ends_with("/bash")),
+        "the shell's code: {names:?}"
+    );
+    assert!(
+        !names.iter().any(|name| name.ends_with("/sleep")),
+        "not the program the shell exec'ed since: {names:?}"
+    );
+    assert_eq!(info.labels.service_name, "bash");
+}
+
 /// A library loaded after the snapshot (as `import torch` loads dozens): an address in it
 /// retakes the snapshot at once when the kernel announced the mapping, not only after the
 /// recheck interval; an address nothing was announced at waits for the interval.

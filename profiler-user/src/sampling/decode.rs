@@ -4,10 +4,11 @@ use std::sync::Arc;
 use profiler_common::{
     MAX_KERNEL_FRAMES, MAX_PYTHON_FRAMES, MAX_USER_FRAMES, NO_FALLBACK_FRAME, PY_FRAME_ENTRY,
     PY_FRAME_FINGERPRINT_MASK, PyFrameRecord, SAMPLE_HEADER_BYTES, SAMPLE_IN_CUDA_SYNC,
-    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED, SAMPLE_USER_STACK_COPY,
-    SAMPLE_USER_STACK_ERROR, SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED,
-    SAMPLE_USER_UNKNOWN_MAPPING, STACK_COPY_BYTES, STACK_COPY_EXACT_PC, STACK_COPY_HEADER_BYTES,
-    SampleHeader, StackCopyHeader, sample_record_bytes, stack_copy_record_bytes,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLE_KNOWN_FLAGS, SAMPLE_PYTHON_TRUNCATED,
+    SAMPLE_USER_LEAF_RETURN_ADDRESS, SAMPLE_USER_STACK_COPY, SAMPLE_USER_STACK_ERROR,
+    SAMPLE_USER_TABLE_MISSING, SAMPLE_USER_TRUNCATED, SAMPLE_USER_UNKNOWN_MAPPING,
+    STACK_COPY_BYTES, STACK_COPY_EXACT_PC, STACK_COPY_HEADER_BYTES, SampleHeader, StackCopyHeader,
+    sample_record_bytes, stack_copy_record_bytes,
 };
 
 use crate::model::{Pid, PythonFrameRef, Sample, StackCopy, Tid};
@@ -121,6 +122,7 @@ pub fn decode_sample(bytes: &[u8]) -> Result<Sample, DecodeError> {
         user_stack_error: header.flags & SAMPLE_USER_STACK_ERROR != 0,
         user_unknown_mapping: header.flags & SAMPLE_USER_UNKNOWN_MAPPING != 0,
         user_table_missing: header.flags & SAMPLE_USER_TABLE_MISSING != 0,
+        user_leaf_is_return_address: header.flags & SAMPLE_USER_LEAF_RETURN_ADDRESS != 0,
         fallback_frame: (header.fallback_frame != NO_FALLBACK_FRAME)
             .then_some(header.fallback_frame as usize),
         python_truncated: header.flags & SAMPLE_PYTHON_TRUNCATED != 0,

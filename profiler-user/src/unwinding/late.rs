@@ -37,6 +37,9 @@ pub struct LateWalkStats {
     /// entry point), dropped: the stack ends `[truncated]` (any sample cut at an exec, not
     /// only those with a stack copy).
     pub in_exec_new_program_cut: u64,
+    /// Samples of a process read from /proc for the first time while it exec'ed (the read
+    /// shows the new program): resolved against the program before the exec.
+    pub exec_during_first_lookup: u64,
     /// Walks that reached a return address their snapshot did not map and went on against a
     /// newer one that does (a library mapped since the snapshot).
     pub refreshed_mid_walk: u64,

@@ -4,7 +4,7 @@
 //! (file, file offset), so symbolization works on file identity and keeps working after the
 //! process exits. Return addresses are looked up at `ip - 1` so that a call at the very end of
 //! a function (e.g. to a `noreturn` callee) is attributed to the caller, not to the next
-//! function. The native user stack itself is unwound in BPF, by the tables built here from each
+//! function; the innermost address, the stopped instruction, as it is. The native user stack itself is unwound in BPF, by the tables built here from each
 //! binary's `.eh_frame` (frame pointers only where a file provably keeps them), and finished
 //! here (`late`) when BPF could not prove a caller.
 pub mod late;
@@ -98,10 +98,13 @@ impl Unwinder {
 
 /// Where the user address at `depth` of `sample` is looked up in the mappings: a return
 /// address belongs to the call before it, so one byte back. The innermost address is the
-/// interrupted instruction itself only when the sample hit user mode with no kernel frames;
-/// otherwise it is where the syscall or fault returns.
+/// thread's saved instruction pointer, looked up as it is (as BPF's walk does): in user mode
+/// or in an interrupt, the next instruction to run; in a page fault, the faulting one (often
+/// a function's first, where one byte back is the function before it, or another library);
+/// in a syscall, the one after `syscall`, in the same function and the same unwind row
+/// (a syscall moves no stack pointer). Only a CUDA probe's caller is a return address.
 pub fn user_lookup_address(sample: &Sample, depth: usize, ip: u64) -> u64 {
-    if depth == 0 && sample.kernel_ips.is_empty() {
+    if depth == 0 && !sample.user_leaf_is_return_address {
         ip
     } else {
         ip.saturating_sub(1)
@@ -262,22 +265,50 @@ mod tests {
     }
 
     #[test]
-    fn kernel_frames_come_first_and_user_leaf_is_a_return_address_then() {
+    fn under_kernel_frames_the_user_leaf_is_the_stopped_instruction() {
+        // A page fault on the first instruction of a library's code (its `_init`, run by
+        // ld.so): the saved instruction pointer is the mapping's first byte, and one byte back
+        // is outside every mapping.
         let exe = file(1, "/bin/app");
-        let proc_ = process(vec![mapping(0x1000, 0x2000, 0, Some(exe), "/bin/app")]);
+        let lib = file(2, "/lib/libtinfo.so.6");
+        let proc_ = process(vec![
+            mapping(0x1000, 0x2000, 0, Some(exe), "/bin/app"),
+            mapping(0x3000, 0x4000, 0x1000, Some(lib), "/lib/libtinfo.so.6"),
+        ]);
         let mut fake = FakeProcesses {
             first: Some(proc_),
             refreshed: None,
             refreshes: 0,
         };
-        let (stack, _) = Unwinder::default().unwind(
-            &sample(vec![0xffff_1000, 0xffff_2000], vec![0x1100]),
+        let mut unwinder = Unwinder::default();
+        let (stack, _) = unwinder.unwind(
+            &sample(vec![0xffff_1000, 0xffff_2000], vec![0x3000, 0x1100]),
             &mut fake,
         );
         assert!(matches!(stack.frames[0], UnwoundFrame::Kernel(0xffff_1000)));
         assert!(matches!(stack.frames[1], UnwoundFrame::Kernel(0xffff_1fff)));
+        assert!(
+            matches!(
+                &stack.frames[2],
+                UnwoundFrame::User { file_offset: 0x1000, file, .. } if &*file.path == "/lib/libtinfo.so.6"
+            ),
+            "the faulting instruction itself: {:?}",
+            stack.frames[2]
+        );
         assert!(matches!(
-            stack.frames[2],
+            stack.frames[3],
+            UnwoundFrame::User {
+                file_offset: 0xff,
+                ..
+            }
+        ));
+
+        // A CUDA probe's stack starts at its caller's return address.
+        let mut probe = sample(vec![], vec![0x1100]);
+        probe.user_leaf_is_return_address = true;
+        let (stack, _) = unwinder.unwind(&probe, &mut fake);
+        assert!(matches!(
+            stack.frames[0],
             UnwoundFrame::User {
                 file_offset: 0xff,
                 ..
