@@ -892,10 +892,18 @@ impl Pipeline {
             self.drained_since_poll.extend(drained.iter().cloned());
         }
         for event in &drained {
-            if let LifecycleEvent::Execed { pid, ktime_ns, .. } = event {
-                let pending = self.pending_execs.entry(*pid).or_insert((*ktime_ns, 0));
-                pending.0 = pending.0.min(*ktime_ns);
-                pending.1 += 1;
+            match event {
+                LifecycleEvent::Execed { pid, ktime_ns, .. } => {
+                    let pending = self.pending_execs.entry(*pid).or_insert((*ktime_ns, 0));
+                    pending.0 = pending.0.min(*ktime_ns);
+                    pending.1 += 1;
+                }
+                // Read after the mmap announcements: an exec announced for a pid after one of
+                // these is another process's.
+                LifecycleEvent::Exited { pid, ktime_ns }
+                | LifecycleEvent::Forked { pid, ktime_ns, .. } => {
+                    self.processes.note_process_boundary(Pid(*pid), *ktime_ns);
+                }
             }
         }
         self.pending_lifecycle.extend(drained);
@@ -920,6 +928,7 @@ impl Pipeline {
                     // Or during the read of /proc, which then shows the new program: the
                     // kernel announced that exec before mapping it.
                     self.processes.lookup(sample.pid);
+                    self.drain_events();
                     let exec_ns = self.processes.exec_since(sample.pid, sample.ktime_ns)?;
                     self.late.stats.exec_during_first_lookup += 1;
                     exec_ns

@@ -97,7 +97,13 @@ pub struct MmapLog {
     /// more than [`MAX_CHANGES`]).
     changes: Option<Vec<Pid>>,
     tracking: bool,
+    /// The latest times each pid's process ended or began ([`Self::process_boundary`]).
+    boundaries: Lru<Pid, Vec<u64>>,
 }
+
+/// Exits and forks remembered per pid: a pid is reused about once a minute on the busiest host
+/// measured (560 forks a second), so a few cover any exec a sample can wait for.
+const MAX_BOUNDARIES_PER_PID: usize = 4;
 
 /// Processes remembered as changed between two [`MmapLog::take_changes`].
 const MAX_CHANGES: usize = 65_536;
@@ -118,6 +124,7 @@ impl MmapLog {
             losses: 0,
             changes: None,
             tracking: false,
+            boundaries: Lru::new(max_processes),
         }
     }
 
@@ -267,12 +274,38 @@ impl MmapLog {
     /// When `pid` first exec'ed after `time_ns`, by the kernel's announcements: they are read
     /// before every batch of samples and on demand, while the exec events wait for the samples
     /// taken before them.
+    /// `None` when the pid changed hands in between (the process exited, or a new one was
+    /// forked with its pid: [`Self::process_boundary`]), so the exec is another process's.
     pub fn exec_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
-        self.processes
+        let exec_ns = self
+            .processes
             .get_mut(&pid)?
             .iter()
             .map(|image| image.exec_ns)
-            .find(|&exec_ns| exec_ns > time_ns)
+            .find(|&exec_ns| exec_ns > time_ns)?;
+        let reused = self.boundaries.get_mut(&pid).is_some_and(|times| {
+            times
+                .iter()
+                .any(|&boundary| time_ns < boundary && boundary <= exec_ns)
+        });
+        (!reused).then_some(exec_ns)
+    }
+
+    /// The process with `pid` exited, or a new one was forked with it, at `time_ns` (the
+    /// lifecycle events, noted as they are read): an exec announced for the pid after that is
+    /// not the earlier process's.
+    pub fn process_boundary(&mut self, pid: Pid, time_ns: u64) {
+        match self.boundaries.get_mut(&pid) {
+            Some(times) => {
+                if times.len() >= MAX_BOUNDARIES_PER_PID {
+                    times.remove(0);
+                }
+                times.push(time_ns);
+            }
+            None => {
+                self.boundaries.insert(pid, vec![time_ns]);
+            }
+        }
     }
 
     /// Whether `pid` was announced mapping code at `addr` at or after `since_ns`: a snapshot
@@ -512,6 +545,26 @@ mod tests {
         assert_eq!(paths, ["/bin/b"]);
         assert_eq!(log.mappings_at(pid, 50), None, "before any exec seen");
         assert_eq!(log.mappings_at(Pid(7), 150), None);
+    }
+
+    #[test]
+    fn an_exec_after_the_pid_changed_hands_is_another_processes() {
+        let mut log = MmapLog::default();
+        let pid = Pid(42);
+        log.exec(pid, 100);
+        log.exec(pid, 300);
+        assert_eq!(log.exec_after(pid, 150), Some(300));
+        // The process exited at 200 and the pid was reused: the exec at 300 is not its.
+        log.process_boundary(pid, 200);
+        assert_eq!(log.exec_after(pid, 150), None);
+        // A sample of the new process, taken after the reuse, sees no later exec either.
+        assert_eq!(log.exec_after(pid, 250), Some(300));
+        assert_eq!(log.exec_after(pid, 300), None);
+        // A boundary after the exec says nothing of it.
+        let other = Pid(43);
+        log.exec(other, 500);
+        log.process_boundary(other, 600);
+        assert_eq!(log.exec_after(other, 400), Some(500));
     }
 
     #[test]

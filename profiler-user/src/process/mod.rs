@@ -407,15 +407,24 @@ impl ProcessRegistry {
     }
 
     /// When `pid` exec'ed after `time_ns`: by its exec event when applied, else by the
-    /// kernel's announcements read up to now (the exec event may still wait behind samples
-    /// taken before it, or be written after a read of /proc that already shows the new
-    /// program: the kernel announces an exec before it maps the new program).
+    /// kernel's announcements as last read (the exec event may still wait behind samples taken
+    /// before it, or be written after a read of /proc that already shows the new program: the
+    /// kernel announces an exec before it maps the new program). An announced exec counts only
+    /// when the lifecycle events read after the announcements show no exit or fork of the pid
+    /// in between ([`Self::note_process_boundary`]): else the pid was reused.
     pub fn exec_since(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
         if let Some(exec_ns) = self.identities.exec_after(pid, time_ns) {
             return Some(exec_ns);
         }
-        self.drain_mmaps();
         self.mmaps.as_mut()?.log.exec_after(pid, time_ns)
+    }
+
+    /// A lifecycle event read from its ring (applied or not): the process with `pid` exited,
+    /// or a new one was forked with it, at `time_ns`.
+    pub fn note_process_boundary(&mut self, pid: Pid, time_ns: u64) {
+        if let Some(events) = &mut self.mmaps {
+            events.log.process_boundary(pid, time_ns);
+        }
     }
 
     /// Whether the registry holds a snapshot of `pid`.
@@ -453,22 +462,12 @@ impl ProcessRegistry {
                     {
                         self.snapshot_before_exec(parent, forked_ns, exec_ns)?
                     }
-                    None if depth < 4 => {
-                        let info = match self.processes.get_mut(&parent) {
-                            Some(entry) => Arc::clone(&entry.info),
-                            None => self
-                                .take_snapshot(parent, now)
-                                .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
-                        };
-                        // It may have exec'ed while /proc was read: by now the kernel has
-                        // announced it.
-                        match self.exec_since(parent, forked_ns) {
-                            Some(exec_ns) => {
-                                self.snapshot_before_exec(parent, forked_ns, exec_ns)?
-                            }
-                            None => info,
-                        }
-                    }
+                    None if depth < 4 => match self.processes.get_mut(&parent) {
+                        Some(entry) => Arc::clone(&entry.info),
+                        None => self
+                            .take_snapshot(parent, now)
+                            .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
+                    },
                     None => return None,
                 };
                 forked_snapshot(pid, &parent_info)

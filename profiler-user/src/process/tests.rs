@@ -1181,6 +1181,8 @@ fn a_fork_child_is_not_given_its_parents_program_after_an_exec_not_yet_applied()
         thread::sleep(Duration::from_millis(20));
     }
 
+    // The pipeline reads the rings before a process's first lookup.
+    registry.drain_mmaps();
     let info = registry.lookup(child).expect("built from the events");
     let names: Vec<&str> = info.mappings.iter().map(|m| &*m.name).collect();
     assert!(
