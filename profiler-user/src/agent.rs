@@ -1311,12 +1311,25 @@ fn pump(
 
 /// Handles the samples already read, for at most `budget`; the samples left are dropped (and
 /// returned as a count), so a deep queue on a busy host cannot hold up the stop.
-fn drain_queue(pipeline: &mut Pipeline, rx: &SampleQueue, budget: Duration) -> u64 {
+fn drain_queue(
+    pipeline: &mut Pipeline,
+    rx: &SampleQueue,
+    budget: Duration,
+    taken_until_ns: u64,
+) -> u64 {
     let deadline = Instant::now() + budget;
     let mut dropped = 0u64;
+    let mut taken_while_stopping = 0u64;
     for (index, sample) in rx.try_iter().enumerate() {
         if dropped > 0 || (index % 64 == 0 && Instant::now() >= deadline) {
             dropped += 1;
+            continue;
+        }
+        // Taken while the BPF programs were being detached (seconds, with large unwind
+        // tables): the exec, fork and exit programs may have gone first, so who the process
+        // was is not known.
+        if sample.ktime_ns > taken_until_ns {
+            taken_while_stopping += 1;
             continue;
         }
         pipeline.handle(sample);
@@ -1327,7 +1340,13 @@ fn drain_queue(pipeline: &mut Pipeline, rx: &SampleQueue, budget: Duration) -> u
             "stopping: samples still queued after {budget:?} dropped"
         );
     }
-    dropped
+    if taken_while_stopping > 0 {
+        tracing::info!(
+            samples = taken_while_stopping,
+            "stopping: samples taken while the BPF programs were detached dropped"
+        );
+    }
+    dropped + taken_while_stopping
 }
 
 /// `profiler record`: samples for `config.duration` (or until `stop`), writes one profile.
@@ -1366,7 +1385,8 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let off_cpu_run_stats = sampler.off_cpu_run_stats();
     let duration_ns = started.elapsed().as_nanos() as i64;
     // CUDA calls still reported between here and the probes' detaching are outside the window.
-    pipeline.end_accelerator_window_at(monotonic_now_ns());
+    let stopped_at_ns = monotonic_now_ns();
+    pipeline.end_accelerator_window_at(stopped_at_ns);
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();
@@ -1374,9 +1394,14 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     // Stopped by a signal: as prompt as the agent; at the end of the duration: thorough.
     let signalled = stop.load(Ordering::Relaxed);
     let dropped_at_stop = if signalled {
-        drain_queue(&mut pipeline, &rx, STOP_DRAIN_BUDGET)
+        drain_queue(&mut pipeline, &rx, STOP_DRAIN_BUDGET, stopped_at_ns)
     } else {
-        drain_queue(&mut pipeline, &rx, Duration::from_secs(365 * 24 * 3600))
+        drain_queue(
+            &mut pipeline,
+            &rx,
+            Duration::from_secs(365 * 24 * 3600),
+            stopped_at_ns,
+        )
     };
     pipeline.poll(None);
     pipeline.settle_late_walks(if signalled {
@@ -1631,11 +1656,12 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();
     let off_cpu_run_stats = sampler.off_cpu_run_stats();
+    let stopped_at_ns = monotonic_now_ns();
     drop(sampler);
     let reader_stats = reader.stats.clone();
     reader.stop();
     pipeline.drain_events();
-    let dropped_at_stop = drain_queue(&mut pipeline, &rx, STOP_DRAIN_BUDGET);
+    let dropped_at_stop = drain_queue(&mut pipeline, &rx, STOP_DRAIN_BUDGET, stopped_at_ns);
     pipeline.poll(None);
     pipeline.settle_late_walks(STOP_LATE_WALK_PATIENCE);
     exporter.submit(pipeline.flush(unix_now_ns()));
