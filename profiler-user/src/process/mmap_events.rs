@@ -273,8 +273,7 @@ impl MmapLog {
 
     /// When `pid` first exec'ed after `time_ns`, by the kernel's announcements: they are read
     /// before every batch of samples and on demand, while the exec events wait for the samples
-    /// taken before them.
-    /// `None` when the pid changed hands in between (the process exited, or a new one was
+    /// taken before them. `None` when the pid changed hands in between (the process exited, or a new one was
     /// forked with its pid: [`Self::process_boundary`]), so the exec is another process's.
     pub fn exec_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
         let exec_ns = self
