@@ -1130,6 +1130,7 @@ impl Pipeline {
             open_files: registry.open_files,
             process_snapshots_from_events: registry.snapshots_from_events,
             process_snapshots_before_exec: registry.snapshots_before_exec,
+            process_parents_gone_since_fork: registry.parents_gone_since_fork,
             process_identities: registry.identities,
             cgroup_paths: registry.cgroup_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,

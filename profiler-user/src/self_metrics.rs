@@ -66,6 +66,9 @@ pub struct SelfMetrics {
     pub process_snapshots_from_events: u64,
     /// Snapshots of the program a process ran before the exec a sample was taken in.
     pub process_snapshots_before_exec: u64,
+    /// Fork children left unknown: their parent exited (or its pid changed hands) before it
+    /// was read, and was not known at the fork.
+    pub process_parents_gone_since_fork: u64,
     pub process_identities: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
@@ -777,6 +780,12 @@ impl SelfMetrics {
                 "process_snapshots_before_exec_total",
                 "Samples taken in an exec, resolved against the program before it (from its fork or exec event)",
                 self.process_snapshots_before_exec,
+                "counter",
+            ),
+            (
+                "process_parents_gone_since_fork_total",
+                "Fork children left unknown: their parent exited or its pid was reused before it was read",
+                self.process_parents_gone_since_fork,
                 "counter",
             ),
             (

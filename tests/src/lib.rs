@@ -727,6 +727,10 @@ impl Recording {
         self.process.stderr()
     }
 
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
     /// SIGINT, then waits for the output to be written; asserts a clean exit; returns the log.
     pub fn stop(mut self) -> String {
         let (status, log) = self.process.stop_with(SIGINT);

@@ -189,27 +189,37 @@ fn the_profilers_own_waits_are_left_out() {
     let run = Run::new("off-cpu-host");
     let result = run.path("slept");
     let running = spawn(&fixture, &["sleep", "3", result.to_str().unwrap()]);
-    let recording = start_recording(&run, None, "1");
+    // pprof, whose samples carry the pid: the profiler's own threads are told by pid, not by
+    // name (another process on the host may be called `profiler` too).
+    let out = run.path("stacks.pb.gz");
+    let recording = Recording::until_stopped(&[
+        "--off-cpu",
+        "--off-cpu-probability",
+        "1",
+        "--format",
+        "pprof",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let profiler_pid = i64::from(recording.pid());
     send_signal(running.pid(), SIGUSR1);
     std::thread::sleep(Duration::from_millis(1500));
     recording.stop();
-    let stacks = run.stacks("off_cpu");
-    // The thread name, as the kernel keeps it: 15 bytes.
-    let name = fixture.file_name().unwrap().to_str().unwrap();
-    let comm = &name[..name.len().min(15)];
+    let samples = stack_samples(&decode_pprof(&run.path("stacks.off_cpu.pb.gz")));
     assert!(
-        stacks.iter().any(|s| s.frames[0] == comm),
+        samples
+            .iter()
+            .any(|s| s.pid == Some(i64::from(running.pid()))),
         "the fixture's waits are recorded ({} stacks)",
-        stacks.len()
+        samples.len()
     );
-    // The recording's threads: the pipeline (named after the program), the reader, the
-    // table builders.
-    let own: Vec<&FoldedStack> = stacks
+    assert!(
+        samples.iter().all(|s| s.pid.is_some()),
+        "every off-CPU sample names its process"
+    );
+    let own: Vec<&StackSample> = samples
         .iter()
-        .filter(|s| {
-            ["profiler", "sample-reader", "unwind-tables", "unwind-large"]
-                .contains(&s.frames[0].as_str())
-        })
+        .filter(|s| s.pid == Some(profiler_pid))
         .collect();
     assert!(own.is_empty(), "the profiler's own waits: {own:#?}");
 }

@@ -307,6 +307,17 @@ impl MmapLog {
         }
     }
 
+    /// The first time after `time_ns` that the process with `pid` ended or a new one began
+    /// ([`Self::process_boundary`]).
+    pub fn boundary_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
+        self.boundaries
+            .get_mut(&pid)?
+            .iter()
+            .copied()
+            .filter(|&boundary| boundary > time_ns)
+            .min()
+    }
+
     /// Whether `pid` was announced mapping code at `addr` at or after `since_ns`: a snapshot
     /// taken before then is missing a library loaded since.
     pub fn announced_since(&mut self, pid: Pid, addr: u64, since_ns: u64) -> bool {

@@ -128,6 +128,9 @@ pub struct RegistryStats {
     /// Snapshots built from the fork or earlier exec event for a sample taken in an exec
     /// (before its exec event), whose /proc entry already shows the new program.
     pub snapshots_before_exec: u64,
+    /// Fork children left unknown: their parent, not snapshotted at the fork, exited or its
+    /// pid was reused since, so /proc no longer shows it.
+    pub parents_gone_since_fork: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,
     /// Snapshots from events whose mappings came from the kernel's mmap announcements.
@@ -419,6 +422,12 @@ impl ProcessRegistry {
         self.mmaps.as_mut()?.log.exec_after(pid, time_ns)
     }
 
+    /// When the process with `pid` first exited, or the pid was given to a new process, after
+    /// `time_ns`, as far as the lifecycle events read so far say.
+    fn changed_hands_after(&mut self, pid: Pid, time_ns: u64) -> Option<u64> {
+        self.mmaps.as_mut()?.log.boundary_after(pid, time_ns)
+    }
+
     /// A lifecycle event read from its ring (applied or not): the process with `pid` exited,
     /// or a new one was forked with it, at `time_ns`.
     pub fn note_process_boundary(&mut self, pid: Pid, time_ns: u64) {
@@ -462,9 +471,21 @@ impl ProcessRegistry {
                     {
                         self.snapshot_before_exec(parent, forked_ns, exec_ns)?
                     }
-                    None if depth < 4 => match self.processes.get_mut(&parent) {
-                        Some(entry) => Arc::clone(&entry.info),
-                        None => self
+                    // A parent that exited since the fork, its pid perhaps another process's
+                    // now: only a snapshot taken before that is its own.
+                    None if depth < 4 => match (
+                        self.changed_hands_after(parent, forked_ns),
+                        self.processes.get_mut(&parent),
+                    ) {
+                        (None, Some(entry)) => Arc::clone(&entry.info),
+                        (Some(ended_ns), Some(entry)) if entry.taken_ns < ended_ns => {
+                            Arc::clone(&entry.info)
+                        }
+                        (Some(_), _) => {
+                            self.stats.parents_gone_since_fork += 1;
+                            return None;
+                        }
+                        (None, None) => self
                             .take_snapshot(parent, now)
                             .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
                     },

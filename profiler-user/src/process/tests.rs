@@ -1306,3 +1306,54 @@ fn a_gone_process_is_refreshed_from_its_announced_mappings() {
     assert_eq!(after.labels, before.labels);
     assert_eq!(registry.stats().refreshes_from_announcements, 1);
 }
+
+/// A child gone before its lookup whose parent, not read at the fork, exited since and whose
+/// pid another process got: /proc shows that other process under the parent's pid. The child is
+/// left unknown instead of being given that process's program.
+#[test]
+fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
+    let Some(mut registry) = registry_watching_mmaps(Duration::ZERO) else {
+        return;
+    };
+    // The process now holding the parent's pid.
+    let holder = spawn(Command::new("sleep").arg("30"));
+    let parent = holder.pid();
+    wait_for_exe(parent, "sleep");
+    let child = Pid(unused_pid(&[]));
+    let forked_ns = monotonic_now_ns();
+    registry.record_fork(child, parent, forked_ns);
+
+    // Before the parent's pid changed hands, /proc shows the parent itself.
+    let info = registry.lookup(child).expect("the parent read from /proc");
+    assert!(info.mappings.iter().any(|m| m.name.ends_with("/sleep")));
+
+    // Two more children, forked when the registry held no snapshot of the parent; the parent
+    // exits and a new process gets its pid before they are looked up.
+    registry.forget(parent);
+    let second = Pid(unused_pid(&[child.0]));
+    let third = Pid(unused_pid(&[child.0, second.0]));
+    registry.record_fork(second, parent, forked_ns);
+    registry.record_fork(third, parent, forked_ns);
+    registry.note_process_boundary(parent, forked_ns + 1);
+    registry.note_process_boundary(parent, forked_ns + 2);
+    assert!(
+        registry.lookup(second).is_none(),
+        "not /proc, which shows the program now running under the parent's pid"
+    );
+    // Nor a snapshot of the pid taken after it changed hands.
+    assert!(registry.lookup(parent).is_some());
+    assert!(
+        registry.lookup(third).is_none(),
+        "not the snapshot of the process that got the parent's pid"
+    );
+    assert_eq!(registry.stats().parents_gone_since_fork, 2);
+    drop(holder);
+}
+
+/// A pid no process has now and not in `taken` (pids count up from the last one given out,
+/// far below this range).
+fn unused_pid(taken: &[u32]) -> u32 {
+    (4_000_000..4_194_000)
+        .find(|pid| !taken.contains(pid) && !Path::new(&format!("/proc/{pid}")).exists())
+        .expect("a free pid")
+}
