@@ -49,6 +49,11 @@ pub struct SelfMetrics {
     /// Native frames looked up in their files (symbol cache misses) and the wall time taken.
     pub symbol_lookups: u64,
     pub symbol_lookup_time: Duration,
+    /// Of the lookups, those that first read a file's symbol tables, and their time.
+    pub symbol_file_loads: u64,
+    pub symbol_file_load_time: Duration,
+    /// Of the lookups' time, naming frames without a symbol by their function's start.
+    pub symbol_function_start_time: Duration,
     /// Files whose parsed symbol tables are held, their estimated bytes (bounded), and how many
     /// were dropped for the bound.
     pub symbol_files: u64,
@@ -521,6 +526,24 @@ impl SelfMetrics {
             "symbol_lookup_seconds_total",
             "Wall time of the native symbol lookups, waits for the disk included",
             self.symbol_lookup_time.as_secs_f64(),
+            "counter",
+        );
+        push(
+            "symbol_file_loads_total",
+            "Of the native symbol lookups, those that first read a file's symbol tables",
+            self.symbol_file_loads as f64,
+            "counter",
+        );
+        push(
+            "symbol_file_load_seconds_total",
+            "Wall time of the lookups that first read a file's symbol tables",
+            self.symbol_file_load_time.as_secs_f64(),
+            "counter",
+        );
+        push(
+            "symbol_function_start_seconds_total",
+            "Of the lookups' wall time, naming frames without a symbol by their function's start (.eh_frame_hdr)",
+            self.symbol_function_start_time.as_secs_f64(),
             "counter",
         );
         push(

@@ -118,6 +118,13 @@ pub struct SymbolizerStats {
     /// shows here.
     pub native_lookups: u64,
     pub native_lookup_time: std::time::Duration,
+    /// Of those, the lookups that first read a file's symbol tables (a new resolver), and
+    /// their time: what a lookup costs is otherwise hidden by these.
+    pub file_loads: u64,
+    pub file_load_time: std::time::Duration,
+    /// Of the lookups' time, that of naming frames without a symbol by the function start
+    /// (`.eh_frame_hdr`'s search table, read in the file's mapping).
+    pub function_start_time: std::time::Duration,
     /// Frames currently cached.
     pub cache_entries: usize,
     /// Lookups that failed with an error (unreadable or malformed file, bad kallsyms).
@@ -626,6 +633,7 @@ impl Symbolizer {
             let before = own_mappings_of(&watched);
             (guard, watched, before)
         });
+        let started = std::time::Instant::now();
         let mut ctx = native::LookupContext {
             strings: &mut self.strings,
             debug_dirs: &self.options.debug_dirs,
@@ -666,6 +674,8 @@ impl Symbolizer {
                     self.file_pages.resident_after_release = resident;
                 }
             }
+            self.stats.file_loads += 1;
+            self.stats.file_load_time += started.elapsed();
         }
         let lines = match lookup {
             native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
@@ -683,7 +693,10 @@ impl Symbolizer {
             None => {
                 self.stats.misses += 1;
                 let basename = file.path.rsplit('/').next().unwrap_or(&file.path);
-                let function = match self.function_start(file, file_offset) {
+                let searched = std::time::Instant::now();
+                let start = self.function_start(file, file_offset);
+                self.stats.function_start_time += searched.elapsed();
+                let function = match start {
                     Some(start) => {
                         self.stats.named_by_function_start += 1;
                         format!("{basename}!sub_{start:x}")

@@ -651,11 +651,28 @@ fn render_timeline(out: &mut String, run: &HostRun) {
             lookups("profiler_symbol_lookup_seconds_total"),
         ) && count > 0.0
         {
-            let _ = writeln!(
+            let _ = write!(
                 out,
-                "Symbol lookups in that time (native frames that missed the symbol cache): {count:.0}, {seconds:.2} s of wall time, {:.0} µs each.",
+                "Symbol lookups in that time (native frames that missed the symbol cache): {count:.0}, {seconds:.2} s of wall time, {:.0} µs each",
                 seconds / count * 1e6
             );
+            if let (Some(loads), Some(load_seconds), Some(start_seconds)) = (
+                lookups("profiler_symbol_file_loads_total"),
+                lookups("profiler_symbol_file_load_seconds_total"),
+                lookups("profiler_symbol_function_start_seconds_total"),
+            ) {
+                let rest = count - loads;
+                let _ = write!(
+                    out,
+                    "; of which {loads:.0} first read a file's symbols ({load_seconds:.2} s), the other {rest:.0} {:.0} µs each; naming frames by their function's start {start_seconds:.2} s",
+                    if rest > 0.0 {
+                        (seconds - load_seconds) / rest * 1e6
+                    } else {
+                        0.0
+                    }
+                );
+            }
+            let _ = writeln!(out, ".");
         }
     }
 }
