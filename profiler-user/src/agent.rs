@@ -1121,6 +1121,7 @@ impl Pipeline {
             symbol_cache_evicted: symbols.cache_evicted,
             symbol_lookups: symbols.native_lookups,
             symbol_lookup_time: symbols.native_lookup_time,
+            symbol_lookup_cpu_time: symbols.native_lookup_cpu_time,
             symbol_file_loads: symbols.file_loads,
             symbol_file_load_time: symbols.file_load_time,
             symbol_function_start_time: symbols.function_start_time,

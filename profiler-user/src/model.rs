@@ -600,6 +600,20 @@ pub struct ProfileEvent {
     pub label: Option<(&'static str, Arc<str>)>,
 }
 
+/// CPU time the calling thread has used (wall-clock figures of a thread on a loaded host count
+/// the time it waited for a CPU too).
+pub fn thread_cpu_time() -> std::time::Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+}
+
 /// CLOCK_MONOTONIC in nanoseconds, the clock of `bpf_ktime_get_ns` ([`Sample::ktime_ns`], the
 /// lifecycle events, the mmap announcements).
 pub fn monotonic_now_ns() -> u64 {

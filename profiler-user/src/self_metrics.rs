@@ -49,6 +49,7 @@ pub struct SelfMetrics {
     /// Native frames looked up in their files (symbol cache misses) and the wall time taken.
     pub symbol_lookups: u64,
     pub symbol_lookup_time: Duration,
+    pub symbol_lookup_cpu_time: Duration,
     /// Of the lookups, those that first read a file's symbol tables, and their time.
     pub symbol_file_loads: u64,
     pub symbol_file_load_time: Duration,
@@ -526,6 +527,12 @@ impl SelfMetrics {
             "symbol_lookup_seconds_total",
             "Wall time of the native symbol lookups, waits for the disk included",
             self.symbol_lookup_time.as_secs_f64(),
+            "counter",
+        );
+        push(
+            "symbol_lookup_cpu_seconds_total",
+            "CPU time of the native symbol lookups",
+            self.symbol_lookup_cpu_time.as_secs_f64(),
             "counter",
         );
         push(

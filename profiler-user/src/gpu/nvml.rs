@@ -135,19 +135,6 @@ pub struct PollStats {
     pub cpu_time: Duration,
 }
 
-/// CPU time the calling thread has used.
-fn thread_cpu_time() -> Duration {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime fills the timespec we pass.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
-}
-
 /// The latest NVML readings and a bounded history, shared by the poller and the server.
 #[derive(Debug, Default)]
 pub struct GpuBoard {
@@ -830,7 +817,7 @@ fn poll(
     );
     while !stop.load(Ordering::Relaxed) {
         let started = Instant::now();
-        let cpu_before = thread_cpu_time();
+        let cpu_before = crate::model::thread_cpu_time();
         let count = reading("device count", nvml.device_count()).unwrap_or(0);
         let mut devices = Vec::new();
         let mut processes = Vec::new();
@@ -877,7 +864,7 @@ fn poll(
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0);
         board.update(&hostname, now_ms, devices, processes, capacity);
-        board.add_poll(thread_cpu_time().saturating_sub(cpu_before));
+        board.add_poll(crate::model::thread_cpu_time().saturating_sub(cpu_before));
         let deadline = started + interval;
         while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50).min(interval));

@@ -52,6 +52,16 @@ pub enum Identity {
     },
 }
 
+impl Identity {
+    /// When the process became what it says: its exec, or its fork.
+    pub fn since_ns(&self) -> u64 {
+        match self {
+            Identity::Exec(record) => record.exec_ns,
+            Identity::Fork { forked_ns, .. } => *forked_ns,
+        }
+    }
+}
+
 /// The latest identity per pid, and the one before its latest exec, bounded.
 ///
 /// Running processes and exited ones are bounded apart: on a host that forks hundreds of

@@ -472,7 +472,8 @@ impl ProcessRegistry {
                         self.snapshot_before_exec(parent, forked_ns, exec_ns)?
                     }
                     // A parent that exited since the fork, its pid perhaps another process's
-                    // now: only a snapshot taken before that is its own.
+                    // now: a snapshot taken before that is its own, and so is an identity
+                    // from before the fork; /proc is not.
                     None if depth < 4 => match (
                         self.changed_hands_after(parent, forked_ns),
                         self.processes.get_mut(&parent),
@@ -481,10 +482,15 @@ impl ProcessRegistry {
                         (Some(ended_ns), Some(entry)) if entry.taken_ns < ended_ns => {
                             Arc::clone(&entry.info)
                         }
-                        (Some(_), _) => {
-                            self.stats.parents_gone_since_fork += 1;
-                            return None;
-                        }
+                        (Some(_), _) => match self.identities.get(parent) {
+                            Some(identity) if identity.since_ns() <= forked_ns => Arc::new(
+                                self.build_from_identity(parent, identity, now, depth + 1)?,
+                            ),
+                            _ => {
+                                self.stats.parents_gone_since_fork += 1;
+                                return None;
+                            }
+                        },
                         (None, None) => self
                             .take_snapshot(parent, now)
                             .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,

@@ -1348,6 +1348,43 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
     );
     assert_eq!(registry.stats().parents_gone_since_fork, 2);
     drop(holder);
+
+    // A parent gone from /proc whose exec event is from before the fork: the child is that
+    // program.
+    let exited = Pid(unused_pid(&[child.0, second.0, third.0]));
+    let orphan = Pid(unused_pid(&[child.0, second.0, third.0, exited.0]));
+    registry.record_exec(
+        exited,
+        Arc::new(ExecRecord {
+            exec_ns: forked_ns - 100,
+            ..registry_record("shell_before")
+        }),
+    );
+    registry.record_fork(orphan, exited, forked_ns);
+    registry.note_process_boundary(exited, forked_ns + 1);
+    let info = registry
+        .lookup(orphan)
+        .expect("built from the parent's exec event");
+    assert_eq!(info.labels.service_name, "shell_before");
+    // Unless the identity held for the pid is the next process's, forked after the child.
+    let reused = Pid(unused_pid(&[
+        child.0, second.0, third.0, exited.0, orphan.0,
+    ]));
+    let other_orphan = Pid(unused_pid(&[
+        child.0, second.0, third.0, exited.0, orphan.0, reused.0,
+    ]));
+    registry.record_exec(
+        reused,
+        Arc::new(ExecRecord {
+            exec_ns: forked_ns - 100,
+            ..registry_record("shell_before")
+        }),
+    );
+    registry.record_fork(other_orphan, reused, forked_ns);
+    registry.note_process_boundary(reused, forked_ns + 1);
+    registry.record_fork(reused, exited, forked_ns + 2);
+    assert!(registry.lookup(other_orphan).is_none());
+    assert_eq!(registry.stats().parents_gone_since_fork, 3);
 }
 
 /// A pid no process has now and not in `taken` (pids count up from the last one given out,

@@ -118,6 +118,9 @@ pub struct SymbolizerStats {
     /// shows here.
     pub native_lookups: u64,
     pub native_lookup_time: std::time::Duration,
+    /// The CPU time of those lookups (the wall time of a thread on a loaded host counts its
+    /// waits for a CPU too).
+    pub native_lookup_cpu_time: std::time::Duration,
     /// Of those, the lookups that first read a file's symbol tables (a new resolver), and
     /// their time: what a lookup costs is otherwise hidden by these.
     pub file_loads: u64,
@@ -358,9 +361,12 @@ impl Symbolizer {
                 let mapping =
                     self.mapping_info(file, *mapping_start, *mapping_end, *mapping_offset);
                 let started = std::time::Instant::now();
+                let cpu_before = crate::model::thread_cpu_time();
                 let symbolized = self.symbolize_user(*addr, file, *file_offset, mapping);
                 self.stats.native_lookups += 1;
                 self.stats.native_lookup_time += started.elapsed();
+                self.stats.native_lookup_cpu_time +=
+                    crate::model::thread_cpu_time().saturating_sub(cpu_before);
                 self.remember(key, symbolized)
             }
             UnwoundFrame::Python { frame, runtime } => {

@@ -576,6 +576,7 @@ fn repeated_keys_share_frames_and_stats_count() -> TestResult {
     // Two lookups in the file (the repeat was a cache hit; the unmapped frames need none).
     assert_eq!(stats.native_lookups, 2);
     assert!(stats.native_lookup_time > std::time::Duration::ZERO);
+    assert!(stats.native_lookup_cpu_time > std::time::Duration::ZERO);
     // The first read the file's symbols; its time is part of the lookups'.
     assert_eq!(stats.file_loads, 1);
     assert!(stats.file_load_time > std::time::Duration::ZERO);

@@ -672,6 +672,14 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                     }
                 );
             }
+            if let Some(cpu_seconds) = lookups("profiler_symbol_lookup_cpu_seconds_total") {
+                let _ = write!(
+                    out,
+                    "; their CPU time {cpu_seconds:.2} s, {:.0} µs each ({:.1} % of the agent's CPU then)",
+                    cpu_seconds / count * 1e6,
+                    lookups(AGENT_CPU).map_or(f64::NAN, |agent| 100.0 * cpu_seconds / agent)
+                );
+            }
             let _ = writeln!(out, ".");
         }
     }
