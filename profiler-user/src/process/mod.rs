@@ -129,7 +129,8 @@ pub struct RegistryStats {
     /// (before its exec event), whose /proc entry already shows the new program.
     pub snapshots_before_exec: u64,
     /// Fork children left unknown: their parent, not snapshotted at the fork, exited or its
-    /// pid was reused since, so /proc no longer shows it.
+    /// pid was reused since (so /proc no longer shows it), and the identity held for the pid
+    /// is not from before the fork.
     pub parents_gone_since_fork: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,

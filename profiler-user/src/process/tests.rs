@@ -1309,7 +1309,8 @@ fn a_gone_process_is_refreshed_from_its_announced_mappings() {
 
 /// A child gone before its lookup whose parent, not read at the fork, exited since and whose
 /// pid another process got: /proc shows that other process under the parent's pid. The child is
-/// left unknown instead of being given that process's program.
+/// its parent's program by the parent's own identity from before the fork, else left unknown;
+/// never given the other process's program.
 #[test]
 fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
     let Some(mut registry) = registry_watching_mmaps(Duration::ZERO) else {
