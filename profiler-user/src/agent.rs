@@ -135,7 +135,7 @@ struct Pipeline {
     /// Events drained since the last poll, for the CUDA side (names, allocations).
     drained_since_poll: Vec<LifecycleEvent>,
     /// The pids with an exec event not applied yet: the time of the oldest, and how many.
-    pending_execs: std::collections::HashMap<u32, (u64, u32)>,
+    pending_execs: foldhash::HashMap<u32, (u64, u32)>,
     /// When the rings of events (lifecycle, mmap announcements) were last read
     /// (`bpf_ktime_get_ns` time): everything written before then is drained.
     drained_at_ns: u64,
@@ -551,7 +551,7 @@ impl Pipeline {
             newest_sample_ns: 0,
             drained_since_poll: Vec::new(),
             drained_at_ns: 0,
-            pending_execs: std::collections::HashMap::new(),
+            pending_execs: foldhash::HashMap::default(),
             idle: false,
         }
     }
@@ -1130,6 +1130,8 @@ impl Pipeline {
             symbol_file_page_releases: symbols.file_page_releases,
             symbol_files_dropped: symbols.resolvers_dropped,
             python_code_objects: symbols.python_code_entries as u64,
+            symbol_function_names: symbols.function_names as u64,
+            symbol_function_name_hits: symbols.function_name_hits,
             processes_tracked: self.processes.len() as u64,
             open_files: registry.open_files,
             process_snapshots_from_events: registry.snapshots_from_events,

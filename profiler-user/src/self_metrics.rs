@@ -65,6 +65,9 @@ pub struct SelfMetrics {
     pub symbol_file_page_releases: u64,
     /// Python code objects cached (bounded).
     pub python_code_objects: u64,
+    /// Function names cached by raw symbol name (bounded), and the lookups they answered.
+    pub symbol_function_names: u64,
+    pub symbol_function_name_hits: u64,
     pub processes_tracked: u64,
     /// File descriptors the process holds for files (/proc/self/fd), all users together.
     pub open_files: u64,
@@ -787,6 +790,18 @@ impl SelfMetrics {
                 "Python code objects cached (names, files, line tables; bounded)",
                 self.python_code_objects,
                 "gauge",
+            ),
+            (
+                "symbol_function_names",
+                "Function names cached by raw symbol name, demangled once (bounded)",
+                self.symbol_function_names,
+                "gauge",
+            ),
+            (
+                "symbol_function_name_hits_total",
+                "Symbol lookups whose function name came from the name cache (not demangled again)",
+                self.symbol_function_name_hits,
+                "counter",
             ),
             (
                 "symbol_file_page_releases_total",

@@ -98,12 +98,38 @@ pub struct MmapLog {
     changes: Option<Vec<Pid>>,
     tracking: bool,
     /// The latest times each pid's process ended or began ([`Self::process_boundary`]).
-    boundaries: Lru<Pid, Vec<u64>>,
+    boundaries: Lru<Pid, Boundaries>,
 }
 
 /// Exits and forks remembered per pid: a pid is reused about once a minute on the busiest host
 /// measured (560 forks a second), so a few cover any exec a sample can wait for.
 const MAX_BOUNDARIES_PER_PID: usize = 4;
+
+/// The latest [`MAX_BOUNDARIES_PER_PID`] boundaries of a pid, in place: one is noted at every
+/// fork and exit on the host (over a thousand a second on the busiest measured), and a heap
+/// vector for each pid was an allocation and a free at every new pid.
+#[derive(Clone, Copy, Debug, Default)]
+struct Boundaries {
+    times: [u64; MAX_BOUNDARIES_PER_PID],
+    len: usize,
+}
+
+impl Boundaries {
+    /// Adds `time_ns`, forgetting the oldest when full.
+    fn push(&mut self, time_ns: u64) {
+        if self.len == MAX_BOUNDARIES_PER_PID {
+            self.times.rotate_left(1);
+            self.times[MAX_BOUNDARIES_PER_PID - 1] = time_ns;
+        } else {
+            self.times[self.len] = time_ns;
+            self.len += 1;
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &u64> {
+        self.times[..self.len].iter()
+    }
+}
 
 /// Processes remembered as changed between two [`MmapLog::take_changes`].
 const MAX_CHANGES: usize = 65_536;
@@ -295,14 +321,11 @@ impl MmapLog {
     /// not the earlier process's.
     pub fn process_boundary(&mut self, pid: Pid, time_ns: u64) {
         match self.boundaries.get_mut(&pid) {
-            Some(times) => {
-                if times.len() >= MAX_BOUNDARIES_PER_PID {
-                    times.remove(0);
-                }
-                times.push(time_ns);
-            }
+            Some(times) => times.push(time_ns),
             None => {
-                self.boundaries.insert(pid, vec![time_ns]);
+                let mut times = Boundaries::default();
+                times.push(time_ns);
+                self.boundaries.insert(pid, times);
             }
         }
     }
@@ -525,6 +548,20 @@ impl<'a> Visitor<'a> for Announcement {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pid_keeps_its_latest_boundaries() {
+        let mut log = MmapLog::new(8);
+        let pid = Pid(7);
+        for time_ns in 1..=6 {
+            log.process_boundary(pid, time_ns * 100);
+        }
+        // The four latest are kept: 300..=600.
+        assert_eq!(log.boundary_after(pid, 0), Some(300));
+        assert_eq!(log.boundary_after(pid, 450), Some(500));
+        assert_eq!(log.boundary_after(pid, 600), None);
+        assert_eq!(log.boundary_after(Pid(8), 0), None);
+    }
 
     fn mapping(time_ns: u64, start: u64, end: u64, path: &str) -> AnnouncedMapping {
         AnnouncedMapping {

@@ -141,6 +141,10 @@ pub struct SymbolizerStats {
     pub resolvers_dropped: u64,
     /// Python code objects cached (bounded by `python::CODE_CACHE_ENTRIES`).
     pub python_code_entries: usize,
+    /// Function names cached by raw symbol name (bounded by
+    /// `demangle::MAX_NAMED_FUNCTIONS`), and the lookups they answered without demangling.
+    pub function_names: usize,
+    pub function_name_hits: u64,
     /// Times symbol files' pages were given back (`Symbolizer::release_file_pages`).
     pub file_page_releases: u64,
     /// Of the mappings given back, the symbolizer's own (their pages kept in the page cache).
@@ -201,6 +205,7 @@ pub struct Symbolizer {
     files: HashMap<FileId, native::FileState>,
     kernel: kernel::KernelSymbols,
     strings: StringInterner,
+    function_names: demangle::FunctionNames,
     python_code: CodeCache,
     stats: SymbolizerStats,
     unknown_name: Arc<str>,
@@ -274,6 +279,7 @@ impl Symbolizer {
             files: HashMap::new(),
             kernel,
             strings: StringInterner::default(),
+            function_names: demangle::FunctionNames::new(demangle::MAX_NAMED_FUNCTIONS),
             python_code: CodeCache::new(python::CODE_CACHE_ENTRIES),
             stats: SymbolizerStats::default(),
             unknown_name: Arc::from("[unknown]"),
@@ -319,6 +325,8 @@ impl Symbolizer {
             resolvers: self.files.values().filter(|f| f.resolver.is_some()).count(),
             resolver_bytes: self.resolver_bytes,
             python_code_entries: self.python_code.len(),
+            function_names: self.function_names.len(),
+            function_name_hits: self.function_names.hits(),
             ..self.stats
         }
     }
@@ -642,6 +650,7 @@ impl Symbolizer {
         let started = std::time::Instant::now();
         let mut ctx = native::LookupContext {
             strings: &mut self.strings,
+            function_names: &mut self.function_names,
             debug_dirs: &self.options.debug_dirs,
             inline_frames: self.options.inline_frames,
             demangle: self.options.demangle,

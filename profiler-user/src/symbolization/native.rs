@@ -21,7 +21,10 @@ use blazesym::symbolize::{
 use object::{Object, ObjectSection, ObjectSegment, read::ReadCache};
 use tracing::{debug, warn};
 
-use super::{StringInterner, demangle::demangle};
+use super::{
+    StringInterner,
+    demangle::{FunctionName, FunctionNames},
+};
 use crate::model::{FileId, FrameLine, MappedFile};
 
 /// What a file's resolver costs besides its tables' size (blazesym's own structures).
@@ -314,6 +317,7 @@ pub(super) enum UserLookup {
 
 pub(super) struct LookupContext<'a> {
     pub(super) strings: &'a mut StringInterner,
+    pub(super) function_names: &'a mut FunctionNames,
     /// For a file's resolver, made on its first lookup.
     pub(super) debug_dirs: &'a [PathBuf],
     pub(super) inline_frames: bool,
@@ -471,18 +475,10 @@ fn make_line(
     code_info: Option<&CodeInfo<'_>>,
     module_path: &Arc<str>,
 ) -> FrameLine {
-    let demangled = if ctx.demangle {
-        demangle(raw_name)
-    } else {
-        None
-    };
-    let (function, system_name) = match demangled {
-        Some(demangled) if demangled != raw_name => (
-            ctx.strings.intern(&demangled),
-            Some(ctx.strings.intern(raw_name)),
-        ),
-        _ => (ctx.strings.intern(raw_name), None),
-    };
+    let FunctionName {
+        function,
+        system_name,
+    } = ctx.function_names.name(ctx.strings, raw_name, ctx.demangle);
     let (file, line) = match code_info {
         Some(info) => {
             let path = info.to_path();

@@ -680,6 +680,12 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                     lookups(AGENT_CPU).map_or(f64::NAN, |agent| 100.0 * cpu_seconds / agent)
                 );
             }
+            if let Some(hits) = lookups("profiler_symbol_function_name_hits_total") {
+                let _ = write!(
+                    out,
+                    "; function names from the name cache (not demangled again) {hits:.0}"
+                );
+            }
             let _ = writeln!(out, ".");
         }
     }
