@@ -105,6 +105,18 @@ impl ExecArgs {
     }
 }
 
+impl ExecArgs {
+    /// The arguments as the kernel keeps them: each ended by a NUL, the last one's NUL
+    /// dropped (`a\0b` is `["a", "b"]`). One allocation of the exact size, where collecting
+    /// the arguments one by one grew the string and shrank it again, at every exec on the host.
+    pub fn from_nul_separated(text: &str) -> Self {
+        let mut joined = String::with_capacity(text.len() + 1);
+        joined.push_str(text);
+        joined.push('\0');
+        ExecArgs(joined.into_boxed_str())
+    }
+}
+
 impl<S: AsRef<str>> FromIterator<S> for ExecArgs {
     /// An argument holding a NUL ends there, as it would in the kernel's copy.
     fn from_iter<I: IntoIterator<Item = S>>(args: I) -> Self {

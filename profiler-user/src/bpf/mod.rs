@@ -399,13 +399,13 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
     // may have been cut) and ends with its last argument's NUL.
     let args_complete = args_bytes.len() < details.args.len() && args_bytes.last() == Some(&0);
     let args_bytes = args_bytes.strip_suffix(&[0]).unwrap_or(args_bytes);
-    let args = if args_bytes.is_empty() {
-        ExecArgs::default()
-    } else {
-        args_bytes
+    let args = match std::str::from_utf8(args_bytes) {
+        _ if args_bytes.is_empty() => ExecArgs::default(),
+        Ok(text) => ExecArgs::from_nul_separated(text),
+        Err(_) => args_bytes
             .split(|&b| b == 0)
             .map(String::from_utf8_lossy)
-            .collect()
+            .collect(),
     };
     let (major, minor) = (
         u64::from(details.exe_dev >> 20),
@@ -1048,6 +1048,20 @@ mod tests {
         assert_eq!(record.exe, None);
         assert_eq!(record.code, None);
         assert_eq!((record.cgroup_id, record.exec_ns), (7, 42));
+        assert!(record.args_complete);
+
+        // The same in valid UTF-8, taken whole rather than argument by argument.
+        let args = b"cc1\0\0-O2\0x.c\0";
+        details.args = [0; profiler_common::EXEC_ARGS_BYTES];
+        details.args[..args.len()].copy_from_slice(args);
+        details.args_len = args.len() as u16;
+        let record = exec_record(&details, 42);
+        assert_eq!(record.args.to_vec(), ["cc1", "", "-O2", "x.c"]);
+        assert_eq!(
+            record.args,
+            ["cc1", "", "-O2", "x.c"].into_iter().collect(),
+            "the same record as collected argument by argument"
+        );
         assert!(record.args_complete);
 
         details.args_len = 0;
