@@ -399,13 +399,15 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
     // may have been cut) and ends with its last argument's NUL.
     let args_complete = args_bytes.len() < details.args.len() && args_bytes.last() == Some(&0);
     let args_bytes = args_bytes.strip_suffix(&[0]).unwrap_or(args_bytes);
-    let args = match std::str::from_utf8(args_bytes) {
-        _ if args_bytes.is_empty() => ExecArgs::default(),
-        Ok(text) => ExecArgs::from_nul_separated(text),
-        Err(_) => args_bytes
+    let args = if args_bytes.is_empty() {
+        ExecArgs::default()
+    } else if let Ok(text) = std::str::from_utf8(args_bytes) {
+        ExecArgs::from_nul_separated(text)
+    } else {
+        args_bytes
             .split(|&b| b == 0)
             .map(String::from_utf8_lossy)
-            .collect(),
+            .collect()
     };
     let (major, minor) = (
         u64::from(details.exe_dev >> 20),
