@@ -1132,6 +1132,7 @@ impl Pipeline {
             python_code_objects: symbols.python_code_entries as u64,
             symbol_function_names: symbols.function_names as u64,
             symbol_function_name_hits: symbols.function_name_hits,
+            symbol_interned_strings: symbols.interned_strings as u64,
             processes_tracked: self.processes.len() as u64,
             open_files: registry.open_files,
             process_snapshots_from_events: registry.snapshots_from_events,

@@ -68,6 +68,8 @@ pub struct SelfMetrics {
     /// Function names cached by raw symbol name (bounded), and the lookups they answered.
     pub symbol_function_names: u64,
     pub symbol_function_name_hits: u64,
+    /// Distinct names and paths the symbolizer shares between its frames (bounded).
+    pub symbol_interned_strings: u64,
     pub processes_tracked: u64,
     /// File descriptors the process holds for files (/proc/self/fd), all users together.
     pub open_files: u64,
@@ -802,6 +804,12 @@ impl SelfMetrics {
                 "Symbol lookups whose function name came from the name cache (not demangled again)",
                 self.symbol_function_name_hits,
                 "counter",
+            ),
+            (
+                "symbol_interned_strings",
+                "Distinct function names and paths shared by the symbolized frames (bounded)",
+                self.symbol_interned_strings,
+                "gauge",
             ),
             (
                 "symbol_file_page_releases_total",

@@ -37,9 +37,12 @@ pub const DEFAULT_MAX_QUERY_NODES: usize = 2_000_000;
 pub const DEFAULT_MAX_CATALOG_NODES: usize = 65_536;
 /// Default of `--max-catalog-frames`: frames, and strings, kept in memory to find a frame's id
 /// at ingest (a frame about 50 bytes with its index, a string about 100 with its text, so
-/// about 10 MiB at the bound). Past it the generation is sealed: kept on disk for queries,
-/// started afresh in memory. A whole busy host adds about 60 frames and 20 strings a second.
-pub const DEFAULT_MAX_CATALOG_FRAMES: usize = 65_536;
+/// about 2.5 MiB at the bound). Past it the generation is sealed, with the call trees in
+/// memory: kept on disk for queries, started afresh in memory. A whole busy host adds about 60
+/// frames and 20 strings a second, so a generation lasts a few minutes there; 65,536 took a
+/// quarter of an hour to fill, the agent's memory growing by about 1 MiB a minute all that
+/// time (docs/benchmarks.md, suite `host`).
+pub const DEFAULT_MAX_CATALOG_FRAMES: usize = 16_384;
 
 /// The frame that replaces the root-side frames of a stack cut at `max_stack_depth`.
 pub const TRUNCATED_FRAME: &str = "[truncated]";
@@ -133,10 +136,11 @@ pub struct StoreLimitArgs {
     #[arg(long, env = "PROFILER_MAX_CATALOG_NODES", default_value_t = DEFAULT_MAX_CATALOG_NODES)]
     pub max_catalog_nodes: usize,
     /// Frames kept in memory for ingest, and as many strings (function and file names,
-    /// objects, build ids). Past it, after a write, the frames (or the strings) are sealed: they
-    /// stay on disk, where queries read them, and a frame (or string) seen again gets a new id;
-    /// flame graphs merge by name, so queries answer the same. 0: no limit (memory grows with
-    /// every distinct frame kept: a whole busy host adds about 60 a second).
+    /// objects, build ids). Past it, after a write, the frames and the strings are sealed, and
+    /// the call trees in memory with them: they stay on disk, where queries read them, and a
+    /// frame, string or node seen again gets a new id; flame graphs merge by name, so queries
+    /// answer the same. 0: no limit (memory grows with every distinct frame kept: a whole busy
+    /// host adds about 60 a second).
     #[arg(long, env = "PROFILER_MAX_CATALOG_FRAMES", default_value_t = DEFAULT_MAX_CATALOG_FRAMES)]
     pub max_catalog_frames: usize,
     /// Skip the integrity check (`PRAGMA quick_check`) of the store when it opens. The check

@@ -321,12 +321,13 @@ pub struct StoreCounters {
     pub disk_full_errors: AtomicU64,
     /// Queries refused at --max-query-nodes.
     pub queries_too_large: AtomicU64,
-    /// Call trees sealed at --max-catalog-nodes (see `Space::seal`).
+    /// Call trees sealed at --max-catalog-nodes, or with the frames at --max-catalog-frames
+    /// (see `Space::seal`).
     pub node_trees_sealed: AtomicU64,
     /// Of those, trees sealed at four times the bound without having doubled: trees in steady use,
     /// whose nodes the next writes store again (a bound too small for the host's services).
     pub node_trees_sealed_in_use: AtomicU64,
-    /// Generations of frames or of names sealed at --max-catalog-frames.
+    /// Generations of frames and of names sealed at --max-catalog-frames (the two end together).
     pub frame_generations_sealed: AtomicU64,
 }
 
@@ -361,7 +362,7 @@ impl StoreCounters {
             ),
             (
                 "profiler_store_node_trees_sealed_total",
-                "Services' in-memory call trees sealed (left on disk for queries) at --max-catalog-nodes.",
+                "Services' in-memory call trees sealed (left on disk for queries) at --max-catalog-nodes, or with the frames at --max-catalog-frames.",
                 load(&self.node_trees_sealed),
             ),
             (
@@ -371,7 +372,7 @@ impl StoreCounters {
             ),
             (
                 "profiler_store_frame_generations_sealed_total",
-                "Generations of the store's in-memory frames or names sealed (left on disk for queries) at --max-catalog-frames.",
+                "Generations of the store's in-memory frames and names sealed (left on disk for queries) at --max-catalog-frames; the two end together.",
                 load(&self.frame_generations_sealed),
             ),
             (
@@ -810,28 +811,52 @@ impl Catalog {
         self.names.get(position as usize)
     }
 
-    /// Ends the current generation of frames, and that of names, when it holds more than `max`
-    /// (0: no limit); returns how many generations ended. Only for what is already on disk.
-    /// Ids are u32 and a sealed generation numbers on: past half of them, the generation
-    /// stays in memory rather than run out.
-    fn seal_frames_and_names_over(&mut self, max: usize) -> u64 {
-        if max == 0 {
-            return 0;
+    /// Ends the current generation of frames and that of names, when either holds more than
+    /// `max` (0: no limit); returns how many generations ended and how many call trees were
+    /// sealed with them. Only for what is already on disk. The two end together, and with them
+    /// every tree in memory: a frame names its strings by id and a node its frame, so a frame
+    /// sealed alone would be added again under a new id by the next write, and so would every
+    /// node above it, the trees in memory keeping both (at a seal every few minutes, more
+    /// nodes than the bound on nodes could hold).
+    fn seal_frames_and_names_over(&mut self, max: usize) -> (u64, u64) {
+        if !limits::exceeds(self.frames.len(), max) && !limits::exceeds(self.names.len(), max) {
+            return (0, 0);
         }
-        let mut sealed = 0;
-        if self.frames.len() > max && self.frame_count() < u32::MAX as usize / 2 {
-            self.sealed_frames = self.frame_count() as u32;
-            self.frames = Vec::new();
-            self.frame_ids = IdIndex::default();
-            sealed += 1;
+        let sealed = u64::from(self.seal_frames()) + u64::from(self.seal_names());
+        let mut trees = 0;
+        if sealed > 0 {
+            for space in self.spaces.values_mut() {
+                if space.nodes.len() > 1 && space.len() < u32::MAX as usize / 2 {
+                    space.seal();
+                    trees += 1;
+                }
+            }
         }
-        if self.names.len() > max && self.name_count() < u32::MAX as usize / 2 {
-            self.sealed_names = self.name_count() as u32;
-            self.names = Vec::new();
-            self.name_ids = HashMap::new();
-            sealed += 1;
+        (sealed, trees)
+    }
+
+    /// Ends the current generation of frames; whether it did. Ids are u32 and a sealed
+    /// generation numbers on: past half of them, the generation stays in memory rather than
+    /// run out.
+    fn seal_frames(&mut self) -> bool {
+        if self.frames.is_empty() || self.frame_count() >= u32::MAX as usize / 2 {
+            return false;
         }
-        sealed
+        self.sealed_frames = self.frame_count() as u32;
+        self.frames = Vec::new();
+        self.frame_ids = IdIndex::default();
+        true
+    }
+
+    /// As [`Self::seal_frames`], for names.
+    fn seal_names(&mut self) -> bool {
+        if self.names.is_empty() || self.name_count() >= u32::MAX as usize / 2 {
+            return false;
+        }
+        self.sealed_names = self.name_count() as u32;
+        self.names = Vec::new();
+        self.name_ids = HashMap::new();
+        true
     }
 
     /// Seals the spaces with the most nodes in memory until all together keep at most `max`
@@ -1304,12 +1329,14 @@ impl Store {
                 counters
                     .node_trees_sealed_in_use
                     .fetch_add(sealed_in_use, Ordering::Relaxed);
-                let sealed =
+                let (generations, trees) =
                     catalog.seal_frames_and_names_over(self.inner.limits.max_catalog_frames);
-                self.inner
-                    .counters
+                counters
                     .frame_generations_sealed
-                    .fetch_add(sealed, Ordering::Relaxed);
+                    .fetch_add(generations, Ordering::Relaxed);
+                counters
+                    .node_trees_sealed
+                    .fetch_add(trees, Ordering::Relaxed);
                 Ok(())
             }
             Err(err) => {
@@ -1948,7 +1975,10 @@ fn load_catalog(
             }
             // Pushed, not interned: a string of a sealed generation may be there again.
             catalog.push_name(name.into());
-            catalog.seal_frames_and_names_over(max_frames);
+            // Each kind on its own here: the frames are not loaded yet, nor the trees.
+            if limits::exceeds(catalog.names.len(), max_frames) {
+                catalog.seal_names();
+            }
         }
     }
     {
@@ -1978,7 +2008,9 @@ fn load_catalog(
                     "a frame refers to a name that is not stored",
                 )));
             }
-            catalog.seal_frames_and_names_over(max_frames);
+            if limits::exceeds(catalog.frames.len(), max_frames) {
+                catalog.seal_frames();
+            }
         }
         // Only the generation kept: a frame of a sealed one may be there again.
         for position in 0..catalog.frames.len() {

@@ -1884,8 +1884,9 @@ fn detailed(tree: &query::MergedTree) -> Vec<(String, i64)> {
     out
 }
 
-/// Past `--max-catalog-frames` the frames and names in memory are sealed: they stay on disk,
-/// where queries read them, and a frame or name seen again gets a new id. Every query answers
+/// Past `--max-catalog-frames` the frames and names in memory are sealed, and the call trees
+/// with them: they stay on disk, where queries read them, and a frame, name or node seen again
+/// gets a new id. Every query answers
 /// as a store without the bound does (names and frames merged by what they say, not by id):
 /// merged trees, downloads with files and lines, a call site's trees and totals, after more
 /// writes and after a reopen, which loads only the last generation.
@@ -1972,11 +1973,13 @@ fn sealed_frames_and_names_leave_memory_and_queries_answer_the_same() {
         bounded.ingest(&write(round)).unwrap();
         reference.ingest(&write(round)).unwrap();
         same_answers(&bounded, round + 1);
-        let (names, frames, _) = bounded.catalog_sizes();
+        let (names, frames, nodes) = bounded.catalog_sizes();
         assert!(
             names <= 4 && frames <= 4,
             "{names} names, {frames} frames in memory"
         );
+        // The trees went with the frames their nodes name: only each service's root is left.
+        assert_eq!(nodes, 2, "nodes in memory after round {round}");
     }
     assert!(
         bounded

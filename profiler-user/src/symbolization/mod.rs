@@ -145,6 +145,8 @@ pub struct SymbolizerStats {
     /// `demangle::MAX_NAMED_FUNCTIONS`), and the lookups they answered without demangling.
     pub function_names: usize,
     pub function_name_hits: u64,
+    /// Distinct strings interned (bounded by `MAX_INTERNED_STRINGS`).
+    pub interned_strings: usize,
     /// Times symbol files' pages were given back (`Symbolizer::release_file_pages`).
     pub file_page_releases: u64,
     /// Of the mappings given back, the symbolizer's own (their pages kept in the page cache).
@@ -167,26 +169,45 @@ enum FrameKey {
 }
 
 /// Hands out one shared `Arc<str>` per distinct string (names and paths repeat a lot). Only a
-/// saving: past [`MAX_INTERNED_STRINGS`] it starts over, and the strings frames hold stay theirs.
-#[derive(Debug, Default)]
+/// saving, in two generations ([`TwoGenerationCache`]): a string not asked for during a whole
+/// generation is forgotten (the frames holding it keep theirs), so the interner holds about the
+/// strings of the frames in use, at most [`MAX_INTERNED_STRINGS`]. It used to start over at
+/// 65,536 strings: up to about 6 MiB, mostly names of frames long gone from the frame cache,
+/// and the agent's memory growing with every new name until then.
+#[derive(Debug)]
 pub(crate) struct StringInterner {
-    strings: HashSet<Arc<str>>,
+    strings: TwoGenerationCache<Arc<str>, Arc<str>>,
 }
 
-/// Distinct strings the interner remembers before it starts over (about 100 bytes each).
-const MAX_INTERNED_STRINGS: usize = 65_536;
+/// Distinct strings the interner remembers (about 100 bytes each): as many as the frame cache
+/// holds frames ([`DEFAULT_MAX_CACHED_FRAMES`]).
+const MAX_INTERNED_STRINGS: usize = 16_384;
+
+impl Default for StringInterner {
+    fn default() -> Self {
+        Self::new(MAX_INTERNED_STRINGS)
+    }
+}
 
 impl StringInterner {
+    fn new(capacity: usize) -> Self {
+        Self {
+            strings: TwoGenerationCache::new(capacity),
+        }
+    }
+
     pub(crate) fn intern(&mut self, value: &str) -> Arc<str> {
         if let Some(existing) = self.strings.get(value) {
-            return Arc::clone(existing);
-        }
-        if self.strings.len() >= MAX_INTERNED_STRINGS {
-            self.strings.clear();
+            return existing;
         }
         let interned: Arc<str> = Arc::from(value);
-        self.strings.insert(Arc::clone(&interned));
+        self.strings
+            .insert(Arc::clone(&interned), Arc::clone(&interned));
         interned
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.strings.len()
     }
 }
 
@@ -327,6 +348,7 @@ impl Symbolizer {
             python_code_entries: self.python_code.len(),
             function_names: self.function_names.len(),
             function_name_hits: self.function_names.hits(),
+            interned_strings: self.strings.len(),
             ..self.stats
         }
     }

@@ -6,7 +6,7 @@ use std::{
 };
 
 use super::{
-    Symbolizer, SymbolizerOptions,
+    StringInterner, Symbolizer, SymbolizerOptions,
     fixtures::{
         FixtureDir, TestResult, find_symbol, line_of, mapped_file, read_build_id, run,
         symbol_named, user_frame,
@@ -901,4 +901,21 @@ fn file_pages_read_for_names_are_given_back_and_read_again() {
     // Read again from the file, unchanged.
     assert!(names[..] == bytes[..]);
     assert!(writable[..] == bytes[..]);
+}
+
+/// The interner shares one copy of a string while it is asked for, and forgets the strings not
+/// asked for during a generation: it stays within its bound however many new names arrive.
+#[test]
+fn interned_strings_are_shared_while_used_and_bounded() {
+    let mut strings = StringInterner::new(8);
+    let hot = strings.intern("hot_function");
+    for n in 0..1_000 {
+        strings.intern(&format!("cold_{n}"));
+        // Asked for at every turn: never forgotten, always the same copy.
+        assert!(Arc::ptr_eq(&hot, &strings.intern("hot_function")));
+        assert!(strings.len() <= 8, "{} strings", strings.len());
+    }
+    let cold = strings.intern("cold_0");
+    assert!(!Arc::ptr_eq(&cold, &strings.intern("cold_1")));
+    assert!(Arc::ptr_eq(&cold, &strings.intern("cold_0")));
 }
