@@ -1151,6 +1151,7 @@ impl Pipeline {
             agent_cpu: process_cpu_time(),
             agent_rss_bytes: rss,
             agent_peak_rss_bytes: peak,
+            heap: crate::self_metrics::heap_stats(),
             native_tables: self.native_tables.stats(),
             python: self.python.stats(),
             late_walks: self.late.stats(),

@@ -23,8 +23,19 @@ static JEMALLOC_CONF: &u8 =
     &b"narenas:2,dirty_decay_ms:500,muzzy_decay_ms:0,oversize_threshold:1048576,abort_conf:true\0"
         [0];
 
+/// jemalloc's statistics for the agent's heap metrics (refreshed by advancing its epoch).
+fn jemalloc_heap_stats() -> Option<profiler::self_metrics::HeapStats> {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    epoch::advance().ok()?;
+    Some(profiler::self_metrics::HeapStats {
+        allocated: stats::allocated::read().ok()? as u64,
+        resident: stats::resident::read().ok()? as u64,
+    })
+}
+
 fn main() {
     profiler::agent::tune_allocator();
+    profiler::self_metrics::set_heap_stats_reader(jemalloc_heap_stats);
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let stop = Arc::new(AtomicBool::new(false));

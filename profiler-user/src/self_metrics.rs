@@ -151,6 +151,34 @@ pub struct SelfMetrics {
     pub agent_cpu: Duration,
     pub agent_rss_bytes: u64,
     pub agent_peak_rss_bytes: u64,
+    /// The allocator's own view of the agent's heap, where the program installed a reader
+    /// ([`set_heap_stats_reader`]): what is allocated, against the pages it holds resident.
+    pub heap: Option<HeapStats>,
+}
+
+/// The heap as the allocator sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeapStats {
+    /// Bytes the program holds allocated.
+    pub allocated: u64,
+    /// Bytes of the allocator's pages resident in memory: the allocations, the allocator's
+    /// metadata, and what fragmentation and freed pages not yet given back leave around them.
+    pub resident: u64,
+}
+
+/// Reads the heap's statistics; installed once by the program that knows its allocator.
+static HEAP_STATS_READER: std::sync::OnceLock<fn() -> Option<HeapStats>> =
+    std::sync::OnceLock::new();
+
+/// Installs the program's heap statistics reader (the `profiler` binary: jemalloc's). A
+/// library user without one reports no heap metrics. Later calls are ignored.
+pub fn set_heap_stats_reader(reader: fn() -> Option<HeapStats>) {
+    let _ = HEAP_STATS_READER.set(reader);
+}
+
+/// The heap's statistics now, if a reader is installed and answers.
+pub fn heap_stats() -> Option<HeapStats> {
+    HEAP_STATS_READER.get().and_then(|read| read())
 }
 
 const FAILED_CALLS_HELP: &str =
@@ -1012,6 +1040,20 @@ impl SelfMetrics {
             self.agent_peak_rss_bytes as f64,
             "gauge",
         );
+        if let Some(heap) = self.heap {
+            push(
+                "agent_heap_allocated_bytes",
+                "Heap bytes the agent holds allocated (the allocator's statistics)",
+                heap.allocated as f64,
+                "gauge",
+            );
+            push(
+                "agent_heap_resident_bytes",
+                "Resident bytes of the allocator's pages: allocations, metadata, fragmentation and freed pages not yet given back",
+                heap.resident as f64,
+                "gauge",
+            );
+        }
         out
     }
 
@@ -1220,7 +1262,12 @@ mod tests {
 
     #[test]
     fn every_metric_is_documented_and_every_documented_metric_exists() {
-        let rendered: Vec<(String, &str)> = SelfMetrics::default()
+        // With a heap reader installed, as in the binary, so its metrics are rendered too.
+        let with_heap = SelfMetrics {
+            heap: Some(HeapStats::default()),
+            ..SelfMetrics::default()
+        };
+        let rendered: Vec<(String, &str)> = with_heap
             .values()
             .into_iter()
             .map(|v| (v.name, v.kind))

@@ -260,6 +260,30 @@ fn whole_host_agent_serves_a_running_process_through_the_query_api() {
         200,
         "still ready while sampling"
     );
+    // The binary reports its heap as jemalloc sees it, from its first published metrics on:
+    // what is allocated, within the pages held resident.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (allocated, resident) = loop {
+        let heap = (
+            client.metric("profiler_agent_heap_allocated_bytes"),
+            client.metric("profiler_agent_heap_resident_bytes"),
+        );
+        if let (Some(allocated), Some(resident)) = heap {
+            break (allocated, resident);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no heap metrics on /metrics after 60 s:\n{}\n{}",
+            client.get("/metrics").text(),
+            agent.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        allocated > 1e6 && allocated <= resident,
+        "heap: {allocated} bytes allocated, {resident} resident"
+    );
+
     let (status, stderr) = agent.stop();
     assert!(status.success(), "{stderr}");
 

@@ -624,6 +624,18 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                 "samples taken in an exec, resolved against the program before it",
             ),
             ("profiler_late_walks_held", "samples held for a late walk"),
+            (
+                "profiler_symbol_interned_strings",
+                "interned names and paths",
+            ),
+            (
+                "profiler_agent_heap_allocated_bytes",
+                "heap allocated (bytes)",
+            ),
+            (
+                "profiler_agent_heap_resident_bytes",
+                "heap resident (bytes)",
+            ),
         ] {
             if let (Some(x), Some(y)) = (a.metric(name), b.metric(name)) {
                 changes.push(format!("{label} {x:.0} → {y:.0}"));
