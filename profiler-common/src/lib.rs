@@ -105,12 +105,14 @@ pub struct IdentityOffsets {
     pub mm_end_code: u32,
     pub mm_arg_start: u32,
     pub mm_arg_end: u32,
+    pub mm_env_start: u32,
+    pub mm_env_end: u32,
     /// Non-zero when every offset above was found.
     pub complete: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<IdentityOffsets>() == 56);
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 92);
+const _: () = assert!(core::mem::size_of::<IdentityOffsets>() == 64);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 100);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -187,6 +187,9 @@ pub const EVENT_PROCESS_FORK: u32 = 3;
 pub const EXEC_FILENAME_BYTES: usize = 256;
 /// Bytes of the new program's argument strings kept (NUL-separated, as /proc/PID/cmdline).
 pub const EXEC_ARGS_BYTES: usize = 512;
+/// Bytes of the new program's environment kept (NUL-separated, as /proc/PID/environ): copied
+/// only when the whole environment fits, so what the agent finds there is all of it.
+pub const EXEC_ENV_BYTES: usize = 4096;
 
 /// Follows an `EVENT_PROCESS_EXEC` header: who the process became, read at the exec itself,
 /// so a process that exits before the agent looks at /proc keeps its name, program, cgroup and
@@ -202,6 +205,11 @@ pub struct ExecDetails {
     /// Bytes of `filename` and `args` that are valid.
     pub filename_len: u16,
     pub args_len: u16,
+    /// `mm->env_end - mm->env_start`: the environment's size (0 when not read), and the bytes
+    /// of it copied into `env`: all of them when it fits, else none.
+    pub env_size: u32,
+    pub env_len: u16,
+    pub _pad: u16,
     /// `mm->start_code` and `mm->end_code`: the main executable's code, as mapped.
     pub start_code: u64,
     pub end_code: u64,
@@ -209,10 +217,13 @@ pub struct ExecDetails {
     pub comm: [u8; 16],
     pub filename: [u8; EXEC_FILENAME_BYTES],
     pub args: [u8; EXEC_ARGS_BYTES],
+    pub env: [u8; EXEC_ENV_BYTES],
 }
 
-const _: () =
-    assert!(core::mem::size_of::<ExecDetails>() == 56 + EXEC_FILENAME_BYTES + EXEC_ARGS_BYTES);
+const _: () = assert!(
+    core::mem::size_of::<ExecDetails>()
+        == 64 + EXEC_FILENAME_BYTES + EXEC_ARGS_BYTES + EXEC_ENV_BYTES
+);
 
 /// An exec event as the ring carries it.
 #[repr(C)]
@@ -240,9 +251,10 @@ pub struct ForkEvent {
 
 const _: () = assert!(core::mem::size_of::<ForkEvent>() == 24);
 
-/// Size of the `EVENTS` ring buffer in bytes (an exec event is under 1 KiB; a busy host execs
-/// a few hundred times a second and the agent drains the ring every 100 ms).
-pub const EVENTS_RING_BYTES: u32 = 1 << 20;
+/// Size of the `EVENTS` ring buffer in bytes (an exec event is about 5 KiB with its
+/// environment; a busy host execs a few hundred times a second and the agent drains the ring
+/// every 100 ms at the latest: 400 exec events fit).
+pub const EVENTS_RING_BYTES: u32 = 2 << 20;
 
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for ProcessEvent {}

@@ -17,8 +17,8 @@ use aya_ebpf::{
 };
 use profiler_common::{
     EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, EVENTS_RING_BYTES, EXEC_ARGS_BYTES,
-    EXEC_FILENAME_BYTES, ExecDetails, ExecEvent, ForkDetails, ForkEvent, IdentityOffsets,
-    MAX_KERNEL_FRAMES, ProcessEvent, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE,
+    EXEC_ENV_BYTES, EXEC_FILENAME_BYTES, ExecDetails, ExecEvent, ForkDetails, ForkEvent,
+    IdentityOffsets, MAX_KERNEL_FRAMES, ProcessEvent, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE,
     SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_EVENTS_LOST,
     STAT_FILTERED, STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
     STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
@@ -248,6 +248,9 @@ pub fn process_exec(ctx: RawTracePointContext) -> i32 {
         (*details).exe_dev = 0;
         (*details).filename_len = 0;
         (*details).args_len = 0;
+        (*details).env_size = 0;
+        (*details).env_len = 0;
+        (*details)._pad = 0;
         (*details).start_code = 0;
         (*details).end_code = 0;
         (*details).comm = bpf_get_current_comm().unwrap_or([0; 16]);
@@ -317,6 +320,33 @@ unsafe fn read_exec_details(details: *mut ExecDetails, bprm: u64, offsets: &Iden
         ) == 0
         {
             (*details).args_len = length as u16;
+        }
+        read_exec_environment(details, mm, offsets);
+    }
+}
+
+/// The new program's environment strings, whole or not at all: the agent takes the labels'
+/// variables from them, and a part would not show that one is absent.
+#[inline(always)]
+unsafe fn read_exec_environment(details: *mut ExecDetails, mm: u64, offsets: &IdentityOffsets) {
+    unsafe {
+        let env_start = read_kernel_u64(mm + offsets.mm_env_start as u64);
+        let env_end = read_kernel_u64(mm + offsets.mm_env_end as u64);
+        let size = env_end.wrapping_sub(env_start);
+        if env_start == 0 || size == 0 || size > (1 << 30) {
+            return;
+        }
+        (*details).env_size = size as u32;
+        if size > EXEC_ENV_BYTES as u64 {
+            return;
+        }
+        if bpf_probe_read_user_raw(
+            (&raw mut (*details).env).cast(),
+            size as u32,
+            env_start as *const c_void,
+        ) == 0
+        {
+            (*details).env_len = size as u16;
         }
     }
 }

@@ -5,7 +5,10 @@
 //! sample into an [`UnwoundStack`] of normalized frames (kernel address, or file + file offset);
 //! `symbolization` turns those into [`SymbolizedFrame`]s; `aggregation` counts identical stacks
 //! per series and hands [`Profile`]s to `export`.
-use std::{fmt, fs::File, os::fd::AsRawFd, os::unix::fs::MetadataExt, path::PathBuf, sync::Arc};
+use std::{
+    collections::BTreeMap, fmt, fs::File, os::fd::AsRawFd, os::unix::fs::MetadataExt,
+    path::PathBuf, sync::Arc,
+};
 
 /// A process id (thread-group id).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,6 +69,50 @@ impl Sample {
     }
 }
 
+/// The environment variables labels are derived from; everything else is not kept.
+pub const LABEL_ENV_VARS: &[&str] = &[
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "PYROSCOPE_APPLICATION_NAME",
+    "HOSTNAME",
+    // KUBERNETES_ENV_VARS, spelled out because const slices cannot be concatenated (a test
+    // checks they are all here).
+    "POD_NAMESPACE",
+    "POD_NAME",
+    "CONTAINER_NAME",
+];
+
+/// Keeps only the variables in [`LABEL_ENV_VARS`] from a NUL-separated environment (as
+/// /proc/PID/environ, or an exec event's copy of it).
+pub fn parse_environ(raw: &[u8]) -> BTreeMap<String, String> {
+    // Every exec event's environment is parsed (hundreds a second on a busy host): the NULs
+    // are found with SIMD, and a variable whose first byte starts no label variable's name is
+    // passed over without looking for its `=`. Nothing is decoded or copied for the rest.
+    let mut kept = BTreeMap::new();
+    let mut start = 0;
+    for end in memchr::memchr_iter(0, raw).chain(std::iter::once(raw.len())) {
+        let entry = raw.get(start..end).unwrap_or_default();
+        start = end + 1;
+        let Some(first) = entry.first() else {
+            continue;
+        };
+        if !LABEL_ENV_VARS.iter().any(|k| k.as_bytes()[0] == *first) {
+            continue;
+        }
+        let Some(equals) = memchr::memchr(b'=', entry) else {
+            continue;
+        };
+        let (key, value) = (&entry[..equals], &entry[equals + 1..]);
+        if let Some(key) = LABEL_ENV_VARS.iter().find(|k| k.as_bytes() == key) {
+            kept.insert(
+                (*key).to_owned(),
+                String::from_utf8_lossy(value).into_owned(),
+            );
+        }
+    }
+    kept
+}
+
 /// Who a process became at an exec, as the kernel saw it then (the exec event): enough to name
 /// a process that exits before its /proc entry is read, and to symbolize its main executable.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -86,6 +133,9 @@ pub struct ExecRecord {
     pub code: Option<(u64, u64)>,
     /// When the exec happened (CLOCK_MONOTONIC ns, the BPF event's time).
     pub exec_ns: u64,
+    /// The [`LABEL_ENV_VARS`] of the environment the program started with, when the event
+    /// held all of it (`None`: too large for the event, or not read; /proc/PID/environ then).
+    pub label_env: Option<BTreeMap<String, String>>,
 }
 
 /// The arguments of an exec, kept as one allocation (each followed by a NUL) rather than a

@@ -847,7 +847,7 @@ impl SelfMetrics {
             ),
             (
                 "symbol_files_dropped_total",
-                "Parsed symbol tables dropped to stay within their bound (read again when needed)",
+                "Parsed symbol tables dropped to stay within their bound or unused for 2 minutes (read again when needed)",
                 self.symbol_files_dropped,
                 "counter",
             ),

@@ -485,6 +485,58 @@ fn short_lived_processes_keep_their_program_name() {
     }
 }
 
+/// Processes started with `OTEL_SERVICE_NAME` that exit before the agent reads /proc (it is
+/// stopped meanwhile) are named by it: the exec event carries their environment.
+#[test]
+fn short_lived_processes_keep_the_service_their_environment_names() {
+    let _guard = exclusive();
+    let fixture = nofp_fixture("short_lived.c");
+    let scratch = Scratch::new("short-lived-env");
+    let dir = scratch.path("profiles");
+    let service = "nightly-report";
+    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
+    agent.wait_for_intervals(2, Duration::from_secs(30));
+    unsafe { libc_kill(agent.pid() as i32, 19) };
+    // A small environment, as a container's or a unit's is (the event holds up to 4 KiB).
+    let output = Command::new(&fixture)
+        .args(["exec", "12", "30"])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("OTEL_SERVICE_NAME", service)
+        .output()
+        .expect("run the fixture");
+    unsafe { libc_kill(agent.pid() as i32, 18) };
+    assert!(output.status.success(), "{}", output.status);
+    let children_cpu_ms = String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .strip_prefix("children_cpu_ms=")
+        .and_then(|ms| ms.parse::<i64>().ok())
+        .expect("the fixture reports its children's CPU time");
+    std::thread::sleep(Duration::from_millis(2500));
+    let (status, log) = agent.stop();
+    assert!(status.success(), "agent failed with {status}:\n{log}");
+
+    let mut burn_samples_by_service: std::collections::BTreeMap<String, i64> = Default::default();
+    for (name, profile) in all_profiles(&dir) {
+        for sample in readable_samples(&profile) {
+            if sample.functions.iter().any(|f| f == "short_burn") {
+                *burn_samples_by_service.entry(name.clone()).or_default() += sample.values[0];
+            }
+        }
+    }
+    let total: i64 = burn_samples_by_service.values().sum();
+    assert!(
+        total * 2 >= children_cpu_ms / 10 && total >= 5,
+        "too few samples in short_burn for {children_cpu_ms} ms of the children's CPU: \
+         {burn_samples_by_service:?}"
+    );
+    let named = burn_samples_by_service.get(service).copied().unwrap_or(0);
+    assert!(
+        named as f64 >= 0.97 * total as f64,
+        "short-lived processes not named {service}: {burn_samples_by_service:?}"
+    );
+}
+
 /// A sample taken in an exec (here: while the exec tears down the child's copy of a large
 /// address space) has the old program's user registers and name. The process runs the new
 /// program by the time the agent reads /proc, so the sample is resolved against the program

@@ -344,6 +344,8 @@ fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
                 mm_end_code: offset("mm_struct", &["end_code"])?,
                 mm_arg_start: offset("mm_struct", &["arg_start"])?,
                 mm_arg_end: offset("mm_struct", &["arg_end"])?,
+                mm_env_start: offset("mm_struct", &["env_start"])?,
+                mm_env_end: offset("mm_struct", &["env_end"])?,
                 complete: 1,
             })
         })(),
@@ -426,7 +428,16 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
         code: (details.start_code != 0 && details.end_code > details.start_code)
             .then_some((details.start_code, details.end_code)),
         exec_ns,
+        label_env: exec_label_env(details),
     }
+}
+
+/// The labels' variables of an exec event's environment, when the event holds all of it.
+fn exec_label_env(details: &ExecDetails) -> Option<BTreeMap<String, String>> {
+    let len = details.env_len as usize;
+    let whole =
+        details.env_size > 0 && len == details.env_size as usize && len <= details.env.len();
+    whole.then(|| crate::model::parse_environ(&details.env[..len]))
 }
 
 /// Records of the CUDA probes (`profiler_common::gpu`), drained by the agent's pipeline.
@@ -1021,12 +1032,46 @@ mod tests {
             exe_dev: 0,
             filename_len: 0,
             args_len: 0,
+            env_size: 0,
+            env_len: 0,
+            _pad: 0,
             start_code: 0,
             end_code: 0,
             comm: [0; 16],
             filename: [0; profiler_common::EXEC_FILENAME_BYTES],
             args: [0; profiler_common::EXEC_ARGS_BYTES],
+            env: [0; profiler_common::EXEC_ENV_BYTES],
         }
+    }
+
+    #[test]
+    fn an_exec_record_has_the_labels_environment_only_when_the_event_held_all_of_it() {
+        let mut details = empty_exec_details();
+        assert_eq!(exec_record(&details, 1).label_env, None, "not read");
+        let env = b"PATH=/bin\0OTEL_SERVICE_NAME=nightly-report\0POD_NAME=\xff\0HOME=/root\0";
+        details.env[..env.len()].copy_from_slice(env);
+        details.env_size = env.len() as u32;
+        details.env_len = env.len() as u16;
+        let kept = exec_record(&details, 1)
+            .label_env
+            .expect("the whole environment");
+        assert_eq!(
+            kept.into_iter().collect::<Vec<_>>(),
+            [
+                ("OTEL_SERVICE_NAME".to_owned(), "nightly-report".to_owned()),
+                ("POD_NAME".to_owned(), "\u{fffd}".to_owned()),
+            ]
+        );
+        // Larger than the event: nothing copied, and nothing is known of it.
+        details.env_size = 9000;
+        details.env_len = 0;
+        assert_eq!(exec_record(&details, 1).label_env, None);
+        details.env_len = env.len() as u16;
+        assert_eq!(
+            exec_record(&details, 1).label_env,
+            None,
+            "a part is not all"
+        );
     }
 
     #[test]

@@ -34,18 +34,8 @@ use crate::model::ProcessLabels;
 /// `PF_KTHREAD` in the flags field of /proc/PID/stat.
 pub const PF_KTHREAD: u64 = 0x0020_0000;
 
-/// The environment variables labels are derived from; everything else is not kept.
-pub const LABEL_ENV_VARS: &[&str] = &[
-    "OTEL_SERVICE_NAME",
-    "OTEL_RESOURCE_ATTRIBUTES",
-    "PYROSCOPE_APPLICATION_NAME",
-    "HOSTNAME",
-    // KUBERNETES_ENV_VARS, spelled out because const slices cannot be concatenated (a test
-    // checks they are all here).
-    "POD_NAMESPACE",
-    "POD_NAME",
-    "CONTAINER_NAME",
-];
+// Defined with the exec record, which keeps them from the exec event.
+pub use crate::model::{LABEL_ENV_VARS, parse_environ};
 
 /// The service name of kernel threads.
 pub const KERNEL_SERVICE_NAME: &str = "kernel";
@@ -77,23 +67,6 @@ pub fn is_kernel_thread(stat_flags: Option<u64>, cmdline_is_empty: bool, has_exe
         Some(flags) => flags & PF_KTHREAD != 0,
         None => cmdline_is_empty && !has_exe,
     }
-}
-
-/// Keeps only the variables in [`LABEL_ENV_VARS`] from the NUL-separated /proc/PID/environ.
-pub fn parse_environ(raw: &[u8]) -> BTreeMap<String, String> {
-    // Keys are compared as bytes: an environment holds dozens of variables and only a few
-    // are kept, so nothing is decoded or copied for the rest.
-    raw.split(|b| *b == 0)
-        .filter_map(|entry| {
-            let equals = entry.iter().position(|b| *b == b'=')?;
-            let (key, value) = (&entry[..equals], &entry[equals + 1..]);
-            let key = LABEL_ENV_VARS.iter().find(|k| k.as_bytes() == key)?;
-            Some((
-                (*key).to_owned(),
-                String::from_utf8_lossy(value).into_owned(),
-            ))
-        })
-        .collect()
 }
 
 /// Splits the NUL-separated /proc/PID/cmdline into arguments.

@@ -17,6 +17,7 @@ pub mod mmap_events;
 mod proc_dir;
 
 use std::{
+    collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
     sync::Arc,
@@ -510,9 +511,10 @@ impl ProcessRegistry {
         let exe = executable_path(record);
         let cgroup = self.cgroups.cgroup(record.cgroup_id).unwrap_or_default();
         let cmdline = record.args.to_vec();
+        let env = record.label_env.clone().unwrap_or_default();
         let labels = derive_labels(&LabelInputs {
             cmdline: &cmdline,
-            env: &Default::default(),
+            env: &env,
             exe: Some(&exe),
             comm: &record.comm,
             cgroup: &cgroup,
@@ -724,6 +726,7 @@ impl ProcessRegistry {
         KnownProgram {
             comm: record.comm.clone(),
             cmdline: record.args_complete.then(|| record.args.to_vec()),
+            env: record.label_env.clone(),
             cgroup: self.cgroups.unified_cgroup(record.cgroup_id),
         }
     }
@@ -876,6 +879,9 @@ struct KnownProgram {
     /// renamed itself: all is read from /proc then.
     comm: String,
     cmdline: Option<Vec<String>>,
+    /// The labels' variables of the environment the program started with (what
+    /// /proc/PID/environ shows, unless the program wrote over it since).
+    env: Option<BTreeMap<String, String>>,
     cgroup: Option<CgroupInfo>,
 }
 
@@ -935,10 +941,11 @@ fn read_identity_in(
     let (env, cgroup) = if is_kernel_thread {
         Default::default()
     } else {
-        let env = dir
-            .read(c"environ")
-            .map(|raw| parse_environ(&raw))
-            .unwrap_or_default();
+        let env = known.env.unwrap_or_else(|| {
+            dir.read(c"environ")
+                .map(|raw| parse_environ(&raw))
+                .unwrap_or_default()
+        });
         let cgroup = known.cgroup.unwrap_or_else(|| {
             dir.read_to_string(c"cgroup")
                 .map(|text| parse_cgroup(&text))

@@ -173,8 +173,24 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
         }),
         code: Some((0x5555_0000_2000, 0x5555_0000_9000)),
         exec_ns: 1,
+        label_env: None,
     };
-    registry.record_exec(Pid(500), Arc::new(record));
+    registry.record_exec(Pid(500), Arc::new(record.clone()));
+    // The service its environment named at the exec, though /proc has nothing left of it.
+    let configured = ExecRecord {
+        label_env: Some(
+            [("OTEL_SERVICE_NAME".to_owned(), "nightly-report".to_owned())]
+                .into_iter()
+                .collect(),
+        ),
+        ..record
+    };
+    registry.record_exec(Pid(502), Arc::new(configured));
+    let named = registry
+        .lookup(Pid(502))
+        .expect("a snapshot from the event");
+    assert_eq!(named.labels.service_name, "nightly-report");
+    assert_eq!(named.labels.executable, sleep.to_string_lossy());
     let info = registry
         .lookup(Pid(500))
         .expect("a snapshot from the event");
@@ -193,7 +209,7 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
             .as_ref()
             .is_some_and(|f| f.id.ino == metadata.ino())
     );
-    assert_eq!(registry.stats().snapshots_from_events, 1);
+    assert_eq!(registry.stats().snapshots_from_events, 2);
     // Later lookups reuse it.
     assert!(Arc::ptr_eq(
         &info,
@@ -1061,22 +1077,7 @@ fn live_mappings_from_announcements_match_the_maps_file() {
     }
     registry.drain_mmaps();
     let exe = fs::read_link(format!("/proc/{pid}/exe")).expect("exe");
-    let metadata = fs::metadata(&exe).expect("stat exe");
-    let record = ExecRecord {
-        filename: exe.to_string_lossy().into_owned(),
-        args: ["sleep", "30"].into_iter().collect(),
-        args_complete: true,
-        comm: "sleep".to_owned(),
-        cgroup_id: 0,
-        exe: Some(FileId {
-            dev: metadata.dev(),
-            ino: metadata.ino(),
-        }),
-        code: None,
-        // After the exec: the image the announcements started for it.
-        exec_ns: monotonic_now_ns(),
-    };
-    registry.record_exec(pid, Arc::new(record));
+    registry.record_exec(pid, Arc::new(sleep_exec_record(pid, None)));
 
     let info = registry.lookup(pid).expect("snapshot");
     assert_eq!(registry.stats().maps_from_announcements, 1);
@@ -1394,4 +1395,60 @@ fn unused_pid(taken: &[u32]) -> u32 {
     (4_000_000..4_194_000)
         .find(|pid| !taken.contains(pid) && !Path::new(&format!("/proc/{pid}")).exists())
         .expect("a free pid")
+}
+
+/// A running process whose exec event held its whole environment is labelled from that copy
+/// (/proc/PID/environ is not read again); without one, from /proc/PID/environ.
+#[test]
+fn a_running_process_takes_its_labels_environment_from_its_exec_event_when_whole() {
+    let mut registry = live_registry();
+    let spawn_named = |service: &str| {
+        let child = spawn(
+            Command::new("sleep")
+                .arg("30")
+                .env("OTEL_SERVICE_NAME", service),
+        );
+        wait_for_exe(child.pid(), "sleep");
+        child
+    };
+    let whole = spawn_named("from-proc");
+    let at_exec = [("OTEL_SERVICE_NAME".to_owned(), "at-exec".to_owned())];
+    registry.record_exec(
+        whole.pid(),
+        Arc::new(sleep_exec_record(
+            whole.pid(),
+            Some(at_exec.into_iter().collect()),
+        )),
+    );
+    let info = registry.lookup(whole.pid()).expect("snapshot");
+    assert_eq!(info.labels.service_name, "at-exec");
+
+    let too_large = spawn_named("from-proc");
+    registry.record_exec(
+        too_large.pid(),
+        Arc::new(sleep_exec_record(too_large.pid(), None)),
+    );
+    let info = registry.lookup(too_large.pid()).expect("snapshot");
+    assert_eq!(info.labels.service_name, "from-proc");
+}
+
+/// The exec event of a running `sleep 30` (its executable as /proc shows it), read after the
+/// exec: the image the announcements started for it.
+fn sleep_exec_record(pid: Pid, label_env: Option<BTreeMap<String, String>>) -> ExecRecord {
+    let exe = fs::read_link(format!("/proc/{pid}/exe")).expect("exe");
+    let metadata = fs::metadata(&exe).expect("stat exe");
+    ExecRecord {
+        filename: exe.to_string_lossy().into_owned(),
+        args: ["sleep", "30"].into_iter().collect(),
+        args_complete: true,
+        comm: "sleep".to_owned(),
+        cgroup_id: 0,
+        exe: Some(FileId {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        }),
+        code: None,
+        exec_ns: monotonic_now_ns(),
+        label_env,
+    }
 }

@@ -79,6 +79,10 @@ pub struct SymbolizerOptions {
     /// What the files' parsed symbol tables may cost together (estimated from their sizes);
     /// beyond, the least recently used files' are dropped and read again when needed.
     pub max_resolver_bytes: u64,
+    /// A file's parsed symbol tables unused for this long are dropped whatever the total
+    /// (read again when needed): the programs a busy host runs now and then would otherwise
+    /// add theirs until `max_resolver_bytes`, the agent's memory growing for as long.
+    pub resolver_idle: std::time::Duration,
     /// Files whose symbol source is remembered at most.
     pub max_files: usize,
     /// Read DWARF for source files, lines and inlined functions. Costs memory and CPU for
@@ -95,6 +99,7 @@ impl Default for SymbolizerOptions {
             kallsyms_path: PathBuf::from("/proc/kallsyms"),
             max_cached_frames: DEFAULT_MAX_CACHED_FRAMES,
             max_resolver_bytes: 48 << 20,
+            resolver_idle: RESOLVER_IDLE,
             max_files: 4096,
             source_lines: true,
         }
@@ -135,7 +140,7 @@ pub struct SymbolizerStats {
     /// Frames dropped from the cache to stay within `max_cached_frames`.
     pub cache_evicted: u64,
     /// Files whose parsed symbol tables are held, and their estimated bytes (bounded by
-    /// `max_resolver_bytes`); files dropped for that bound so far.
+    /// `max_resolver_bytes`); files dropped for that bound or unused for `resolver_idle`.
     pub resolvers: usize,
     pub resolver_bytes: u64,
     pub resolvers_dropped: u64,
@@ -246,6 +251,12 @@ pub const FILE_PAGES_SLACK_BYTES: u64 = 2 << 20;
 /// A resolver at least this costly (a symbol table of 3 MiB or more: libtorch_cpu's is 13 MiB)
 /// has the symbol files' pages given back right after it is made.
 const LARGE_RESOLVER_BYTES: u64 = 1 << 20;
+/// How long a file's parsed symbol tables stay unused before they go. The frame cache answers
+/// the frames seen often, so a file in use misses it every few seconds on a busy host (new
+/// addresses, frames evicted); one idle for two minutes is a program that ran once or runs
+/// now and then, whose tables cost a few milliseconds to read again (13 ms on average on the
+/// host suite).
+pub const RESOLVER_IDLE: std::time::Duration = std::time::Duration::from_secs(120);
 /// How often the agent's file-backed RSS is looked at.
 const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -322,6 +333,7 @@ impl Symbolizer {
             return 0;
         }
         self.file_pages.checked_at = std::time::Instant::now();
+        self.drop_idle_resolvers();
         let Some(resident) = resident_file_bytes() else {
             return 0;
         };
@@ -587,13 +599,33 @@ impl Symbolizer {
             else {
                 break;
             };
-            if let Some(state) = self.files.get_mut(&id) {
-                state.resolver = None;
-                state.own_mappings.clear();
-                self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
-                state.functions = None;
-                self.stats.resolvers_dropped += 1;
-            }
+            self.drop_resolver(id);
+            self.stats.resolvers_dropped += 1;
+        }
+    }
+
+    /// Drops the parsed tables of files not looked up for [`SymbolizerOptions::resolver_idle`].
+    pub fn drop_idle_resolvers(&mut self) {
+        let idle = self.options.resolver_idle;
+        let ids: Vec<FileId> = self
+            .files
+            .iter()
+            .filter(|(_, state)| state.resolver.is_some() && state.used_at.elapsed() >= idle)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            self.drop_resolver(id);
+            self.stats.resolvers_dropped += 1;
+        }
+    }
+
+    /// Drops one file's parsed tables (and its function index); the file stays known.
+    fn drop_resolver(&mut self, id: FileId) {
+        if let Some(state) = self.files.get_mut(&id) {
+            state.resolver = None;
+            state.own_mappings.clear();
+            self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
+            state.functions = None;
         }
     }
 
@@ -659,6 +691,7 @@ impl Symbolizer {
             native::FileState::new(file, &self.options.debug_dirs, self.options.source_lines)
         });
         state.used = self.tick;
+        state.used_at = std::time::Instant::now();
         let had_resolver = state.resolver.is_some();
         // A new resolver maps the file (or its debug file) on this lookup: the one mapping of
         // each that appears meanwhile is blazesym's, as long as no other thread maps it

@@ -166,8 +166,9 @@ pub(super) struct FileState {
     /// made by `resolver` (see `Symbolizer::release_file_pages`): each file's one new mapping
     /// when the resolver was made; a file whose mapping could not be told apart is missing.
     pub(super) own_mappings: Vec<(FileId, u64)>,
-    /// When the file was last looked up (the symbolizer's tick).
+    /// When the file was last looked up (the symbolizer's tick, and the time).
     pub(super) used: u64,
+    pub(super) used_at: std::time::Instant,
     /// Whether a warning was logged for this file already (one per file).
     warned: bool,
     consecutive_errors: u32,
@@ -227,6 +228,7 @@ impl FileState {
             functions: None,
             own_mappings: Vec::new(),
             used: 0,
+            used_at: std::time::Instant::now(),
             warned: false,
             consecutive_errors: 0,
             failed: false,

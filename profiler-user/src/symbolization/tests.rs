@@ -671,6 +671,46 @@ fn parsed_files_are_bounded_least_recently_used_first() -> TestResult {
     Ok(())
 }
 
+/// A file's parsed tables go once it has not been looked up for `resolver_idle`, however much
+/// room is left; one in use stays, and the dropped one is read again when next needed.
+#[test]
+fn parsed_files_unused_for_a_while_are_dropped() -> TestResult {
+    let dir = FixtureDir::new()?;
+    let (a, b) = (
+        build_c(&dir, "c_idle_a", &["-O0"])?,
+        build_c(&dir, "c_idle_b", &["-O0"])?,
+    );
+    let (file_a, file_b) = (mapped_file(&a)?, mapped_file(&b)?);
+    let (alpha_a, alpha_b) = (
+        symbol_named(&a, "fixture_alpha")?,
+        symbol_named(&b, "fixture_alpha")?,
+    );
+    let idle = std::time::Duration::from_millis(300);
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions {
+        resolver_idle: idle,
+        ..isolated_options(dir.path())
+    });
+    let first = symbolizer.symbolize(&user_frame(&file_a, alpha_a.file_offset));
+    std::thread::sleep(idle);
+    symbolizer.symbolize(&user_frame(&file_b, alpha_b.file_offset));
+    assert_eq!(symbolizer.stats().resolvers, 2, "both within the room left");
+    symbolizer.drop_idle_resolvers();
+    let stats = symbolizer.stats();
+    assert_eq!(
+        (stats.resolvers, stats.resolvers_dropped),
+        (1, 1),
+        "a's tables dropped, b's (just used) kept"
+    );
+    let b_bytes = stats.resolver_bytes;
+    assert!(b_bytes > 0);
+    let again = symbolizer.symbolize(&user_frame(&file_a, alpha_a.file_offset + 1));
+    assert_eq!(outer_line(&again).function, outer_line(&first).function);
+    let stats = symbolizer.stats();
+    assert_eq!(stats.resolvers, 2, "a read again");
+    assert!(stats.resolver_bytes > b_bytes);
+    Ok(())
+}
+
 #[test]
 fn unreadable_and_malformed_files_stay_unsymbolized() -> TestResult {
     let dir = FixtureDir::new()?;
