@@ -85,32 +85,56 @@ pub const LABEL_ENV_VARS: &[&str] = &[
 /// Keeps only the variables in [`LABEL_ENV_VARS`] from a NUL-separated environment (as
 /// /proc/PID/environ, or an exec event's copy of it).
 pub fn parse_environ(raw: &[u8]) -> BTreeMap<String, String> {
+    label_variables(raw)
+        .map(|(name, value)| (name.to_owned(), String::from_utf8_lossy(value).into_owned()))
+        .collect()
+}
+
+/// The [`LABEL_ENV_VARS`] of an environment, in its order.
+fn label_variables(raw: &[u8]) -> impl Iterator<Item = (&'static str, &[u8])> {
     // Every exec event's environment is parsed (hundreds a second on a busy host): the NULs
     // are found with SIMD, and a variable whose first byte starts no label variable's name is
     // passed over without looking for its `=`. Nothing is decoded or copied for the rest.
-    let mut kept = BTreeMap::new();
     let mut start = 0;
-    for end in memchr::memchr_iter(0, raw).chain(std::iter::once(raw.len())) {
-        let entry = raw.get(start..end).unwrap_or_default();
-        start = end + 1;
-        let Some(first) = entry.first() else {
-            continue;
-        };
-        if !LABEL_ENV_VARS.iter().any(|k| k.as_bytes()[0] == *first) {
-            continue;
+    memchr::memchr_iter(0, raw)
+        .chain(std::iter::once(raw.len()))
+        .filter_map(move |end| {
+            let entry = raw.get(start..end).unwrap_or_default();
+            start = end + 1;
+            let first = entry.first()?;
+            if !LABEL_ENV_VARS.iter().any(|k| k.as_bytes()[0] == *first) {
+                return None;
+            }
+            let equals = memchr::memchr(b'=', entry)?;
+            let (key, value) = (&entry[..equals], &entry[equals + 1..]);
+            let name = LABEL_ENV_VARS.iter().find(|k| k.as_bytes() == key)?;
+            Some((*name, value))
+        })
+}
+
+/// The [`LABEL_ENV_VARS`] of an exec event's environment, kept as one allocation (`NAME=value`,
+/// each followed by a NUL; most programs have none, and the registry keeps thousands of exec
+/// records: a map each cost half a KiB where one variable was set).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LabelEnv(Box<str>);
+
+impl LabelEnv {
+    /// The label variables of a NUL-separated environment.
+    pub fn from_environ(raw: &[u8]) -> Self {
+        let mut kept = String::new();
+        for (name, value) in label_variables(raw) {
+            kept.push_str(name);
+            kept.push('=');
+            kept.push_str(&String::from_utf8_lossy(value));
+            kept.push('\0');
         }
-        let Some(equals) = memchr::memchr(b'=', entry) else {
-            continue;
-        };
-        let (key, value) = (&entry[..equals], &entry[equals + 1..]);
-        if let Some(key) = LABEL_ENV_VARS.iter().find(|k| k.as_bytes() == key) {
-            kept.insert(
-                (*key).to_owned(),
-                String::from_utf8_lossy(value).into_owned(),
-            );
-        }
+        Self(kept.into_boxed_str())
     }
-    kept
+
+    /// As [`parse_environ`] would have read them.
+    pub fn to_map(&self) -> BTreeMap<String, String> {
+        parse_environ(self.0.as_bytes())
+    }
 }
 
 /// Who a process became at an exec, as the kernel saw it then (the exec event): enough to name
@@ -135,7 +159,7 @@ pub struct ExecRecord {
     pub exec_ns: u64,
     /// The [`LABEL_ENV_VARS`] of the environment the program started with, when the event
     /// held all of it (`None`: too large for the event, or not read; /proc/PID/environ then).
-    pub label_env: Option<BTreeMap<String, String>>,
+    pub label_env: Option<LabelEnv>,
 }
 
 /// The arguments of an exec, kept as one allocation (each followed by a NUL) rather than a

@@ -11,7 +11,7 @@ use std::{
     sync::Arc,
 };
 
-use crate::model::{ExecArgs, ExecRecord, FileId};
+use crate::model::{ExecArgs, ExecRecord, FileId, LabelEnv};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
@@ -433,11 +433,11 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
 }
 
 /// The labels' variables of an exec event's environment, when the event holds all of it.
-fn exec_label_env(details: &ExecDetails) -> Option<BTreeMap<String, String>> {
+fn exec_label_env(details: &ExecDetails) -> Option<LabelEnv> {
     let len = details.env_len as usize;
     let whole =
         details.env_size > 0 && len == details.env_size as usize && len <= details.env.len();
-    whole.then(|| crate::model::parse_environ(&details.env[..len]))
+    whole.then(|| LabelEnv::from_environ(&details.env[..len]))
 }
 
 /// Records of the CUDA probes (`profiler_common::gpu`), drained by the agent's pipeline.
@@ -1056,7 +1056,7 @@ mod tests {
             .label_env
             .expect("the whole environment");
         assert_eq!(
-            kept.into_iter().collect::<Vec<_>>(),
+            kept.to_map().into_iter().collect::<Vec<_>>(),
             [
                 ("OTEL_SERVICE_NAME".to_owned(), "nightly-report".to_owned()),
                 ("POD_NAME".to_owned(), "\u{fffd}".to_owned()),

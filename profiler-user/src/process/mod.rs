@@ -39,7 +39,7 @@ use self::{
     proc_dir::ProcDir,
 };
 use crate::model::{
-    ExecRecord, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels, monotonic_now_ns,
+    ExecRecord, LabelEnv, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels, monotonic_now_ns,
 };
 
 /// Why a process could not be read.
@@ -511,7 +511,11 @@ impl ProcessRegistry {
         let exe = executable_path(record);
         let cgroup = self.cgroups.cgroup(record.cgroup_id).unwrap_or_default();
         let cmdline = record.args.to_vec();
-        let env = record.label_env.clone().unwrap_or_default();
+        let env = record
+            .label_env
+            .as_ref()
+            .map(LabelEnv::to_map)
+            .unwrap_or_default();
         let labels = derive_labels(&LabelInputs {
             cmdline: &cmdline,
             env: &env,
@@ -726,7 +730,7 @@ impl ProcessRegistry {
         KnownProgram {
             comm: record.comm.clone(),
             cmdline: record.args_complete.then(|| record.args.to_vec()),
-            env: record.label_env.clone(),
+            env: record.label_env.as_ref().map(LabelEnv::to_map),
             cgroup: self.cgroups.unified_cgroup(record.cgroup_id),
         }
     }

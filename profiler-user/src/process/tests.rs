@@ -10,7 +10,7 @@ use std::{
 };
 
 use super::*;
-use crate::model::{ExecRecord, FileId, Pid, monotonic_now_ns};
+use crate::model::{ExecRecord, FileId, LabelEnv, Pid, monotonic_now_ns};
 
 const CONTAINER_ID: &str = "4d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
 
@@ -178,11 +178,9 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
     registry.record_exec(Pid(500), Arc::new(record.clone()));
     // The service its environment named at the exec, though /proc has nothing left of it.
     let configured = ExecRecord {
-        label_env: Some(
-            [("OTEL_SERVICE_NAME".to_owned(), "nightly-report".to_owned())]
-                .into_iter()
-                .collect(),
-        ),
+        label_env: Some(LabelEnv::from_environ(
+            b"PATH=/bin\0OTEL_SERVICE_NAME=nightly-report\0",
+        )),
         ..record
     };
     registry.record_exec(Pid(502), Arc::new(configured));
@@ -1412,13 +1410,10 @@ fn a_running_process_takes_its_labels_environment_from_its_exec_event_when_whole
         child
     };
     let whole = spawn_named("from-proc");
-    let at_exec = [("OTEL_SERVICE_NAME".to_owned(), "at-exec".to_owned())];
+    let at_exec = LabelEnv::from_environ(b"OTEL_SERVICE_NAME=at-exec");
     registry.record_exec(
         whole.pid(),
-        Arc::new(sleep_exec_record(
-            whole.pid(),
-            Some(at_exec.into_iter().collect()),
-        )),
+        Arc::new(sleep_exec_record(whole.pid(), Some(at_exec))),
     );
     let info = registry.lookup(whole.pid()).expect("snapshot");
     assert_eq!(info.labels.service_name, "at-exec");
@@ -1434,7 +1429,7 @@ fn a_running_process_takes_its_labels_environment_from_its_exec_event_when_whole
 
 /// The exec event of a running `sleep 30` (its executable as /proc shows it), read after the
 /// exec: the image the announcements started for it.
-fn sleep_exec_record(pid: Pid, label_env: Option<BTreeMap<String, String>>) -> ExecRecord {
+fn sleep_exec_record(pid: Pid, label_env: Option<LabelEnv>) -> ExecRecord {
     let exe = fs::read_link(format!("/proc/{pid}/exe")).expect("exe");
     let metadata = fs::metadata(&exe).expect("stat exe");
     ExecRecord {
