@@ -247,10 +247,17 @@ impl EventRing {
                     }),
                     EVENT_PROCESS_EXEC => {
                         let program = (item.len() >= std::mem::size_of::<ExecEvent>()).then(|| {
-                            // SAFETY: length checked; ExecEvent is plain old data.
-                            let exec: ExecEvent =
-                                unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
-                            Arc::new(exec_record(&exec.details, event.ktime_ns))
+                            let record =
+                                |exec: &ExecEvent| exec_record(&exec.details, event.ktime_ns);
+                            let pointer = item.as_ptr().cast::<ExecEvent>();
+                            Arc::new(if pointer.is_aligned() {
+                                // SAFETY: length and alignment checked; ExecEvent is plain old
+                                // data. Read in place: its 4 KiB environment is mostly unused.
+                                record(unsafe { &*pointer })
+                            } else {
+                                // SAFETY: length checked; ExecEvent is plain old data.
+                                record(&unsafe { std::ptr::read_unaligned(pointer) })
+                            })
                         });
                         events.push(LifecycleEvent::Execed {
                             pid: event.pid,
