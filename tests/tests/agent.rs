@@ -378,6 +378,15 @@ fn all_profiles(dir: &std::path::Path) -> Vec<(String, proto::Profile)> {
     out
 }
 
+/// The CPU time short_lived.c reports its children got (`children_cpu_ms=N`).
+fn short_lived_children_cpu_ms(output: &std::process::Output) -> i64 {
+    String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .strip_prefix("children_cpu_ms=")
+        .and_then(|ms| ms.parse::<i64>().ok())
+        .expect("the fixture reports its children's CPU time")
+}
+
 /// Processes that live for tens of milliseconds and rename their thread (as a compiler's
 /// workers or a test helper do), exec'ed or forked without exec, all gone before the agent
 /// reads /proc (it is stopped meanwhile; BPF keeps sampling into the ring): each is named
@@ -401,11 +410,7 @@ fn short_lived_processes_keep_their_program_name() {
             .output()
             .expect("run the fixture");
         assert!(output.status.success(), "{mode}: {}", output.status);
-        children_cpu_ms += String::from_utf8_lossy(&output.stdout)
-            .trim()
-            .strip_prefix("children_cpu_ms=")
-            .and_then(|ms| ms.parse::<i64>().ok())
-            .expect("the fixture reports its children's CPU time");
+        children_cpu_ms += short_lived_children_cpu_ms(&output);
     }
     unsafe { libc_kill(agent.pid() as i32, 18) };
     std::thread::sleep(Duration::from_millis(2500));
@@ -507,11 +512,7 @@ fn short_lived_processes_keep_the_service_their_environment_names() {
         .expect("run the fixture");
     unsafe { libc_kill(agent.pid() as i32, 18) };
     assert!(output.status.success(), "{}", output.status);
-    let children_cpu_ms = String::from_utf8_lossy(&output.stdout)
-        .trim()
-        .strip_prefix("children_cpu_ms=")
-        .and_then(|ms| ms.parse::<i64>().ok())
-        .expect("the fixture reports its children's CPU time");
+    let children_cpu_ms = short_lived_children_cpu_ms(&output);
     std::thread::sleep(Duration::from_millis(2500));
     let (status, log) = agent.stop();
     assert!(status.success(), "agent failed with {status}:\n{log}");
