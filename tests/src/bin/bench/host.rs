@@ -107,6 +107,9 @@ pub struct Poll {
     /// The numbers of the agent's latest `interval` log line (unwind tables, rows...).
     pub interval: BTreeMap<String, f64>,
     pub bpf: Option<ProgStats>,
+    /// Resident bytes by what is mapped (/proc/PID/smaps), read from the warm-up on: which
+    /// mappings the RSS growth is made of.
+    pub resident_by_mapping: Option<BTreeMap<String, u64>>,
 }
 
 impl Poll {
@@ -635,6 +638,36 @@ fn read_rss(pid: u32) -> Option<Rss> {
     })
 }
 
+/// The resident bytes of a process's mappings, summed by name: a file's path, `[heap]`,
+/// `[anon]` for nameless anonymous memory, a BPF ring's `anon_inode:bpf-ringbuf`...
+fn read_resident_by_mapping(pid: u32) -> Option<BTreeMap<String, u64>> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let mut by_name = BTreeMap::new();
+    let mut current = String::new();
+    for line in smaps.lines() {
+        if let Some(kib) = line.strip_prefix("Rss:") {
+            let bytes = kib.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()? * 1024;
+            *by_name.entry(current.clone()).or_insert(0) += bytes;
+            continue;
+        }
+        // A mapping's first line: `start-end perms offset dev inode [name]`; field lines
+        // (`Size:`, `VmFlags:`...) start with a key ending in a colon.
+        let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+        let is_header = fields.len() >= 5
+            && fields[0].contains('-')
+            && fields[0]
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() || b == b'-');
+        if is_header {
+            current = match fields[5..].join(" ") {
+                name if name.is_empty() => "[anon]".to_owned(),
+                name => name,
+            };
+        }
+    }
+    Some(by_name)
+}
+
 fn read_load() -> Option<[f64; 3]> {
     let text = std::fs::read_to_string("/proc/loadavg").ok()?;
     let mut values = text.split_whitespace().map(|v| v.parse::<f64>().ok());
@@ -896,6 +929,9 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
                 metrics: metrics.unwrap_or_default(),
                 interval: log.log.last_interval.clone(),
                 bpf: bpf_prog_stats(pid),
+                resident_by_mapping: (t0.elapsed().as_secs_f64() >= warm_up_s(seconds))
+                    .then(|| read_resident_by_mapping(pid))
+                    .flatten(),
             });
             outsiders.poll(std::process::id());
             for part in &mut parts {

@@ -1,6 +1,9 @@
 //! The `host` suite's section of the markdown report: targets, the agent's memory and CPU,
 //! a timeline, caches, stack quality, service names and fixture completeness.
-use std::fmt::Write as _;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+};
 
 use crate::{
     host::{AGENT_RUST_LOG, HostRun, POLL_S, Poll, warm_up_s},
@@ -286,6 +289,7 @@ pub fn render(run: &HostRun) -> String {
     render_targets(&mut out, run, &f);
     render_agent(&mut out, run, &f);
     render_timeline(&mut out, run);
+    render_resident_by_mapping(&mut out, &f);
     match &run.analysis {
         Ok(analysis) => {
             render_quality(&mut out, run, analysis);
@@ -502,6 +506,101 @@ fn render_agent(out: &mut String, run: &HostRun, f: &Figures<'_>) {
         );
     }
 }
+
+/// What the agent's resident memory is made of at the end of the warm-up and at the end, by
+/// kind and by the mappings that changed most: which part an RSS growth is.
+fn render_resident_by_mapping(out: &mut String, f: &Figures<'_>) {
+    let first = f
+        .steady
+        .iter()
+        .find_map(|p| Some((p.t, p.resident_by_mapping.as_ref()?)));
+    let last = f
+        .steady
+        .iter()
+        .rev()
+        .find_map(|p| Some((p.t, p.resident_by_mapping.as_ref()?)));
+    let (Some((t_first, first)), Some((t_last, last))) = (first, last) else {
+        return;
+    };
+    let kind = |name: &str| -> &'static str {
+        match name {
+            _ if name.starts_with("anon_inode:bpf") => "BPF maps and rings",
+            _ if name.ends_with("/profiler") => "the agent's binary",
+            _ if name.starts_with('/') => "other files (symbol files, libraries)",
+            _ => "anonymous (heap, stacks)",
+        }
+    };
+    let by_kind = |resident: &BTreeMap<String, u64>| {
+        let mut kinds: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for (name, bytes) in resident {
+            *kinds.entry(kind(name)).or_insert(0) += bytes;
+        }
+        kinds
+    };
+    let (kinds_first, kinds_last) = (by_kind(first), by_kind(last));
+    let _ = writeln!(out, "\n#### Resident memory by mapping\n");
+    let _ = writeln!(
+        out,
+        "/proc/PID/smaps, Rss summed by mapping name, at {t_first:.0} s (the first poll after the warm-up) and {t_last:.0} s (the last). A BPF ring's data pages are mapped twice, so they count twice.\n"
+    );
+    let _ = writeln!(
+        out,
+        "| kind | at {t_first:.0} s MiB | at {t_last:.0} s MiB | change MiB |"
+    );
+    let _ = writeln!(out, "|---|---:|---:|---:|");
+    let names: BTreeSet<&str> = kinds_first
+        .keys()
+        .chain(kinds_last.keys())
+        .copied()
+        .collect();
+    for name in names {
+        let (a, b) = (
+            kinds_first.get(name).copied().unwrap_or(0),
+            kinds_last.get(name).copied().unwrap_or(0),
+        );
+        let _ = writeln!(
+            out,
+            "| {name} | {:.1} | {:.1} | {:+.1} |",
+            mib(a),
+            mib(b),
+            mib(b) - mib(a)
+        );
+    }
+    let mut changes: Vec<(&str, u64, u64)> = first
+        .keys()
+        .chain(last.keys())
+        .map(String::as_str)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .map(|name| {
+            (
+                name,
+                first.get(name).copied().unwrap_or(0),
+                last.get(name).copied().unwrap_or(0),
+            )
+        })
+        .filter(|&(_, a, b)| a != b)
+        .collect();
+    changes.sort_by_key(|&(_, a, b)| std::cmp::Reverse(a.abs_diff(b)));
+    let _ = writeln!(out, "\nThe mappings that changed most:\n");
+    let _ = writeln!(
+        out,
+        "| mapping | at {t_first:.0} s MiB | at {t_last:.0} s MiB | change MiB |"
+    );
+    let _ = writeln!(out, "|---|---:|---:|---:|");
+    for (name, a, b) in changes.into_iter().take(RESIDENT_CHANGES_SHOWN) {
+        let _ = writeln!(
+            out,
+            "| `{name}` | {:.2} | {:.2} | {:+.2} |",
+            mib(a),
+            mib(b),
+            mib(b) - mib(a)
+        );
+    }
+}
+
+/// Rows of the table of the mappings whose resident memory changed most.
+const RESIDENT_CHANGES_SHOWN: usize = 12;
 
 fn render_timeline(out: &mut String, run: &HostRun) {
     let _ = writeln!(out, "\n#### Timeline\n");
