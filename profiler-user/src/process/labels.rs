@@ -886,4 +886,32 @@ mod tests {
         );
         assert!(parse_cmdline(b"").is_empty());
     }
+
+    /// A label variable is found by its whole name at the start of a variable, wherever it is
+    /// (first, last, between others), and one set twice has its last value (Python's
+    /// `os.environ`); a name that is part of another variable's name or value is not it.
+    #[test]
+    fn label_variables_are_found_by_their_whole_name_and_the_last_value_wins() {
+        let environ = b"HOSTNAME=first\0MYHOSTNAME=no\0POD_NAMESPACE=ns\0X=\0POD_NAME=\0\
+            HOSTNAME=second\0CARGO=x HOSTNAME=no\0CONTAINER_NAME=c";
+        let parsed = parse_environ(environ);
+        let get = |name: &str| parsed.get(name).map(String::as_str);
+        assert_eq!(get("HOSTNAME"), Some("second"));
+        assert_eq!(get("POD_NAMESPACE"), Some("ns"));
+        assert_eq!(get("POD_NAME"), Some(""));
+        assert_eq!(
+            get("CONTAINER_NAME"),
+            Some("c"),
+            "the last variable, no NUL after"
+        );
+        assert_eq!(parsed.len(), 4);
+        let at_start = parse_environ(b"OTEL_SERVICE_NAME=svc\0PATH=/bin\0");
+        assert_eq!(
+            at_start.get("OTEL_SERVICE_NAME").map(String::as_str),
+            Some("svc")
+        );
+        assert_eq!(at_start.len(), 1);
+        assert!(parse_environ(b"OTEL_SERVICE_NAMEX=1\0OTEL_SERVICE_NAME").is_empty());
+        assert!(parse_environ(b"").is_empty());
+    }
 }
