@@ -32,8 +32,8 @@ use crate::{
         nvml::{GpuBoard, NvmlPoller},
     },
     model::{
-        FileId, Pid, PipelineAccess, ProcessInfo, Profile, ProfileEvent, ProfileKind, Sample,
-        SymbolizedFrame, UnwoundFrame, UnwoundStack, monotonic_now_ns,
+        FileId, MmapChange, Pid, PipelineAccess, ProcessInfo, Profile, ProfileEvent, ProfileKind,
+        Sample, SymbolizedFrame, UnwoundFrame, UnwoundStack, monotonic_now_ns,
     },
     off_cpu::OffCpu,
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
@@ -403,7 +403,7 @@ impl KernelInputs {
 
 /// What the accelerator's attribution reaches of the pipeline (`gpu::attribution`).
 impl PipelineAccess for Pipeline {
-    fn changed_processes(&mut self) -> Option<Vec<Pid>> {
+    fn changed_processes(&mut self) -> Option<Vec<MmapChange>> {
         self.processes.take_mmap_changes()
     }
 

@@ -1275,6 +1275,17 @@ struct Recorder {
     programs_unavailable: bool,
 }
 
+impl Recorder {
+    /// One whose every attachment succeeds.
+    fn attaching_everything() -> Self {
+        Recorder {
+            attached: Vec::new(),
+            fail_return_of: "",
+            programs_unavailable: false,
+        }
+    }
+}
+
 impl profiler::gpu::discovery::ProbeAttacher for Recorder {
     fn prepare(&mut self) -> Result<(), profiler::bpf::BpfError> {
         if self.programs_unavailable {
@@ -1378,11 +1389,7 @@ fn scans_read_only_the_maps_that_may_have_changed() {
     proc_with_the_runtime(&scratch);
     let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
     discovery.watch_changes();
-    let mut recorder = Recorder {
-        attached: Vec::new(),
-        fail_return_of: "",
-        programs_unavailable: false,
-    };
+    let mut recorder = Recorder::attaching_everything();
     let pid = profiler::model::Pid(4242);
     assert_eq!(discovery.scan(&mut recorder), vec![pid]);
     assert_eq!(discovery.stats.maps_read, 1);
@@ -1409,6 +1416,88 @@ fn scans_read_only_the_maps_that_may_have_changed() {
     discovery.note_unknown_changes();
     assert_eq!(discovery.scan(&mut recorder), vec![pid]);
     assert_eq!(discovery.stats.maps_read, 3);
+}
+
+/// A process that exec'ed since the last scan and mapped only files known not to be CUDA
+/// libraries is not read; one that mapped a file not known so, exec'ed before the last scan
+/// began, or forked after its exec, is. Judged, as above, by what the scan finds after the
+/// maps change behind its back.
+#[test]
+fn scans_trust_announced_execs_that_mapped_only_files_known_not_to_be_cuda() {
+    use profiler::model::{MmapChange, Pid, monotonic_now_ns};
+    use std::os::unix::fs::MetadataExt;
+    let scratch = Scratch::new("gpu-scan-announced");
+    let runtime = proc_with_the_runtime(&scratch);
+    let inode_of = |path: &std::path::Path| std::fs::metadata(path).expect("stat").ino();
+    let plain = std::path::PathBuf::from("/bin/true");
+    let other = std::path::PathBuf::from("/bin/false");
+    let maps_line = |path: &std::path::Path| {
+        format!(
+            "7f0000000000-7f0000010000 r-xp 00000000 00:00 {} {}\n",
+            inode_of(path),
+            path.display()
+        )
+    };
+    let process = scratch.path("proc/4243");
+    std::fs::create_dir_all(&process).expect("mkdir");
+    std::os::unix::fs::symlink("/", process.join("root")).expect("symlink");
+    let maps = process.join("maps");
+    std::fs::write(&maps, maps_line(&plain)).expect("write maps");
+    let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
+    discovery.watch_changes();
+    let mut recorder = Recorder::attaching_everything();
+    let pid = Pid(4243);
+    assert_eq!(discovery.scan(&mut recorder), vec![Pid(4242)]);
+    assert_eq!(discovery.stats.maps_read, 2);
+    // From now on the maps say it maps the runtime: only a read finds it.
+    std::fs::write(&maps, maps_line(&runtime)).expect("write maps");
+    let mapped = |path: &std::path::Path| MmapChange::Mapped {
+        pid,
+        path: std::sync::Arc::from(path.to_str().expect("utf-8")),
+        inode: Some(inode_of(path)),
+    };
+
+    // Exec'ed since the last scan, then mapped a file known not to be a CUDA library.
+    discovery.note_mmap_change(&MmapChange::Exec {
+        pid,
+        time_ns: monotonic_now_ns(),
+    });
+    discovery.note_mmap_change(&mapped(&plain));
+    assert!(discovery.scan(&mut recorder).is_empty());
+    assert_eq!(
+        (discovery.stats.maps_read, discovery.stats.maps_unchanged),
+        (2, 2),
+        "not read"
+    );
+
+    // Exec'ed before the last scan began (its announcement late): read.
+    let before_the_last_scan = monotonic_now_ns() - 1;
+    discovery.scan(&mut recorder);
+    discovery.note_exec(pid, before_the_last_scan);
+    assert_eq!(discovery.scan(&mut recorder), vec![pid]);
+    assert_eq!(discovery.stats.maps_read, 3);
+
+    // Exec'ed, then (its pid reused) forked: read.
+    std::fs::write(&maps, maps_line(&plain)).expect("write maps");
+    let exec_ns = monotonic_now_ns();
+    discovery.note_exec(pid, exec_ns);
+    discovery.note_fork_or_exit(pid, exec_ns + 1);
+    discovery.scan(&mut recorder);
+    assert!(!discovery.users().contains(&pid), "read: no runtime now");
+    assert_eq!(discovery.stats.maps_read, 4);
+
+    // Exec'ed and mapped a file never checked: read.
+    std::fs::write(&maps, maps_line(&runtime)).expect("write maps");
+    discovery.note_exec(pid, monotonic_now_ns());
+    discovery.note_mmap_change(&mapped(&other));
+    assert_eq!(discovery.scan(&mut recorder), vec![pid]);
+    assert_eq!(discovery.stats.maps_read, 5);
+
+    // Mapped the runtime, a file known to be one: read (the scan confirms it).
+    discovery.note_mmap_change(&mapped(&runtime));
+    discovery.scan(&mut recorder);
+    assert!(discovery.users().contains(&pid));
+    assert_eq!(discovery.stats.maps_read, 6);
 }
 
 /// When the CUDA programs cannot load, a CUDA library is skipped whole: no attempt per probe

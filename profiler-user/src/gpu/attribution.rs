@@ -118,13 +118,20 @@ impl Accelerator for CudaAttribution {
     ) -> bool {
         match pipeline.changed_processes() {
             Some(changed) => changed
-                .into_iter()
-                .for_each(|pid| self.discovery.note_changed(pid)),
+                .iter()
+                .for_each(|change| self.discovery.note_mmap_change(change)),
             None => self.discovery.note_unknown_changes(),
         }
         // A fork inherits its parent's mappings without announcing them.
         for event in lifecycle {
-            self.discovery.note_changed(Pid(event.pid()));
+            let pid = Pid(event.pid());
+            match event {
+                LifecycleEvent::Execed { ktime_ns, .. } => self.discovery.note_exec(pid, *ktime_ns),
+                LifecycleEvent::Forked { ktime_ns, .. }
+                | LifecycleEvent::Exited { ktime_ns, .. } => {
+                    self.discovery.note_fork_or_exit(pid, *ktime_ns)
+                }
+            }
         }
         let new_users = match probes {
             Some(sampler) => {

@@ -4,11 +4,15 @@
 //! one attachment serves every process that maps it, now or later.
 //!
 //! The scan reads `/proc/*/maps` every few seconds, so libraries loaded with `dlopen` after the
-//! process started are found at the next scan. Files are opened through `/proc/PID/root`, which
+//! process started are found at the next scan. With the kernel's mmap announcements watched it
+//! reads only the processes that may have mapped a library it has not seen: not those that
+//! announced nothing, nor those that exec'ed since the last scan and mapped only files already
+//! known not to be CUDA libraries (most of a busy host's hundreds of execs a second). Files are opened through `/proc/PID/root`, which
 //! reaches into containers' mount namespaces.
 use std::{
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -25,7 +29,7 @@ use profiler_common::{
 };
 
 use crate::{
-    model::{FileId, Pid},
+    model::{FileId, MmapChange, Pid, monotonic_now_ns},
     process::maps::{Backing, parse_maps_line},
 };
 
@@ -257,8 +261,9 @@ pub struct DiscoveryStats {
     pub probes_attached: u64,
     pub attach_errors: u64,
     pub processes_using_cuda: u64,
-    /// Process maps read by scans, and processes a scan did not read again (no change
-    /// announced since the scan before).
+    /// Process maps read by scans, and processes a scan did not read (nothing announced since
+    /// the scan before, or an exec since it and only files known not to be CUDA libraries
+    /// mapped after).
     pub maps_read: u64,
     pub maps_unchanged: u64,
 }
@@ -267,23 +272,48 @@ pub struct DiscoveryStats {
 pub struct Discovery {
     proc_root: PathBuf,
     /// (path as mapped, inode) → whether it is a CUDA library, so each file is parsed once.
-    checked: HashMap<(String, u64), Option<FileId>>,
+    checked: HashMap<(Arc<str>, u64), Option<FileId>>,
     attached: HashSet<FileId>,
     /// Processes seen mapping a CUDA library at the last scan.
     users: HashSet<Pid>,
     /// Every process the last scan found, with whether it maps a CUDA library.
     scanned: HashMap<Pid, bool>,
-    /// With [`Self::watch_changes`]: the processes whose executable mappings may have changed
-    /// since the last scan (an mmap or exec announced, a fork or exit seen). The others are not
-    /// read again. `None` when that is not known: every process is read.
-    changed: Option<HashSet<Pid>>,
+    /// With [`Self::watch_changes`]: what was announced since the last scan of the processes
+    /// whose executable mappings may have changed (an exec, a fork or exit, the mapping of a
+    /// file not known not to be a CUDA library). The others are not read again. `None` when
+    /// that is not known: every process is read.
+    changed: Option<HashMap<Pid, Announced>>,
     watching: bool,
+    /// When the last scan began (CLOCK_MONOTONIC ns): an exec announced since but made
+    /// before may have had its mappings announced to that scan, so it is not trusted.
+    scanned_at_ns: u64,
     next_scan: Instant,
     pub stats: DiscoveryStats,
 }
 
 /// Changed processes remembered between two scans; beyond, the next scan reads every process.
 const MAX_CHANGED: usize = 65_536;
+
+/// What was announced of one process since the last scan.
+#[derive(Clone, Copy, Debug, Default)]
+struct Announced {
+    /// Its latest exec (CLOCK_MONOTONIC ns), 0 for none.
+    exec_ns: u64,
+    /// Its latest fork or exit, 0 for none.
+    boundary_ns: u64,
+    /// It mapped a file not known not to be a CUDA library, or changed in a way not told.
+    read_maps: bool,
+}
+
+impl Announced {
+    /// Whether the process maps a CUDA library, when the announcements prove it without its
+    /// maps: it exec'ed since the last scan (`scanned_at_ns`) and mapped only files known
+    /// not to be CUDA libraries since. `None`: its maps are read.
+    fn proves(&self, scanned_at_ns: u64) -> Option<bool> {
+        let exec_is_latest = self.exec_ns != 0 && self.exec_ns > self.boundary_ns;
+        (!self.read_maps && exec_is_latest && self.exec_ns >= scanned_at_ns).then_some(false)
+    }
+}
 
 impl Discovery {
     pub fn new(proc_root: PathBuf) -> Self {
@@ -295,6 +325,7 @@ impl Discovery {
             scanned: HashMap::new(),
             changed: None,
             watching: false,
+            scanned_at_ns: 0,
             next_scan: Instant::now(),
             stats: DiscoveryStats::default(),
         }
@@ -313,15 +344,57 @@ impl Discovery {
         self.watching = true;
     }
 
-    /// `pid` mapped code, exec'ed, forked or exited: the next scan reads its maps.
+    /// `pid`'s mappings may have changed in a way not told: the next scan reads its maps.
     pub fn note_changed(&mut self, pid: Pid) {
-        if let Some(changed) = &mut self.changed {
-            if changed.len() >= MAX_CHANGED {
-                self.changed = None;
-            } else {
-                changed.insert(pid);
+        if let Some(announced) = self.announced(pid) {
+            announced.read_maps = true;
+        }
+    }
+
+    /// What the kernel announced of a process's code ([`MmapChange`], in the order read).
+    pub fn note_mmap_change(&mut self, change: &MmapChange) {
+        match change {
+            MmapChange::Exec { pid, time_ns } => self.note_exec(*pid, *time_ns),
+            MmapChange::Mapped { pid, path, inode } => {
+                // Anonymous code (JIT) and the kernel's pseudo-files hold no library; a file
+                // checked before is known, whichever process maps it.
+                let known_not_cuda = match inode {
+                    Some(inode) => {
+                        matches!(self.checked.get(&(Arc::clone(path), *inode)), Some(None))
+                    }
+                    None => !path.starts_with('/'),
+                };
+                if !known_not_cuda {
+                    self.note_changed(*pid);
+                }
             }
         }
+    }
+
+    /// `pid` exec'ed at `time_ns` (CLOCK_MONOTONIC).
+    pub fn note_exec(&mut self, pid: Pid, time_ns: u64) {
+        if let Some(announced) = self.announced(pid) {
+            announced.exec_ns = announced.exec_ns.max(time_ns);
+        }
+    }
+
+    /// `pid` forked (from a process that may map a CUDA library) or exited at `time_ns`.
+    pub fn note_fork_or_exit(&mut self, pid: Pid, time_ns: u64) {
+        if let Some(announced) = self.announced(pid) {
+            announced.boundary_ns = announced.boundary_ns.max(time_ns);
+        }
+    }
+
+    /// What was announced of `pid` since the last scan; `None` when changes are not known.
+    fn announced(&mut self, pid: Pid) -> Option<&mut Announced> {
+        let full = self
+            .changed
+            .as_ref()
+            .is_some_and(|changed| changed.len() >= MAX_CHANGED && !changed.contains_key(&pid));
+        if full {
+            self.changed = None;
+        }
+        Some(self.changed.as_mut()?.entry(pid).or_default())
     }
 
     /// Announcements were lost: the next scan reads every process.
@@ -348,7 +421,8 @@ impl Discovery {
         let mut users = HashSet::new();
         // Changes from here on are the next scan's: a mapping made after a process's maps are
         // read below is announced after, and noted for the next scan.
-        let changed = std::mem::replace(&mut self.changed, self.watching.then(HashSet::new));
+        let previous_scan_ns = std::mem::replace(&mut self.scanned_at_ns, monotonic_now_ns());
+        let changed = std::mem::replace(&mut self.changed, self.watching.then(HashMap::new));
         let previous = std::mem::take(&mut self.scanned);
         for entry in entries.flatten() {
             let Some(pid) = entry
@@ -362,13 +436,17 @@ impl Discovery {
                 continue;
             }
             let pid = Pid(pid);
-            let unchanged = changed.as_ref().is_some_and(|c| !c.contains(&pid));
-            let uses_cuda = match previous.get(&pid) {
-                Some(&uses_cuda) if unchanged => {
+            let known = match changed.as_ref().map(|c| c.get(&pid)) {
+                None => None,
+                Some(None) => previous.get(&pid).copied(),
+                Some(Some(announced)) => announced.proves(previous_scan_ns),
+            };
+            let uses_cuda = match known {
+                Some(uses_cuda) => {
                     self.stats.maps_unchanged += 1;
                     uses_cuda
                 }
-                _ => match self.scan_process(pid, attacher) {
+                None => match self.scan_process(pid, attacher) {
                     Some(uses_cuda) => uses_cuda,
                     None => continue,
                 },
@@ -404,7 +482,7 @@ impl Discovery {
             else {
                 continue;
             };
-            let key = (path.to_string(), entry.inode);
+            let key = (Arc::<str>::from(path), entry.inode);
             let file_id = match self.checked.get(&key) {
                 Some(known) => *known,
                 None => {

@@ -21,7 +21,7 @@ use perf_event::{
 use perf_event_open_sys::bindings::{PERF_RECORD_MISC_COMM_EXEC, perf_event_header};
 
 use super::lru::Lru;
-use crate::model::{FileId, Pid};
+use crate::model::{FileId, MmapChange, Pid};
 
 /// Processes whose mappings are remembered (least recently announced go first).
 pub const MAX_PROCESSES: usize = 4096;
@@ -95,7 +95,7 @@ pub struct MmapLog {
     /// With [`Self::track_changes`]: the processes announced since the last
     /// [`Self::take_changes`], `None` once that is not known (records lost or unparsable, or
     /// more than [`MAX_CHANGES`]).
-    changes: Option<Vec<Pid>>,
+    changes: Option<Vec<MmapChange>>,
     tracking: bool,
     /// The latest times each pid's process ended or began ([`Self::process_boundary`]).
     boundaries: Lru<Pid, Boundaries>,
@@ -162,21 +162,21 @@ impl MmapLog {
         }
     }
 
-    /// The processes that mapped code or exec'ed since the last call (a process may be listed
-    /// more than once); `None` when some announcements were lost, so any process may have.
-    pub fn take_changes(&mut self) -> Option<Vec<Pid>> {
+    /// The execs and code mappings announced since the last call, in the order read; `None`
+    /// when some announcements were lost, so any process may have changed.
+    pub fn take_changes(&mut self) -> Option<Vec<MmapChange>> {
         if !self.tracking {
             return None;
         }
         self.changes.replace(Vec::new())
     }
 
-    fn changed(&mut self, pid: Pid) {
+    fn changed(&mut self, change: impl FnOnce() -> MmapChange) {
         if let Some(changes) = &mut self.changes {
             if changes.len() >= MAX_CHANGES {
                 self.changes = None;
             } else {
-                changes.push(pid);
+                changes.push(change());
             }
         }
     }
@@ -196,7 +196,7 @@ impl MmapLog {
 
     /// `pid` exec'ed at `time_ns`: its mappings from then on are a new image's.
     pub fn exec(&mut self, pid: Pid, time_ns: u64) {
-        self.changed(pid);
+        self.changed(|| MmapChange::Exec { pid, time_ns });
         let image = Image {
             exec_ns: time_ns,
             mappings: Vec::new(),
@@ -239,7 +239,11 @@ impl MmapLog {
 
     /// [`Self::mapped`] for a mapping whose path is interned already.
     fn mapped_interned(&mut self, pid: Pid, mapping: AnnouncedMapping) {
-        self.changed(pid);
+        self.changed(|| MmapChange::Mapped {
+            pid,
+            path: Arc::clone(&mapping.path),
+            inode: mapping.file.map(|file| file.ino),
+        });
         let time_ns = mapping.time_ns;
         let Some(images) = self.processes.get_mut(&pid) else {
             // No exec seen: a process started before the agent (its /proc entry serves).
@@ -754,7 +758,20 @@ mod change_tests {
         log.track_changes();
         log.mapped(Pid(2), mapping(6));
         log.exec(Pid(3), 7);
-        assert_eq!(log.take_changes(), Some(vec![Pid(2), Pid(3)]));
+        assert_eq!(
+            log.take_changes(),
+            Some(vec![
+                MmapChange::Mapped {
+                    pid: Pid(2),
+                    path: Arc::from("/lib/x.so"),
+                    inode: None
+                },
+                MmapChange::Exec {
+                    pid: Pid(3),
+                    time_ns: 7
+                }
+            ])
+        );
         assert_eq!(log.take_changes(), Some(vec![]));
         log.mapped(Pid(4), mapping(8));
         log.lost();
@@ -764,6 +781,9 @@ mod change_tests {
             "lost records: anything may have changed"
         );
         log.mapped(Pid(5), mapping(9));
-        assert_eq!(log.take_changes(), Some(vec![Pid(5)]));
+        let pids = |changes: Option<Vec<MmapChange>>| {
+            changes.map(|c| c.iter().map(MmapChange::pid).collect::<Vec<_>>())
+        };
+        assert_eq!(pids(log.take_changes()), Some(vec![Pid(5)]));
     }
 }

@@ -39,7 +39,8 @@ use self::{
     proc_dir::ProcDir,
 };
 use crate::model::{
-    ExecRecord, LabelEnv, MappedFile, Mapping, Pid, ProcessInfo, ProcessLabels, monotonic_now_ns,
+    ExecRecord, LabelEnv, MappedFile, Mapping, MmapChange, Pid, ProcessInfo, ProcessLabels,
+    monotonic_now_ns,
 };
 
 /// Why a process could not be read.
@@ -237,9 +238,9 @@ impl ProcessRegistry {
         }
     }
 
-    /// The processes that mapped code or exec'ed since the last call, as announced; `None`
-    /// when that is not known (announcements lost or not watched).
-    pub fn take_mmap_changes(&mut self) -> Option<Vec<Pid>> {
+    /// The execs and code mappings announced since the last call; `None` when that is not
+    /// known (announcements lost or not watched).
+    pub fn take_mmap_changes(&mut self) -> Option<Vec<MmapChange>> {
         self.mmaps.as_mut()?.log.take_changes()
     }
 
