@@ -1419,7 +1419,7 @@ fn scans_read_only_the_maps_that_may_have_changed() {
 }
 
 /// A process that exec'ed since the last scan and mapped only files known not to be CUDA
-/// libraries is not read; one that mapped a file not known so, exec'ed before the last scan
+/// libraries (or anonymous code) is not read; one that mapped a file not known so, exec'ed before the last scan
 /// began, or forked after its exec, is. Judged, as above, by what the scan finds after the
 /// maps change behind its back.
 #[test]
@@ -1463,6 +1463,12 @@ fn scans_trust_announced_execs_that_mapped_only_files_known_not_to_be_cuda() {
         time_ns: monotonic_now_ns(),
     });
     discovery.note_mmap_change(&mapped(&plain));
+    // Anonymous code (a JIT's) holds no library.
+    discovery.note_mmap_change(&MmapChange::Mapped {
+        pid,
+        path: std::sync::Arc::from("//anon"),
+        inode: None,
+    });
     assert!(discovery.scan(&mut recorder).is_empty());
     assert_eq!(
         (discovery.stats.maps_read, discovery.stats.maps_unchanged),

@@ -362,7 +362,8 @@ impl Discovery {
                     Some(inode) => {
                         matches!(self.checked.get(&(Arc::clone(path), *inode)), Some(None))
                     }
-                    None => !path.starts_with('/'),
+                    // `//anon` is how the announcements name anonymous code.
+                    None => !path.starts_with('/') || path.starts_with("//"),
                 };
                 if !known_not_cuda {
                     self.note_changed(*pid);
