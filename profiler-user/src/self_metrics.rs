@@ -292,7 +292,7 @@ impl SelfMetrics {
         );
         push(
             "cuda_scan_maps_unchanged_total",
-            "Processes a CUDA library scan did not read again (no mapping, exec, fork or exit announced since the scan before)",
+            "Processes a CUDA library scan did not read (nothing announced since the scan before, or an exec since it and only files known not to be CUDA libraries mapped after it)",
             self.cuda.maps_unchanged as f64,
             "counter",
         );
