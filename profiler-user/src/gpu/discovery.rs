@@ -7,8 +7,8 @@
 //! process started are found at the next scan. With the kernel's mmap announcements watched it
 //! reads only the processes that may have mapped a library it has not seen: not those that
 //! announced nothing, nor those that exec'ed since the last scan and mapped only files already
-//! known not to be CUDA libraries (most of a busy host's hundreds of execs a second). Files are opened through `/proc/PID/root`, which
-//! reaches into containers' mount namespaces.
+//! known not to be CUDA libraries (most of a busy host's hundreds of execs a second). Files are
+//! opened through `/proc/PID/root`, which reaches into containers' mount namespaces.
 use std::{
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
