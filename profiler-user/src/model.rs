@@ -659,14 +659,6 @@ pub enum MmapChange {
     },
 }
 
-impl MmapChange {
-    pub fn pid(&self) -> Pid {
-        match self {
-            Self::Exec { pid, .. } | Self::Mapped { pid, .. } => *pid,
-        }
-    }
-}
-
 /// What a stage that takes stacks outside the CPU sampler (accelerator calls, off-CPU
 /// blocks) needs from the CPU pipeline.
 pub trait PipelineAccess {

@@ -781,9 +781,13 @@ mod change_tests {
             "lost records: anything may have changed"
         );
         log.mapped(Pid(5), mapping(9));
-        let pids = |changes: Option<Vec<MmapChange>>| {
-            changes.map(|c| c.iter().map(MmapChange::pid).collect::<Vec<_>>())
-        };
-        assert_eq!(pids(log.take_changes()), Some(vec![Pid(5)]));
+        assert_eq!(
+            log.take_changes(),
+            Some(vec![MmapChange::Mapped {
+                pid: Pid(5),
+                path: Arc::from("/lib/x.so"),
+                inode: None
+            }])
+        );
     }
 }
