@@ -570,6 +570,13 @@ fn samples_before_and_in_an_exec_belong_to_the_program_before_it() {
         .expect("the fixture reports its spawns");
     unsafe { libc_kill(agent.pid() as i32, 18) };
     std::thread::sleep(Duration::from_millis(3000));
+    // A walk still held for its table at the stop is finished as far as it goes: on a busy
+    // machine the tables may take longer than those 3 s, so the stop waits for them.
+    let client = Client::new(agent.http_addr());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while client.metric("profiler_late_walks_held") != Some(0.0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let (status, log) = agent.stop();
     // The fixture and its sleeping children.
     unsafe { libc_kill(-(child.id() as i32), 9) };
