@@ -1143,6 +1143,7 @@ impl Pipeline {
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,
             process_cmdlines_from_exec: registry.cmdlines_from_exec,
+            process_identities_from_exec: registry.identities_from_exec,
             process_snapshots: registry.snapshots_taken,
             process_refreshes: registry.refreshes,
             process_refreshes_announced: registry.refreshes_announced,

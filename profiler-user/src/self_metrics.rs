@@ -89,6 +89,9 @@ pub struct SelfMetrics {
     pub process_maps_from_announcements: u64,
     /// Snapshots of live processes whose command line came from their exec event, not /proc.
     pub process_cmdlines_from_exec: u64,
+    /// Snapshots of live processes whose identity came from their exec event, not
+    /// /proc/PID/stat and exe.
+    pub process_identities_from_exec: u64,
     /// Snapshots taken from /proc, for any reason.
     pub process_snapshots: u64,
     /// Snapshots retaken for an address in none of their mappings, and of those the ones
@@ -915,6 +918,12 @@ impl SelfMetrics {
                 "process_cmdlines_from_exec_total",
                 "Snapshots of live processes whose command line came from their exec event instead of /proc/PID/cmdline",
                 self.process_cmdlines_from_exec,
+                "counter",
+            ),
+            (
+                "process_identities_from_exec_total",
+                "Snapshots of live processes whose name, executable and labels came from their exec event and the mmap announcements instead of /proc/PID/stat and exe",
+                self.process_identities_from_exec,
                 "counter",
             ),
             (

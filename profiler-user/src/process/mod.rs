@@ -18,6 +18,7 @@ mod proc_dir;
 
 use std::{
     collections::BTreeMap,
+    ffi::CStr,
     fs,
     path::{Path, PathBuf},
     sync::Arc,
@@ -144,6 +145,10 @@ pub struct RegistryStats {
     /// Snapshots of live processes whose command line came from their exec event instead of
     /// /proc/PID/cmdline.
     pub cmdlines_from_exec: u64,
+    /// Snapshots of live processes taken without reading /proc/PID/stat and exe: who the
+    /// process is came from its exec event, its mappings from the announcements (see
+    /// `ProcessRegistry::identity_from_exec`).
+    pub identities_from_exec: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
     /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
@@ -157,6 +162,8 @@ pub struct RegistryStats {
 #[derive(Debug)]
 struct Entry {
     info: Arc<ProcessInfo>,
+    /// What tells this process from a later one given the same pid.
+    start: ProcessStart,
     start_checked_at: Instant,
     refreshed_at: Instant,
     /// CLOCK_MONOTONIC time the snapshot was taken at (the mmap announcements' clock).
@@ -165,6 +172,52 @@ struct Entry {
     used_in_interval: u64,
     /// Taken while the process was mid-exec (no command line yet): retaken at the next check.
     provisional: bool,
+}
+
+/// How a snapshot's process is told from a later process with the same pid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ProcessStart {
+    /// Its start time as /proc/PID/stat gives it (clock ticks since boot).
+    Read(u64),
+    /// Not read: the snapshot came from the exec event at this CLOCK_MONOTONIC time. The
+    /// process began before that exec; a later process with the pid began after it.
+    ExecedAt(u64),
+}
+
+impl ProcessStart {
+    /// Whether a process that started at `start_ticks` (from /proc/PID/stat) is this one.
+    fn is(&self, start_ticks: u64) -> bool {
+        match *self {
+            ProcessStart::Read(start) => start == start_ticks,
+            // A process given the pid later was forked after this one exited, so after its
+            // exec. The start time counts whole ticks (10 ms), so a start in the exec's own
+            // tick counts as this process: a pid is handed out again only after every other
+            // pid has been (tens of thousands of forks), which no host does within a tick.
+            ProcessStart::ExecedAt(exec_ns) => {
+                boottime_ticks_of_monotonic(exec_ns).is_some_and(|exec| start_ticks <= exec)
+            }
+        }
+    }
+}
+
+/// A CLOCK_MONOTONIC time in the clock ticks since boot that /proc/PID/stat counts a start
+/// time in (CLOCK_BOOTTIME, which also counts time suspended).
+fn boottime_ticks_of_monotonic(monotonic_ns: u64) -> Option<u64> {
+    let now = |clock| {
+        let mut time = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid clock id and a timespec to write.
+        (unsafe { libc::clock_gettime(clock, &mut time) } == 0)
+            .then(|| time.tv_sec as u64 * 1_000_000_000 + time.tv_nsec as u64)
+    };
+    let suspended_ns = now(libc::CLOCK_BOOTTIME)?.saturating_sub(now(libc::CLOCK_MONOTONIC)?);
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) })
+        .ok()
+        .filter(|&ticks| ticks > 0)?;
+    Some((monotonic_ns + suspended_ns) / (1_000_000_000 / ticks_per_second))
 }
 
 /// Per-process snapshots, keyed by pid.
@@ -324,9 +377,14 @@ impl ProcessRegistry {
                 .and_then(|text| parse_stat(&text))
                 .map(|stat| stat.start_time);
             match current_start {
-                Some(start) if start != entry.info.start_time => {
-                    debug!(%pid, old = entry.info.start_time, new = start, "pid reused");
+                Some(start) if !entry.start.is(start) => {
+                    debug!(%pid, old = ?entry.start, new = start, "pid reused");
                     self.stats.pid_reuse += 1;
+                }
+                Some(start) if !entry.provisional => {
+                    // Proven the same process: later checks compare start times.
+                    entry.start = ProcessStart::Read(start);
+                    return Some(Arc::clone(&entry.info));
                 }
                 Some(_) if entry.provisional => {
                     debug!(%pid, "retaking a snapshot taken mid-exec");
@@ -360,6 +418,7 @@ impl ProcessRegistry {
         let info = Arc::new(self.build_from_events(pid, now, depth)?);
         self.stats.snapshots_from_events += 1;
         let entry = Entry {
+            start: ProcessStart::Read(info.start_time),
             info: Arc::clone(&info),
             start_checked_at: now,
             refreshed_at: now,
@@ -757,33 +816,49 @@ impl ProcessRegistry {
             MapsSource::ProcMaps => None,
         };
         let from_announcements = announced.is_some();
-        let known = self.known_program(pid);
-        let snapshot = open_process_dir(&process_dir).and_then(|dir| {
-            let identity = read_identity_in(pid, &process_dir, &dir, &self.host, known)?;
-            Ok(match announced {
-                Some(mappings) => identity.with_mappings(pid, mappings),
-                None => read_mappings(pid, &process_dir, &dir, identity, &mut self.files),
-            })
-        });
-        let (info, provisional, cmdline_from_exec) = match snapshot {
-            Ok(snapshot) => (
-                Arc::new(snapshot.info),
-                snapshot.provisional,
-                snapshot.cmdline_from_exec,
-            ),
+        let from_exec = announced
+            .as_deref()
+            .and_then(|mappings| self.identity_from_exec(pid, &process_dir, mappings));
+        let snapshot = match (from_exec, announced) {
+            (Some((identity, exec_ns)), Some(mappings)) => {
+                Ok((identity.with_mappings(pid, mappings), Some(exec_ns)))
+            }
+            (_, announced) => {
+                let known = self.known_program(pid);
+                open_process_dir(&process_dir).and_then(|dir| {
+                    let identity = read_identity_in(pid, &process_dir, &dir, &self.host, known)?;
+                    Ok((
+                        match announced {
+                            Some(mappings) => identity.with_mappings(pid, mappings),
+                            None => {
+                                read_mappings(pid, &process_dir, &dir, identity, &mut self.files)
+                            }
+                        },
+                        None,
+                    ))
+                })
+            }
+        };
+        let (snapshot, execed_at) = match snapshot {
+            Ok(taken) => taken,
             Err(error) => {
                 debug!(%pid, %error, "no snapshot");
                 return None;
             }
         };
+        let (info, provisional) = (Arc::new(snapshot.info), snapshot.provisional);
         self.stats.snapshots_taken += 1;
-        if cmdline_from_exec {
+        if snapshot.cmdline_from_exec {
             self.stats.cmdlines_from_exec += 1;
         }
         if from_announcements {
             self.stats.maps_from_announcements += 1;
         }
+        if execed_at.is_some() {
+            self.stats.identities_from_exec += 1;
+        }
         let entry = Entry {
+            start: execed_at.map_or(ProcessStart::Read(info.start_time), ProcessStart::ExecedAt),
             info: Arc::clone(&info),
             start_checked_at: now,
             refreshed_at: now,
@@ -795,6 +870,82 @@ impl ProcessRegistry {
             debug!(pid = %evicted, "snapshot evicted: too many processes");
         }
         Some(info)
+    }
+
+    /// Who a live process is, from its exec event instead of /proc/PID/stat and exe, when the
+    /// events prove it: the exec recorded is the latest one announced, no exit or fork of the
+    /// pid is logged since, and `mappings` (complete since that exec) hold the exec'ed file,
+    /// whose path is what /proc/PID/exe shows (for a script, its interpreter: the file the
+    /// kernel ran). Only what the event lacks is read from /proc: the command line when longer
+    /// than the event holds, the environment when larger, and the cgroup where v1 hierarchies
+    /// are mounted (the event has the v2 id alone). The name is the one the exec gave; a
+    /// rename since (`prctl(PR_SET_NAME)`) is not seen, as it is not in a snapshot taken
+    /// before the rename. Returns the identity and the exec's time (which tells the process
+    /// from a later one with its pid); `None`: read /proc instead.
+    fn identity_from_exec(
+        &mut self,
+        pid: Pid,
+        process_dir: &Path,
+        mappings: &[Mapping],
+    ) -> Option<(LabelledProcess, u64)> {
+        let Some(Identity::Exec(record)) = self.identities.get(pid) else {
+            return None;
+        };
+        if self.changed_hands_after(pid, record.exec_ns).is_some() {
+            return None;
+        }
+        let exe_id = record.exe?;
+        let exe = mappings
+            .iter()
+            .find(|m| m.file.as_ref().is_some_and(|file| file.id == exe_id))?;
+        let exe = exe
+            .name
+            .strip_suffix(maps::DELETED_SUFFIX)
+            .unwrap_or(&exe.name);
+        let cgroup = self.cgroups.unified_cgroup(record.cgroup_id);
+        let needs_proc = !record.args_complete || record.label_env.is_none() || cgroup.is_none();
+        let dir = match needs_proc {
+            true => Some(open_process_dir(process_dir).ok()?),
+            false => None,
+        };
+        let read = |name: &CStr| dir.as_ref().and_then(|dir| dir.read(name).ok());
+        let cmdline = match record.args_complete {
+            true => record.args.to_vec(),
+            // Gone, or not readable: /proc is read the usual way, which tells.
+            false => Some(parse_cmdline(&read(c"cmdline")?)).filter(|c| !c.is_empty())?,
+        };
+        let env = match &record.label_env {
+            Some(env) => env.to_map(),
+            None => read(c"environ")
+                .map(|raw| parse_environ(&raw))
+                .unwrap_or_default(),
+        };
+        let cgroup = cgroup.unwrap_or_else(|| {
+            read(c"cgroup")
+                .and_then(|raw| String::from_utf8(raw).ok())
+                .map(|text| parse_cgroup(&text))
+                .unwrap_or_default()
+        });
+        let kubernetes = pod_names(process_dir, &cgroup, &env, &self.host);
+        let labels = derive_labels(&LabelInputs {
+            cmdline: &cmdline,
+            env: &env,
+            exe: Some(exe),
+            comm: &record.comm,
+            cgroup: &cgroup,
+            kubernetes: &kubernetes,
+            host: &self.host,
+            is_kernel_thread: false,
+        });
+        let identity = LabelledProcess {
+            comm: record.comm.clone(),
+            start_time: 0,
+            labels,
+            is_kernel_thread: false,
+            provisional: false,
+            cmdline_from_exec: record.args_complete,
+        };
+        Some((identity, record.exec_ns))
     }
 }
 
@@ -958,16 +1109,7 @@ fn read_identity_in(
         });
         (env, cgroup)
     };
-    let kubernetes = match (&cgroup.pod_uid, process_dir.parent()) {
-        (Some(_), Some(proc_root)) => kubernetes_names(&KubernetesSources {
-            process_dir,
-            host_root: &proc_root.join("1").join("root"),
-            container_id: cgroup.container_id.as_deref(),
-            env: &env,
-            host,
-        }),
-        _ => KubernetesNames::default(),
-    };
+    let kubernetes = pod_names(process_dir, &cgroup, &env, host);
     let labels = derive_labels(&LabelInputs {
         cmdline: &cmdline,
         env: &env,
@@ -986,6 +1128,25 @@ fn read_identity_in(
         provisional: !is_kernel_thread && cmdline.is_empty(),
         cmdline_from_exec,
     })
+}
+
+/// The Kubernetes names of a process in a pod's cgroup (none for any other process).
+fn pod_names(
+    process_dir: &Path,
+    cgroup: &CgroupInfo,
+    env: &BTreeMap<String, String>,
+    host: &str,
+) -> KubernetesNames {
+    match (&cgroup.pod_uid, process_dir.parent()) {
+        (Some(_), Some(proc_root)) => kubernetes_names(&KubernetesSources {
+            process_dir,
+            host_root: &proc_root.join("1").join("root"),
+            container_id: cgroup.container_id.as_deref(),
+            env,
+            host,
+        }),
+        _ => KubernetesNames::default(),
+    }
 }
 
 impl LabelledProcess {

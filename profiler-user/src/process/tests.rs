@@ -1079,11 +1079,20 @@ fn live_mappings_from_announcements_match_the_maps_file() {
 
     let info = registry.lookup(pid).expect("snapshot");
     assert_eq!(registry.stats().maps_from_announcements, 1);
+    // Who it is came from the exec event, not /proc/PID/stat and exe, and is what /proc says.
+    assert_eq!(registry.stats().identities_from_exec, 1);
     let mut files = FileCache::new(64);
-    let from_maps = read_process(pid, Path::new(&format!("/proc/{pid}")), "h", &mut files)
-        .expect("read /proc")
-        .info
-        .mappings;
+    let from_proc = read_process(
+        pid,
+        Path::new(&format!("/proc/{pid}")),
+        "profiler-test-host",
+        &mut files,
+    )
+    .expect("read /proc")
+    .info;
+    assert_eq!(info.labels, from_proc.labels);
+    assert_eq!(info.comm, from_proc.comm);
+    let from_maps = from_proc.mappings;
     // No mmap makes the legacy vsyscall page: only the maps file lists it.
     let described = |mappings: &[Mapping]| -> Vec<(u64, u64, u64, String, Option<FileId>)> {
         mappings
@@ -1107,6 +1116,14 @@ fn live_mappings_from_announcements_match_the_maps_file() {
         info.mappings
     );
     assert_eq!(info.labels.executable, exe.to_string_lossy());
+
+    // The recheck reads its start time, which is before the exec: the same process.
+    let again = registry.lookup(pid).expect("still running");
+    assert!(Arc::ptr_eq(&info, &again));
+    assert_eq!(
+        (registry.stats().pid_reuse, registry.stats().snapshots_taken),
+        (0, 1)
+    );
 
     // Announcements never say what was unmapped: an unknown address rereads the maps file.
     registry
@@ -1446,4 +1463,23 @@ fn sleep_exec_record(pid: Pid, label_env: Option<LabelEnv>) -> ExecRecord {
         exec_ns: monotonic_now_ns(),
         label_env,
     }
+}
+
+/// A snapshot from an exec event tells its process from a later one with the pid by the exec's
+/// time: a process that started before the exec (or in its clock tick) is the one that
+/// exec'ed, one that started after it is another.
+#[test]
+fn a_process_known_by_its_exec_is_told_from_a_later_one_by_its_start_time() {
+    let exec_ns = monotonic_now_ns();
+    let exec_tick = boottime_ticks_of_monotonic(exec_ns).expect("clocks");
+    let own_start = parse_stat(&fs::read_to_string("/proc/self/stat").expect("stat"))
+        .expect("parse stat")
+        .start_time;
+    let start = ProcessStart::ExecedAt(exec_ns);
+    assert!(own_start <= exec_tick, "{own_start} > {exec_tick}");
+    assert!(start.is(own_start));
+    assert!(start.is(exec_tick));
+    assert!(!start.is(exec_tick + 1));
+    assert!(ProcessStart::Read(own_start).is(own_start));
+    assert!(!ProcessStart::Read(own_start).is(own_start + 1));
 }

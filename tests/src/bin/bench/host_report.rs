@@ -719,6 +719,10 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                 "of which command lines from exec events",
             ),
             (
+                "profiler_process_identities_from_exec_total",
+                "of which identities from exec events (no stat, exe)",
+            ),
+            (
                 "profiler_process_snapshots_before_exec_total",
                 "samples taken in an exec, resolved against the program before it",
             ),
