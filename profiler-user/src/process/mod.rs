@@ -784,9 +784,14 @@ impl ProcessRegistry {
     /// on a host with cgroup v2 alone (one hierarchy, whose id the event carries). Nothing for a
     /// process that has not exec'ed since the agent started.
     fn known_program(&mut self, pid: Pid) -> KnownProgram {
-        let Some(Identity::Exec(record)) = self.identities.get(pid) else {
-            return KnownProgram::default();
-        };
+        match self.identities.get(pid) {
+            Some(Identity::Exec(record)) => self.known_from(&record),
+            _ => KnownProgram::default(),
+        }
+    }
+
+    /// What the exec event `record` says of its program (see [`Self::known_program`]).
+    fn known_from(&mut self, record: &ExecRecord) -> KnownProgram {
         KnownProgram {
             comm: record.comm.clone(),
             cmdline: record.args_complete.then(|| record.args.to_vec()),
@@ -902,25 +907,25 @@ impl ProcessRegistry {
             .name
             .strip_suffix(maps::DELETED_SUFFIX)
             .unwrap_or(&exe.name);
-        let cgroup = self.cgroups.unified_cgroup(record.cgroup_id);
-        let needs_proc = !record.args_complete || record.label_env.is_none() || cgroup.is_none();
+        let known = self.known_from(&record);
+        let needs_proc = known.cmdline.is_none() || known.env.is_none() || known.cgroup.is_none();
         let dir = match needs_proc {
             true => Some(open_process_dir(process_dir).ok()?),
             false => None,
         };
         let read = |name: &CStr| dir.as_ref().and_then(|dir| dir.read(name).ok());
-        let cmdline = match record.args_complete {
-            true => record.args.to_vec(),
+        let cmdline_from_exec = known.cmdline.is_some();
+        let cmdline = match known.cmdline {
+            Some(cmdline) => cmdline,
             // Gone, or not readable: /proc is read the usual way, which tells.
-            false => Some(parse_cmdline(&read(c"cmdline")?)).filter(|c| !c.is_empty())?,
+            None => Some(parse_cmdline(&read(c"cmdline")?)).filter(|c| !c.is_empty())?,
         };
-        let env = match &record.label_env {
-            Some(env) => env.to_map(),
-            None => read(c"environ")
+        let env = known.env.unwrap_or_else(|| {
+            read(c"environ")
                 .map(|raw| parse_environ(&raw))
-                .unwrap_or_default(),
-        };
-        let cgroup = cgroup.unwrap_or_else(|| {
+                .unwrap_or_default()
+        });
+        let cgroup = known.cgroup.unwrap_or_else(|| {
             read(c"cgroup")
                 .and_then(|raw| String::from_utf8(raw).ok())
                 .map(|text| parse_cgroup(&text))
@@ -931,19 +936,19 @@ impl ProcessRegistry {
             cmdline: &cmdline,
             env: &env,
             exe: Some(exe),
-            comm: &record.comm,
+            comm: &known.comm,
             cgroup: &cgroup,
             kubernetes: &kubernetes,
             host: &self.host,
             is_kernel_thread: false,
         });
         let identity = LabelledProcess {
-            comm: record.comm.clone(),
+            comm: known.comm,
             start_time: 0,
             labels,
             is_kernel_thread: false,
             provisional: false,
-            cmdline_from_exec: record.args_complete,
+            cmdline_from_exec,
         };
         Some((identity, record.exec_ns))
     }
