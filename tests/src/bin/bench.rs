@@ -52,7 +52,8 @@ use procs::{Finished, Proc, Usage};
 
 const USAGE: &str = "\
 usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-seconds N]
-             [--store-intervals N] [--host-seconds N] [--output FILE] [--no-build]
+             [--store-intervals N] [--host-seconds N] [--host-without PARTS]
+             [--output FILE] [--no-build]
 
   --suite SUITES       comma-separated, any of: overhead, depth, tables, shared, python,
                        store, gpu, off-cpu, host, unwind (= depth,tables,shared), all
@@ -62,6 +63,9 @@ usage: bench [--suite SUITES] [--seconds N] [--depth-seconds N] [--shared-second
   --shared-seconds N   shared suite: recording per variant in seconds (default 10)
   --store-intervals N  store suite: 15 s intervals of 50 services to ingest (default 12)
   --host-seconds N     host suite: length of the run in seconds (default 300, at least 60)
+  --host-without PARTS host suite: comma-separated parts to leave out, by name in lower case
+                       with `-` between words (exec-storm, named-threads, parallel-build,
+                       python-3-8-json, pytorch-inference, ...); the known-stack fixtures stay
   --output FILE        also write the markdown report to FILE
   --no-build           do not run `cargo build --release -p profiler-user` first
 
@@ -160,6 +164,7 @@ struct Options {
     shared_seconds: u64,
     store_intervals: u64,
     host_seconds: u64,
+    host_without: Vec<String>,
     output: Option<PathBuf>,
     build: bool,
 }
@@ -180,6 +185,7 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
         shared_seconds: 10,
         store_intervals: 12,
         host_seconds: host::DEFAULT_SECONDS,
+        host_without: Vec::new(),
         output: None,
         build: true,
     };
@@ -203,6 +209,13 @@ fn parse_args(args: &[String]) -> Result<Option<Options>> {
             "--store-intervals" => options.store_intervals = parse_seconds(flag, &value()?, 1)?,
             "--host-seconds" => {
                 options.host_seconds = parse_seconds(flag, &value()?, host::MIN_SECONDS)?
+            }
+            "--host-without" => {
+                options.host_without = value()?
+                    .split(',')
+                    .map(host::part_key)
+                    .filter(|key| !key.is_empty())
+                    .collect()
             }
             "--suite" => options.suites = Suites::parse(&value()?)?,
             "--output" => options.output = Some(PathBuf::from(value()?)),
@@ -435,7 +448,12 @@ fn run(args: &[String]) -> Result<()> {
             "bench: [host] a busy host for {} s under `profiler agent`",
             options.host_seconds
         );
-        let run = host::run(profiler, &scratch, options.host_seconds)?;
+        let run = host::run(
+            profiler,
+            &scratch,
+            options.host_seconds,
+            &options.host_without,
+        )?;
         markdown.push_str(&host_report::render(&run));
         settle()?;
     }

@@ -841,7 +841,72 @@ fn wait_for_agent(agent: &mut Group, log: &mut LogReader) -> Result<SocketAddr> 
     }
 }
 
-pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> {
+/// The name `--host-without` takes for a part: lower case, words joined by `-`
+/// (`exec-storm`, `python-3-8-json`).
+pub fn part_key(name: &str) -> String {
+    name.to_lowercase()
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|word| !word.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// The parallel build, which is not a [`PartSpec`] (it runs on a thread of the bench).
+const BUILD_PART: &str = "parallel build";
+
+/// Takes the parts named in `without` (by [`part_key`]) out of `specs`, noting each in
+/// `skipped`; the known-stack fixtures cannot be left out (the completeness figures need
+/// them). An unknown name is an error that lists the names there are.
+fn leave_out(
+    specs: Vec<PartSpec>,
+    chains: &[FixtureSpec],
+    without: &[String],
+    skipped: &mut Vec<String>,
+) -> Result<(Vec<PartSpec>, bool)> {
+    let is_fixture = |spec: &PartSpec| {
+        chains
+            .iter()
+            .any(|chain| spec.expected_service.as_deref() == Some(chain.service.as_str()))
+    };
+    let optional: Vec<String> = std::iter::once(part_key(BUILD_PART))
+        .chain(
+            specs
+                .iter()
+                .filter(|s| !is_fixture(s))
+                .map(|s| part_key(&s.name)),
+        )
+        .collect();
+    for name in without {
+        if !optional.contains(name) {
+            bail!(
+                "--host-without: no part {name:?} to leave out; the parts are: {}",
+                optional.join(", ")
+            );
+        }
+    }
+    let left_out = |key: &str| without.iter().any(|name| name == key);
+    let mut kept = Vec::new();
+    for spec in specs {
+        if !is_fixture(&spec) && left_out(&part_key(&spec.name)) {
+            skipped.push(format!("{}: left out (--host-without)", spec.name));
+        } else {
+            kept.push(spec);
+        }
+    }
+    let build = !left_out(&part_key(BUILD_PART));
+    if !build {
+        skipped.push(format!("{BUILD_PART}: left out (--host-without)"));
+    }
+    Ok((kept, build))
+}
+
+/// Runs the suite for `seconds`, without the parts named in `without` (see [`part_key`]).
+pub fn run(
+    profiler: &Path,
+    scratch: &Scratch,
+    seconds: u64,
+    without: &[String],
+) -> Result<HostRun> {
     catch_sigterm();
     eprintln!("bench: [host] building the fixtures and generating the C project");
     let fixtures = host_workload::build_fixtures()?;
@@ -851,7 +916,8 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
     std::fs::create_dir_all(&logs).context("cannot create the log directory")?;
     let store = scratch.path("host-store");
     let cache = scratch.path("host-cache");
-    let (specs, skipped, chains) = plan(&fixtures, scratch, seconds);
+    let (specs, mut skipped, chains) = plan(&fixtures, scratch, seconds);
+    let (specs, with_build) = leave_out(specs, &chains, without, &mut skipped)?;
     for reason in &skipped {
         eprintln!("bench: [host] skipped: {reason}");
     }
@@ -879,7 +945,7 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
     let http = ureq::AgentBuilder::new()
         .timeout(Duration::from_secs(4))
         .build();
-    let build = BuildLoop::start(build_dir, logs.join("build.log"));
+    let build = with_build.then(|| BuildLoop::start(build_dir, logs.join("build.log")));
     let mut pending = specs.into_iter();
     let mut parts: Vec<Part> = Vec::new();
     let mut polls: Vec<Poll> = Vec::new();
@@ -982,7 +1048,7 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
         None
     };
     eprintln!("bench: [host] stopping the workload");
-    let build = build.finish();
+    let build = build.map(BuildLoop::finish).unwrap_or_default();
     let mut reports = Vec::new();
     for mut part in parts {
         part.report.progress = host_workload::last_progress_line(&part.log);
@@ -1019,6 +1085,49 @@ pub fn run(profiler: &Path, scratch: &Scratch, seconds: u64) -> Result<HostRun> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parts_are_left_out_by_key_but_never_the_fixtures() {
+        let part = |name: &str, service: &str| {
+            spec(name, String::new(), Some(service), Command::new("true"))
+        };
+        let specs = || {
+            vec![
+                part("exec storm", "host_spawner"),
+                part("python 3.8 json", "host-py38-json"),
+                part("fp_chain (frame pointers)", "host_fp_chain_fp"),
+            ]
+        };
+        let chains = [FixtureSpec {
+            name: "fp_chain, frame pointers",
+            service: "host_fp_chain_fp".into(),
+            segments: Vec::new(),
+        }];
+        assert_eq!(part_key("Python 3.8 json"), "python-3-8-json");
+        assert_eq!(
+            part_key("fp_chain (frame pointers)"),
+            "fp-chain-frame-pointers"
+        );
+
+        let mut skipped = Vec::new();
+        let without = ["exec-storm".to_string(), "parallel-build".to_string()];
+        let (kept, build) = leave_out(specs(), &chains, &without, &mut skipped).unwrap();
+        let names: Vec<_> = kept.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["python 3.8 json", "fp_chain (frame pointers)"]);
+        assert!(!build);
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+
+        let (kept, build) = leave_out(specs(), &chains, &[], &mut Vec::new()).unwrap();
+        assert_eq!((kept.len(), build), (3, true));
+
+        for bad in ["fp-chain-frame-pointers", "no-such-part"] {
+            let err = leave_out(specs(), &chains, &[bad.to_string()], &mut Vec::new())
+                .err()
+                .expect("refused");
+            let text = err.to_string();
+            assert!(text.contains(bad) && text.contains("exec-storm"), "{text}");
+        }
+    }
 
     #[test]
     fn metrics_page_values() {
