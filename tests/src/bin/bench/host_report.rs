@@ -146,7 +146,7 @@ fn figures(run: &HostRun) -> Figures<'_> {
             .filter_map(|p| Some((p.t / 60.0, mib(field(p.rss.as_ref()?)))))
             .collect()
     };
-    let rss_slope = |field: fn(&crate::host::Rss) -> u64| slope(&rss_points(field));
+    let total_points = rss_points(|r| r.total);
     let with_metrics: Vec<&Poll> = steady
         .iter()
         .copied()
@@ -192,7 +192,7 @@ fn figures(run: &HostRun) -> Figures<'_> {
             warm.and_then(|p| p.rss).map(|r| r.total),
             last.and_then(|p| p.rss).map(|r| r.total),
         ),
-        fitted_growth_pct: fitted_growth(&rss_points(|r| r.total)),
+        fitted_growth_pct: fitted_growth(&total_points),
         anon_growth_pct: growth(
             warm.and_then(|p| p.rss).map(|r| r.anon),
             last.and_then(|p| p.rss).map(|r| r.anon),
@@ -201,8 +201,8 @@ fn figures(run: &HostRun) -> Figures<'_> {
             warm.and_then(|p| p.rss).map(|r| r.file),
             last.and_then(|p| p.rss).map(|r| r.file),
         ),
-        slope_mib_min: rss_slope(|r| r.total),
-        anon_slope_mib_min: rss_slope(|r| r.anon),
+        slope_mib_min: slope(&total_points),
+        anon_slope_mib_min: slope(&rss_points(|r| r.anon)),
         peak_mib: peak,
         peak_between_s,
         steady_us,
