@@ -984,8 +984,8 @@ impl Pipeline {
                 break;
             };
             match event {
-                LifecycleEvent::Exited { pid, .. } => {
-                    self.processes.record_exit(Pid(pid));
+                LifecycleEvent::Exited { pid, ktime_ns } => {
+                    self.processes.record_exit(Pid(pid), ktime_ns);
                     self.native_tables.unregister(Pid(pid));
                     self.python.forget(Pid(pid));
                     self.symbolizer.forget_process(Pid(pid));
@@ -1139,6 +1139,8 @@ impl Pipeline {
             process_snapshots_before_exec: registry.snapshots_before_exec,
             process_parents_gone_since_fork: registry.parents_gone_since_fork,
             process_identities: registry.identities,
+            process_exited_identities: registry.exited_identities,
+            process_identities_expired: registry.identities_expired,
             cgroup_paths: registry.cgroup_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,

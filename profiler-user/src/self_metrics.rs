@@ -81,6 +81,10 @@ pub struct SelfMetrics {
     /// was read, and was not known at the fork.
     pub process_parents_gone_since_fork: u64,
     pub process_identities: u64,
+    /// Of those, exited processes' (kept a minute after the exit, at most
+    /// `MAX_EXITED_IDENTITIES`), and how many were forgotten for their age.
+    pub process_exited_identities: u64,
+    pub process_identities_expired: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
     /// Snapshots from events whose libraries came from the kernel's mmap announcements.
@@ -879,6 +883,18 @@ impl SelfMetrics {
                 "gauge",
             ),
             (
+                "process_exited_identities",
+                "Of those, identities of exited processes, kept for a minute after the exit (bounded)",
+                self.process_exited_identities,
+                "gauge",
+            ),
+            (
+                "process_identities_expired_total",
+                "Identities of exited processes forgotten a minute after their exit",
+                self.process_identities_expired,
+                "counter",
+            ),
+            (
                 "process_snapshots_from_announced_mmaps_total",
                 "Snapshots of processes gone from /proc whose libraries came from mmap announcements",
                 self.process_snapshots_from_announced_mmaps,
@@ -942,6 +958,12 @@ impl SelfMetrics {
                 "announced_mmaps_lost_total",
                 "mmap announcements the kernel dropped because the ring was full",
                 self.announced_mmaps.records_lost,
+                "counter",
+            ),
+            (
+                "announced_mmap_processes_expired_total",
+                "Processes whose announced mmaps were dropped a minute after their exit",
+                self.announced_mmaps.expired_processes,
                 "counter",
             ),
             (

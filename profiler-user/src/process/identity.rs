@@ -38,6 +38,13 @@ pub const MAX_LIVE_IDENTITIES: usize = 16_384;
 /// the children forked from them (the oldest are forgotten first).
 pub const MAX_EXITED_IDENTITIES: usize = 8_192;
 
+/// How long an exited process's identity is kept after its exit. Its last samples are handled
+/// within seconds (a held sample waits at most a few); a child forked from it has its own
+/// snapshot by the time it has run this long. Without a time bound a host forking ten times a
+/// second filled [`MAX_EXITED_IDENTITIES`] over a quarter of an hour, the agent's memory
+/// growing all that time (about 0.5 MiB a minute in the host benchmark without its exec storm).
+pub const EXITED_IDENTITY_RETENTION_NS: u64 = 60_000_000_000;
+
 /// What the events say about a process.
 #[derive(Clone, Debug)]
 pub enum Identity {
@@ -71,7 +78,10 @@ impl Identity {
 #[derive(Debug)]
 pub struct Identities {
     live: Lru<Pid, Entry>,
-    exited: Lru<Pid, Entry>,
+    /// In the order of their exits (a lookup does not reorder them), with the exit's time.
+    exited: Lru<Pid, (Entry, u64)>,
+    /// Exited identities forgotten [`EXITED_IDENTITY_RETENTION_NS`] after their exit.
+    expired: u64,
 }
 
 #[derive(Debug)]
@@ -87,6 +97,7 @@ impl Default for Identities {
         Identities {
             live: Lru::new(MAX_LIVE_IDENTITIES),
             exited: Lru::new(MAX_EXITED_IDENTITIES),
+            expired: 0,
         }
     }
 }
@@ -107,19 +118,45 @@ impl Identities {
         self.live.insert(pid, entry);
     }
 
-    /// The process exited: its identity is kept, among the exited ones, while its last
-    /// samples and its children may still ask.
-    pub fn exited(&mut self, pid: Pid) {
+    /// The process exited at `exit_ns` (CLOCK_MONOTONIC): its identity is kept, among the
+    /// exited ones, while its last samples and its children may still ask, for
+    /// [`EXITED_IDENTITY_RETENTION_NS`]. Those that exited longer ago go now.
+    pub fn exited(&mut self, pid: Pid, exit_ns: u64) {
         if let Some(entry) = self.live.remove(&pid) {
-            self.exited.insert(pid, entry);
+            self.exited.insert(pid, (entry, exit_ns));
         }
+        self.expire(exit_ns);
+    }
+
+    /// Forgets the identities of processes that exited [`EXITED_IDENTITY_RETENTION_NS`] or
+    /// more before `now_ns` (CLOCK_MONOTONIC).
+    pub fn expire(&mut self, now_ns: u64) {
+        let before = now_ns.saturating_sub(EXITED_IDENTITY_RETENTION_NS);
+        while self
+            .exited
+            .oldest()
+            .is_some_and(|(_, (_, exit_ns))| *exit_ns < before)
+        {
+            self.exited.pop_oldest();
+            self.expired += 1;
+        }
+    }
+
+    /// Exited identities forgotten for their age so far.
+    pub fn expired(&self) -> u64 {
+        self.expired
+    }
+
+    /// Exited identities held.
+    pub fn exited_len(&self) -> usize {
+        self.exited.len()
     }
 
     fn entry(&mut self, pid: Pid) -> Option<&mut Entry> {
         if self.live.contains_key(&pid) {
             return self.live.get_mut(&pid);
         }
-        self.exited.get_mut(&pid)
+        self.exited.peek_mut(&pid).map(|(entry, _)| entry)
     }
 
     pub fn get(&mut self, pid: Pid) -> Option<Identity> {
@@ -411,6 +448,39 @@ mod tests {
         assert_eq!(comm(identities.before_exec(pid, 150)), "none");
     }
 
+    /// An exited process's identity is kept a minute after its exit, whatever the lookups
+    /// meanwhile (a lookup does not make it younger), and then forgotten; a running one stays.
+    #[test]
+    fn exited_identities_go_a_minute_after_the_exit() {
+        let second = 1_000_000_000;
+        let fork = |parent| Identity::Fork {
+            parent: Pid(parent),
+            parent_info: None,
+            forked_ns: 0,
+        };
+        let mut identities = Identities::default();
+        identities.record(Pid(1), fork(0));
+        identities.record(Pid(10), fork(1));
+        identities.record(Pid(11), fork(1));
+        identities.exited(Pid(10), 5 * second);
+        identities.exited(Pid(11), 30 * second);
+        assert_eq!(identities.exited_len(), 2);
+        // Looked up just before its minute is over: still the first to go.
+        identities.expire(64 * second);
+        assert!(identities.get(Pid(10)).is_some());
+        identities.expire(66 * second);
+        assert!(identities.get(Pid(10)).is_none(), "exited 61 s ago");
+        assert!(identities.get(Pid(11)).is_some(), "exited 36 s ago");
+        assert_eq!(identities.expired(), 1);
+        // Another exit expires the ones older than a minute before it.
+        identities.record(Pid(12), fork(1));
+        identities.exited(Pid(12), 91 * second);
+        assert!(identities.get(Pid(11)).is_none());
+        assert!(identities.get(Pid(12)).is_some());
+        assert!(identities.get(Pid(1)).is_some(), "running: no age bound");
+        assert_eq!((identities.expired(), identities.exited_len()), (2, 1));
+    }
+
     /// A running parent's identity outlives the churn of short-lived processes around it:
     /// forks and exits of many more processes than either bound holds.
     #[test]
@@ -434,7 +504,7 @@ mod tests {
                     forked_ns: 0,
                 },
             );
-            identities.exited(Pid(pid));
+            identities.exited(Pid(pid), 0);
         }
         assert!(matches!(
             identities.get(parent),
@@ -446,7 +516,7 @@ mod tests {
         assert!(identities.get(Pid(100)).is_none());
         assert!(identities.len() <= MAX_LIVE_IDENTITIES + MAX_EXITED_IDENTITIES);
         // Once exited, the parent is among them, and a pid reused is running again.
-        identities.exited(parent);
+        identities.exited(parent, 0);
         assert!(identities.get(parent).is_some());
         identities.record(
             last,

@@ -42,6 +42,21 @@ impl<K: Hash + Eq, V> Lru<K, V> {
         self.entries.to_back(key)
     }
 
+    /// The value, its use order unchanged.
+    pub(crate) fn peek_mut(&mut self, key: &K) -> Option<&mut V> {
+        self.entries.get_mut(key)
+    }
+
+    /// The least recently used entry.
+    pub(crate) fn oldest(&self) -> Option<(&K, &V)> {
+        self.entries.front()
+    }
+
+    /// Removes the least recently used entry.
+    pub(crate) fn pop_oldest(&mut self) -> Option<(K, V)> {
+        self.entries.pop_front()
+    }
+
     /// Inserts (or replaces) a value as most recently used; returns the entries evicted to stay
     /// within capacity.
     pub(crate) fn insert(&mut self, key: K, value: V) -> Vec<(K, V)> {

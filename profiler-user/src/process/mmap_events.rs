@@ -7,7 +7,7 @@
 //! `comm_exec` to know where a program's image starts), timed on CLOCK_MONOTONIC like the BPF
 //! events. The rings are drained by the pipeline before a sample newer than their last read, so
 //! the mappings of a process whose sample is handled were read before it.
-use std::{borrow::Cow, sync::Arc};
+use std::{borrow::Cow, collections::VecDeque, sync::Arc};
 
 use foldhash::{HashSet, HashSetExt};
 use perf_event::{
@@ -27,6 +27,13 @@ use crate::model::{FileId, MmapChange, Pid};
 pub const MAX_PROCESSES: usize = 4096;
 /// Executable mappings kept per program image (a process that maps more keeps its first ones).
 pub const MAX_MAPPINGS_PER_IMAGE: usize = 512;
+/// How long the announcements of a process that exited are kept after its exit (its last
+/// samples are handled within seconds). Without it a host forking ten times a second filled
+/// [`MAX_PROCESSES`] over seven minutes, the agent's memory growing all that time.
+pub const EXITED_RETENTION_NS: u64 = 60_000_000_000;
+/// Exits waiting for their [`EXITED_RETENTION_NS`] at most (beyond, the oldest go unexpired:
+/// their processes leave with [`MAX_PROCESSES`]' bound instead).
+const MAX_PENDING_EXITS: usize = 2 * MAX_PROCESSES;
 /// Distinct paths kept (shared by all processes); the set restarts when full.
 const MAX_PATHS: usize = 16_384;
 /// Rings of all CPUs together: records arrive at a few thousand a second on a busy host and
@@ -79,6 +86,8 @@ pub struct MmapLogStats {
     pub mappings: u64,
     pub records_lost: u64,
     pub records_unparsable: u64,
+    /// Processes whose announcements were dropped [`EXITED_RETENTION_NS`] after their exit.
+    pub expired_processes: u64,
 }
 
 /// The announced mappings of recent program images, by process.
@@ -99,6 +108,8 @@ pub struct MmapLog {
     tracking: bool,
     /// The latest times each pid's process ended or began ([`Self::process_boundary`]).
     boundaries: Lru<Pid, Boundaries>,
+    /// Exits in the order seen ([`Self::exited`]), each to be expired once old enough.
+    exits: VecDeque<(Pid, u64)>,
 }
 
 /// Exits and forks remembered per pid: a pid is reused about once a minute on the busiest host
@@ -151,6 +162,50 @@ impl MmapLog {
             changes: None,
             tracking: false,
             boundaries: Lru::new(max_processes),
+            exits: VecDeque::new(),
+        }
+    }
+
+    /// The process with `pid` exited at `time_ns` (its exit event, applied once the samples
+    /// taken before it are handled): its announcements go [`EXITED_RETENTION_NS`] later, as do
+    /// those of processes that exited that long before `time_ns`.
+    pub fn exited(&mut self, pid: Pid, time_ns: u64) {
+        if self.exits.len() >= MAX_PENDING_EXITS {
+            self.exits.pop_front();
+        }
+        self.exits.push_back((pid, time_ns));
+        self.expire(time_ns);
+    }
+
+    /// Drops the announcements of processes that exited [`EXITED_RETENTION_NS`] or more before
+    /// `now_ns`, unless their pid was announced or began again since the exit (another
+    /// process's by then).
+    pub fn expire(&mut self, now_ns: u64) {
+        let before = now_ns.saturating_sub(EXITED_RETENTION_NS);
+        while let Some(&(pid, exit_ns)) = self.exits.front() {
+            if exit_ns >= before {
+                break;
+            }
+            self.exits.pop_front();
+            let reused = self
+                .boundaries
+                .peek_mut(&pid)
+                .is_some_and(|times| times.iter().any(|&t| t > exit_ns));
+            let Some(images) = self.processes.peek_mut(&pid) else {
+                continue;
+            };
+            let announced_since = images.iter().any(|image| {
+                image.exec_ns > exit_ns || image.mappings.iter().any(|m| m.time_ns > exit_ns)
+            });
+            if reused || announced_since {
+                continue;
+            }
+            if let Some(images) = self.processes.remove(&pid) {
+                let count: usize = images.iter().map(|i| i.mappings.len()).sum();
+                self.mappings = self.mappings.saturating_sub(count as u64);
+            }
+            self.boundaries.remove(&pid);
+            self.stats.expired_processes += 1;
         }
     }
 
@@ -565,6 +620,48 @@ mod tests {
         assert_eq!(log.boundary_after(pid, 450), Some(500));
         assert_eq!(log.boundary_after(pid, 600), None);
         assert_eq!(log.boundary_after(Pid(8), 0), None);
+    }
+
+    /// An exited process's announcements go a minute after its exit, unless its pid was
+    /// announced or began again since (another process's by then).
+    #[test]
+    fn an_exited_process_is_forgotten_a_minute_after_its_exit() {
+        let second = 1_000_000_000;
+        let mut log = MmapLog::new(16);
+        for pid in [1, 2, 3] {
+            log.exec(Pid(pid), second);
+            log.mapped(Pid(pid), mapping(second + 1, 0x1000, 0x2000, "/bin/a"));
+        }
+        // 1 exits for good; 2's pid is forked again after its exit; 3's pid exec'ed again.
+        for pid in [1, 2, 3] {
+            log.process_boundary(Pid(pid), 10 * second);
+            log.exited(Pid(pid), 10 * second);
+        }
+        log.process_boundary(Pid(2), 20 * second);
+        log.exec(Pid(3), 20 * second);
+        log.expire(69 * second);
+        assert!(
+            log.mappings_at(Pid(1), 2 * second).is_some(),
+            "exited 59 s ago"
+        );
+        assert_eq!(log.stats().expired_processes, 0);
+        log.expire(71 * second);
+        assert!(
+            log.mappings_at(Pid(1), 2 * second).is_none(),
+            "exited 61 s ago"
+        );
+        assert!(log.boundary_after(Pid(1), 0).is_none());
+        assert!(
+            log.mappings_at(Pid(2), 2 * second).is_some(),
+            "the pid began again"
+        );
+        assert!(
+            log.mappings_at(Pid(3), 2 * second).is_some(),
+            "the pid exec'ed again"
+        );
+        let stats = log.stats();
+        assert_eq!((stats.expired_processes, stats.processes), (1, 2));
+        assert_eq!(stats.mappings, 2);
     }
 
     fn mapping(time_ns: u64, start: u64, end: u64, path: &str) -> AnnouncedMapping {

@@ -137,6 +137,10 @@ pub struct RegistryStats {
     pub parents_gone_since_fork: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,
+    /// Of those, identities of exited processes (bounded in number and age).
+    pub exited_identities: u64,
+    /// Exited processes' identities forgotten for their age.
+    pub identities_expired: u64,
     /// Snapshots from events whose mappings came from the kernel's mmap announcements.
     pub snapshots_from_announced_mmaps: u64,
     /// Snapshots of live processes whose mappings came from the announcements instead of
@@ -310,6 +314,8 @@ impl ProcessRegistry {
             open_files: files::open_file_descriptors(),
             cached_files: self.files.len() as u64,
             identities: self.identities.len() as u64,
+            exited_identities: self.identities.exited_len() as u64,
+            identities_expired: self.identities.expired(),
             cgroup_paths: self.cgroups.len() as u64,
             ..self.stats
         }
@@ -344,9 +350,13 @@ impl ProcessRegistry {
         );
     }
 
-    /// The process exited (from the exit event): its identity moves among the exited ones.
-    pub fn record_exit(&mut self, pid: Pid) {
-        self.identities.exited(pid);
+    /// The process exited at `exit_ns` (from the exit event): its identity moves among the
+    /// exited ones.
+    pub fn record_exit(&mut self, pid: Pid, exit_ns: u64) {
+        self.identities.exited(pid, exit_ns);
+        if let Some(events) = &mut self.mmaps {
+            events.log.exited(pid, exit_ns);
+        }
     }
 
     /// Number of snapshots held.
@@ -776,6 +786,12 @@ impl ProcessRegistry {
         self.processes.retain(|pid, entry| {
             entry.used_in_interval >= current || process_dir(proc_root, *pid).exists()
         });
+        // Exits expire older ones as they come; this catches up after the last exit.
+        let now_ns = monotonic_now_ns();
+        self.identities.expire(now_ns);
+        if let Some(events) = &mut self.mmaps {
+            events.log.expire(now_ns);
+        }
         self.interval += 1;
     }
 
