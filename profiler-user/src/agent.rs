@@ -1138,6 +1138,7 @@ impl Pipeline {
             process_snapshots_from_events: registry.snapshots_from_events,
             process_snapshots_before_exec: registry.snapshots_before_exec,
             process_parents_gone_since_fork: registry.parents_gone_since_fork,
+            process_parents_from_fork_time: registry.parents_from_fork_time,
             process_identities: registry.identities,
             process_exited_identities: registry.exited_identities,
             process_identities_expired: registry.identities_expired,

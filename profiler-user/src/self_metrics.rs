@@ -80,6 +80,8 @@ pub struct SelfMetrics {
     /// Fork children left unknown: their parent exited (or its pid changed hands) before it
     /// was read, and was not known at the fork.
     pub process_parents_gone_since_fork: u64,
+    /// Fork children named by what their parent ran at the fork, its identity gone since.
+    pub process_parents_from_fork_time: u64,
     pub process_identities: u64,
     /// Of those, exited processes' (kept a minute after the exit, at most
     /// `MAX_EXITED_IDENTITIES`), and how many were forgotten for their age.
@@ -874,6 +876,12 @@ impl SelfMetrics {
                 "process_parents_gone_since_fork_total",
                 "Fork children left unknown: their parent exited or its pid was reused before it was read",
                 self.process_parents_gone_since_fork,
+                "counter",
+            ),
+            (
+                "process_parents_from_fork_time_total",
+                "Fork children named by what their parent ran at the fork, the parent's identity gone since",
+                self.process_parents_from_fork_time,
                 "counter",
             ),
             (

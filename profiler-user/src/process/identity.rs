@@ -56,7 +56,19 @@ pub enum Identity {
         parent: Pid,
         parent_info: Option<Arc<ProcessInfo>>,
         forked_ns: u64,
+        /// Without a snapshot of the parent at the fork: what its own events said it ran then,
+        /// for when the parent's identity is gone (it exited long before the child).
+        inherited: Option<ForkedProgram>,
     },
+}
+
+/// The program a fork child runs until it execs, as known at the fork.
+#[derive(Clone, Debug)]
+pub enum ForkedProgram {
+    /// The parent's (or an ancestor's, forked without exec since) exec event.
+    Exec(Arc<ExecRecord>),
+    /// A snapshot of the ancestor the parent was forked from without exec since.
+    Snapshot(Arc<ProcessInfo>),
 }
 
 impl Identity {
@@ -423,6 +435,7 @@ mod tests {
             Identity::Fork {
                 parent: Pid(7),
                 parent_info: None,
+                inherited: None,
                 forked_ns: 0,
             },
         );
@@ -442,6 +455,7 @@ mod tests {
             Identity::Fork {
                 parent: Pid(8),
                 parent_info: None,
+                inherited: None,
                 forked_ns: 0,
             },
         );
@@ -456,6 +470,7 @@ mod tests {
         let fork = |parent| Identity::Fork {
             parent: Pid(parent),
             parent_info: None,
+            inherited: None,
             forked_ns: 0,
         };
         let mut identities = Identities::default();
@@ -501,6 +516,7 @@ mod tests {
                 Identity::Fork {
                     parent,
                     parent_info: None,
+                    inherited: None,
                     forked_ns: 0,
                 },
             );
@@ -523,6 +539,7 @@ mod tests {
             Identity::Fork {
                 parent,
                 parent_info: None,
+                inherited: None,
                 forked_ns: 0,
             },
         );

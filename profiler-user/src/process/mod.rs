@@ -31,7 +31,9 @@ use tracing::debug;
 use self::{
     cgroup::{CgroupInfo, parse_cgroup},
     files::FileCache,
-    identity::{CgroupPaths, Identities, Identity, executable_path, forked_snapshot},
+    identity::{
+        CgroupPaths, ForkedProgram, Identities, Identity, executable_path, forked_snapshot,
+    },
     kubernetes::{KubernetesNames, KubernetesSources, kubernetes_names},
     labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
     lru::Lru,
@@ -135,6 +137,9 @@ pub struct RegistryStats {
     /// pid was reused since (so /proc no longer shows it), and the identity held for the pid
     /// is not from before the fork.
     pub parents_gone_since_fork: u64,
+    /// Fork children named by what their parent ran at the fork (the parent's identity gone
+    /// since: it exited long before the child).
+    pub parents_from_fork_time: u64,
     /// Identities from exec and fork events held (bounded).
     pub identities: u64,
     /// Of those, identities of exited processes (bounded in number and age).
@@ -340,12 +345,28 @@ impl ProcessRegistry {
             .processes
             .get_mut(&parent)
             .map(|entry| Arc::clone(&entry.info));
+        // Without a snapshot, what the parent's events say it runs now: the fork event comes
+        // in order, after the parent's exec, so its identity is the one it forked with. Kept
+        // one level deep: a fork of a fork takes what its parent had inherited.
+        let inherited = match &parent_info {
+            Some(_) => None,
+            None => match self.identities.get(parent) {
+                Some(Identity::Exec(record)) => Some(ForkedProgram::Exec(record)),
+                Some(Identity::Fork {
+                    parent_info: Some(info),
+                    ..
+                }) => Some(ForkedProgram::Snapshot(info)),
+                Some(Identity::Fork { inherited, .. }) => inherited,
+                None => None,
+            },
+        };
         self.identities.record(
             pid,
             Identity::Fork {
                 parent,
                 parent_info,
                 forked_ns,
+                inherited,
             },
         );
     }
@@ -531,6 +552,7 @@ impl ProcessRegistry {
                 parent,
                 parent_info,
                 forked_ns,
+                inherited,
             } => {
                 // A parent not snapshotted at the fork: now, from /proc or its own events (a
                 // fork of a fork, a few levels at most). A parent that exec'ed since the fork
@@ -558,20 +580,41 @@ impl ProcessRegistry {
                             Some(identity) if identity.since_ns() <= forked_ns => Arc::new(
                                 self.build_from_identity(parent, identity, now, depth + 1)?,
                             ),
-                            _ => {
-                                self.stats.parents_gone_since_fork += 1;
-                                return None;
-                            }
+                            // Forgotten (it exited long ago) or another process's now:
+                            // what it ran at the fork, as its events said then.
+                            _ => match self.inherited_snapshot(parent, inherited) {
+                                Some(info) => info,
+                                None => {
+                                    self.stats.parents_gone_since_fork += 1;
+                                    return None;
+                                }
+                            },
                         },
                         (None, None) => self
                             .take_snapshot(parent, now)
-                            .or_else(|| self.snapshot_from_events(parent, now, depth + 1))?,
+                            .or_else(|| self.snapshot_from_events(parent, now, depth + 1))
+                            .or_else(|| self.inherited_snapshot(parent, inherited))?,
                     },
                     None => return None,
                 };
                 forked_snapshot(pid, &parent_info)
             }
         };
+        Some(info)
+    }
+
+    /// The parent as a fork child's identity recorded it at the fork (see
+    /// [`Identity::Fork`]'s `inherited`), for a parent whose own identity is gone.
+    fn inherited_snapshot(
+        &mut self,
+        parent: Pid,
+        inherited: Option<ForkedProgram>,
+    ) -> Option<Arc<ProcessInfo>> {
+        let info = match inherited? {
+            ForkedProgram::Exec(record) => Arc::new(self.exec_snapshot(parent, &record)),
+            ForkedProgram::Snapshot(info) => info,
+        };
+        self.stats.parents_from_fork_time += 1;
         Some(info)
     }
 

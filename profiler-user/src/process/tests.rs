@@ -1400,8 +1400,47 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
     registry.record_fork(other_orphan, reused, forked_ns);
     registry.note_process_boundary(reused, forked_ns + 1);
     registry.record_fork(reused, exited, forked_ns + 2);
-    assert!(registry.lookup(other_orphan).is_none());
-    assert_eq!(registry.stats().parents_gone_since_fork, 3);
+    // The next process's identity is not taken: what the parent ran at the fork, kept with
+    // the child then, is.
+    let info = registry
+        .lookup(other_orphan)
+        .expect("named by the parent's program at the fork");
+    assert_eq!(info.labels.service_name, "shell_before");
+    assert_eq!(registry.stats().parents_from_fork_time, 1);
+
+    // A parent that exited long before its child: its identity is forgotten a minute after
+    // its exit, and the child, first looked up after that, is still its program.
+    let mut taken = vec![
+        child.0,
+        second.0,
+        third.0,
+        exited.0,
+        orphan.0,
+        reused.0,
+        other_orphan.0,
+    ];
+    let late_orphan = Pid(unused_pid(&taken));
+    taken.push(late_orphan.0);
+    let long_lived_parent = Pid(unused_pid(&taken));
+    registry.record_exec(
+        long_lived_parent,
+        Arc::new(ExecRecord {
+            exec_ns: forked_ns + 10,
+            ..registry_record("supervisor")
+        }),
+    );
+    registry.record_fork(late_orphan, long_lived_parent, forked_ns + 20);
+    registry.note_process_boundary(long_lived_parent, forked_ns + 30);
+    registry.record_exit(long_lived_parent, forked_ns + 30);
+    let a_minute_later = forked_ns + 30 + identity::EXITED_IDENTITY_RETENTION_NS + 1;
+    registry.record_exit(Pid(unused_pid(&[])), a_minute_later);
+    assert!(registry.stats().identities_expired >= 1);
+    let info = registry
+        .lookup(late_orphan)
+        .expect("named by the parent's program at the fork");
+    assert_eq!(info.labels.service_name, "supervisor");
+    assert_eq!(registry.stats().parents_from_fork_time, 2);
+    assert_eq!(registry.stats().parents_gone_since_fork, 2);
 }
 
 /// A pid no process has now and not in `taken` (pids count up from the last one given out,
