@@ -171,6 +171,12 @@ impl Identities {
         self.exited.peek_mut(&pid).map(|(entry, _)| entry)
     }
 
+    /// The identity of `pid` while it runs (not one kept after its exit: a process forking
+    /// under that pid now is a later one).
+    pub fn get_running(&mut self, pid: Pid) -> Option<Identity> {
+        self.live.get_mut(&pid).map(|entry| entry.current.clone())
+    }
+
     pub fn get(&mut self, pid: Pid) -> Option<Identity> {
         self.entry(pid).map(|entry| entry.current.clone())
     }

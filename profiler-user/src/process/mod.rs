@@ -350,7 +350,7 @@ impl ProcessRegistry {
         // one level deep: a fork of a fork takes what its parent had inherited.
         let inherited = match &parent_info {
             Some(_) => None,
-            None => match self.identities.get(parent) {
+            None => match self.identities.get_running(parent) {
                 Some(Identity::Exec(record)) => Some(ForkedProgram::Exec(record)),
                 Some(Identity::Fork {
                     parent_info: Some(info),
