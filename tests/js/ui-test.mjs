@@ -200,6 +200,9 @@ async function main() {
     await page.waitForFunction(() => Number(document.querySelector('#service').dataset.count) >= 2);
     const options = await page.$$eval('#service option', (opts) => opts.map((o) => o.value));
     assert.ok(options.includes(service) && options.includes(otherService), `services offered: ${options}`);
+    // The profile types load after the services: wait for the picker to be filled (with the
+    // types, or with its "no profiles" entry) before reading it.
+    await page.waitForFunction(() => document.querySelector('#profile-type').options.length > 0);
     const types = await page.$$eval('#profile-type option', (opts) => opts.map((o) => o.value));
     assert.ok(types.includes('process_cpu:cpu:nanoseconds:cpu:nanoseconds'), `profile types: ${types}`);
     // The last 5 minutes hold all of this run's data, so the timeline shows it.

@@ -25,6 +25,7 @@ use std::{
 use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
 
 use super::{
+    EXITED_PROCESS_RETENTION_NS,
     cgroup::{CgroupInfo, parse_cgroup},
     lru::Lru,
 };
@@ -37,13 +38,6 @@ pub const MAX_LIVE_IDENTITIES: usize = 16_384;
 /// Identities of exited processes kept at most, for their samples still in flight and for
 /// the children forked from them (the oldest are forgotten first).
 pub const MAX_EXITED_IDENTITIES: usize = 8_192;
-
-/// How long an exited process's identity is kept after its exit. Its last samples are handled
-/// within seconds (a held sample waits at most a few); a child forked from it has its own
-/// snapshot by the time it has run this long. Without a time bound a host forking ten times a
-/// second filled [`MAX_EXITED_IDENTITIES`] over a quarter of an hour, the agent's memory
-/// growing all that time (about 0.5 MiB a minute in the host benchmark without its exec storm).
-pub const EXITED_IDENTITY_RETENTION_NS: u64 = 60_000_000_000;
 
 /// What the events say about a process.
 #[derive(Clone, Debug)]
@@ -92,7 +86,7 @@ pub struct Identities {
     live: Lru<Pid, Entry>,
     /// In the order of their exits (a lookup does not reorder them), with the exit's time.
     exited: Lru<Pid, (Entry, u64)>,
-    /// Exited identities forgotten [`EXITED_IDENTITY_RETENTION_NS`] after their exit.
+    /// Exited identities forgotten [`EXITED_PROCESS_RETENTION_NS`] after their exit.
     expired: u64,
 }
 
@@ -132,7 +126,7 @@ impl Identities {
 
     /// The process exited at `exit_ns` (CLOCK_MONOTONIC): its identity is kept, among the
     /// exited ones, while its last samples and its children may still ask, for
-    /// [`EXITED_IDENTITY_RETENTION_NS`]. Those that exited longer ago go now.
+    /// [`EXITED_PROCESS_RETENTION_NS`]. Those that exited longer ago go now.
     pub fn exited(&mut self, pid: Pid, exit_ns: u64) {
         if let Some(entry) = self.live.remove(&pid) {
             self.exited.insert(pid, (entry, exit_ns));
@@ -140,10 +134,10 @@ impl Identities {
         self.expire(exit_ns);
     }
 
-    /// Forgets the identities of processes that exited [`EXITED_IDENTITY_RETENTION_NS`] or
+    /// Forgets the identities of processes that exited [`EXITED_PROCESS_RETENTION_NS`] or
     /// more before `now_ns` (CLOCK_MONOTONIC).
     pub fn expire(&mut self, now_ns: u64) {
-        let before = now_ns.saturating_sub(EXITED_IDENTITY_RETENTION_NS);
+        let before = now_ns.saturating_sub(EXITED_PROCESS_RETENTION_NS);
         while self
             .exited
             .oldest()

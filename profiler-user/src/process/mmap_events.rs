@@ -20,19 +20,15 @@ use perf_event::{
 };
 use perf_event_open_sys::bindings::{PERF_RECORD_MISC_COMM_EXEC, perf_event_header};
 
-use super::lru::Lru;
+use super::{EXITED_PROCESS_RETENTION_NS, lru::Lru};
 use crate::model::{FileId, MmapChange, Pid};
 
 /// Processes whose mappings are remembered (least recently announced go first).
 pub const MAX_PROCESSES: usize = 4096;
 /// Executable mappings kept per program image (a process that maps more keeps its first ones).
 pub const MAX_MAPPINGS_PER_IMAGE: usize = 512;
-/// How long the announcements of a process that exited are kept after its exit (its last
-/// samples are handled within seconds). Without it a host forking ten times a second filled
-/// [`MAX_PROCESSES`] over seven minutes, the agent's memory growing all that time.
-pub const EXITED_RETENTION_NS: u64 = 60_000_000_000;
-/// Exits waiting for their [`EXITED_RETENTION_NS`] at most (beyond, the oldest go unexpired:
-/// their processes leave with [`MAX_PROCESSES`]' bound instead).
+/// Exits waiting for their [`EXITED_PROCESS_RETENTION_NS`] at most (beyond, the oldest go
+/// unexpired: their processes leave with [`MAX_PROCESSES`]' bound instead).
 const MAX_PENDING_EXITS: usize = 2 * MAX_PROCESSES;
 /// Distinct paths kept (shared by all processes); the set restarts when full.
 const MAX_PATHS: usize = 16_384;
@@ -86,7 +82,7 @@ pub struct MmapLogStats {
     pub mappings: u64,
     pub records_lost: u64,
     pub records_unparsable: u64,
-    /// Processes whose announcements were dropped [`EXITED_RETENTION_NS`] after their exit.
+    /// Processes whose announcements were dropped [`EXITED_PROCESS_RETENTION_NS`] after their exit.
     pub expired_processes: u64,
 }
 
@@ -167,8 +163,8 @@ impl MmapLog {
     }
 
     /// The process with `pid` exited at `time_ns` (its exit event, applied once the samples
-    /// taken before it are handled): its announcements go [`EXITED_RETENTION_NS`] later, as do
-    /// those of processes that exited that long before `time_ns`.
+    /// taken before it are handled): its announcements go [`EXITED_PROCESS_RETENTION_NS`]
+    /// later, as do those of processes that exited that long before `time_ns`.
     pub fn exited(&mut self, pid: Pid, time_ns: u64) {
         if self.exits.len() >= MAX_PENDING_EXITS {
             self.exits.pop_front();
@@ -177,11 +173,11 @@ impl MmapLog {
         self.expire(time_ns);
     }
 
-    /// Drops the announcements of processes that exited [`EXITED_RETENTION_NS`] or more before
-    /// `now_ns`, unless their pid was announced or began again since the exit (another
-    /// process's by then).
+    /// Drops the announcements of processes that exited [`EXITED_PROCESS_RETENTION_NS`] or
+    /// more before `now_ns`, unless their pid was announced or began again since the exit
+    /// (another process's by then).
     pub fn expire(&mut self, now_ns: u64) {
-        let before = now_ns.saturating_sub(EXITED_RETENTION_NS);
+        let before = now_ns.saturating_sub(EXITED_PROCESS_RETENTION_NS);
         while let Some(&(pid, exit_ns)) = self.exits.front() {
             if exit_ns >= before {
                 break;

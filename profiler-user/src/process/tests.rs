@@ -1432,7 +1432,7 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
     registry.record_fork(late_orphan, long_lived_parent, forked_ns + 20);
     registry.note_process_boundary(long_lived_parent, forked_ns + 30);
     registry.record_exit(long_lived_parent, forked_ns + 30);
-    let a_minute_later = forked_ns + 30 + identity::EXITED_IDENTITY_RETENTION_NS + 1;
+    let a_minute_later = forked_ns + 30 + EXITED_PROCESS_RETENTION_NS + 1;
     registry.record_exit(Pid(unused_pid(&[])), a_minute_later);
     assert!(registry.stats().identities_expired >= 1);
     let info = registry
