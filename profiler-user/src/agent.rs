@@ -1143,6 +1143,7 @@ impl Pipeline {
             process_exited_identities: registry.exited_identities,
             process_identities_expired: registry.identities_expired,
             cgroup_paths: registry.cgroup_paths,
+            executable_paths: registry.executable_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,
             process_cmdlines_from_exec: registry.cmdlines_from_exec,

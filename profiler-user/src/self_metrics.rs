@@ -89,6 +89,8 @@ pub struct SelfMetrics {
     pub process_identities_expired: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
+    /// Exec'ed paths remembered with their links resolved (bounded).
+    pub executable_paths: u64,
     /// Snapshots from events whose libraries came from the kernel's mmap announcements.
     pub process_snapshots_from_announced_mmaps: u64,
     /// Snapshots of live processes whose mappings came from the announcements, not /proc.
@@ -978,6 +980,12 @@ impl SelfMetrics {
                 "cgroup_paths",
                 "Cgroup directory names remembered for service labels (bounded)",
                 self.cgroup_paths,
+                "gauge",
+            ),
+            (
+                "process_executable_paths",
+                "Exec'ed paths remembered with their symbolic links resolved (bounded)",
+                self.executable_paths,
                 "gauge",
             ),
             (

@@ -489,10 +489,15 @@ pub struct Sampler {
     cuda: CudaPrograms,
 }
 
-/// The CUDA uprobe programs: verified and their 8 MiB ring mapped only once a process uses CUDA,
-/// so hosts and recordings without CUDA pay neither the start-up CPU nor the memory.
+/// The CUDA uprobe programs: verified at start, before anything is attached, and their 8 MiB
+/// ring mapped only once a process uses CUDA, so hosts and recordings without CUDA do not pay
+/// its memory. Verifying both takes about a second of CPU on a busy host, and much more of its
+/// wall time: done at the first CUDA library, it held the pipeline up that long, and the
+/// events ring overflowed (3,000-8,000 exec, fork and exit events and about 1,000 samples
+/// lost as PyTorch started in the busy-host benchmark, none without it).
 enum CudaPrograms {
     Off,
+    /// Verified; the ring not mapped yet.
     Deferred {
         stacks_per_second: u32,
     },
@@ -685,6 +690,20 @@ impl Sampler {
             processes: take_map(&mut ebpf, names::MAP_PYTHON_PROCESSES)?,
         };
 
+        // Before the lifecycle tracepoints are attached: nothing waits in a ring meanwhile.
+        let cuda = match settings.cuda {
+            true => match load_cuda_programs(&mut ebpf) {
+                Ok(()) => CudaPrograms::Deferred {
+                    stacks_per_second: settings.cuda_stacks_per_second,
+                },
+                Err(err) => {
+                    tracing::warn!("CUDA attribution is off: {err}");
+                    CudaPrograms::Failed
+                }
+            },
+            false => CudaPrograms::Off,
+        };
+
         for (program, tracepoint) in [
             (names::PROGRAM_PROCESS_EXIT, names::TRACEPOINT_PROCESS_EXIT),
             (names::PROGRAM_PROCESS_EXEC, names::TRACEPOINT_PROCESS_EXEC),
@@ -722,13 +741,7 @@ impl Sampler {
             pid_filter_entries: settings.pids.len() as u32,
             attached_cpus: 0,
             frequency_hz: settings.frequency_hz,
-            cuda: if settings.cuda {
-                CudaPrograms::Deferred {
-                    stacks_per_second: settings.cuda_stacks_per_second,
-                }
-            } else {
-                CudaPrograms::Off
-            },
+            cuda,
         };
         Ok((
             sampler,
@@ -832,14 +845,14 @@ impl Sampler {
         matches!(self.cuda, CudaPrograms::Off | CudaPrograms::Failed)
     }
 
-    /// Loads the CUDA programs on first use; an error turns CUDA attribution off for good.
+    /// Maps the CUDA programs' ring on first use; an error turns CUDA attribution off for good.
     pub fn ensure_cuda_loaded(&mut self) -> Result<(), BpfError> {
         match self.cuda {
             CudaPrograms::Loaded { .. } => Ok(()),
             CudaPrograms::Off => Err(BpfError::CudaOff),
             CudaPrograms::Failed => Err(BpfError::CudaNotLoaded),
             CudaPrograms::Deferred { stacks_per_second } => {
-                match load_cuda(&mut self.ebpf, stacks_per_second) {
+                match map_cuda(&mut self.ebpf, stacks_per_second) {
                     Ok(ring) => {
                         // Samples now look up whether their thread waits in a CUDA sync.
                         let mut config: Array<_, SamplerConfig> =
@@ -899,8 +912,17 @@ impl Sampler {
     }
 }
 
-/// Loads the CUDA uprobe programs and writes their settings.
-fn load_cuda(ebpf: &mut Ebpf, stacks_per_second: u32) -> Result<CudaEventRing, BpfError> {
+/// Loads (verifies) the CUDA uprobe programs; attached later, one probe per function found.
+fn load_cuda_programs(ebpf: &mut Ebpf) -> Result<(), BpfError> {
+    for name in [names::PROGRAM_CUDA_ENTRY, names::PROGRAM_CUDA_RETURN] {
+        let program: &mut UProbe = program_mut(ebpf, name)?;
+        program.load().map_err(program_error(name))?;
+    }
+    Ok(())
+}
+
+/// Writes the loaded CUDA programs' settings and maps their ring.
+fn map_cuda(ebpf: &mut Ebpf, stacks_per_second: u32) -> Result<CudaEventRing, BpfError> {
     let mut config: Array<_, CudaConfig> = take_map(ebpf, names::MAP_CUDA_CONFIG)?;
     let settings = CudaConfig {
         stacks_per_second,
@@ -910,10 +932,6 @@ fn load_cuda(ebpf: &mut Ebpf, stacks_per_second: u32) -> Result<CudaEventRing, B
         .set(0, settings, 0)
         .map_err(map_error(names::MAP_CUDA_CONFIG))?;
     let ring: RingBuf<_> = take_map(ebpf, names::MAP_CUDA_EVENTS)?;
-    for name in [names::PROGRAM_CUDA_ENTRY, names::PROGRAM_CUDA_RETURN] {
-        let program: &mut UProbe = program_mut(ebpf, name)?;
-        program.load().map_err(program_error(name))?;
-    }
     Ok(CudaEventRing { ring })
 }
 

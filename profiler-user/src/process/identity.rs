@@ -29,7 +29,10 @@ use super::{
     cgroup::{CgroupInfo, parse_cgroup},
     lru::Lru,
 };
-use crate::model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo};
+use crate::{
+    bounded::TwoGenerationCache,
+    model::{ExecRecord, FileId, MappedFile, Pid, ProcessInfo},
+};
 
 /// Identities of running processes kept at most (the least recently used are forgotten
 /// first, should exits go unseen).
@@ -212,6 +215,11 @@ impl Identities {
 /// The executable path an exec event names, as /proc/PID/exe would: symbolic links resolved
 /// when the path still names the exec'ed file.
 pub fn executable_path(record: &ExecRecord) -> String {
+    resolved_executable_path(record).unwrap_or_else(|| record.filename.clone())
+}
+
+/// The exec'ed path with its links resolved, when it still names the exec'ed file.
+fn resolved_executable_path(record: &ExecRecord) -> Option<String> {
     let path = Path::new(&record.filename);
     if path.is_absolute()
         && let Ok(real) = fs::canonicalize(path)
@@ -219,9 +227,68 @@ pub fn executable_path(record: &ExecRecord) -> String {
             .exe
             .is_none_or(|id| fs::metadata(&real).is_ok_and(|m| FileId::of(&m) == id))
     {
-        return real.to_string_lossy().into_owned();
+        return Some(real.to_string_lossy().into_owned());
     }
-    record.filename.clone()
+    None
+}
+
+/// Exec'ed paths remembered with their symbolic links resolved (about 200 bytes each).
+pub const MAX_EXECUTABLE_PATHS: usize = 1_024;
+
+/// [`executable_path`] remembered by the path given to execve: resolving it costs a
+/// `readlink` for every component of the path and a `stat` of the result, and a busy host
+/// execs the same few programs hundreds of times a second (in the host benchmark about 270 of
+/// the agent's system calls a second). A remembered path is used only for the file it was
+/// resolved to (its device and inode): one replaced since resolves again. Only absolute
+/// paths of exec events that name their file are kept; the rest cost no system call.
+#[derive(Debug)]
+pub struct ExecutablePaths {
+    paths: TwoGenerationCache<Box<str>, (FileId, Arc<str>)>,
+}
+
+impl Default for ExecutablePaths {
+    fn default() -> Self {
+        Self {
+            paths: TwoGenerationCache::new(MAX_EXECUTABLE_PATHS),
+        }
+    }
+}
+
+impl ExecutablePaths {
+    /// [`executable_path`] of `record`.
+    pub fn resolve(&mut self, record: &ExecRecord) -> String {
+        self.resolved(record)
+            .unwrap_or_else(|| record.filename.clone())
+    }
+
+    fn resolved(&mut self, record: &ExecRecord) -> Option<String> {
+        let Some(id) = record
+            .exe
+            .filter(|_| Path::new(&record.filename).is_absolute())
+        else {
+            return resolved_executable_path(record);
+        };
+        if let Some((resolved_for, path)) = self.paths.get(record.filename.as_str())
+            && resolved_for == id
+        {
+            return Some(path.to_string());
+        }
+        // Not remembered unresolved: the file may be back at its path by the next exec.
+        let path = resolved_executable_path(record)?;
+        self.paths.insert(
+            record.filename.as_str().into(),
+            (id, Arc::from(path.as_str())),
+        );
+        Some(path)
+    }
+
+    pub fn len(&self) -> usize {
+        self.paths.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.paths.len() == 0
+    }
 }
 
 /// Where the main executable's code starts in the file: `mm->start_code` is the load address
@@ -648,5 +715,62 @@ mod tests {
             ..ExecRecord::default()
         };
         assert_eq!(executable_path(&relative), "./run.sh");
+    }
+
+    /// A remembered resolution serves only the file it was made for: after the link moves to
+    /// another file, the next exec through it resolves again.
+    #[test]
+    fn exec_ed_paths_are_remembered_for_the_file_they_named() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["one", "two"] {
+            fs::write(dir.path().join(name), name).unwrap();
+        }
+        let link = dir.path().join("program");
+        std::os::unix::fs::symlink("one", &link).unwrap();
+        let record = |target: &str| ExecRecord {
+            filename: link.to_string_lossy().into_owned(),
+            exe: Some(FileId::of(&fs::metadata(dir.path().join(target)).unwrap())),
+            ..ExecRecord::default()
+        };
+        let canonical = |name: &str| {
+            fs::canonicalize(dir.path().join(name))
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        };
+        let (real_one, real_two) = (canonical("one"), canonical("two"));
+        let real = |name: &str| {
+            if name == "one" {
+                real_one.clone()
+            } else {
+                real_two.clone()
+            }
+        };
+        let mut paths = ExecutablePaths::default();
+        assert_eq!(paths.resolve(&record("one")), real("one"));
+        assert_eq!(paths.len(), 1);
+        fs::remove_file(&link).unwrap();
+        std::os::unix::fs::symlink("two", &link).unwrap();
+        // The same file again: remembered (not resolved from the disk, where it would fail
+        // the check that the path still names it).
+        assert_eq!(paths.resolve(&record("one")), real("one"));
+        assert_eq!(paths.resolve(&record("two")), real("two"));
+        assert_eq!(paths.len(), 1, "the entry was replaced");
+        // A path that no longer names its file is not remembered unresolved.
+        fs::remove_file(&link).unwrap();
+        let gone = record("two");
+        fs::remove_file(dir.path().join("two")).unwrap();
+        assert_eq!(
+            paths.resolve(&gone),
+            real("two"),
+            "remembered for that file"
+        );
+        let other = ExecRecord {
+            filename: dir.path().join("missing").to_string_lossy().into_owned(),
+            exe: gone.exe,
+            ..ExecRecord::default()
+        };
+        assert_eq!(paths.resolve(&other), other.filename);
+        assert_eq!(paths.len(), 1);
     }
 }

@@ -40,7 +40,7 @@ use self::{
     cgroup::{CgroupInfo, parse_cgroup},
     files::FileCache,
     identity::{
-        CgroupPaths, ForkedProgram, Identities, Identity, executable_path, forked_snapshot,
+        CgroupPaths, ExecutablePaths, ForkedProgram, Identities, Identity, forked_snapshot,
     },
     kubernetes::{KubernetesNames, KubernetesSources, kubernetes_names},
     labels::{LabelInputs, derive_labels, is_kernel_thread, parse_cmdline, parse_environ},
@@ -168,6 +168,8 @@ pub struct RegistryStats {
     pub identities_from_exec: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
+    /// Exec'ed paths remembered with their symbolic links resolved (bounded).
+    pub executable_paths: u64,
     /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
     /// process holds: the file cache, snapshots and tables still using evicted files, the
     /// symbolizer's own opens, the store), not sockets, pipes and BPF objects.
@@ -251,6 +253,9 @@ pub struct ProcessRegistry {
     /// Who processes became at exec, or were forked from (see [`identity`]).
     identities: Identities,
     cgroups: CgroupPaths,
+    /// Exec'ed paths with their links resolved, by the path given to execve and the file it
+    /// named (see [`ExecutablePaths`]).
+    executable_paths: ExecutablePaths,
     /// The kernel's announcements of executable mmaps, when they could be opened.
     mmaps: Option<MmapEvents>,
 }
@@ -273,6 +278,7 @@ impl ProcessRegistry {
             stats: RegistryStats::default(),
             identities: Identities::default(),
             cgroups: CgroupPaths::new(),
+            executable_paths: ExecutablePaths::default(),
             mmaps: None,
         }
     }
@@ -330,6 +336,7 @@ impl ProcessRegistry {
             exited_identities: self.identities.exited_len() as u64,
             identities_expired: self.identities.expired(),
             cgroup_paths: self.cgroups.len() as u64,
+            executable_paths: self.executable_paths.len() as u64,
             ..self.stats
         }
     }
@@ -341,7 +348,8 @@ impl ProcessRegistry {
         if let Some(id) = record.exe
             && !self.files.contains(id)
         {
-            let _ = self.files.announced(&executable_path(&record), id);
+            let path = self.executable_paths.resolve(&record);
+            let _ = self.files.announced(&path, id);
         }
         self.identities.record(pid, Identity::Exec(record));
     }
@@ -629,7 +637,7 @@ impl ProcessRegistry {
     /// What an exec event says of the program: its labels, and its main executable's code
     /// as the one mapping known.
     fn exec_snapshot(&mut self, pid: Pid, record: &ExecRecord) -> ProcessInfo {
-        let exe = executable_path(record);
+        let exe = self.executable_paths.resolve(record);
         let cgroup = self.cgroups.cgroup(record.cgroup_id).unwrap_or_default();
         let cmdline = record.args.to_vec();
         let env = record
