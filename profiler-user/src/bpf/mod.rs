@@ -493,8 +493,8 @@ pub struct Sampler {
 /// ring mapped only once a process uses CUDA, so hosts and recordings without CUDA do not pay
 /// its memory. Verifying both takes about a second of CPU on a busy host, and much more of its
 /// wall time: done at the first CUDA library, it held the pipeline up that long, and the
-/// events ring overflowed (3,000-8,000 exec, fork and exit events and about 1,000 samples
-/// lost as PyTorch started in the busy-host benchmark, none without it).
+/// events ring overflowed (3,000-8,000 exec, fork and exit events lost, and in a 60 s run 921
+/// samples dropped, as PyTorch started in the busy-host benchmark; none without it).
 enum CudaPrograms {
     Off,
     /// Verified; the ring not mapped yet.

@@ -82,7 +82,8 @@ pub struct MmapLogStats {
     pub mappings: u64,
     pub records_lost: u64,
     pub records_unparsable: u64,
-    /// Processes whose announcements were dropped [`EXITED_PROCESS_RETENTION_NS`] after their exit.
+    /// Processes whose announcements were dropped [`EXITED_PROCESS_RETENTION_NS`] after their
+    /// exit.
     pub expired_processes: u64,
 }
 
