@@ -1060,25 +1060,62 @@ fn python_in_another_pid_namespace_gets_python_frames() {
             interpreter.label
         );
     }
-    let pids: Vec<String> = fixtures.iter().map(|(_, f)| f.pid().to_string()).collect();
-    let output = scratch.path("pidns.pb.gz");
-    let (stacks, log) = record_threads(&pids.join(","), "3", &output);
-    for (interpreter, fixture) in &fixtures {
-        let pid = i64::from(fixture.pid());
-        let dominant = stacks
-            .iter()
-            .filter(|((p, _), _)| *p == pid)
-            .map(|(_, thread)| dominant_stack(thread))
-            .max_by_key(|(_, _, count)| *count);
-        let result = match dominant {
-            None => Err("no samples".to_owned()),
-            Some((python, full, _)) => check_mode(interpreter, "chain", &python, &full),
-        };
-        if let Err(error) = result {
-            failures.push(format!("[{}] pid {pid}: {error}", interpreter.label));
+    // Ten busy fixtures share two CPUs with whatever else runs: one may get (almost) no CPU in
+    // a 3 s recording. A fixture without samples fails only when it had the CPU time for them
+    // (each 10 ms of it is a sample on average at 100 Hz); one that was starved is recorded
+    // again, with the others that still lack a verdict.
+    let mut pending: Vec<usize> = (0..fixtures.len()).collect();
+    let mut logs = String::new();
+    for attempt in 1..=3 {
+        if pending.is_empty() {
+            break;
         }
+        let pids: Vec<String> = pending
+            .iter()
+            .map(|&i| fixtures[i].1.pid().to_string())
+            .collect();
+        let output = scratch.path(&format!("pidns-{attempt}.pb.gz"));
+        let cpu_before: Vec<Option<Duration>> = pending
+            .iter()
+            .map(|&i| cpu_time_so_far(fixtures[i].1.pid()))
+            .collect();
+        let (stacks, log) = record_threads(&pids.join(","), "3", &output);
+        logs.push_str(&log);
+        let mut starved = Vec::new();
+        for (&i, before) in pending.iter().zip(cpu_before) {
+            let (interpreter, fixture) = &fixtures[i];
+            let pid = i64::from(fixture.pid());
+            let dominant = stacks
+                .iter()
+                .filter(|((p, _), _)| *p == pid)
+                .map(|(_, thread)| dominant_stack(thread))
+                .max_by_key(|(_, _, count)| *count);
+            let result = match dominant {
+                Some((python, full, _)) => check_mode(interpreter, "chain", &python, &full),
+                None => {
+                    let cpu = before
+                        .zip(cpu_time_so_far(fixture.pid()))
+                        .map(|(before, after)| after.saturating_sub(before));
+                    match cpu {
+                        None => Err("no samples: the fixture exited".to_owned()),
+                        Some(cpu) if cpu < Duration::from_millis(200) && attempt < 3 => {
+                            starved.push(i);
+                            Ok(())
+                        }
+                        Some(cpu) => Err(format!(
+                            "no samples in {} ms of CPU time (attempt {attempt})",
+                            cpu.as_millis()
+                        )),
+                    }
+                }
+            };
+            if let Err(error) = result {
+                failures.push(format!("[{}] pid {pid}: {error}", interpreter.label));
+            }
+        }
+        pending = starved;
     }
-    assert!(failures.is_empty(), "{}\n{log}", failures.join("\n"));
+    assert!(failures.is_empty(), "{}\n{logs}", failures.join("\n"));
 }
 
 /// CPython pushes new thread states at the head of its list, so the main thread's is the last:
