@@ -212,12 +212,6 @@ impl Identities {
     }
 }
 
-/// The executable path an exec event names, as /proc/PID/exe would: symbolic links resolved
-/// when the path still names the exec'ed file.
-pub fn executable_path(record: &ExecRecord) -> String {
-    resolved_executable_path(record).unwrap_or_else(|| record.filename.clone())
-}
-
 /// The exec'ed path with its links resolved, when it still names the exec'ed file.
 fn resolved_executable_path(record: &ExecRecord) -> Option<String> {
     let path = Path::new(&record.filename);
@@ -235,7 +229,7 @@ fn resolved_executable_path(record: &ExecRecord) -> Option<String> {
 /// Exec'ed paths remembered with their symbolic links resolved (about 200 bytes each).
 pub const MAX_EXECUTABLE_PATHS: usize = 1_024;
 
-/// [`executable_path`] remembered by the path given to execve: resolving it costs a
+/// Exec'ed paths resolved, remembered by the path given to execve: resolving it costs a
 /// `readlink` for every component of the path and a `stat` of the result, and a busy host
 /// execs the same few programs hundreds of times a second (in the host benchmark about 270 of
 /// the agent's system calls a second). A remembered path is used only for the file it was
@@ -255,7 +249,8 @@ impl Default for ExecutablePaths {
 }
 
 impl ExecutablePaths {
-    /// [`executable_path`] of `record`.
+    /// The executable path `record` names, as /proc/PID/exe would: symbolic links resolved
+    /// when the path still names the exec'ed file, else the path as given.
     pub fn resolve(&mut self, record: &ExecRecord) -> String {
         self.resolved(record)
             .unwrap_or_else(|| record.filename.clone())
@@ -705,8 +700,9 @@ mod tests {
             )),
             ..ExecRecord::default()
         };
+        let mut paths = ExecutablePaths::default();
         assert_eq!(
-            executable_path(&record),
+            paths.resolve(&record),
             fs::canonicalize("/bin/sh").unwrap().to_string_lossy(),
             "a symbolic link is resolved as /proc/PID/exe shows it"
         );
@@ -714,7 +710,7 @@ mod tests {
             filename: "./run.sh".into(),
             ..ExecRecord::default()
         };
-        assert_eq!(executable_path(&relative), "./run.sh");
+        assert_eq!(paths.resolve(&relative), "./run.sh");
     }
 
     /// A remembered resolution serves only the file it was made for: after the link moves to

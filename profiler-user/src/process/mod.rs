@@ -16,14 +16,6 @@ pub mod maps;
 pub mod mmap_events;
 mod proc_dir;
 
-/// How long what is known of an exited process (its identity, its announced mappings) is kept
-/// after its exit. Its last samples are handled within seconds (a held sample waits at most a
-/// few); a child forked from it has its own snapshot by the time it has run this long. Without a
-/// time bound a host forking ten times a second filled the identity and announcement bounds
-/// within minutes, the agent's memory growing all that time (about 0.5 MiB a minute in the host
-/// benchmark without its exec storm).
-pub const EXITED_PROCESS_RETENTION_NS: u64 = 60_000_000_000;
-
 use std::{
     collections::BTreeMap,
     ffi::CStr,
@@ -53,6 +45,14 @@ use crate::model::{
     ExecRecord, LabelEnv, MappedFile, Mapping, MmapChange, Pid, ProcessInfo, ProcessLabels,
     monotonic_now_ns,
 };
+
+/// How long what is known of an exited process (its identity, its announced mappings) is kept
+/// after its exit. Its last samples are handled within seconds (a held sample waits at most a
+/// few); a child forked from it has its own snapshot by the time it has run this long. Without a
+/// time bound a host forking ten times a second filled the identity and announcement bounds
+/// within minutes, the agent's memory growing all that time (about 0.5 MiB a minute in the host
+/// benchmark without its exec storm).
+pub const EXITED_PROCESS_RETENTION_NS: u64 = 60_000_000_000;
 
 /// Why a process could not be read.
 #[derive(Debug, Error)]
