@@ -1398,6 +1398,7 @@ pub fn record(config: &RecordConfig, stop: &AtomicBool) -> Result<RecordSummary,
     let bpf_run_stats = sampler.program_run_stats();
     let off_cpu_run_stats = sampler.off_cpu_run_stats();
     let duration_ns = started.elapsed().as_nanos() as i64;
+    sampler.stop_sampling();
     // CUDA calls still reported between here and the probes' detaching are outside the window.
     let stopped_at_ns = monotonic_now_ns();
     pipeline.end_accelerator_window_at(stopped_at_ns);
@@ -1670,6 +1671,7 @@ pub fn run_agent(config: &AgentConfig, stop: Arc<AtomicBool>) -> Result<(), Agen
     let bpf_stats = sampler.stats();
     let bpf_run_stats = sampler.program_run_stats();
     let off_cpu_run_stats = sampler.off_cpu_run_stats();
+    sampler.stop_sampling();
     let stopped_at_ns = monotonic_now_ns();
     drop(sampler);
     let reader_stats = reader.stats.clone();
