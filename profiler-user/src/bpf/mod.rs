@@ -792,15 +792,17 @@ impl Sampler {
     /// busy-host benchmark. Read [`Self::stats`] and the run statistics before: the programs'
     /// figures go with them.
     pub fn stop_sampling(&mut self) {
-        if let Ok(program) = program_mut::<PerfEvent>(&mut self.ebpf, names::PROGRAM_SAMPLE_CPU)
-            && let Err(err) = program.unload()
+        let report = |what: &str, unloaded: Result<(), aya::programs::ProgramError>| match unloaded
         {
-            tracing::debug!("cannot detach the CPU sampler: {err}");
+            // The off-CPU program is loaded only when off-CPU profiling is on.
+            Ok(()) | Err(aya::programs::ProgramError::NotLoaded) => {}
+            Err(err) => tracing::debug!("cannot detach the {what}: {err}"),
+        };
+        if let Ok(program) = program_mut::<PerfEvent>(&mut self.ebpf, names::PROGRAM_SAMPLE_CPU) {
+            report("CPU sampler", program.unload());
         }
-        if let Ok(program) = program_mut::<RawTracePoint>(&mut self.ebpf, names::PROGRAM_OFF_CPU)
-            && let Err(err) = program.unload()
-        {
-            tracing::debug!("cannot detach the off-CPU program: {err}");
+        if let Ok(program) = program_mut::<RawTracePoint>(&mut self.ebpf, names::PROGRAM_OFF_CPU) {
+            report("off-CPU program", program.unload());
         }
     }
 
