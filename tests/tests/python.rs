@@ -332,6 +332,17 @@ fn thread_stacks(profile: &proto::Profile) -> ThreadStacks {
     stacks
 }
 
+/// Each pid's samples in a recording, for failure messages.
+fn samples_by_pid(stacks: &ThreadStacks) -> Vec<(i64, i64)> {
+    let mut by_pid: HashMap<i64, i64> = HashMap::new();
+    for ((pid, _), thread) in stacks {
+        *by_pid.entry(*pid).or_default() += thread.iter().map(|(_, count)| count).sum::<i64>();
+    }
+    let mut sorted: Vec<_> = by_pid.into_iter().collect();
+    sorted.sort();
+    sorted
+}
+
 type PyFrame = (String, String, u64);
 
 fn python_frames(stack: &[Frame]) -> Vec<PyFrame> {
@@ -1061,9 +1072,10 @@ fn python_in_another_pid_namespace_gets_python_frames() {
         );
     }
     // Ten busy fixtures share two CPUs with whatever else runs: one may get (almost) no CPU in
-    // a 3 s recording. A fixture without samples fails only when it had the CPU time for them
-    // (each 10 ms of it is a sample on average at 100 Hz); one that was starved is recorded
-    // again, with the others that still lack a verdict.
+    // a 3 s recording. Each fixture's CPU time is read from the moment the sampler is attached
+    // to the moment the recording is stopped, so a fixture without samples fails only when it
+    // ran in that very window (each 10 ms of CPU is a sample on average at 100 Hz); one that
+    // was starved in it is recorded again, with the others that still lack a verdict.
     let mut pending: Vec<usize> = (0..fixtures.len()).collect();
     let mut logs = String::new();
     for attempt in 1..=3 {
@@ -1075,14 +1087,30 @@ fn python_in_another_pid_namespace_gets_python_frames() {
             .map(|&i| fixtures[i].1.pid().to_string())
             .collect();
         let output = scratch.path(&format!("pidns-{attempt}.pb.gz"));
+        let recorder = Recording::until_stopped(&[
+            "--pid",
+            &pids.join(","),
+            "--output",
+            output.to_str().expect("utf-8 path"),
+        ]);
         let cpu_before: Vec<Option<Duration>> = pending
             .iter()
             .map(|&i| cpu_time_so_far(fixtures[i].1.pid()))
             .collect();
-        let (stacks, log) = record_threads(&pids.join(","), "3", &output);
-        logs.push_str(&log);
+        std::thread::sleep(Duration::from_secs(3));
+        let cpu_in_window: Vec<Option<Duration>> = pending
+            .iter()
+            .zip(cpu_before)
+            .map(|(&i, before)| {
+                before
+                    .zip(cpu_time_so_far(fixtures[i].1.pid()))
+                    .map(|(before, after)| after.saturating_sub(before))
+            })
+            .collect();
+        logs.push_str(&recorder.stop());
+        let stacks = thread_stacks(&decode_pprof(&output));
         let mut starved = Vec::new();
-        for (&i, before) in pending.iter().zip(cpu_before) {
+        for (&i, cpu) in pending.iter().zip(cpu_in_window) {
             let (interpreter, fixture) = &fixtures[i];
             let pid = i64::from(fixture.pid());
             let dominant = stacks
@@ -1090,24 +1118,19 @@ fn python_in_another_pid_namespace_gets_python_frames() {
                 .filter(|((p, _), _)| *p == pid)
                 .map(|(_, thread)| dominant_stack(thread))
                 .max_by_key(|(_, _, count)| *count);
-            let result = match dominant {
-                Some((python, full, _)) => check_mode(interpreter, "chain", &python, &full),
-                None => {
-                    let cpu = before
-                        .zip(cpu_time_so_far(fixture.pid()))
-                        .map(|(before, after)| after.saturating_sub(before));
-                    match cpu {
-                        None => Err("no samples: the fixture exited".to_owned()),
-                        Some(cpu) if cpu < Duration::from_millis(200) && attempt < 3 => {
-                            starved.push(i);
-                            Ok(())
-                        }
-                        Some(cpu) => Err(format!(
-                            "no samples in {} ms of CPU time (attempt {attempt})",
-                            cpu.as_millis()
-                        )),
-                    }
+            let result = match (dominant, cpu) {
+                (Some((python, full, _)), _) => check_mode(interpreter, "chain", &python, &full),
+                (None, None) => Err("no samples: the fixture exited".to_owned()),
+                (None, Some(cpu)) if cpu < Duration::from_millis(200) && attempt < 3 => {
+                    starved.push(i);
+                    Ok(())
                 }
+                (None, Some(cpu)) => Err(format!(
+                    "no samples in {} ms of CPU time while the sampler was attached \
+                     (attempt {attempt}; the recording's samples by pid: {:?})",
+                    cpu.as_millis(),
+                    samples_by_pid(&stacks)
+                )),
             };
             if let Err(error) = result {
                 failures.push(format!("[{}] pid {pid}: {error}", interpreter.label));
