@@ -68,6 +68,11 @@ pub struct SelfMetrics {
     /// Function names cached by raw symbol name (bounded), and the lookups they answered.
     pub symbol_function_names: u64,
     pub symbol_function_name_hits: u64,
+    /// Functions of stripped files remembered (bounded), the frames they named without a
+    /// lookup, and the times all were forgotten for the bound.
+    pub symbol_function_ranges: u64,
+    pub symbol_function_range_hits: u64,
+    pub symbol_function_ranges_cleared: u64,
     /// Distinct names and paths the symbolizer shares between its frames (bounded).
     pub symbol_interned_strings: u64,
     pub processes_tracked: u64,
@@ -842,6 +847,24 @@ impl SelfMetrics {
                 "symbol_function_name_hits_total",
                 "Symbol lookups whose function name came from the name cache (not demangled again)",
                 self.symbol_function_name_hits,
+                "counter",
+            ),
+            (
+                "symbol_function_ranges",
+                "Functions of stripped files remembered by their address range (bounded)",
+                self.symbol_function_ranges,
+                "gauge",
+            ),
+            (
+                "symbol_function_range_hits_total",
+                "Frames named after a remembered function's start without a symbol lookup",
+                self.symbol_function_range_hits,
+                "counter",
+            ),
+            (
+                "symbol_function_ranges_cleared_total",
+                "Times every remembered function was forgotten to stay within the bound",
+                self.symbol_function_ranges_cleared,
                 "counter",
             ),
             (

@@ -19,7 +19,7 @@ mod python;
 #[cfg(test)]
 mod tests;
 
-use std::{path::PathBuf, sync::Arc};
+use std::{ops::Range, path::PathBuf, sync::Arc};
 
 use blazesym::symbolize as bz;
 // Every frame of every sample is looked up here: a fast hash matters more than DoS resistance
@@ -59,6 +59,10 @@ pub const ANONYMOUS_CODE_FRAME: &str = "[anonymous code]";
 /// with its generation instead of piling up (a stripped compiler makes a new frame for every
 /// address it is sampled at).
 pub const DEFAULT_MAX_CACHED_FRAMES: usize = 16_384;
+/// Functions of stripped files remembered over all files (about 64 bytes each; see
+/// `functions::FunctionIndex::remember`); beyond, all are forgotten and remembered again as
+/// they are sampled.
+pub const MAX_FUNCTION_RANGES: usize = 32_768;
 /// Mappings remembered for the frames' pprof mappings (a few hundred bytes each).
 const MAX_CACHED_MAPPINGS: usize = 8_192;
 
@@ -133,6 +137,13 @@ pub struct SymbolizerStats {
     /// Of the lookups' time, that of naming frames without a symbol by the function start
     /// (`.eh_frame_hdr`'s search table, read in the file's mapping).
     pub function_start_time: std::time::Duration,
+    /// Frames named by the start of a remembered function (`functions::FunctionIndex`)
+    /// without a lookup (counted in `misses` and `named_by_function_start` too).
+    pub function_range_hits: u64,
+    /// Functions remembered over all files (bounded by [`MAX_FUNCTION_RANGES`]), and the
+    /// times they were all forgotten for that bound.
+    pub function_ranges: usize,
+    pub function_ranges_cleared: u64,
     /// Frames currently cached.
     pub cache_entries: usize,
     /// Lookups that failed with an error (unreadable or malformed file, bad kallsyms).
@@ -229,6 +240,10 @@ pub struct Symbolizer {
     /// Shared by the frames of one mapping; each process maps its files at its own addresses.
     mappings: TwoGenerationCache<(FileId, u64), Arc<MappingInfo>>,
     files: HashMap<FileId, native::FileState>,
+    /// Functions remembered by the files' indexes, together.
+    function_ranges: usize,
+    /// Off only in tests, to compare with what lookups alone make of the same addresses.
+    remember_functions: bool,
     kernel: kernel::KernelSymbols,
     strings: StringInterner,
     function_names: demangle::FunctionNames,
@@ -309,6 +324,8 @@ impl Symbolizer {
             frames: TwoGenerationCache::new(max_cached_frames),
             mappings: TwoGenerationCache::new(MAX_CACHED_MAPPINGS),
             files: HashMap::new(),
+            function_ranges: 0,
+            remember_functions: true,
             kernel,
             strings: StringInterner::default(),
             function_names: demangle::FunctionNames::new(demangle::MAX_NAMED_FUNCTIONS),
@@ -345,6 +362,15 @@ impl Symbolizer {
         released
     }
 
+    /// A symbolizer that looks up every address, remembering no function.
+    #[cfg(test)]
+    pub(crate) fn without_remembered_functions(options: SymbolizerOptions) -> Self {
+        Self {
+            remember_functions: false,
+            ..Self::new(options)
+        }
+    }
+
     /// Reads and indexes the kernel's symbols now rather than at the first kernel frame.
     pub fn load_kernel_symbols(&mut self) {
         self.kernel.load(&self.resolver);
@@ -361,6 +387,7 @@ impl Symbolizer {
             function_names: self.function_names.len(),
             function_name_hits: self.function_names.hits(),
             interned_strings: self.strings.len(),
+            function_ranges: self.function_ranges,
             ..self.stats
         }
     }
@@ -402,6 +429,11 @@ impl Symbolizer {
                 }
                 let mapping =
                     self.mapping_info(file, *mapping_start, *mapping_end, *mapping_offset);
+                if let Some(symbolized) =
+                    self.in_remembered_function(*addr, file, *file_offset, &mapping)
+                {
+                    return self.remember(key, symbolized);
+                }
                 let started = std::time::Instant::now();
                 let cpu_before = crate::model::thread_cpu_time();
                 let symbolized = self.symbolize_user(*addr, file, *file_offset, mapping);
@@ -622,10 +654,16 @@ impl Symbolizer {
     /// Drops one file's parsed tables (and its function index); the file stays known.
     fn drop_resolver(&mut self, id: FileId) {
         if let Some(state) = self.files.get_mut(&id) {
-            state.resolver = None;
+            if state.resolver.take().is_some() {
+                self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
+            }
             state.own_mappings.clear();
-            self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
-            state.functions = None;
+            if let Some(Some(index)) = state.functions.take() {
+                self.function_ranges -= index.remembered_len();
+                self.resolver_bytes = self
+                    .resolver_bytes
+                    .saturating_sub(index.heap_bytes() as u64);
+            }
         }
     }
 
@@ -634,24 +672,81 @@ impl Symbolizer {
         let Some((&id, _)) = self.files.iter().min_by_key(|(_, state)| state.used) else {
             return;
         };
-        if let Some(state) = self.files.remove(&id)
-            && state.resolver.is_some()
-        {
-            self.resolver_bytes = self.resolver_bytes.saturating_sub(state.cost);
-        }
+        self.drop_resolver(id);
+        self.files.remove(&id);
     }
 
-    /// The virtual address of the start of the function (FDE) that holds `file_offset` of a
-    /// file whose symbols do not name it; the file's index is mapped at its first such address
-    /// and let go of with its resolver.
-    fn function_start(&mut self, file: &MappedFile, file_offset: u64) -> Option<u64> {
+    /// The function (FDE) that holds `file_offset` of a file whose symbols do not name it, as
+    /// virtual addresses; the file's index is mapped at its first such address and let go of
+    /// with its resolver.
+    fn function_of(&mut self, file: &MappedFile, file_offset: u64) -> Option<Range<u64>> {
         let state = self.files.get_mut(&file.id)?;
         let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
-        state
-            .functions
-            .get_or_insert_with(|| functions::FunctionIndex::open(&file.readable_path()))
-            .as_ref()?
-            .start_of(vaddr)
+        if state.functions.is_none() {
+            // Functions are remembered only where the binary's own symbols are all a lookup
+            // reads (`functions` checks that they are `.dynsym` alone).
+            let symbols_only_in_binary = matches!(state.source, native::SymbolSource::Binary)
+                && state.layout.as_ref().is_some_and(|layout| !layout.has_dwarf);
+            let index =
+                functions::FunctionIndex::open(&file.readable_path(), symbols_only_in_binary);
+            if let Some(index) = &index {
+                self.resolver_bytes += index.heap_bytes() as u64;
+            }
+            state.functions = Some(index);
+        }
+        state.functions.as_ref()?.as_ref()?.function_of(vaddr)
+    }
+
+    /// Remembers `function` of `file` under `name` where every address of it is named so
+    /// (`FunctionIndex::remember`), within [`MAX_FUNCTION_RANGES`] over all files.
+    fn remember_function(&mut self, file: FileId, function: Range<u64>, name: Arc<str>) {
+        if !self.remember_functions {
+            return;
+        }
+        if self.function_ranges >= MAX_FUNCTION_RANGES {
+            for state in self.files.values_mut() {
+                if let Some(Some(index)) = &mut state.functions {
+                    index.forget_remembered();
+                }
+            }
+            self.function_ranges = 0;
+            self.stats.function_ranges_cleared += 1;
+        }
+        let Some(Some(index)) = self
+            .files
+            .get_mut(&file)
+            .and_then(|state| state.functions.as_mut())
+        else {
+            return;
+        };
+        let before = index.remembered_len();
+        index.remember(function, name);
+        self.function_ranges = self.function_ranges - before + index.remembered_len();
+    }
+
+    /// The frame of an address in a remembered function of `file`: what a lookup would make
+    /// of it (no symbol; named after the function's start), without the lookup.
+    fn in_remembered_function(
+        &mut self,
+        addr: u64,
+        file: &MappedFile,
+        file_offset: u64,
+        mapping: &Arc<MappingInfo>,
+    ) -> Option<SymbolizedFrame> {
+        if self.function_ranges == 0 {
+            return None;
+        }
+        self.tick += 1;
+        let state = self.files.get_mut(&file.id)?;
+        let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
+        let (_, function) = state.functions.as_ref()?.as_ref()?.remembered(vaddr)?;
+        let function = Arc::clone(function);
+        state.used = self.tick;
+        state.used_at = std::time::Instant::now();
+        self.stats.misses += 1;
+        self.stats.named_by_function_start += 1;
+        self.stats.function_range_hits += 1;
+        Some(unnamed_frame(addr, file, Arc::clone(mapping), function))
     }
 
     fn mapping_info(
@@ -747,6 +842,7 @@ impl Symbolizer {
             self.stats.file_loads += 1;
             self.stats.file_load_time += started.elapsed();
         }
+        let not_found = matches!(lookup, native::UserLookup::NotFound);
         let lines = match lookup {
             native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
             native::UserLookup::Found(_) | native::UserLookup::NotFound => None,
@@ -755,40 +851,35 @@ impl Symbolizer {
                 None
             }
         };
-        let (lines, unsymbolized) = match lines {
-            Some(lines) => {
-                self.stats.frames_symbolized += 1;
-                (lines, false)
-            }
-            None => {
-                self.stats.misses += 1;
-                let basename = file.path.rsplit('/').next().unwrap_or(&file.path);
-                let searched = std::time::Instant::now();
-                let start = self.function_start(file, file_offset);
-                self.stats.function_start_time += searched.elapsed();
-                let function = match start {
-                    Some(start) => {
-                        self.stats.named_by_function_start += 1;
-                        format!("{basename}!sub_{start:x}")
-                    }
-                    None => format!("{basename}+0x{file_offset:x}"),
-                };
-                let line = FrameLine {
-                    function: Arc::from(function),
-                    system_name: None,
-                    file: Some(Arc::clone(&file.path)),
-                    line: 0,
-                };
-                (vec![line], true)
-            }
-        };
-        SymbolizedFrame {
-            kind: FrameKind::Native,
-            address: addr,
-            mapping: Some(mapping),
-            lines,
-            unsymbolized,
+        if let Some(lines) = lines {
+            self.stats.frames_symbolized += 1;
+            return SymbolizedFrame {
+                kind: FrameKind::Native,
+                address: addr,
+                mapping: Some(mapping),
+                lines,
+                unsymbolized: false,
+            };
         }
+        self.stats.misses += 1;
+        let basename = file.path.rsplit('/').next().unwrap_or(&file.path);
+        let searched = std::time::Instant::now();
+        let function = self.function_of(file, file_offset);
+        self.stats.function_start_time += searched.elapsed();
+        let name: Arc<str> = match &function {
+            Some(function) => {
+                self.stats.named_by_function_start += 1;
+                Arc::from(format!("{basename}!sub_{:x}", function.start))
+            }
+            None => Arc::from(format!("{basename}+0x{file_offset:x}")),
+        };
+        // Only after a lookup that found no symbol: a failed one says nothing of the others.
+        if let Some(function) = function
+            && not_found
+        {
+            self.remember_function(file.id, function, Arc::clone(&name));
+        }
+        unnamed_frame(addr, file, mapping, name)
     }
 
     fn symbolize_kernel(&mut self, addr: u64) -> SymbolizedFrame {
@@ -824,6 +915,27 @@ impl Symbolizer {
             lines: vec![line],
             unsymbolized,
         }
+    }
+}
+
+/// A native frame no symbol names: `function` is its module and function start, or offset.
+fn unnamed_frame(
+    addr: u64,
+    file: &MappedFile,
+    mapping: Arc<MappingInfo>,
+    function: Arc<str>,
+) -> SymbolizedFrame {
+    SymbolizedFrame {
+        kind: FrameKind::Native,
+        address: addr,
+        mapping: Some(mapping),
+        lines: vec![FrameLine {
+            function,
+            system_name: None,
+            file: Some(Arc::clone(&file.path)),
+            line: 0,
+        }],
+        unsymbolized: true,
     }
 }
 

@@ -45,7 +45,7 @@ struct LoadSegment {
 #[derive(Clone, Debug, Default)]
 pub(super) struct ElfLayout {
     loads: Vec<LoadSegment>,
-    has_dwarf: bool,
+    pub(super) has_dwarf: bool,
     build_id: Option<String>,
     debuglink: Option<String>,
     /// Bytes of the symbol and string tables (and of the DWARF sections), what symbolizing

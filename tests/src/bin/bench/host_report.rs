@@ -825,6 +825,12 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                     "; function names from the name cache (not demangled again) {hits:.0}"
                 );
             }
+            if let Some(hits) = lookups("profiler_symbol_function_range_hits_total") {
+                let _ = write!(
+                    out,
+                    "; frames of stripped code named by a remembered function, without a lookup, {hits:.0}"
+                );
+            }
             let _ = writeln!(out, ".");
         }
     }
