@@ -9,14 +9,18 @@
 //! its `module+0x<file offset>` name. The lookup is the binary search of `.eh_frame_hdr`, the
 //! table the kernel-less unwinders use, read in place.
 //!
-//! A function named so is remembered (`FunctionIndex::remember`) when every address in it
-//! provably gets the same name: the file's only symbols are `.dynsym` (no `.symtab`, no
-//! `.gnu_debugdata`, no DWARF, no separate debug file: the caller says so), none of them can
-//! name an address of the function, and no other FDE starts inside it. The next address
-//! sampled in that function is then named without a symbol search: a stripped compiler is
-//! sampled at thousands of addresses a second (7,571 distinct addresses in 9,638 samples of
-//! one `cc1` run, in 2,426 functions), each of which cost a symbol search of 20-30 µs.
+//! A function is remembered (`FunctionIndex::remember`) when every address in it provably
+//! gets the same name: the file's only symbols are `.dynsym` (no `.symtab`, no
+//! `.gnu_debugdata`, no DWARF, no separate debug file: the caller says so), and either none of
+//! them can name an address of the function and no other FDE starts inside it, or one sized
+//! symbol names it and no other symbol starts inside it. The next address sampled in that
+//! function is then named without a symbol search: a stripped compiler is sampled at
+//! thousands of addresses a second (7,571 distinct addresses in 9,638 samples of one `cc1`
+//! run, in 2,426 functions; 57 % of the samples in functions its `.dynsym` names), each of
+//! which cost a symbol search of 20-30 µs.
 use std::{collections::BTreeMap, fs::File, ops::Range, path::Path, sync::Arc};
+
+use super::RememberedFunction;
 
 use object::{Object, ObjectSection, ObjectSymbol, read::ReadCache};
 
@@ -40,8 +44,8 @@ pub(super) struct FunctionIndex {
     got: Option<u64>,
     /// Where the file's symbols could name an address; `None`: functions are not remembered.
     symbols: Option<SymbolBounds>,
-    /// Remembered functions: start → (end, name).
-    ranges: BTreeMap<u64, (u64, Arc<str>)>,
+    /// Remembered functions: start → (end, what their addresses are named).
+    ranges: BTreeMap<u64, (u64, Arc<RememberedFunction>)>,
 }
 
 /// The defined symbols of a file whose only symbol table is `.dynsym`, as blazesym reads them:
@@ -50,10 +54,19 @@ pub(super) struct FunctionIndex {
 /// defined symbol is kept, whatever its type (more than blazesym considers, so a range found
 /// free of them is free of blazesym's).
 struct SymbolBounds {
-    /// Starts, ascending.
-    starts: Vec<u64>,
+    /// Starts and sizes, ascending.
+    symbols: Vec<(u64, u64)>,
     /// For each index, the largest end (start + size) of the symbols up to and including it.
     ends_so_far: Vec<u64>,
+}
+
+/// How the addresses of a function to remember were named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NamedBy {
+    /// No symbol: after the start of the FDE that holds them.
+    FunctionStart,
+    /// By a sized symbol whose name alone is the frame (no line, no inlined function).
+    Symbol,
 }
 
 impl SymbolBounds {
@@ -76,27 +89,47 @@ impl SymbolBounds {
             ends_so_far.push(end);
         }
         Some(Self {
-            starts: symbols.into_iter().map(|(start, _)| start).collect(),
+            symbols,
             ends_so_far,
         })
+    }
+
+    /// The index of the first symbol that starts at or after `address`.
+    fn first_from(&self, address: u64) -> usize {
+        self.symbols.partition_point(|&(start, _)| start < address)
     }
 
     /// Whether no symbol can name any address of `range`: none starts in it, and none that
     /// starts before it reaches into it (a sizeless one names only its own address).
     fn none_names(&self, range: &Range<u64>) -> bool {
-        let first_not_below = self.starts.partition_point(|&start| start < range.start);
+        let first_not_below = self.first_from(range.start);
         if self
-            .starts
+            .symbols
             .get(first_not_below)
-            .is_some_and(|&start| start < range.end)
+            .is_some_and(|&(start, _)| start < range.end)
         {
             return false;
         }
         first_not_below == 0 || self.ends_so_far[first_not_below - 1] <= range.start
     }
 
+    /// Whether one symbol names every address of `range`, its own: every symbol that starts
+    /// in it starts at its start and has its size (aliases), so whichever of them a lookup
+    /// takes for one address it takes for all (the candidates for an address are the symbols
+    /// at the greatest start at or below it).
+    fn only_one_names(&self, range: &Range<u64>) -> bool {
+        let first = self.first_from(range.start);
+        let mut inside = self.symbols[first..]
+            .iter()
+            .take_while(|&&(start, _)| start < range.end)
+            .peekable();
+        inside.peek().is_some()
+            && inside.all(|&(start, size)| start == range.start && start + size == range.end)
+    }
+
     fn heap_bytes(&self) -> usize {
-        (self.starts.capacity() + self.ends_so_far.capacity()) * std::mem::size_of::<u64>()
+        self.symbols.capacity() * std::mem::size_of::<(u64, u64)>()
+            + self.ends_so_far.capacity() * std::mem::size_of::<u64>()
     }
 }
 
@@ -194,31 +227,45 @@ impl FunctionIndex {
         (fde.len() > 0).then(|| start..start.saturating_add(fde.len()))
     }
 
-    /// The start and name of a remembered function that holds `vaddr`.
-    pub(super) fn remembered(&self, vaddr: u64) -> Option<(u64, &Arc<str>)> {
-        let (&start, (end, name)) = self.ranges.range(..=vaddr).next_back()?;
-        (vaddr < *end).then_some((start, name))
+    /// What the addresses of the remembered function that holds `vaddr` are named.
+    pub(super) fn remembered(&self, vaddr: u64) -> Option<&Arc<RememberedFunction>> {
+        let (_, (end, remembered)) = self.ranges.range(..=vaddr).next_back()?;
+        (vaddr < *end).then_some(remembered)
     }
 
-    /// Remembers `function` (from [`Self::function_of`]) under `name`, the name one of its
-    /// addresses got without a symbol, when every address of it gets that name: no symbol can
-    /// name one of them, and the FDE found for its last address is the one found for its
-    /// first (the search table's entries are sorted, so no other FDE starts in between).
-    /// Returns whether it was remembered.
-    pub(super) fn remember(&mut self, function: Range<u64>, name: Arc<str>) -> bool {
+    /// Remembers `function` with what one of its addresses was named, `named_by`, when every
+    /// address of it is named so. Named after the function's start (`function` from
+    /// [`Self::function_of`]): no symbol can name one of its addresses, and the FDE found for
+    /// its last address is the one found for its first (the search table's entries are
+    /// sorted, so no other FDE starts in between). Named by a symbol (`function` its
+    /// addresses): no other symbol starts in it. Returns whether it was remembered.
+    pub(super) fn remember(
+        &mut self,
+        function: Range<u64>,
+        named_by: NamedBy,
+        remembered: Arc<RememberedFunction>,
+    ) -> bool {
         let Some(symbols) = &self.symbols else {
             return false;
         };
-        if function.is_empty()
-            || !symbols.none_names(&function)
-            || self.function_of(function.end - 1).as_ref() != Some(&function)
-        {
+        if function.is_empty() {
+            return false;
+        }
+        let provable = match named_by {
+            NamedBy::FunctionStart => {
+                symbols.none_names(&function)
+                    && self.function_of(function.end - 1).as_ref() == Some(&function)
+            }
+            NamedBy::Symbol => symbols.only_one_names(&function),
+        };
+        if !provable {
             return false;
         }
         if self.ranges.len() >= MAX_RANGES_PER_FILE {
             self.ranges.clear();
         }
-        self.ranges.insert(function.start, (function.end, name));
+        self.ranges
+            .insert(function.start, (function.end, remembered));
         true
     }
 

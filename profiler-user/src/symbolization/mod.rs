@@ -680,13 +680,26 @@ impl Symbolizer {
     /// virtual addresses; the file's index is mapped at its first such address and let go of
     /// with its resolver.
     fn function_of(&mut self, file: &MappedFile, file_offset: u64) -> Option<Range<u64>> {
+        let vaddr = self
+            .files
+            .get(&file.id)?
+            .layout
+            .as_ref()?
+            .file_offset_to_vaddr(file_offset)?;
+        self.function_index(file)?.function_of(vaddr)
+    }
+
+    /// The function index of a known `file`, opened (mapped) at its first use.
+    fn function_index(&mut self, file: &MappedFile) -> Option<&mut functions::FunctionIndex> {
         let state = self.files.get_mut(&file.id)?;
-        let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
         if state.functions.is_none() {
             // Functions are remembered only where the binary's own symbols are all a lookup
             // reads (`functions` checks that they are `.dynsym` alone).
             let symbols_only_in_binary = matches!(state.source, native::SymbolSource::Binary)
-                && state.layout.as_ref().is_some_and(|layout| !layout.has_dwarf);
+                && state
+                    .layout
+                    .as_ref()
+                    .is_some_and(|layout| !layout.has_dwarf);
             let index =
                 functions::FunctionIndex::open(&file.readable_path(), symbols_only_in_binary);
             if let Some(index) = &index {
@@ -694,12 +707,19 @@ impl Symbolizer {
             }
             state.functions = Some(index);
         }
-        state.functions.as_ref()?.as_ref()?.function_of(vaddr)
+        state.functions.as_mut()?.as_mut()
     }
 
-    /// Remembers `function` of `file` under `name` where every address of it is named so
-    /// (`FunctionIndex::remember`), within [`MAX_FUNCTION_RANGES`] over all files.
-    fn remember_function(&mut self, file: FileId, function: Range<u64>, name: Arc<str>) {
+    /// Remembers `function` of `file` with what its address got where every address of it
+    /// gets the same (`FunctionIndex::remember`), within [`MAX_FUNCTION_RANGES`] over all
+    /// files.
+    fn remember_function(
+        &mut self,
+        file: &MappedFile,
+        function: Range<u64>,
+        named_by: NamedBy,
+        remembered: RememberedFunction,
+    ) {
         if !self.remember_functions {
             return;
         }
@@ -712,20 +732,26 @@ impl Symbolizer {
             self.function_ranges = 0;
             self.stats.function_ranges_cleared += 1;
         }
-        let Some(Some(index)) = self
-            .files
-            .get_mut(&file)
-            .and_then(|state| state.functions.as_mut())
-        else {
+        // A file whose every frame so far had a symbol has no index yet: none is mapped for
+        // its symbols alone (libraries named by their symbols stay as they were).
+        let index = match named_by {
+            NamedBy::FunctionStart => self.function_index(file),
+            NamedBy::Symbol => self
+                .files
+                .get_mut(&file.id)
+                .and_then(|state| state.functions.as_mut()?.as_mut()),
+        };
+        let Some(index) = index else {
             return;
         };
         let before = index.remembered_len();
-        index.remember(function, name);
-        self.function_ranges = self.function_ranges - before + index.remembered_len();
+        index.remember(function, named_by, Arc::new(remembered));
+        let after = index.remembered_len();
+        self.function_ranges = self.function_ranges - before + after;
     }
 
     /// The frame of an address in a remembered function of `file`: what a lookup would make
-    /// of it (no symbol; named after the function's start), without the lookup.
+    /// of it, without the lookup.
     fn in_remembered_function(
         &mut self,
         addr: u64,
@@ -739,14 +765,23 @@ impl Symbolizer {
         self.tick += 1;
         let state = self.files.get_mut(&file.id)?;
         let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
-        let (_, function) = state.functions.as_ref()?.as_ref()?.remembered(vaddr)?;
-        let function = Arc::clone(function);
+        let remembered = Arc::clone(state.functions.as_ref()?.as_ref()?.remembered(vaddr)?);
         state.used = self.tick;
         state.used_at = std::time::Instant::now();
-        self.stats.misses += 1;
-        self.stats.named_by_function_start += 1;
+        if remembered.unsymbolized {
+            self.stats.misses += 1;
+            self.stats.named_by_function_start += 1;
+        } else {
+            self.stats.frames_symbolized += 1;
+        }
         self.stats.function_range_hits += 1;
-        Some(unnamed_frame(addr, file, Arc::clone(mapping), function))
+        Some(SymbolizedFrame {
+            kind: FrameKind::Native,
+            address: addr,
+            mapping: Some(Arc::clone(mapping)),
+            lines: remembered.lines.clone(),
+            unsymbolized: remembered.unsymbolized,
+        })
     }
 
     fn mapping_info(
@@ -843,16 +878,23 @@ impl Symbolizer {
             self.stats.file_load_time += started.elapsed();
         }
         let not_found = matches!(lookup, native::UserLookup::NotFound);
-        let lines = match lookup {
-            native::UserLookup::Found(lines) if !lines.is_empty() => Some(lines),
-            native::UserLookup::Found(_) | native::UserLookup::NotFound => None,
+        let (lines, symbol) = match lookup {
+            native::UserLookup::Found(lines, symbol) if !lines.is_empty() => (Some(lines), symbol),
+            native::UserLookup::Found(..) | native::UserLookup::NotFound => (None, None),
             native::UserLookup::Failed => {
                 self.stats.errors += 1;
-                None
+                (None, None)
             }
         };
         if let Some(lines) = lines {
             self.stats.frames_symbolized += 1;
+            if let Some(symbol) = symbol {
+                let remembered = RememberedFunction {
+                    lines: lines.clone(),
+                    unsymbolized: false,
+                };
+                self.remember_function(file, symbol, NamedBy::Symbol, remembered);
+            }
             return SymbolizedFrame {
                 kind: FrameKind::Native,
                 address: addr,
@@ -873,13 +915,18 @@ impl Symbolizer {
             }
             None => Arc::from(format!("{basename}+0x{file_offset:x}")),
         };
+        let frame = unnamed_frame(addr, file, mapping, name);
         // Only after a lookup that found no symbol: a failed one says nothing of the others.
         if let Some(function) = function
             && not_found
         {
-            self.remember_function(file.id, function, Arc::clone(&name));
+            let remembered = RememberedFunction {
+                lines: frame.lines.clone(),
+                unsymbolized: true,
+            };
+            self.remember_function(file, function, NamedBy::FunctionStart, remembered);
         }
-        unnamed_frame(addr, file, mapping, name)
+        frame
     }
 
     fn symbolize_kernel(&mut self, addr: u64) -> SymbolizedFrame {
@@ -917,6 +964,15 @@ impl Symbolizer {
         }
     }
 }
+
+/// What every address of a remembered function is named (see `FunctionIndex::remember`).
+#[derive(Debug)]
+pub(crate) struct RememberedFunction {
+    lines: Vec<FrameLine>,
+    unsymbolized: bool,
+}
+
+pub(crate) use functions::NamedBy;
 
 /// A native frame no symbol names: `function` is its module and function start, or offset.
 fn unnamed_frame(

@@ -311,7 +311,10 @@ fn debug_file_matches(candidate: &Path, binary_build_id: Option<&str>) -> bool {
 
 /// What a lookup for one user frame produced.
 pub(super) enum UserLookup {
-    Found(Vec<FrameLine>),
+    /// The frame's lines, and the addresses of the symbol found when its name is all the
+    /// lookup gave (an ELF symbol of the binary with a size: no source line, no inlined
+    /// function), so every address of the symbol may get the same lines.
+    Found(Vec<FrameLine>, Option<std::ops::Range<u64>>),
     NotFound,
     /// blazesym failed (the frame stays unsymbolized; counted as an error).
     Failed,
@@ -396,7 +399,7 @@ fn lookup_with(
         match resolver.symbolize_single(&source, Input::VirtOffset(vaddr)) {
             Ok(Symbolized::Sym(sym)) => {
                 state.consecutive_errors = 0;
-                return UserLookup::Found(frame_lines(ctx, &sym, &file.path));
+                return UserLookup::Found(frame_lines(ctx, &sym, &file.path), None);
             }
             Ok(Symbolized::Unknown(_)) => {}
             Err(err) => {
@@ -416,7 +419,12 @@ fn lookup_with(
     match resolver.symbolize_single(&source, Input::FileOffset(file_offset)) {
         Ok(Symbolized::Sym(sym)) => {
             state.consecutive_errors = 0;
-            UserLookup::Found(frame_lines(ctx, &sym, &file.path))
+            let name_only = sym.code_info.is_none() && sym.inlined.is_empty();
+            let symbol = sym
+                .size
+                .filter(|&size| name_only && size > 0)
+                .map(|size| sym.addr..sym.addr.saturating_add(size as u64));
+            UserLookup::Found(frame_lines(ctx, &sym, &file.path), symbol)
         }
         Ok(Symbolized::Unknown(_)) if !failed => UserLookup::NotFound,
         Ok(Symbolized::Unknown(_)) => UserLookup::Failed,

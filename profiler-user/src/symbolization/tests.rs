@@ -192,10 +192,8 @@ fn remembered_functions_name_every_address_as_its_lookup_does() -> TestResult {
         let offsets: Vec<u64> = (0..3_000).map(|i| text_offset + i * step + i % 7).collect();
         for &offset in offsets.iter().chain(offsets.iter().rev()) {
             let frame = user_frame(&file, offset);
-            let (remembered, looked_up) = (
-                remembering.symbolize(&frame),
-                looking_up.symbolize(&frame),
-            );
+            let (remembered, looked_up) =
+                (remembering.symbolize(&frame), looking_up.symbolize(&frame));
             assert_eq!(
                 (&remembered.lines, remembered.unsymbolized),
                 (&looked_up.lines, looked_up.unsymbolized),
@@ -224,10 +222,19 @@ fn remembered_functions_name_every_address_as_its_lookup_does() -> TestResult {
             "{}: the path under test was hardly taken: {stats:?}",
             binary.display()
         );
-        assert_eq!(looking_up.stats().function_range_hits, 0);
+        let plain = looking_up.stats();
+        assert_eq!(plain.function_range_hits, 0);
         assert_eq!(
-            stats.named_by_function_start,
-            looking_up.stats().named_by_function_start
+            (
+                stats.misses,
+                stats.frames_symbolized,
+                stats.named_by_function_start
+            ),
+            (
+                plain.misses,
+                plain.frames_symbolized,
+                plain.named_by_function_start
+            )
         );
         checked_files += 1;
     }
@@ -268,8 +275,8 @@ fn functions_are_not_remembered_where_other_symbols_may_name_them() -> TestResul
 }
 
 /// A function with an exported symbol inside it (a label with a size, as hand-written assembly
-/// has) is not remembered: the addresses the symbol covers are named by it, the others after
-/// the function's start, whichever is sampled first.
+/// has) is not remembered, the symbol is: the addresses the symbol covers are named by it, the
+/// others after the function's start, whichever is sampled first.
 #[test]
 fn a_function_that_a_symbol_reaches_into_is_not_remembered() -> TestResult {
     const SOURCE: &str = r#"volatile int sink;
@@ -280,7 +287,15 @@ static __attribute__((noinline)) int fixture_host(int x) {
     sink *= 3;
     return sink;
 }
-int main(int argc, char **argv) { (void)argv; return fixture_host(argc); }
+__attribute__((noinline)) int fixture_exported_host(int x) {
+    sink -= x;
+    __asm__ volatile(".globl fixture_exported_inner\n.type fixture_exported_inner, @function\n"
+                     "fixture_exported_inner:\nnop\nnop\nnop\nnop\n"
+                     ".size fixture_exported_inner, 4\n");
+    sink *= 5;
+    return sink;
+}
+int main(int argc, char **argv) { (void)argv; return fixture_host(argc) + fixture_exported_host(argc); }
 "#;
     let dir = FixtureDir::new()?;
     let original = dir.compile("gcc", "inner.c", SOURCE, "c_inner", &["-O0", "-rdynamic"])?;
@@ -305,8 +320,32 @@ int main(int argc, char **argv) { (void)argv; return fixture_host(argc); }
     }
     let frame = symbolizer.symbolize(&user_frame(&file, inner.file_offset + 8));
     assert_eq!(&*frame.lines[0].function, host_name);
+    // Only the label is remembered (its second address named without a lookup): not the
+    // function around it.
     let stats = symbolizer.stats();
-    assert_eq!((stats.function_ranges, stats.function_range_hits), (0, 0));
+    assert_eq!((stats.function_ranges, stats.function_range_hits), (1, 1));
+    let frame = symbolizer.symbolize(&user_frame(&file, host.file_offset + 2));
+    assert_eq!(&*frame.lines[0].function, host_name);
+    assert_eq!(symbolizer.stats().function_range_hits, 1);
+
+    // An exported function with an exported label inside: neither the function's symbol
+    // is remembered (the label starts in it), and the label's addresses keep its name.
+    let outer = symbol_named(&original, "fixture_exported_host")?;
+    let label = symbol_named(&original, "fixture_exported_inner")?;
+    assert!(
+        outer.file_offset < label.file_offset && label.file_offset < outer.file_offset + outer.size
+    );
+    for (offset, name) in [
+        (outer.file_offset + 1, "fixture_exported_host"),
+        (label.file_offset + 1, "fixture_exported_inner"),
+        (outer.file_offset + 2, "fixture_exported_host"),
+        (label.file_offset + 2, "fixture_exported_inner"),
+    ] {
+        let frame = symbolizer.symbolize(&user_frame(&file, offset));
+        assert_eq!(&*frame.lines[0].function, name, "file offset {offset:#x}");
+    }
+    // The label's second address came from its remembered range, never the function's.
+    assert_eq!(symbolizer.stats().function_range_hits, 2);
     Ok(())
 }
 
