@@ -15,7 +15,7 @@ use crate::model::{ExecArgs, ExecRecord, FileId, LabelEnv};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap, MapData, PerCpuArray, RingBuf,
+        Array, HashMap, IterableMap, MapData, PerCpuArray, RingBuf,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
@@ -154,6 +154,30 @@ pub trait UnwindMaps {
         value: MappingValue,
     ) -> Result<(), BpfError>;
     fn remove_mapping(&mut self, prefix_len: u32, key: MappingKey) -> Result<(), BpfError>;
+    /// Inserts `entries` (prefix length, key, value) in their order, each as
+    /// [`Self::insert_mapping`] would: BPF may see the first ones before the last. Returns the
+    /// index and error of each that failed (the others are in).
+    fn insert_mappings(
+        &mut self,
+        entries: &[(u32, MappingKey, MappingValue)],
+    ) -> Vec<(usize, BpfError)> {
+        entries
+            .iter()
+            .enumerate()
+            .filter_map(|(index, &(prefix_len, key, value))| {
+                self.insert_mapping(prefix_len, key, value)
+                    .err()
+                    .map(|error| (index, error))
+            })
+            .collect()
+    }
+    /// Removes `entries` (prefix length, key) in their order, each as
+    /// [`Self::remove_mapping`] would; one that is not in the map is passed over.
+    fn remove_mappings(&mut self, entries: &[(u32, MappingKey)]) {
+        for &(prefix_len, key) in entries {
+            let _ = self.remove_mapping(prefix_len, key);
+        }
+    }
     /// A page entry as placed (`None` when the page is not in the map). The agent's late
     /// unwinder reads the rows BPF would have used.
     fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError>;
@@ -166,10 +190,86 @@ pub struct KernelUnwindMaps {
     pages: HashMap<MapData, PageKey, PageEntry>,
     mappings: LpmTrie<MapData, MappingKey, MappingValue>,
     row_chunks: u32,
+    /// Whether the kernel takes the mappings' trie entries in batches (from Linux 5.6): a
+    /// process's registration is tens to hundreds of entries, one system call each without.
+    mapping_batches: bool,
+}
+
+/// `BPF_MAP_UPDATE_BATCH` and `BPF_MAP_DELETE_BATCH` of the kernel's `enum bpf_cmd`: aya 0.14
+/// has no call for them.
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// The `batch` member of the kernel's `union bpf_attr` (the kernel zero-fills the union's
+/// bytes beyond those given).
+#[repr(C)]
+#[derive(Default)]
+struct MapBatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Runs a batch `command` over `keys` (with `values` for an update) of the map `map`, whose
+/// key and value sizes they must have. `Err((done, error))`: the first `done` elements were
+/// done and the next one failed, or (`done` 0) the command failed as a whole.
+fn map_batch<K, V>(
+    map: BorrowedFd<'_>,
+    command: libc::c_long,
+    keys: &[K],
+    values: Option<&[V]>,
+) -> Result<(), (usize, std::io::Error)> {
+    let Ok(count) = u32::try_from(keys.len()) else {
+        return Err((0, std::io::Error::from(std::io::ErrorKind::InvalidInput)));
+    };
+    let mut attr = MapBatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.map_or(0, |values| values.as_ptr() as u64),
+        count,
+        map_fd: map.as_raw_fd() as u32,
+        ..MapBatchAttr::default()
+    };
+    // SAFETY: `attr` points at `count` keys (and values) that outlive the call; the kernel
+    // reads that many elements of the map's key and value sizes and writes back only
+    // `attr.count`.
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            command,
+            &mut attr as *mut MapBatchAttr,
+            std::mem::size_of::<MapBatchAttr>(),
+        )
+    };
+    if result == 0 {
+        return Ok(());
+    }
+    let error = std::io::Error::last_os_error();
+    // A command refused before any element (unknown to the kernel, or for this map) leaves
+    // `count` as given; one that stopped at an element writes back how many it did.
+    let done = if attr.count >= count {
+        0
+    } else {
+        attr.count as usize
+    };
+    Err((done, error))
 }
 
 fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> BpfError {
     move |source| BpfError::Map { name, source }
+}
+
+impl KernelUnwindMaps {
+    /// A batch was refused as a whole where its first element alone went in: this kernel
+    /// takes no batches for the trie; one system call an entry from now on.
+    fn no_mapping_batches(&mut self) {
+        tracing::debug!("the kernel takes no batches of LPM trie entries");
+        self.mapping_batches = false;
+    }
 }
 
 impl UnwindMaps for KernelUnwindMaps {
@@ -210,6 +310,77 @@ impl UnwindMaps for KernelUnwindMaps {
         self.mappings
             .remove(&Key::new(prefix_len, key))
             .map_err(map_error(names::MAP_PROCESS_MAPPINGS))
+    }
+
+    fn insert_mappings(
+        &mut self,
+        entries: &[(u32, MappingKey, MappingValue)],
+    ) -> Vec<(usize, BpfError)> {
+        let keys: Vec<Key<MappingKey>> = entries
+            .iter()
+            .map(|&(prefix_len, key, _)| Key::new(prefix_len, key))
+            .collect();
+        let values: Vec<MappingValue> = entries.iter().map(|&(_, _, value)| value).collect();
+        let mut failed = Vec::new();
+        let mut next = 0;
+        while next < entries.len() {
+            let mut refused_whole = false;
+            if self.mapping_batches {
+                let fd = self.mappings.map().fd().as_fd();
+                let batch = map_batch(
+                    fd,
+                    BPF_MAP_UPDATE_BATCH,
+                    &keys[next..],
+                    Some(&values[next..]),
+                );
+                let Err((done, _)) = batch else {
+                    break;
+                };
+                next += done;
+                refused_whole = done == 0;
+            }
+            // The element the batch stopped at, alone (which tells its own error from a
+            // kernel that takes no batches for this map), or every element without batches.
+            let (prefix_len, key, value) = entries[next];
+            match self.insert_mapping(prefix_len, key, value) {
+                Ok(()) if refused_whole => self.no_mapping_batches(),
+                Ok(()) => {}
+                Err(error) => failed.push((next, error)),
+            }
+            next += 1;
+        }
+        failed
+    }
+
+    fn remove_mappings(&mut self, entries: &[(u32, MappingKey)]) {
+        let keys: Vec<Key<MappingKey>> = entries
+            .iter()
+            .map(|&(prefix_len, key)| Key::new(prefix_len, key))
+            .collect();
+        let mut next = 0;
+        while next < entries.len() {
+            let mut refused_whole = false;
+            if self.mapping_batches {
+                let fd = self.mappings.map().fd().as_fd();
+                let batch =
+                    map_batch::<_, MappingValue>(fd, BPF_MAP_DELETE_BATCH, &keys[next..], None);
+                let Err((done, error)) = batch else {
+                    break;
+                };
+                next += done;
+                // Not in the map: passed over, as a removal one by one does.
+                if error.raw_os_error() == Some(libc::ENOENT) {
+                    next += 1;
+                    continue;
+                }
+                refused_whole = done == 0;
+            }
+            let (prefix_len, key) = entries[next];
+            if self.remove_mapping(prefix_len, key).is_ok() && refused_whole {
+                self.no_mapping_batches();
+            }
+            next += 1;
+        }
     }
 
     fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError> {
@@ -685,6 +856,7 @@ impl Sampler {
             pages: take_map(&mut ebpf, names::MAP_UNWIND_PAGES)?,
             mappings: take_map(&mut ebpf, names::MAP_PROCESS_MAPPINGS)?,
             row_chunks,
+            mapping_batches: true,
         };
         let python_maps = KernelPythonMaps {
             processes: take_map(&mut ebpf, names::MAP_PYTHON_PROCESSES)?,
@@ -1063,6 +1235,120 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An LPM trie with the mappings trie's key and value sizes, made with `BPF_MAP_CREATE`
+    /// (aya 0.14 makes maps only from an object file).
+    fn mappings_like_trie(max_entries: u32) -> std::os::fd::OwnedFd {
+        #[repr(C)]
+        #[derive(Default)]
+        struct CreateAttr {
+            map_type: u32,
+            key_size: u32,
+            value_size: u32,
+            max_entries: u32,
+            map_flags: u32,
+        }
+        const BPF_MAP_CREATE: libc::c_long = 0;
+        const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
+        const BPF_F_NO_PREALLOC: u32 = 1;
+        let attr = CreateAttr {
+            map_type: BPF_MAP_TYPE_LPM_TRIE,
+            key_size: std::mem::size_of::<Key<MappingKey>>() as u32,
+            value_size: std::mem::size_of::<MappingValue>() as u32,
+            max_entries,
+            map_flags: BPF_F_NO_PREALLOC,
+        };
+        // SAFETY: a plain struct the kernel reads; a new descriptor is returned on success.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_CREATE,
+                &attr as *const CreateAttr,
+                std::mem::size_of::<CreateAttr>(),
+            )
+        };
+        assert!(
+            fd >= 0,
+            "BPF_MAP_CREATE: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: the descriptor was just made and is owned by nobody else.
+        unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
+    }
+
+    fn lookup(map: BorrowedFd<'_>, key: &Key<MappingKey>) -> Option<MappingValue> {
+        #[repr(C)]
+        struct ElemAttr {
+            map_fd: u32,
+            _pad: u32,
+            key: u64,
+            value: u64,
+            flags: u64,
+        }
+        const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+        let mut value = MappingValue::default();
+        let attr = ElemAttr {
+            map_fd: map.as_raw_fd() as u32,
+            _pad: 0,
+            key: key as *const Key<MappingKey> as u64,
+            value: &mut value as *mut MappingValue as u64,
+            flags: 0,
+        };
+        // SAFETY: the kernel reads the key and writes one value into `value`.
+        let result = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_ELEM,
+                &attr as *const ElemAttr,
+                std::mem::size_of::<ElemAttr>(),
+            )
+        };
+        (result == 0).then_some(value)
+    }
+
+    /// The batch commands the mappings trie is written with, on this kernel: a batch goes in
+    /// whole, one that meets a bad element stops there and says how many it did, and a
+    /// deletion stops at a key that is not there.
+    #[test]
+    fn mapping_batches_go_in_whole_or_up_to_the_element_that_failed() {
+        let trie = mappings_like_trie(64);
+        let key = |prefix_len, pid, addr| Key::new(prefix_len, MappingKey::new(pid, addr));
+        let value = |table_id| MappingValue {
+            table_id,
+            ..MappingValue::default()
+        };
+        let keys: Vec<_> = (0..10u64).map(|i| key(32 + 52, 7, i << 12)).collect();
+        let values: Vec<_> = (0..10u32).map(value).collect();
+        map_batch(trie.as_fd(), BPF_MAP_UPDATE_BATCH, &keys, Some(&values))
+            .expect("a batch of ten");
+        for (key, value) in keys.iter().zip(&values) {
+            assert_eq!(lookup(trie.as_fd(), key).as_ref(), Some(value));
+        }
+        // A prefix longer than the key's 96 bits is refused: the batch stops at it.
+        let bad = vec![
+            key(32 + 52, 8, 0),
+            key(32 + 200, 8, 1 << 12),
+            key(32 + 52, 8, 2 << 12),
+        ];
+        let (done, error) = map_batch(trie.as_fd(), BPF_MAP_UPDATE_BATCH, &bad, Some(&values[..3]))
+            .expect_err("a bad prefix length");
+        assert_eq!((done, error.raw_os_error()), (1, Some(libc::EINVAL)));
+        assert!(lookup(trie.as_fd(), &bad[0]).is_some());
+        assert!(lookup(trie.as_fd(), &bad[2]).is_none());
+        // Deleting: the first five go, then a key never inserted stops the batch.
+        let mut deletions = keys[..5].to_vec();
+        deletions.push(bad[2]);
+        deletions.extend_from_slice(&keys[5..]);
+        let (done, error) =
+            map_batch::<_, MappingValue>(trie.as_fd(), BPF_MAP_DELETE_BATCH, &deletions, None)
+                .expect_err("a missing key");
+        assert_eq!((done, error.raw_os_error()), (5, Some(libc::ENOENT)));
+        assert!(lookup(trie.as_fd(), &keys[4]).is_none());
+        assert!(lookup(trie.as_fd(), &keys[5]).is_some());
+        map_batch::<_, MappingValue>(trie.as_fd(), BPF_MAP_DELETE_BATCH, &keys[5..], None)
+            .expect("the rest");
+        assert!(keys.iter().all(|key| lookup(trie.as_fd(), key).is_none()));
+    }
 
     #[test]
     fn a_ring_is_one_page_without_its_programs() {

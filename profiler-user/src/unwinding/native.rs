@@ -810,13 +810,12 @@ impl<M: UnwindMaps> NativeTables<M> {
             self.remove_prefixes(previous);
         }
         self.tick += 1;
-        let mut prefixes = Vec::new();
-        let mut values = Vec::with_capacity(process.mappings.len());
+        let mut entries = Vec::new();
+        let mut ranges = Vec::with_capacity(process.mappings.len());
         let mut tables = Vec::new();
         let mut waiting_for = Vec::new();
         for mapping in &process.mappings {
             let (value, key, waiting) = self.mapping_value(mapping);
-            let first_prefix = prefixes.len();
             if let Some(key) = key
                 && !tables.contains(&key)
                 && let Some(slot) = self.slots.get_mut(&key)
@@ -825,33 +824,48 @@ impl<M: UnwindMaps> NativeTables<M> {
                 tables.push(key);
             }
             waiting_for.extend(waiting);
+            let first = entries.len();
             for (bits, base) in address_prefixes(mapping.start, mapping.end) {
-                let key = MappingKey::new(process.pid.0, base);
-                let prefix_len = 32 + bits;
-                match self.maps.insert_mapping(prefix_len, key, value) {
-                    Ok(()) => prefixes.push((prefix_len, key)),
-                    Err(err) => {
-                        self.stats.map_errors += 1;
-                        tracing::debug!(pid = process.pid.0, "cannot register a mapping: {err}");
-                    }
-                }
+                entries.push((32 + bits, MappingKey::new(process.pid.0, base), value));
             }
-            values.push((value, first_prefix..prefixes.len()));
+            ranges.push((value, first..entries.len()));
         }
         // The marker last: until it is there BPF takes the process for unregistered and sends
         // stack copies instead of taking a missing mapping for JIT code.
-        let marker = (32, MappingKey::new(process.pid.0, 0));
         let marker_value = MappingValue {
             flags: MAPPING_PROCESS_MARKER,
             ..MappingValue::default()
         };
-        match self.maps.insert_mapping(marker.0, marker.1, marker_value) {
-            Ok(()) => prefixes.push(marker),
-            Err(err) => {
-                self.stats.map_errors += 1;
-                tracing::debug!(pid = process.pid.0, "cannot register a process: {err}");
+        entries.push((32, MappingKey::new(process.pid.0, 0), marker_value));
+        // All in one go where the kernel takes batches (in this order, the marker last).
+        let failed = self.maps.insert_mappings(&entries);
+        for (index, err) in &failed {
+            self.stats.map_errors += 1;
+            let what = if *index + 1 == entries.len() {
+                "a process"
+            } else {
+                "a mapping"
+            };
+            tracing::debug!(pid = process.pid.0, "cannot register {what}: {err}");
+        }
+        // The prefixes that went in, and each mapping's among them.
+        let mut inserted = vec![true; entries.len()];
+        for (index, _) in &failed {
+            inserted[*index] = false;
+        }
+        let mut prefixes = Vec::with_capacity(entries.len());
+        let mut position = Vec::with_capacity(entries.len() + 1);
+        for (index, &(prefix_len, key, _)) in entries.iter().enumerate() {
+            position.push(prefixes.len());
+            if inserted[index] {
+                prefixes.push((prefix_len, key));
             }
         }
+        position.push(prefixes.len());
+        let values: Vec<_> = ranges
+            .into_iter()
+            .map(|(value, range)| (value, position[range.start]..position[range.end]))
+            .collect();
         self.stats.mapping_prefixes += prefixes.len() as u64;
         self.processes.insert(
             process.pid,
@@ -886,11 +900,13 @@ impl<M: UnwindMaps> NativeTables<M> {
                 continue;
             }
             *registered = value;
-            for &(prefix_len, key) in &registration.prefixes[range.clone()] {
-                if let Err(err) = self.maps.insert_mapping(prefix_len, key, value) {
-                    self.stats.map_errors += 1;
-                    tracing::debug!(pid = process.pid.0, "cannot update a mapping: {err}");
-                }
+            let entries: Vec<_> = registration.prefixes[range.clone()]
+                .iter()
+                .map(|&(prefix_len, key)| (prefix_len, key, value))
+                .collect();
+            for (_, err) in self.maps.insert_mappings(&entries) {
+                self.stats.map_errors += 1;
+                tracing::debug!(pid = process.pid.0, "cannot update a mapping: {err}");
             }
         }
         registration.waiting_for = waiting_for;
@@ -1026,9 +1042,7 @@ impl<M: UnwindMaps> NativeTables<M> {
             .stats
             .mapping_prefixes
             .saturating_sub(registration.prefixes.len() as u64);
-        for &(prefix_len, key) in &registration.prefixes {
-            let _ = self.maps.remove_mapping(prefix_len, key);
-        }
+        self.maps.remove_mappings(&registration.prefixes);
     }
 
     /// Drops one registration's hold on each of `tables`; a table no registration holds lets

@@ -93,6 +93,17 @@ impl<M: UnwindMaps> UnwindMaps for CachedReads<M> {
         self.inner.remove_mapping(prefix_len, key)
     }
 
+    fn insert_mappings(
+        &mut self,
+        entries: &[(u32, MappingKey, MappingValue)],
+    ) -> Vec<(usize, BpfError)> {
+        self.inner.insert_mappings(entries)
+    }
+
+    fn remove_mappings(&mut self, entries: &[(u32, MappingKey)]) {
+        self.inner.remove_mappings(entries)
+    }
+
     fn read_page(&self, key: PageKey) -> Result<Option<PageEntry>, BpfError> {
         if let Some(entry) = self.cached.borrow_mut().hit_page(&key) {
             return Ok(entry);
