@@ -190,7 +190,7 @@ pub struct KernelUnwindMaps {
     pages: HashMap<MapData, PageKey, PageEntry>,
     mappings: LpmTrie<MapData, MappingKey, MappingValue>,
     row_chunks: u32,
-    /// Whether the kernel takes the mappings' trie entries in batches (from Linux 5.6): a
+    /// Whether the kernel takes the mappings' trie entries in batches: a
     /// process's registration is tens to hundreds of entries, one system call each without.
     mapping_batches: bool,
 }
