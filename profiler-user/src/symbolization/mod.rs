@@ -59,10 +59,11 @@ pub const ANONYMOUS_CODE_FRAME: &str = "[anonymous code]";
 /// with its generation instead of piling up (a stripped compiler makes a new frame for every
 /// address it is sampled at).
 pub const DEFAULT_MAX_CACHED_FRAMES: usize = 16_384;
-/// Functions of stripped files remembered over all files (about 64 bytes each; see
+/// Functions of stripped files remembered over all files (about 150 bytes each with their
+/// frame lines, whose names the frames share: 2.4 MiB at most; see
 /// `functions::FunctionIndex::remember`); beyond, all are forgotten and remembered again as
 /// they are sampled.
-pub const MAX_FUNCTION_RANGES: usize = 32_768;
+pub const MAX_FUNCTION_RANGES: usize = 16_384;
 /// Mappings remembered for the frames' pprof mappings (a few hundred bytes each).
 const MAX_CACHED_MAPPINGS: usize = 8_192;
 
@@ -137,8 +138,9 @@ pub struct SymbolizerStats {
     /// Of the lookups' time, that of naming frames without a symbol by the function start
     /// (`.eh_frame_hdr`'s search table, read in the file's mapping).
     pub function_start_time: std::time::Duration,
-    /// Frames named by the start of a remembered function (`functions::FunctionIndex`)
-    /// without a lookup (counted in `misses` and `named_by_function_start` too).
+    /// Frames named from a remembered function (`functions::FunctionIndex`) without a
+    /// lookup (counted in `misses` and `named_by_function_start`, or `frames_symbolized`, as
+    /// the lookup would have been).
     pub function_range_hits: u64,
     /// Functions remembered over all files (bounded by [`MAX_FUNCTION_RANGES`]), and the
     /// times they were all forgotten for that bound.
@@ -762,10 +764,10 @@ impl Symbolizer {
         if self.function_ranges == 0 {
             return None;
         }
-        self.tick += 1;
         let state = self.files.get_mut(&file.id)?;
         let vaddr = state.layout.as_ref()?.file_offset_to_vaddr(file_offset)?;
         let remembered = Arc::clone(state.functions.as_ref()?.as_ref()?.remembered(vaddr)?);
+        self.tick += 1;
         state.used = self.tick;
         state.used_at = std::time::Instant::now();
         if remembered.unsymbolized {
@@ -915,7 +917,18 @@ impl Symbolizer {
             }
             None => Arc::from(format!("{basename}+0x{file_offset:x}")),
         };
-        let frame = unnamed_frame(addr, file, mapping, name);
+        let frame = SymbolizedFrame {
+            kind: FrameKind::Native,
+            address: addr,
+            mapping: Some(mapping),
+            lines: vec![FrameLine {
+                function: name,
+                system_name: None,
+                file: Some(Arc::clone(&file.path)),
+                line: 0,
+            }],
+            unsymbolized: true,
+        };
         // Only after a lookup that found no symbol: a failed one says nothing of the others.
         if let Some(function) = function
             && not_found
@@ -973,27 +986,6 @@ pub(crate) struct RememberedFunction {
 }
 
 pub(crate) use functions::NamedBy;
-
-/// A native frame no symbol names: `function` is its module and function start, or offset.
-fn unnamed_frame(
-    addr: u64,
-    file: &MappedFile,
-    mapping: Arc<MappingInfo>,
-    function: Arc<str>,
-) -> SymbolizedFrame {
-    SymbolizedFrame {
-        kind: FrameKind::Native,
-        address: addr,
-        mapping: Some(mapping),
-        lines: vec![FrameLine {
-            function,
-            system_name: None,
-            file: Some(Arc::clone(&file.path)),
-            line: 0,
-        }],
-        unsymbolized: true,
-    }
-}
 
 fn build_resolver(options: &SymbolizerOptions) -> bz::Symbolizer {
     bz::Symbolizer::builder()
