@@ -26,7 +26,7 @@ use object::{Object, ObjectSection, ObjectSymbol, read::ReadCache};
 
 /// Functions remembered per file at most (`FunctionIndex::remember`): the file's start over
 /// when full. The symbolizer bounds them over all files too (`MAX_FUNCTION_RANGES`).
-pub(super) const MAX_RANGES_PER_FILE: usize = 8_192;
+const MAX_RANGES_PER_FILE: usize = 8_192;
 /// A file with more dynamic symbols than this remembers no functions: the bounds of its
 /// symbols would cost more memory (16 bytes a symbol) than its lookups are worth.
 const MAX_RANGE_SYMBOLS: usize = 65_536;
@@ -124,7 +124,9 @@ impl SymbolBounds {
             .take_while(|&&(start, _)| start < range.end)
             .peekable();
         inside.peek().is_some()
-            && inside.all(|&(start, size)| start == range.start && start + size == range.end)
+            && inside.all(|&(start, size)| {
+                start == range.start && start.saturating_add(size) == range.end
+            })
     }
 
     fn heap_bytes(&self) -> usize {
@@ -238,18 +240,18 @@ impl FunctionIndex {
     /// [`Self::function_of`]): no symbol can name one of its addresses, and the FDE found for
     /// its last address is the one found for its first (the search table's entries are
     /// sorted, so no other FDE starts in between). Named by a symbol (`function` its
-    /// addresses): no other symbol starts in it. Returns whether it was remembered.
+    /// addresses): no other symbol starts in it.
     pub(super) fn remember(
         &mut self,
         function: Range<u64>,
         named_by: NamedBy,
         remembered: Arc<RememberedFunction>,
-    ) -> bool {
+    ) {
         let Some(symbols) = &self.symbols else {
-            return false;
+            return;
         };
         if function.is_empty() {
-            return false;
+            return;
         }
         let provable = match named_by {
             NamedBy::FunctionStart => {
@@ -259,14 +261,13 @@ impl FunctionIndex {
             NamedBy::Symbol => symbols.only_one_names(&function),
         };
         if !provable {
-            return false;
+            return;
         }
         if self.ranges.len() >= MAX_RANGES_PER_FILE {
             self.ranges.clear();
         }
         self.ranges
             .insert(function.start, (function.end, remembered));
-        true
     }
 
     /// Functions remembered.
