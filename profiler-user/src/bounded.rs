@@ -87,6 +87,58 @@ impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
     }
 }
 
+/// Values parsed from inputs that repeat byte for byte, kept by the input: an exec event's
+/// environment (hundreds of execs a second on a busy host come from the same few parents), a
+/// process's /proc/PID/cgroup (most processes share a few). A hit costs a hash and a compare of
+/// the input instead of its parse, and can never be another input's value. Inputs longer than
+/// [`MAX_PARSE_INPUT_BYTES`] are parsed every time, so the memory is bounded by the count.
+#[derive(Debug)]
+pub struct ParseMemo<V> {
+    parsed: TwoGenerationCache<Box<[u8]>, V>,
+    hits: u64,
+}
+
+/// The longest input a [`ParseMemo`] keeps (an exec event holds at most 4 KiB of environment).
+pub const MAX_PARSE_INPUT_BYTES: usize = 4096;
+
+impl<V: Clone> ParseMemo<V> {
+    /// At most `capacity` inputs, in two generations.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            parsed: TwoGenerationCache::new(capacity),
+            hits: 0,
+        }
+    }
+
+    /// `parse(input)`, from the memo when `input` was parsed lately.
+    pub fn get_or_parse(&mut self, input: &[u8], parse: impl FnOnce(&[u8]) -> V) -> V {
+        if input.len() > MAX_PARSE_INPUT_BYTES {
+            return parse(input);
+        }
+        if let Some(value) = self.parsed.get(input) {
+            self.hits += 1;
+            return value;
+        }
+        let value = parse(input);
+        self.parsed.insert(input.into(), value.clone());
+        value
+    }
+
+    /// Inputs kept.
+    pub fn len(&self) -> usize {
+        self.parsed.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parsed.is_empty()
+    }
+
+    /// Values that came from the memo without a parse.
+    pub fn hits(&self) -> u64 {
+        self.hits
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +176,35 @@ mod tests {
         assert_eq!(cache.evicted(), 0);
         assert_eq!(cache.get("a"), Some(2));
         assert_eq!(cache.len(), 1);
+    }
+
+    #[test]
+    fn a_parse_is_reused_only_for_the_same_bytes_within_the_bound() {
+        let mut memo = ParseMemo::new(4);
+        let parses = std::cell::Cell::new(0);
+        let parse = |input: &[u8]| {
+            parses.set(parses.get() + 1);
+            String::from_utf8_lossy(input).to_uppercase()
+        };
+        assert_eq!(memo.get_or_parse(b"service=a", parse), "SERVICE=A");
+        assert_eq!(memo.get_or_parse(b"service=a", parse), "SERVICE=A");
+        // One byte off, or one longer: parsed, never the kept value.
+        assert_eq!(memo.get_or_parse(b"service=b", parse), "SERVICE=B");
+        assert_eq!(memo.get_or_parse(b"service=a\0", parse), "SERVICE=A\0");
+        assert_eq!((memo.hits(), parses.get()), (1, 3));
+        for n in 0..100 {
+            let input = format!("n={n}");
+            assert_eq!(
+                memo.get_or_parse(input.as_bytes(), parse),
+                input.to_uppercase()
+            );
+            assert!(memo.len() <= 4, "{} kept", memo.len());
+        }
+        // Too long to keep: parsed every time, nothing kept.
+        let long = vec![b'x'; MAX_PARSE_INPUT_BYTES + 1];
+        let kept = memo.len();
+        memo.get_or_parse(&long, parse);
+        memo.get_or_parse(&long, parse);
+        assert_eq!((memo.len(), memo.hits(), parses.get()), (kept, 1, 105));
     }
 }

@@ -75,6 +75,10 @@ pub struct SelfMetrics {
     pub symbol_function_ranges_cleared: u64,
     /// Distinct names and paths the symbolizer shares between its frames (bounded).
     pub symbol_interned_strings: u64,
+    /// Exec environments kept with their labels (bounded), and the exec events whose labels
+    /// came from one of them without a parse.
+    pub exec_environments: u64,
+    pub exec_environments_reused: u64,
     pub processes_tracked: u64,
     /// File descriptors the process holds for files (/proc/self/fd), all users together.
     pub open_files: u64,
@@ -94,6 +98,9 @@ pub struct SelfMetrics {
     pub process_identities_expired: u64,
     /// Cgroup directory names remembered (bounded).
     pub cgroup_paths: u64,
+    /// /proc/PID/cgroup texts kept parsed (bounded), and the reads they saved a parse.
+    pub cgroup_texts: u64,
+    pub cgroup_texts_reused: u64,
     /// Exec'ed paths remembered with their links resolved (bounded).
     pub executable_paths: u64,
     /// Snapshots from events whose libraries came from the kernel's mmap announcements.
@@ -868,6 +875,18 @@ impl SelfMetrics {
                 "counter",
             ),
             (
+                "exec_environments",
+                "Exec environments kept with their label variables, byte for byte (bounded)",
+                self.exec_environments,
+                "gauge",
+            ),
+            (
+                "exec_environments_reused_total",
+                "Exec events whose label variables came from a kept environment without a parse",
+                self.exec_environments_reused,
+                "counter",
+            ),
+            (
                 "symbol_interned_strings",
                 "Distinct function names and paths shared by the symbolized frames (bounded)",
                 self.symbol_interned_strings,
@@ -1004,6 +1023,18 @@ impl SelfMetrics {
                 "Cgroup directory names remembered for service labels (bounded)",
                 self.cgroup_paths,
                 "gauge",
+            ),
+            (
+                "cgroup_texts",
+                "/proc/PID/cgroup texts kept with what they say, byte for byte (bounded)",
+                self.cgroup_texts,
+                "gauge",
+            ),
+            (
+                "cgroup_texts_reused_total",
+                "/proc/PID/cgroup reads whose meaning came from a kept text without a parse",
+                self.cgroup_texts_reused,
+                "counter",
             ),
             (
                 "process_executable_paths",

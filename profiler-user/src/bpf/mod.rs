@@ -11,7 +11,10 @@ use std::{
     sync::Arc,
 };
 
-use crate::model::{ExecArgs, ExecRecord, FileId, LabelEnv};
+use crate::{
+    bounded::ParseMemo,
+    model::{ExecArgs, ExecRecord, FileId, LabelEnv},
+};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
@@ -398,12 +401,22 @@ impl UnwindMaps for KernelUnwindMaps {
     }
 }
 
+/// Exec environments kept with their label variables: a busy host's execs come from a few
+/// parents with one environment each (4 KiB at most an environment).
+pub const MAX_KEPT_ENVIRONMENTS: usize = 16;
+
 /// Process lifecycle events (exits, execs) from the kernel.
 pub struct EventRing {
     ring: RingBuf<MapData>,
+    environments: ParseMemo<LabelEnv>,
 }
 
 impl EventRing {
+    /// The exec environments whose labels are kept for the next execs.
+    pub fn environments(&self) -> &ParseMemo<LabelEnv> {
+        &self.environments
+    }
+
     /// Lifecycle events since the last call, oldest first.
     pub fn drain(&mut self) -> Vec<LifecycleEvent> {
         let mut events = Vec::new();
@@ -418,8 +431,10 @@ impl EventRing {
                     }),
                     EVENT_PROCESS_EXEC => {
                         let program = (item.len() >= std::mem::size_of::<ExecEvent>()).then(|| {
-                            let record =
-                                |exec: &ExecEvent| exec_record(&exec.details, event.ktime_ns);
+                            let environments = &mut self.environments;
+                            let mut record = |exec: &ExecEvent| {
+                                exec_record(&exec.details, event.ktime_ns, environments)
+                            };
                             let pointer = item.as_ptr().cast::<ExecEvent>();
                             Arc::new(if pointer.is_aligned() {
                                 // SAFETY: length and alignment checked; ExecEvent is plain old
@@ -568,7 +583,11 @@ impl LifecycleEvent {
 
 /// The exec event's details as the agent keeps them. `exe_dev` is the kernel's `dev_t`
 /// (major << 20 | minor), converted to the encoding `stat` reports.
-pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
+pub fn exec_record(
+    details: &ExecDetails,
+    exec_ns: u64,
+    environments: &mut ParseMemo<LabelEnv>,
+) -> ExecRecord {
     let text = |bytes: &[u8], len: usize| {
         let bytes = &bytes[..len.min(bytes.len())];
         let bytes = bytes.split(|&b| b == 0).next().unwrap_or_default();
@@ -606,16 +625,19 @@ pub fn exec_record(details: &ExecDetails, exec_ns: u64) -> ExecRecord {
         code: (details.start_code != 0 && details.end_code > details.start_code)
             .then_some((details.start_code, details.end_code)),
         exec_ns,
-        label_env: exec_label_env(details),
+        label_env: exec_label_env(details, environments),
     }
 }
 
 /// The labels' variables of an exec event's environment, when the event holds all of it.
-fn exec_label_env(details: &ExecDetails) -> Option<LabelEnv> {
+fn exec_label_env(
+    details: &ExecDetails,
+    environments: &mut ParseMemo<LabelEnv>,
+) -> Option<LabelEnv> {
     let len = details.env_len as usize;
     let whole =
         details.env_size > 0 && len == details.env_size as usize && len <= details.env.len();
-    whole.then(|| LabelEnv::from_environ(&details.env[..len]))
+    whole.then(|| environments.get_or_parse(&details.env[..len], LabelEnv::from_environ))
 }
 
 /// Records of the CUDA probes (`profiler_common::gpu`), drained by the agent's pipeline.
@@ -919,7 +941,10 @@ impl Sampler {
             sampler,
             SamplerParts {
                 samples: SampleRing { ring },
-                events: EventRing { ring: events },
+                events: EventRing {
+                    ring: events,
+                    environments: ParseMemo::new(MAX_KEPT_ENVIRONMENTS),
+                },
                 cuda: settings.cuda,
                 unwind_maps,
                 python_maps,
@@ -1379,12 +1404,18 @@ mod tests {
     #[test]
     fn an_exec_record_has_the_labels_environment_only_when_the_event_held_all_of_it() {
         let mut details = empty_exec_details();
-        assert_eq!(exec_record(&details, 1).label_env, None, "not read");
+        // One memo throughout: a kept environment answers only for the whole of it.
+        let mut environments = ParseMemo::new(2);
+        assert_eq!(
+            exec_record(&details, 1, &mut environments).label_env,
+            None,
+            "not read"
+        );
         let env = b"PATH=/bin\0OTEL_SERVICE_NAME=nightly-report\0POD_NAME=\xff\0HOME=/root\0";
         details.env[..env.len()].copy_from_slice(env);
         details.env_size = env.len() as u32;
         details.env_len = env.len() as u16;
-        let kept = exec_record(&details, 1)
+        let kept = exec_record(&details, 1, &mut environments)
             .label_env
             .expect("the whole environment");
         assert_eq!(
@@ -1394,13 +1425,20 @@ mod tests {
                 ("POD_NAME".to_owned(), "\u{fffd}".to_owned()),
             ]
         );
+        let again = exec_record(&details, 1, &mut environments).label_env;
+        assert_eq!(
+            again,
+            Some(kept),
+            "the same labels from the kept environment"
+        );
+        assert_eq!(environments.hits(), 1);
         // Larger than the event: nothing copied, and nothing is known of it.
         details.env_size = 9000;
         details.env_len = 0;
-        assert_eq!(exec_record(&details, 1).label_env, None);
+        assert_eq!(exec_record(&details, 1, &mut environments).label_env, None);
         details.env_len = env.len() as u16;
         assert_eq!(
-            exec_record(&details, 1).label_env,
+            exec_record(&details, 1, &mut environments).label_env,
             None,
             "a part is not all"
         );
@@ -1420,7 +1458,7 @@ mod tests {
         let args = b"cc1\0\0-O2\0caf\xe9\0";
         details.args[..args.len()].copy_from_slice(args);
         details.args_len = args.len() as u16;
-        let record = exec_record(&details, 42);
+        let record = exec_record(&details, 42, &mut ParseMemo::new(2));
         assert_eq!(record.filename, "/usr/lib/gcc/cc1");
         assert_eq!(record.comm, "cc1");
         assert_eq!(record.args.to_vec(), ["cc1", "", "-O2", "caf\u{fffd}"]);
@@ -1434,7 +1472,7 @@ mod tests {
         details.args = [0; profiler_common::EXEC_ARGS_BYTES];
         details.args[..args.len()].copy_from_slice(args);
         details.args_len = args.len() as u16;
-        let record = exec_record(&details, 42);
+        let record = exec_record(&details, 42, &mut ParseMemo::new(2));
         assert_eq!(record.args.to_vec(), ["cc1", "", "-O2", "x.c"]);
         assert_eq!(
             record.args,
@@ -1444,7 +1482,7 @@ mod tests {
         assert!(record.args_complete);
 
         details.args_len = 0;
-        let unread = exec_record(&details, 42);
+        let unread = exec_record(&details, 42, &mut ParseMemo::new(2));
         assert_eq!(unread.args.iter().count(), 0);
         assert!(
             !unread.args_complete,
@@ -1460,13 +1498,13 @@ mod tests {
         };
         // Cut by the buffer: the kernel had more, even when its last byte is a NUL.
         details.args_len = profiler_common::EXEC_ARGS_BYTES as u16;
-        assert!(!exec_record(&details, 1).args_complete);
+        assert!(!exec_record(&details, 1, &mut ParseMemo::new(2)).args_complete);
         details.args[profiler_common::EXEC_ARGS_BYTES - 1] = 0;
-        assert!(!exec_record(&details, 1).args_complete);
+        assert!(!exec_record(&details, 1, &mut ParseMemo::new(2)).args_complete);
         // Shorter than the buffer but not ending with a NUL: read partly.
         details.args_len = 100;
-        assert!(!exec_record(&details, 1).args_complete);
+        assert!(!exec_record(&details, 1, &mut ParseMemo::new(2)).args_complete);
         details.args[99] = 0;
-        assert!(exec_record(&details, 1).args_complete);
+        assert!(exec_record(&details, 1, &mut ParseMemo::new(2)).args_complete);
     }
 }

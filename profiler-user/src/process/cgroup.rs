@@ -54,6 +54,13 @@ pub fn parse_cgroup(text: &str) -> CgroupInfo {
     }
 }
 
+/// [`parse_cgroup`] of the file's bytes (nothing is known of text that is not UTF-8).
+pub fn parse_cgroup_bytes(raw: &[u8]) -> CgroupInfo {
+    std::str::from_utf8(raw)
+        .map(parse_cgroup)
+        .unwrap_or_default()
+}
+
 fn is_container_id(candidate: &str) -> bool {
     candidate.len() == 64 && candidate.bytes().all(|b| b.is_ascii_hexdigit())
 }

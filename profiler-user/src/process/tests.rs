@@ -536,6 +536,31 @@ fn vanished_process_is_kept_until_unused_for_an_interval() {
 }
 
 #[test]
+fn a_snapshot_whose_exit_was_applied_is_evicted_without_asking_proc() {
+    let root = tempfile::tempdir().expect("tempdir");
+    // Both stay in the fake /proc: only the exit events tell them gone.
+    write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    write_fake_process(root.path(), 200, 6000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let before = monotonic_now_ns();
+    registry.lookup(Pid(100)).expect("snapshot");
+    registry.lookup(Pid(200)).expect("snapshot");
+    // 100 exits after its snapshot; 200's exit is older than its snapshot (an earlier process
+    // with that pid), which says nothing of the one snapshotted.
+    registry.record_exit(Pid(100), monotonic_now_ns());
+    registry.record_exit(Pid(200), before);
+    registry.evict_exited();
+    assert_eq!(
+        registry.len(),
+        2,
+        "used during the interval that just ended"
+    );
+    registry.evict_exited();
+    assert!(!registry.has_snapshot(Pid(100)), "exited and unused");
+    assert!(registry.has_snapshot(Pid(200)), "its /proc entry is there");
+}
+
+#[test]
 fn refresh_for_address_rereads_maps() {
     let root = tempfile::tempdir().expect("tempdir");
     let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);

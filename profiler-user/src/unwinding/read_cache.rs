@@ -5,7 +5,10 @@
 //! late walks run in the same few libraries (libc, ld.so, the shell), so the same entries are
 //! read hundreds of times a second. Every write goes through this wrapper, which drops the
 //! entry it replaces first, so a cached read is always what BPF itself would read now.
-use std::{cell::RefCell, collections::HashMap};
+use std::cell::RefCell;
+
+// Looked up for every frame of every late walk: a fast hash.
+use foldhash::HashMap;
 
 use profiler_common::unwind::{MappingKey, MappingValue, PageEntry, PageKey, RowChunk};
 
