@@ -900,9 +900,11 @@ impl Pipeline {
                 }
                 // Read after the mmap announcements: an exec announced for a pid after one of
                 // these is another process's.
-                LifecycleEvent::Exited { pid, ktime_ns }
-                | LifecycleEvent::Forked { pid, ktime_ns, .. } => {
-                    self.processes.note_process_boundary(Pid(*pid), *ktime_ns);
+                LifecycleEvent::Exited { pid, ktime_ns } => {
+                    self.processes.note_exit_read(Pid(*pid), *ktime_ns);
+                }
+                LifecycleEvent::Forked { pid, ktime_ns, .. } => {
+                    self.processes.note_fork_read(Pid(*pid), *ktime_ns);
                 }
             }
         }
@@ -1141,6 +1143,8 @@ impl Pipeline {
             processes_tracked: self.processes.len() as u64,
             open_files: registry.open_files,
             process_snapshots_from_events: registry.snapshots_from_events,
+            process_exits_known_at_lookup: registry.exits_known_at_lookup,
+            process_exits_ahead: registry.exits_ahead,
             process_snapshots_before_exec: registry.snapshots_before_exec,
             process_parents_gone_since_fork: registry.parents_gone_since_fork,
             process_parents_from_fork_time: registry.parents_from_fork_time,

@@ -84,6 +84,10 @@ pub struct SelfMetrics {
     pub open_files: u64,
     /// Snapshots built from exec and fork events (/proc was gone), and identities held.
     pub process_snapshots_from_events: u64,
+    /// Of those, the ones of a process whose exit was read already (/proc not asked), and
+    /// the exits read and not yet applied (bounded).
+    pub process_exits_known_at_lookup: u64,
+    pub process_exits_ahead: u64,
     /// Snapshots of the program a process ran before the exec a sample was taken in.
     pub process_snapshots_before_exec: u64,
     /// Fork children left unknown: their parent exited (or its pid changed hands) before it
@@ -909,6 +913,18 @@ impl SelfMetrics {
                 "Snapshots of processes gone from /proc, built from their exec or fork event",
                 self.process_snapshots_from_events,
                 "counter",
+            ),
+            (
+                "process_exits_known_at_lookup_total",
+                "Snapshots built from the events of a process whose exit was read already, without asking /proc",
+                self.process_exits_known_at_lookup,
+                "counter",
+            ),
+            (
+                "process_exits_ahead",
+                "Process exits read from the ring and waiting to be applied after the samples before them (bounded)",
+                self.process_exits_ahead,
+                "gauge",
             ),
             (
                 "process_snapshots_before_exec_total",

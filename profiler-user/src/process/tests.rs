@@ -153,12 +153,9 @@ fn lookup_of_missing_pid_fails() {
     assert!(registry.is_empty());
 }
 
-/// A process gone from /proc before its first lookup, known only from its exec event: named
-/// after its program (not its thread), with its executable and the code range mapped.
-#[test]
-fn exec_event_names_a_process_gone_before_its_snapshot() {
-    let root = tempfile::tempdir().expect("tempdir");
-    let mut registry = fake_registry(root.path(), Duration::ZERO);
+/// /bin/sleep's path with links resolved, and an exec event of it (at 1 ns, its code mapped at
+/// 0x5555_0000_2000).
+fn exec_of_sleep() -> (PathBuf, ExecRecord) {
     let sleep = fs::canonicalize("/bin/sleep").expect("sleep");
     let metadata = fs::metadata(&sleep).expect("sleep metadata");
     let record = ExecRecord {
@@ -175,6 +172,17 @@ fn exec_event_names_a_process_gone_before_its_snapshot() {
         exec_ns: 1,
         label_env: None,
     };
+    (sleep, record)
+}
+
+/// A process gone from /proc before its first lookup, known only from its exec event: named
+/// after its program (not its thread), with its executable and the code range mapped.
+#[test]
+fn exec_event_names_a_process_gone_before_its_snapshot() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let (sleep, record) = exec_of_sleep();
+    let metadata = fs::metadata(&sleep).expect("sleep metadata");
     registry.record_exec(Pid(500), Arc::new(record.clone()));
     // The service its environment named at the exec, though /proc has nothing left of it.
     let configured = ExecRecord {
@@ -533,6 +541,36 @@ fn vanished_process_is_kept_until_unused_for_an_interval() {
     registry.evict_exited();
     assert_eq!(registry.len(), 1);
     assert!(registry.lookup(Pid(100)).is_none());
+}
+
+/// A sample handled while its process's exit is read but not applied is of the process that
+/// exited: its snapshot comes from its events, whatever /proc shows by then (nothing, or a
+/// later process given the pid). A fork read after that exit hands the pid to /proc again.
+#[test]
+fn a_process_whose_exit_is_read_is_built_from_its_events_not_proc() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    let (sleep, exited) = exec_of_sleep();
+    for pid in [600, 601] {
+        registry.record_exec(Pid(pid), Arc::new(exited.clone()));
+        // By now a later process has the pid in /proc.
+        write_fake_process(root.path(), pid, 5000, ANON_MAPS);
+        registry.note_exit_read(Pid(pid), 10);
+    }
+    let info = registry.lookup(Pid(600)).expect("from its events");
+    assert_eq!(&*info.comm, "sleep", "not the later process in /proc");
+    assert_eq!(info.labels.executable, sleep.to_string_lossy());
+    let stats = registry.stats();
+    assert_eq!((stats.exits_known_at_lookup, stats.exits_ahead), (1, 2));
+    // Applied: nothing of it is held any more.
+    registry.record_exit(Pid(600), 10);
+    assert_eq!(registry.stats().exits_ahead, 1);
+    // 601's pid was forked again after its exit: /proc tells the later process.
+    registry.note_fork_read(Pid(601), 11);
+    assert_eq!(registry.stats().exits_ahead, 0);
+    let later = registry.lookup(Pid(601)).expect("from /proc");
+    assert_ne!(&*later.comm, "sleep");
+    assert_eq!(registry.stats().exits_known_at_lookup, 1);
 }
 
 #[test]
