@@ -145,7 +145,8 @@ impl FileCache {
         }
     }
 
-    /// Keeps at most `max_open_files` open from the next file opened on.
+    /// Keeps at most `max_open_files` open: the least recently used beyond are let go now
+    /// (closed once no snapshot holds them either).
     pub fn set_max_open_files(&mut self, max_open_files: usize) {
         self.files.set_capacity(max_open_files);
     }

@@ -23,9 +23,17 @@ impl<K: Hash + Eq, V> Lru<K, V> {
         }
     }
 
-    /// A new capacity; entries beyond it go at the next insert.
-    pub(crate) fn set_capacity(&mut self, capacity: usize) {
+    /// A new capacity; the least recently used entries beyond it go now (and are returned).
+    pub(crate) fn set_capacity(&mut self, capacity: usize) -> Vec<(K, V)> {
         self.capacity = capacity.max(1);
+        let mut evicted = Vec::new();
+        while self.entries.len() > self.capacity {
+            let Some(oldest) = self.entries.pop_front() else {
+                break;
+            };
+            evicted.push(oldest);
+        }
+        evicted
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -57,18 +65,16 @@ impl<K: Hash + Eq, V> Lru<K, V> {
         self.entries.pop_front()
     }
 
-    /// Inserts (or replaces) a value as most recently used; returns the entries evicted to stay
-    /// within capacity.
-    pub(crate) fn insert(&mut self, key: K, value: V) -> Vec<(K, V)> {
+    /// Inserts (or replaces) a value as most recently used; returns the entry evicted to stay
+    /// within capacity (at most one: the capacity holds between inserts). Without a vector
+    /// for it: full caches evict at nearly every insert, hundreds a second on a busy host.
+    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<(K, V)> {
         self.entries.insert(key, value);
-        let mut evicted = Vec::new();
-        while self.entries.len() > self.capacity {
-            let Some(oldest) = self.entries.pop_front() else {
-                break;
-            };
-            evicted.push(oldest);
+        if self.entries.len() > self.capacity {
+            self.entries.pop_front()
+        } else {
+            None
         }
-        evicted
     }
 
     pub(crate) fn remove(&mut self, key: &K) -> Option<V> {
@@ -88,16 +94,29 @@ mod tests {
     #[test]
     fn evicts_least_recently_used() {
         let mut lru = Lru::new(2);
-        assert!(lru.insert(1, "a").is_empty());
-        assert!(lru.insert(2, "b").is_empty());
+        assert!(lru.insert(1, "a").is_none());
+        assert!(lru.insert(2, "b").is_none());
         assert!(lru.get_mut(&1).is_some());
         let evicted = lru.insert(3, "c");
-        assert_eq!(evicted, vec![(2, "b")]);
+        assert_eq!(evicted, Some((2, "b")));
         assert_eq!(lru.len(), 2);
         assert!(lru.get_mut(&2).is_none());
         lru.retain(|k, _| *k != 1);
         assert_eq!(lru.len(), 1);
         assert_eq!(lru.remove(&3), Some("c"));
         assert_eq!(lru.len(), 0);
+    }
+
+    #[test]
+    fn a_smaller_capacity_evicts_the_least_recently_used_at_once() {
+        let mut lru = Lru::new(4);
+        for key in 0..4 {
+            lru.insert(key, key * 10);
+        }
+        assert!(lru.get_mut(&0).is_some());
+        assert_eq!(lru.set_capacity(2), vec![(1, 10), (2, 20)]);
+        assert_eq!(lru.len(), 2);
+        assert_eq!(lru.insert(4, 40), Some((3, 30)));
+        assert!(lru.contains_key(&0) && lru.contains_key(&4));
     }
 }

@@ -27,6 +27,8 @@ use crate::model::{FileId, MmapChange, Pid};
 pub const MAX_PROCESSES: usize = 4096;
 /// Executable mappings kept per program image (a process that maps more keeps its first ones).
 pub const MAX_MAPPINGS_PER_IMAGE: usize = 512;
+/// Room for mappings an image starts with.
+const MAPPINGS_AT_EXEC: usize = 8;
 /// Exits waiting for their [`EXITED_PROCESS_RETENTION_NS`] at most (beyond, the oldest go
 /// unexpired: their processes leave with [`MAX_PROCESSES`]' bound instead).
 const MAX_PENDING_EXITS: usize = 2 * MAX_PROCESSES;
@@ -251,7 +253,9 @@ impl MmapLog {
         self.changed(|| MmapChange::Exec { pid, time_ns });
         let image = Image {
             exec_ns: time_ns,
-            mappings: Vec::new(),
+            // A dynamically linked program maps its code, ld.so's and libc's at least: room
+            // for them at once, rather than growing at every exec on the host.
+            mappings: Vec::with_capacity(MAPPINGS_AT_EXEC),
             losses_at_start: self.losses,
             overflowed: false,
         };
@@ -273,7 +277,7 @@ impl MmapLog {
             moved.extend(later);
         }
         let mut image = image;
-        image.mappings = moved;
+        image.mappings.extend(moved);
         images.push(image);
         images.sort_by_key(|i| i.exec_ns);
         let removed: usize = images
@@ -323,7 +327,7 @@ impl MmapLog {
     }
 
     fn insert(&mut self, pid: Pid, images: Vec<Image>) {
-        for (_, evicted) in self.processes.insert(pid, images) {
+        if let Some((_, evicted)) = self.processes.insert(pid, images) {
             let count: usize = evicted.iter().map(|i| i.mappings.len()).sum();
             self.mappings = self.mappings.saturating_sub(count as u64);
         }

@@ -1037,7 +1037,7 @@ impl ProcessRegistry {
             provisional,
             exited: false,
         };
-        for (evicted, _) in self.processes.insert(pid, entry) {
+        if let Some((evicted, _)) = self.processes.insert(pid, entry) {
             debug!(pid = %evicted, "snapshot evicted: too many processes");
         }
         Some(info)
