@@ -487,7 +487,7 @@ impl ProcessRegistry {
             }
         }
         // The samples taken before an exit are handled before it is applied: one of a pid
-        // whose exit is read but not applied is of the process that exited. 70 a second on
+        // whose exit is read but not applied is of the process that exited. 50-60 a second on
         // the host benchmark, each a snapshot attempt (its announced mappings gathered, its
         // /proc entry opened) for a process gone.
         if self.exits_ahead.contains_key(&pid) {
