@@ -19,16 +19,6 @@ pub struct TwoGenerationCache<K, V> {
 }
 
 impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
-    /// At most `capacity` entries (at least two: one a generation).
-    pub fn new(capacity: usize) -> Self {
-        Self {
-            current: HashMap::new(),
-            previous: HashMap::new(),
-            generation: (capacity / 2).max(1),
-            evicted: 0,
-        }
-    }
-
     /// The value of `key`, kept for another generation.
     pub fn get<Q>(&mut self, key: &Q) -> Option<V>
     where
@@ -42,16 +32,99 @@ impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
         self.insert(key, value.clone());
         Some(value)
     }
+}
+
+impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
+    /// At most `capacity` entries (at least two: one a generation).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            current: HashMap::new(),
+            previous: HashMap::new(),
+            generation: (capacity / 2).max(1),
+            evicted: 0,
+        }
+    }
 
     /// Inserts (or replaces) `key`; a full generation first turns over. True when it did
     /// (entries unused for a generation are gone).
     pub fn insert(&mut self, key: K, value: V) -> bool {
-        let turned_over = self.current.len() >= self.generation && !self.current.contains_key(&key);
-        if turned_over {
-            self.turn_over();
+        self.insert_evicting(key, value, |_, _| {})
+    }
+
+    /// [`Self::insert`], handing each entry that goes with a turn-over to `evicted`.
+    pub fn insert_evicting(&mut self, key: K, value: V, evicted: impl FnMut(K, V)) -> bool {
+        let mut turned_over = false;
+        if !self.current.contains_key(&key) {
+            // A key is in one generation only: a stale value behind would come back once the
+            // new one is removed.
+            self.previous.remove(&key);
+            if self.current.len() >= self.generation {
+                self.turn_over(evicted);
+                turned_over = true;
+            }
         }
         self.current.insert(key, value);
         turned_over
+    }
+
+    /// The value of `key` to change in place, kept for another generation.
+    pub fn get_mut<Q>(&mut self, key: &Q) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.get_mut_evicting(key, |_, _| {})
+    }
+
+    /// [`Self::get_mut`], handing each entry that goes with a turn-over (a hit in the previous
+    /// generation moves into a full current one) to `evicted`.
+    pub fn get_mut_evicting<Q>(&mut self, key: &Q, evicted: impl FnMut(K, V)) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        // Two lookups on a hit in the current generation: the borrow checker does not let the
+        // first one's reference out of the branch.
+        if self.current.contains_key(key) {
+            return self.current.get_mut(key);
+        }
+        let (key, value) = self.previous.remove_entry(key)?;
+        if self.current.len() >= self.generation {
+            self.turn_over(evicted);
+        }
+        Some(self.current.entry(key).insert_entry(value).into_mut())
+    }
+
+    /// Whether `key` is held (its generation unchanged).
+    pub fn contains_key<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.current.contains_key(key) || self.previous.contains_key(key)
+    }
+
+    /// The value of `key` to change in place, its generation unchanged.
+    pub fn peek_mut<Q>(&mut self, key: &Q) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        match self.current.get_mut(key) {
+            Some(value) => Some(value),
+            None => self.previous.get_mut(key),
+        }
+    }
+
+    pub fn remove<Q>(&mut self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        // In one generation at most (see `insert_evicting`).
+        self.current
+            .remove(key)
+            .or_else(|| self.previous.remove(key))
     }
 
     /// Keeps only the entries for which `keep` is true (not counted as evicted).
@@ -64,12 +137,15 @@ impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
         self.current.keys().chain(self.previous.keys())
     }
 
-    /// The current generation becomes the previous one; the previous one's entries go.
-    fn turn_over(&mut self) {
+    /// The current generation becomes the previous one; the previous one's entries go, each
+    /// through `evicted`.
+    fn turn_over(&mut self, mut evicted: impl FnMut(K, V)) {
         self.evicted += self.previous.len() as u64;
         // The dropped generation's table is reused (same capacity) instead of growing a new one.
         let mut recycled = std::mem::take(&mut self.previous);
-        recycled.clear();
+        for (key, value) in recycled.drain() {
+            evicted(key, value);
+        }
         self.previous = std::mem::replace(&mut self.current, recycled);
     }
 
@@ -166,6 +242,44 @@ mod tests {
         assert_eq!(cache.get(&999), Some(999));
         cache.retain(|_, _| false);
         assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn changes_in_place_keep_each_key_in_one_generation_and_report_evictions() {
+        let mut cache = TwoGenerationCache::new(4);
+        let mut evicted = Vec::new();
+        for key in 0..3 {
+            cache.insert_evicting(key, vec![key], |key, value| evicted.push((key, value)));
+        }
+        // 0 and 1 are the previous generation, 2 the current one.
+        cache.peek_mut(&1).unwrap().push(10);
+        cache.get_mut(&0).unwrap().push(100);
+        // Both generations full: 0 moved forward; 1 was only peeked at and goes next.
+        assert!(cache.insert_evicting(3, vec![3], |key, value| evicted.push((key, value))));
+        assert_eq!(evicted, vec![(1, vec![1, 10])]);
+        assert_eq!(cache.get_mut(&0), Some(&mut vec![0, 100]));
+        assert_eq!(cache.get_mut(&1), None);
+        // A key replaced while in the previous generation is gone for good once removed.
+        let mut cache = TwoGenerationCache::new(4);
+        for key in 0..3 {
+            cache.insert(key, key);
+        }
+        cache.insert(0, 50);
+        assert_eq!(cache.len(), 3);
+        assert_eq!(cache.remove(&0), Some(50));
+        assert_eq!(cache.peek_mut(&0), None);
+        assert_eq!(cache.get_mut(&0), None);
+        // A hit in the previous generation moving into a full current one turns it over.
+        let mut cache = TwoGenerationCache::new(4);
+        for key in 0..4 {
+            cache.insert(key, key);
+        }
+        let mut gone = Vec::new();
+        assert_eq!(
+            cache.get_mut_evicting(&0, |key, _| gone.push(key)),
+            Some(&mut 0)
+        );
+        assert_eq!((gone, cache.len()), (vec![1], 3));
     }
 
     #[test]

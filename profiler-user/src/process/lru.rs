@@ -55,16 +55,6 @@ impl<K: Hash + Eq, V> Lru<K, V> {
         self.entries.get_mut(key)
     }
 
-    /// The least recently used entry.
-    pub(crate) fn oldest(&self) -> Option<(&K, &V)> {
-        self.entries.front()
-    }
-
-    /// Removes the least recently used entry.
-    pub(crate) fn pop_oldest(&mut self) -> Option<(K, V)> {
-        self.entries.pop_front()
-    }
-
     /// Inserts (or replaces) a value as most recently used; returns the entry evicted to stay
     /// within capacity (at most one: the capacity holds between inserts). Without a vector
     /// for it: full caches evict at nearly every insert, hundreds a second on a busy host.
