@@ -95,15 +95,6 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
         Some(self.current.entry(key).insert_entry(value).into_mut())
     }
 
-    /// Whether `key` is held (its generation unchanged).
-    pub fn contains_key<Q>(&self, key: &Q) -> bool
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        self.current.contains_key(key) || self.previous.contains_key(key)
-    }
-
     /// The value of `key` to change in place, its generation unchanged.
     pub fn peek_mut<Q>(&mut self, key: &Q) -> Option<&mut V>
     where

@@ -181,8 +181,8 @@ impl Identities {
     }
 
     fn entry(&mut self, pid: Pid) -> Option<&mut Entry> {
-        if self.live.contains_key(&pid) {
-            return self.live.get_mut(&pid);
+        if let Some(entry) = self.live.get_mut(&pid) {
+            return Some(entry);
         }
         self.exited.peek_mut(&pid).map(|(entry, _)| entry)
     }
