@@ -175,15 +175,40 @@ fn kernel_frames_for_a_syscall_heavy_process() {
 fn process_that_exits_mid_record_is_still_symbolized() {
     let _guard = exclusive();
     let fixture = fp_fixture("fp_chain.c");
-    // Runs for three seconds of a six-second recording, then exits. The recorder needs up to
-    // two seconds to load and attach (a debug build verifying every BPF program), so the
-    // process is sampled for one to three seconds before it exits.
-    let running = spawn(&fixture, &["3"]);
-    let stacks = parse_folded(&record_folded(running.pid(), "6", "exits"));
+    let running = spawn(&fixture, &["60"]);
+    let pid = running.pid();
+    let scratch = Scratch::new("exits");
+    let out = scratch.path("stacks.folded");
+    let pid_arg = pid.to_string();
+    // Sampling before the fixture goes: a debug build's start (every BPF program verified)
+    // takes seconds on a busy machine, so the exit is timed from the attach, not from spawn.
+    let recording = Recording::until_stopped(&[
+        "-p",
+        &pid_arg,
+        "--format",
+        "folded",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let cpu_at_attach = cpu_time_so_far(pid).expect("fixture running");
+    // About a second of its CPU sampled, however long the machine takes to give it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut cpu_sampled = Duration::ZERO;
+    while cpu_sampled < Duration::from_secs(1) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        cpu_sampled = cpu_time_so_far(pid).expect("fixture running") - cpu_at_attach;
+    }
+    // It exits mid-record (killed, and reaped); the recorder symbolizes it afterwards.
+    drop(running);
+    std::thread::sleep(Duration::from_millis(500));
+    recording.stop();
+    let stacks = parse_folded(&std::fs::read_to_string(&out).unwrap());
     let total: u64 = stacks.iter().map(|s| s.count).sum();
+    // 100 Hz of the CPU time it got while sampled (its last 50 ms not counted above).
+    let expected = (cpu_sampled.as_secs_f64() + 0.05) * 100.0;
     assert!(
-        (40..=330).contains(&total),
-        "one to three seconds of samples, got {total}"
+        total >= 10 && (total as f64) >= 0.5 * expected && (total as f64) <= 1.5 * expected,
+        "{total} samples for {cpu_sampled:?} of CPU while sampled"
     );
     let chained: u64 = stacks
         .iter()
