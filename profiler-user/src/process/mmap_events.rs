@@ -146,7 +146,7 @@ impl Boundaries {
     }
 }
 
-/// Takes an evicted process's mappings off the count of mappings kept.
+/// Takes an evicted or expired process's mappings off the count of mappings kept.
 fn forget_mappings(mappings: &mut u64) -> impl FnMut(Pid, Vec<Image>) + '_ {
     |_, images| {
         let count: usize = images.iter().map(|image| image.mappings.len()).sum();
@@ -213,8 +213,7 @@ impl MmapLog {
                 continue;
             }
             if let Some(images) = self.processes.remove(&pid) {
-                let count: usize = images.iter().map(|i| i.mappings.len()).sum();
-                self.mappings = self.mappings.saturating_sub(count as u64);
+                forget_mappings(&mut self.mappings)(pid, images);
             }
             self.boundaries.remove(&pid);
             self.stats.expired_processes += 1;
