@@ -38,7 +38,7 @@ use crate::{
     off_cpu::OffCpu,
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
     runtimes::python::PythonTracker,
-    sampling::{SampleQueue, SampleReader},
+    sampling::{MAX_DRAIN_INTERVAL, SampleQueue, SampleReader},
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
     server::serve::{ServeError, Serving},
     store::sink::StoreSink,
@@ -134,6 +134,8 @@ struct Pipeline {
     newest_sample_ns: u64,
     /// Events drained since the last poll, for the CUDA side (names, allocations).
     drained_since_poll: Vec<LifecycleEvent>,
+    /// The buffer the lifecycle ring is drained into, kept for its capacity.
+    drained: Vec<LifecycleEvent>,
     /// The pids with an exec event not applied yet: the time of the oldest, and how many.
     pending_execs: foldhash::HashMap<u32, (u64, u32)>,
     /// When the rings of events (lifecycle, mmap announcements) were last read
@@ -550,6 +552,7 @@ impl Pipeline {
             pending_lifecycle: std::collections::VecDeque::new(),
             newest_sample_ns: 0,
             drained_since_poll: Vec::new(),
+            drained: Vec::new(),
             drained_at_ns: 0,
             pending_execs: foldhash::HashMap::default(),
             idle: false,
@@ -884,8 +887,10 @@ impl Pipeline {
     fn drain_events(&mut self) {
         self.drained_at_ns = monotonic_now_ns();
         self.processes.drain_mmaps();
-        let drained = self.events.drain();
+        let mut drained = std::mem::take(&mut self.drained);
+        self.events.drain_into(&mut drained);
         if drained.is_empty() {
+            self.drained = drained;
             return;
         }
         if self.accelerator.is_some() {
@@ -908,7 +913,8 @@ impl Pipeline {
                 }
             }
         }
-        self.pending_lifecycle.extend(drained);
+        self.pending_lifecycle.extend(drained.drain(..));
+        self.drained = drained;
     }
 
     /// When the sample was taken in an exec of its process (before the exec's event): the
@@ -1302,8 +1308,10 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` about
-/// every 100 ms with the pipeline so the caller can poll the other inputs and flush. A batch
+/// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` at every
+/// batch of samples, at least every [`MAX_DRAIN_INTERVAL`] (the reader's longest wait between
+/// batches: a shorter wait only wakes the thread for nothing), with the pipeline so the caller
+/// can poll the other inputs and flush. A batch
 /// is cut short once `stop` is set (a batch of new processes' samples can take seconds); the
 /// samples left are for the stop's own bounded drain.
 fn pump(
@@ -1313,7 +1321,7 @@ fn pump(
     mut until: impl FnMut(&mut Pipeline) -> bool,
 ) {
     loop {
-        match rx.recv_timeout(Duration::from_millis(100)) {
+        match rx.recv_timeout(MAX_DRAIN_INTERVAL) {
             Ok(sample) => {
                 pipeline.handle(sample);
                 // Drain whatever else is queued before checking the clock again.

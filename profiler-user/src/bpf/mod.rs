@@ -417,9 +417,9 @@ impl EventRing {
         &self.environments
     }
 
-    /// Lifecycle events since the last call, oldest first.
-    pub fn drain(&mut self) -> Vec<LifecycleEvent> {
-        let mut events = Vec::new();
+    /// Appends the lifecycle events since the last call to `events`, oldest first (into the
+    /// caller's buffer: a thousand a second on a busy host, a new vector each time grew).
+    pub fn drain_into(&mut self, events: &mut Vec<LifecycleEvent>) {
         while let Some(item) = self.ring.next() {
             if item.len() >= std::mem::size_of::<ProcessEvent>() {
                 // SAFETY: length checked; ProcessEvent is plain old data.
@@ -465,7 +465,6 @@ impl EventRing {
                 }
             }
         }
-        events
     }
 }
 

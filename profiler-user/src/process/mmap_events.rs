@@ -234,7 +234,9 @@ impl MmapLog {
         if !self.tracking {
             return None;
         }
-        self.changes.replace(Vec::new())
+        // With room for as many as last time: they are pushed one by one, about as many each time.
+        let room = self.changes.as_ref().map_or(0, Vec::len);
+        self.changes.replace(Vec::with_capacity(room))
     }
 
     fn changed(&mut self, change: impl FnOnce() -> MmapChange) {

@@ -294,11 +294,14 @@ impl QueueSender<'_> {
 
 fn read_loop(mut ring: SampleRing, sender: &QueueSender<'_>, stop: &AtomicBool, wakeup: &Wakeup) {
     let stats = sender.stats;
+    // Returns the bytes drained.
     let drain = |ring: &mut SampleRing| {
         let before = stats.received.load(Ordering::Relaxed);
-        ring.drain(|bytes| {
+        let mut bytes = 0;
+        ring.drain(|record| {
+            bytes += record.len();
             stats.received.fetch_add(1, Ordering::Relaxed);
-            match decode_sample(bytes) {
+            match decode_sample(record) {
                 Ok(sample) => sender.send(sample),
                 Err(err) => {
                     if stats.decode_errors.fetch_add(1, Ordering::Relaxed) == 0 {
@@ -311,19 +314,42 @@ fn read_loop(mut ring: SampleRing, sender: &QueueSender<'_>, stop: &AtomicBool, 
         if stats.received.load(Ordering::Relaxed) != before {
             wakeup.notify();
         }
+        bytes
     };
     // The BPF side submits without waking us; draining on a timer batches the work.
+    let mut interval = MIN_DRAIN_INTERVAL;
+    let mut drained_at = std::time::Instant::now();
     while !stop.load(Ordering::Acquire) {
-        std::thread::sleep(DRAIN_INTERVAL);
-        drain(&mut ring);
+        std::thread::sleep(interval);
+        let bytes = drain(&mut ring);
+        let now = std::time::Instant::now();
+        interval = drain_interval(bytes, now - drained_at);
+        drained_at = now;
     }
     // Samples taken before the stop request are still delivered.
     drain(&mut ring);
 }
 
-/// How often the reader empties the ring buffer. The 4 MiB buffer holds ~1,300 samples of
-/// 3 KiB, i.e. 50 ms of 260 busy CPUs at 100 Hz.
-const DRAIN_INTERVAL: Duration = Duration::from_millis(50);
+/// The reader's sleep until its next drain, from what the last one found (`bytes` written in
+/// `elapsed`): as long as [`MAX_DRAIN_INTERVAL`], since every wake-up is a switch for both the
+/// reader and the pipeline (about 2 % of the agent's CPU at 20 a second on the host suite),
+/// but short enough that at that rate the ring fills to an eighth at most, far from the half
+/// where the BPF side stops copying stacks. The 4 MiB ring holds ~1,300 samples of 3 KiB: an
+/// eighth is 50 ms of 32 busy CPUs at 100 Hz, and [`MIN_DRAIN_INTERVAL`] is the floor for
+/// larger hosts (50 ms of 260 busy CPUs fill it half).
+fn drain_interval(bytes: usize, elapsed: Duration) -> Duration {
+    let fill = f64::from(profiler_common::SAMPLES_RING_BYTES) / 8.0;
+    let rate = bytes as f64 / elapsed.as_secs_f64().max(1e-3);
+    match rate > 0.0 {
+        true => Duration::from_secs_f64((fill / rate).min(MAX_DRAIN_INTERVAL.as_secs_f64()))
+            .clamp(MIN_DRAIN_INTERVAL, MAX_DRAIN_INTERVAL),
+        false => MAX_DRAIN_INTERVAL,
+    }
+}
+
+/// The bounds of the reader's interval between drains ([`drain_interval`]).
+const MIN_DRAIN_INTERVAL: Duration = Duration::from_millis(50);
+pub const MAX_DRAIN_INTERVAL: Duration = Duration::from_millis(200);
 
 #[cfg(test)]
 mod tests {
@@ -344,6 +370,26 @@ mod tests {
             })),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_reader_drains_less_often_the_slower_the_ring_fills() {
+        let second = Duration::from_secs(1);
+        // Idle, or this 2-CPU host (200 samples a second, ~600 KB): the longest interval.
+        assert_eq!(drain_interval(0, second), MAX_DRAIN_INTERVAL);
+        assert_eq!(drain_interval(600_000, second), MAX_DRAIN_INTERVAL);
+        // 128 busy CPUs (~40 MB a second): the shortest, the ring an eighth full at most.
+        assert_eq!(drain_interval(40_000_000, second), MIN_DRAIN_INTERVAL);
+        // Between: an eighth of the ring at the rate seen.
+        let eighth = f64::from(profiler_common::SAMPLES_RING_BYTES) / 8.0;
+        let interval = drain_interval(5_000_000, second);
+        assert!(
+            (interval.as_secs_f64() - eighth / 5e6).abs() < 1e-3,
+            "{interval:?}"
+        );
+        assert!(interval > MIN_DRAIN_INTERVAL && interval < MAX_DRAIN_INTERVAL);
+        // A drain right after the last one (elapsed ~0) is no unbounded rate.
+        assert_eq!(drain_interval(1, Duration::ZERO), MAX_DRAIN_INTERVAL);
     }
 
     #[test]

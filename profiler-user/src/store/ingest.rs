@@ -11,7 +11,10 @@ use super::{
     NewLabelled, NewProfile, NewSpan, ProfileType,
     frames::{Frame, NO_STRING},
 };
-use crate::wire::proto;
+use crate::{
+    model::{LabelValue, MAX_SAMPLE_VALUES, Profile, ProfileKind},
+    wire::proto,
+};
 
 /// Why a payload was rejected. Display is one line for the client.
 #[derive(Debug, thiserror::Error)]
@@ -195,24 +198,19 @@ pub fn profiles_from_pprof(
     let functions: HashMap<u64, &proto::Function> =
         pprof.function.iter().map(|f| (f.id, f)).collect();
     let mappings: HashMap<u64, &proto::Mapping> = pprof.mapping.iter().map(|m| (m.id, m)).collect();
-    let unknown = "[unknown]";
     let mut locations: HashMap<u64, Vec<u32>> = HashMap::with_capacity(pprof.location.len());
     for location in &pprof.location {
         let mapping = mappings.get(&location.mapping_id);
         let object = mapping.map_or(NO_STRING, |m| intern_string(m.filename, &mut names));
         let build_id = mapping.map_or(NO_STRING, |m| intern_string(m.build_id, &mut names));
-        // Kept as the offset in the object file, the same in every process (see
-        // store::frames); none without an object or outside its mapping: such an address
-        // may differ in every process and would make a new frame each time.
-        let address = match mapping {
-            Some(m)
-                if object != NO_STRING
-                    && (m.memory_start..m.memory_limit).contains(&location.address) =>
-            {
-                (location.address - m.memory_start).saturating_add(m.file_offset)
-            }
-            _ => 0,
-        };
+        let address = mapping.map_or(0, |m| {
+            file_address(
+                object,
+                location.address,
+                m.memory_start..m.memory_limit,
+                m.file_offset,
+            )
+        });
         let mut location_frames = Vec::with_capacity(location.line.len().max(1));
         // Outermost first: each later line was inlined into the one before it.
         for (depth, line) in location.line.iter().rev().enumerate() {
@@ -227,7 +225,7 @@ pub fn profiles_from_pprof(
             } else if !string(function.system_name).is_empty() {
                 intern_string(function.system_name, &mut names)
             } else {
-                intern_label(&mut name_of_label, unknown.to_owned(), &mut names)
+                intern_label(&mut name_of_label, UNKNOWN_FUNCTION.to_owned(), &mut names)
             };
             let system_name = match intern_string(function.system_name, &mut names) {
                 same if same == name => NO_STRING,
@@ -247,15 +245,8 @@ pub fn profiles_from_pprof(
             location_frames.push(frames.len() as u32 - 1);
         }
         if location_frames.is_empty() {
-            // Unsymbolized: name it by module and address so distinct addresses stay apart.
-            let module = mapping
-                .map(|m| string(m.filename))
-                .filter(|f| !f.is_empty())
-                .map(|f| f.rsplit('/').next().unwrap_or(f).to_owned());
-            let label = match module {
-                Some(module) => format!("{module}+0x{:x}", location.address),
-                None => format!("0x{:x}", location.address),
-            };
+            let module = mapping.map(|m| string(m.filename));
+            let label = unsymbolized_label(module, location.address);
             let name = intern_label(&mut name_of_label, label, &mut names);
             frames.push(Frame {
                 object,
@@ -273,18 +264,18 @@ pub fn profiles_from_pprof(
     } else {
         pprof.time_nanos
     };
-    let period_type = pprof.period_type.as_ref();
-    let mut out = Vec::new();
-    // Distinct sample label sets, and (sample type index, label set index) → position in `out`.
-    let mut label_sets: HashMap<Vec<(String, String)>, usize> = HashMap::new();
-    let mut groups: HashMap<(usize, usize), usize> = HashMap::new();
-    let mut labels: Vec<(String, String)> = Vec::new();
-    // (position in `out`, span id) → position in that profile's spans.
-    let mut span_positions: HashMap<(usize, u64), usize> = HashMap::new();
-    // Numeric labels (`pid`, `tid`) as (key's string index, value): per position in `out`,
-    // set → position in its groups.
-    let mut numeric: Vec<(i64, i64)> = Vec::new();
-    let mut numeric_positions: HashMap<usize, HashMap<Vec<(i64, i64)>, usize>> = HashMap::new();
+    let value_type = |t: &proto::ValueType| (string(t.r#type), string(t.unit));
+    let mut grouper = SampleGrouper::new(
+        name,
+        series_labels,
+        ProfileHeader {
+            sample_types: pprof.sample_type.iter().map(value_type).collect(),
+            period_type: pprof.period_type.as_ref().map(value_type),
+            time_ns,
+            duration_ns: pprof.duration_nanos,
+            period: pprof.period.max(0),
+        },
+    );
     for sample in &pprof.sample {
         let mut path = Vec::with_capacity(sample.location_id.len() * 2);
         for id in sample.location_id.iter().rev() {
@@ -293,89 +284,320 @@ pub fn profiles_from_pprof(
                 .ok_or_else(|| malformed(format!("a sample refers to unknown location {id}")))?;
             path.extend_from_slice(frames);
         }
-        let mut span = SampleSpan::default();
-        labels.clear();
-        numeric.clear();
-        for label in sample.label.iter().filter(|l| l.str == 0 && l.key != 0) {
-            numeric.push((label.key, label.num));
+        grouper.add(
+            path,
+            sample
+                .label
+                .iter()
+                .filter(|l| l.str != 0)
+                .map(|l| (string(l.key), string(l.str))),
+            sample
+                .label
+                .iter()
+                .filter(|l| l.str == 0 && l.key != 0)
+                .map(|l| (string(l.key), l.num)),
+            &sample.value,
+        );
+    }
+    grouper.finish(names, frames)
+}
+
+/// [`profiles_from_pprof`] of [`build_pprof`](crate::export::pprof::build_pprof)`(profile)`,
+/// without building and reading back the pprof: the agent's own profiles go into the embedded
+/// store this way, stored as they would be pushed (a test holds the two equal).
+pub fn profiles_from_model(profile: &Profile) -> Result<Vec<NewProfile>, IngestError> {
+    check_sample_count(profile.samples.len())?;
+    let mut names = NameTable::default();
+    let mut frames: Vec<Frame> = Vec::new();
+    // Each profile frame's stored frames, root first, as a range of `frames`.
+    let mut frames_of: Vec<std::ops::Range<u32>> = Vec::with_capacity(profile.frames.len());
+    for frame in &profile.frames {
+        let first = frames.len() as u32;
+        let mapping = frame.mapping.as_deref();
+        let object = mapping.map_or(NO_STRING, |m| names.intern(&m.filename));
+        let build_id = mapping.map_or(NO_STRING, |m| {
+            names.intern(m.build_id.as_deref().unwrap_or_default())
+        });
+        let address = mapping.map_or(0, |m| {
+            file_address(object, frame.address, m.start..m.limit, m.file_offset)
+        });
+        for (depth, line) in frame.lines.iter().rev().enumerate() {
+            // What build_pprof writes: the raw name, or the name again when there is none.
+            let system_text = line.system_name.as_deref().unwrap_or(&line.function);
+            let name_text = if !line.function.is_empty() {
+                &*line.function
+            } else if !system_text.is_empty() {
+                system_text
+            } else {
+                UNKNOWN_FUNCTION
+            };
+            let name = names.intern(name_text);
+            let system_name = match system_text == name_text {
+                true => NO_STRING,
+                false => names.intern(system_text),
+            };
+            frames.push(Frame {
+                name,
+                system_name,
+                file: names.intern(line.file.as_deref().unwrap_or_default()),
+                start_line: 0,
+                line: line.line,
+                object,
+                build_id,
+                address,
+                inlined: depth > 0,
+            });
         }
+        if frame.lines.is_empty() {
+            let module = mapping.map(|m| &*m.filename);
+            let name = names.intern(&unsymbolized_label(module, frame.address));
+            frames.push(Frame {
+                object,
+                build_id,
+                address,
+                ..Frame::named(name)
+            });
+        }
+        frames_of.push(first..frames.len() as u32);
+    }
+
+    let is_cpu = profile.kind == ProfileKind::Cpu;
+    let (sample_types, period_type, period) = match is_cpu {
+        true => (
+            CPU_SAMPLE_TYPES.to_vec(),
+            CPU_SAMPLE_TYPES[1],
+            profile.period_ns.max(0),
+        ),
+        false => (
+            profile.kind.sample_types().to_vec(),
+            profile.kind.period_type(),
+            1,
+        ),
+    };
+    let types = sample_types.len();
+    let mut grouper = SampleGrouper::new(
+        profile.kind.name(),
+        &profile.series_labels,
+        ProfileHeader {
+            sample_types,
+            period_type: Some(period_type),
+            time_ns: profile.start_unix_ns,
+            duration_ns: profile.duration_ns,
+            period,
+        },
+    );
+    for sample in &profile.samples {
+        let mut path = Vec::with_capacity(sample.stack.len() * 2);
+        for &index in sample.stack.iter().rev() {
+            if let Some(range) = frames_of.get(index as usize) {
+                path.extend(range.clone());
+            }
+        }
+        let count = i64::try_from(sample.count).unwrap_or(i64::MAX);
+        let mut values = [0i64; MAX_SAMPLE_VALUES];
+        if is_cpu {
+            values[..2].copy_from_slice(&[count, count.saturating_mul(profile.period_ns)]);
+        } else {
+            let more = sample
+                .more_values
+                .iter()
+                .map(|&v| i64::try_from(v).unwrap_or(i64::MAX));
+            for (slot, value) in values.iter_mut().zip(std::iter::once(count).chain(more)) {
+                *slot = value;
+            }
+        }
+        // A pprof label with an empty string value reads as the number 0, and one with an
+        // empty key as no number (pprof's string index 0 is both "" and "none").
+        let strings = sample.labels.iter().filter_map(|(key, value)| match value {
+            LabelValue::Str(text) if !text.is_empty() => Some((&**key, &**text)),
+            _ => None,
+        });
+        let numbers = sample
+            .labels
+            .iter()
+            .filter(|(key, _)| !key.is_empty())
+            .filter_map(|(key, value)| match value {
+                LabelValue::Num(num) => Some((&**key, *num)),
+                LabelValue::Str(text) => text.is_empty().then_some((&**key, 0)),
+            });
+        grouper.add(path, strings, numbers, &values[..types]);
+    }
+    grouper.finish(names.names, frames)
+}
+
+/// pprof's sample types of a CPU profile: samples taken, and the CPU time they stand for.
+const CPU_SAMPLE_TYPES: [(&str, &str); 2] = [("samples", "count"), ("cpu", "nanoseconds")];
+
+/// The name of a frame line without a function name.
+const UNKNOWN_FUNCTION: &str = "[unknown]";
+
+/// An address as the offset in its mapping's object file, the same in every process (see
+/// store::frames); 0 without an object or outside the mapping: such an address may differ in
+/// every process and would make a new frame each time.
+fn file_address(object: u32, address: u64, mapping: std::ops::Range<u64>, file_offset: u64) -> u64 {
+    match object != NO_STRING && mapping.contains(&address) {
+        true => (address - mapping.start).saturating_add(file_offset),
+        false => 0,
+    }
+}
+
+/// An unsymbolized frame's name: module and address, so distinct addresses stay apart.
+fn unsymbolized_label(module_path: Option<&str>, address: u64) -> String {
+    match module_path.filter(|path| !path.is_empty()) {
+        Some(path) => {
+            let module = path.rsplit('/').next().unwrap_or(path);
+            format!("{module}+0x{address:x}")
+        }
+        None => format!("0x{address:x}"),
+    }
+}
+
+/// Strings deduplicated by their text; the empty string is no string.
+#[derive(Default)]
+struct NameTable {
+    names: Vec<String>,
+    index: HashMap<String, u32>,
+}
+
+impl NameTable {
+    fn intern(&mut self, text: &str) -> u32 {
+        if text.is_empty() {
+            return NO_STRING;
+        }
+        if let Some(&id) = self.index.get(text) {
+            return id;
+        }
+        intern_label(&mut self.index, text.to_owned(), &mut self.names)
+    }
+}
+
+/// What the stored profiles of one source share.
+struct ProfileHeader<'a> {
+    /// (type, unit) of each sample value.
+    sample_types: Vec<(&'a str, &'a str)>,
+    period_type: Option<(&'a str, &'a str)>,
+    time_ns: i64,
+    duration_ns: i64,
+    period: i64,
+}
+
+/// Files samples into profiles: one per sample type and distinct set of sample string labels
+/// (series labels win over sample labels of their name), with each sample's span and numeric
+/// labels kept beside (docs/pyroscope-protocol.md §5.2).
+struct SampleGrouper<'a> {
+    name: &'a str,
+    series_labels: &'a [(String, String)],
+    header: ProfileHeader<'a>,
+    out: Vec<NewProfile>,
+    // Distinct sample label sets, and (sample type index, label set index) → position in `out`.
+    label_sets: HashMap<Vec<(String, String)>, usize>,
+    groups: HashMap<(usize, usize), usize>,
+    labels: Vec<(String, String)>,
+    // (position in `out`, span id) → position in that profile's spans.
+    span_positions: HashMap<(usize, u64), usize>,
+    // Numeric labels (`pid`, `tid`): per position in `out`, set → position in its groups.
+    numeric: NumericLabels<'a>,
+    numeric_positions: HashMap<usize, HashMap<NumericLabels<'a>, usize>>,
+}
+
+/// A sample's numeric labels, by key.
+type NumericLabels<'a> = Vec<(&'a str, i64)>;
+
+impl<'a> SampleGrouper<'a> {
+    fn new(
+        name: &'a str,
+        series_labels: &'a [(String, String)],
+        header: ProfileHeader<'a>,
+    ) -> Self {
+        SampleGrouper {
+            name,
+            series_labels,
+            header,
+            out: Vec::new(),
+            label_sets: HashMap::new(),
+            groups: HashMap::new(),
+            labels: Vec::new(),
+            span_positions: HashMap::new(),
+            numeric: Vec::new(),
+            numeric_positions: HashMap::new(),
+        }
+    }
+
+    /// One sample: its frames root first, its labels with a string value and with a number,
+    /// and one value per sample type.
+    fn add(
+        &mut self,
+        mut path: Vec<u32>,
+        strings: impl Iterator<Item = (&'a str, &'a str)>,
+        numbers: impl Iterator<Item = (&'a str, i64)>,
+        values: &[i64],
+    ) {
+        let mut span = SampleSpan::default();
+        self.labels.clear();
+        self.numeric.clear();
+        self.numeric.extend(numbers);
         // By key name, one value per name, as the stored groups are.
-        numeric.sort_by(|a, b| string(a.0).cmp(string(b.0)).then(a.1.cmp(&b.1)));
-        numeric.dedup_by(|a, b| string(a.0) == string(b.0));
-        for label in sample.label.iter().filter(|l| l.str != 0) {
-            let (key, value) = (string(label.key), string(label.str));
+        self.numeric.sort();
+        self.numeric.dedup_by(|a, b| a.0 == b.0);
+        for (key, value) in strings {
             match key {
                 // Pyroscope reads a `profile_id` label as the span id (older SDKs' name).
                 SPAN_ID_LABEL | "profile_id" => span.id = span.id.or(parse_span_id(value)),
                 TRACE_ID_LABEL => span.trace_id = value,
                 SPAN_NAME_LABEL => span.name = value,
                 // Series labels win over sample labels of the same name.
-                _ if series_labels.iter().any(|(s, _)| s == key) => {}
-                _ => labels.push((key.to_owned(), value.to_owned())),
+                _ if self.series_labels.iter().any(|(s, _)| s == key) => {}
+                _ => self.labels.push((key.to_owned(), value.to_owned())),
             }
         }
-        labels.sort();
-        labels.dedup_by(|a, b| a.0 == b.0);
-        let label_set = match label_sets.get(labels.as_slice()) {
+        self.labels.sort();
+        self.labels.dedup_by(|a, b| a.0 == b.0);
+        let label_set = match self.label_sets.get(self.labels.as_slice()) {
             Some(&index) => index,
             None => {
-                let index = label_sets.len();
-                label_sets.insert(labels.clone(), index);
+                let index = self.label_sets.len();
+                self.label_sets.insert(self.labels.clone(), index);
                 index
             }
         };
-        let last_value = sample.value.iter().rposition(|v| *v != 0);
-        for (type_index, value) in sample.value.iter().enumerate() {
-            if *value == 0 {
+        let last_value = values.iter().rposition(|v| *v != 0);
+        for (type_index, &value) in values.iter().enumerate() {
+            if value == 0 {
                 continue;
             }
-            let position = *groups.entry((type_index, label_set)).or_insert_with(|| {
-                let sample_type = &pprof.sample_type[type_index];
-                let mut all_labels = series_labels.to_vec();
-                all_labels.extend(labels.iter().cloned());
-                out.push(NewProfile {
-                    profile_type: Some(ProfileType {
-                        name: name.to_owned(),
-                        sample_type: string(sample_type.r#type).to_owned(),
-                        sample_unit: string(sample_type.unit).to_owned(),
-                        period_type: period_type.map_or("", |p| string(p.r#type)).to_owned(),
-                        period_unit: period_type.map_or("", |p| string(p.unit)).to_owned(),
-                    }),
-                    labels: all_labels,
-                    time_ns,
-                    duration_ns: pprof.duration_nanos,
-                    period: pprof.period.max(0),
-                    names: Vec::new(),
-                    frames: Vec::new(),
-                    stacks: Vec::new(),
-                    spans: Vec::new(),
-                    labelled: Vec::new(),
-                });
-                out.len() - 1
-            });
-            let profile = &mut out[position];
-            if !numeric.is_empty() {
+            let position = match self.groups.get(&(type_index, label_set)) {
+                Some(&position) => position,
+                None => {
+                    let position = self.new_profile(type_index);
+                    self.groups.insert((type_index, label_set), position);
+                    position
+                }
+            };
+            let profile = &mut self.out[position];
+            if !self.numeric.is_empty() {
                 let groups = &mut profile.labelled;
-                let positions = numeric_positions.entry(position).or_default();
-                let index = match positions.get(numeric.as_slice()) {
+                let positions = self.numeric_positions.entry(position).or_default();
+                let index = match positions.get(self.numeric.as_slice()) {
                     Some(&index) => index,
                     None => {
                         groups.push(NewLabelled {
-                            labels: numeric
+                            labels: self
+                                .numeric
                                 .iter()
-                                .map(|&(key, num)| (string(key).to_owned(), num))
+                                .map(|&(key, num)| (key.to_owned(), num))
                                 .collect(),
                             stacks: Vec::new(),
                         });
-                        positions.insert(numeric.clone(), groups.len() - 1);
+                        positions.insert(self.numeric.clone(), groups.len() - 1);
                         groups.len() - 1
                     }
                 };
-                groups[index].stacks.push((path.clone(), *value));
+                groups[index].stacks.push((path.clone(), value));
             }
             if let Some(span_id) = span.id {
                 let spans = &mut profile.spans;
-                let index = *span_positions
+                let index = *self
+                    .span_positions
                     .entry((position, span_id))
                     .or_insert_with(|| {
                         spans.push(NewSpan {
@@ -386,7 +608,7 @@ pub fn profiles_from_pprof(
                         });
                         spans.len() - 1
                     });
-                spans[index].stacks.push((path.clone(), *value));
+                spans[index].stacks.push((path.clone(), value));
             }
             // The path is shared by the sample's values; the last one takes it.
             let path = if Some(type_index) == last_value {
@@ -394,21 +616,57 @@ pub fn profiles_from_pprof(
             } else {
                 path.clone()
             };
-            profile.stacks.push((path, *value));
+            profile.stacks.push((path, value));
         }
     }
-    if let Some((last, rest)) = out.split_last_mut() {
-        for profile in rest {
-            profile.names = names.clone();
-            profile.frames = frames.clone();
+
+    /// A new profile of sample type `type_index` with the current sample's labels.
+    fn new_profile(&mut self, type_index: usize) -> usize {
+        let (sample_type, sample_unit) = self.header.sample_types[type_index];
+        let (period_type, period_unit) = self.header.period_type.unwrap_or_default();
+        let mut labels = self.series_labels.to_vec();
+        labels.extend(self.labels.iter().cloned());
+        self.out.push(NewProfile {
+            profile_type: Some(ProfileType {
+                name: self.name.to_owned(),
+                sample_type: sample_type.to_owned(),
+                sample_unit: sample_unit.to_owned(),
+                period_type: period_type.to_owned(),
+                period_unit: period_unit.to_owned(),
+            }),
+            labels,
+            time_ns: self.header.time_ns,
+            duration_ns: self.header.duration_ns,
+            period: self.header.period,
+            names: Vec::new(),
+            frames: Vec::new(),
+            stacks: Vec::new(),
+            spans: Vec::new(),
+            labelled: Vec::new(),
+        });
+        self.out.len() - 1
+    }
+
+    /// The profiles, each with the strings and frames its stacks index.
+    fn finish(
+        self,
+        names: Vec<String>,
+        frames: Vec<Frame>,
+    ) -> Result<Vec<NewProfile>, IngestError> {
+        let mut out = self.out;
+        if let Some((last, rest)) = out.split_last_mut() {
+            for profile in rest {
+                profile.names = names.clone();
+                profile.frames = frames.clone();
+            }
+            last.names = names;
+            last.frames = frames;
         }
-        last.names = names;
-        last.frames = frames;
+        for profile in &out {
+            validate_labels(&profile.labels)?;
+        }
+        Ok(out)
     }
-    for profile in &out {
-        validate_labels(&profile.labels)?;
-    }
-    Ok(out)
 }
 
 /// The sample labels that tie a sample to a trace span (pyroscope-otel, otel-profiling-go).
@@ -445,6 +703,18 @@ fn intern_label(index: &mut HashMap<String, u32>, label: String, names: &mut Vec
     id
 }
 
+/// Most samples one profile may have.
+const MAX_SAMPLES: usize = 64_000;
+
+fn check_sample_count(samples: usize) -> Result<(), IngestError> {
+    match samples > MAX_SAMPLES {
+        true => Err(IngestError::MalformedPprof(format!(
+            "{samples} samples, at most {MAX_SAMPLES}"
+        ))),
+        false => Ok(()),
+    }
+}
+
 /// Structural checks before any use (docs/pyroscope-protocol.md §5.2); afterwards every index used is in range.
 pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
     let malformed = |msg: String| Err(IngestError::MalformedPprof(msg));
@@ -467,9 +737,7 @@ pub fn validate_pprof(pprof: &proto::Profile) -> Result<(), IngestError> {
             }
         }
     }
-    if pprof.sample.len() > 64_000 {
-        return malformed(format!("{} samples, at most 64000", pprof.sample.len()));
-    }
+    check_sample_count(pprof.sample.len())?;
     for sample in &pprof.sample {
         if sample.value.len() != pprof.sample_type.len() {
             return malformed(format!(
@@ -878,6 +1146,258 @@ mod tests {
         fn folded_never_panics(text in ".{0,200}") {
             let _ = parse_folded(text.as_bytes(), false, 3);
             let _ = parse_folded(text.as_bytes(), true, 3);
+        }
+    }
+
+    /// A stored frame with its strings in place of indexes.
+    type ResolvedFrame = (
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        u32,
+        u32,
+        Option<String>,
+        Option<String>,
+        u64,
+        bool,
+    );
+    type ResolvedStacks = Vec<(Vec<ResolvedFrame>, i64)>;
+
+    /// What a stored profile says, with strings in place of indexes: two conversions may number
+    /// the same strings differently.
+    #[derive(Debug, PartialEq)]
+    struct Resolved {
+        profile_type: Option<ProfileType>,
+        labels: Vec<(String, String)>,
+        times: (i64, i64, i64),
+        frames: Vec<ResolvedFrame>,
+        stacks: ResolvedStacks,
+        spans: Vec<(u64, String, String, ResolvedStacks)>,
+        labelled: Vec<(Vec<(String, i64)>, ResolvedStacks)>,
+    }
+
+    fn resolve(profile: &NewProfile) -> Resolved {
+        let text = |id: u32| (id != NO_STRING).then(|| profile.names[id as usize].clone());
+        let frame = |f: &Frame| {
+            (
+                text(f.name),
+                text(f.system_name),
+                text(f.file),
+                f.start_line,
+                f.line,
+                text(f.object),
+                text(f.build_id),
+                f.address,
+                f.inlined,
+            )
+        };
+        let stacks = |stacks: &[(Vec<u32>, i64)]| -> ResolvedStacks {
+            stacks
+                .iter()
+                .map(|(path, value)| {
+                    let path = path.iter().map(|&i| frame(&profile.frames[i as usize]));
+                    (path.collect(), *value)
+                })
+                .collect()
+        };
+        Resolved {
+            profile_type: profile.profile_type.clone(),
+            labels: profile.labels.clone(),
+            times: (profile.time_ns, profile.duration_ns, profile.period),
+            frames: profile.frames.iter().map(frame).collect(),
+            stacks: stacks(&profile.stacks),
+            spans: profile
+                .spans
+                .iter()
+                .map(|s| {
+                    let (id, trace, name) = (s.span_id, s.trace_id.clone(), s.span_name.clone());
+                    (id, trace, name, stacks(&s.stacks))
+                })
+                .collect(),
+            labelled: profile
+                .labelled
+                .iter()
+                .map(|l| (l.labels.clone(), stacks(&l.stacks)))
+                .collect(),
+        }
+    }
+
+    /// The agent's profile stored directly is stored as its pushed pprof would be, or refused
+    /// with the same error.
+    fn assert_stored_as_pushed(profile: &Profile) {
+        let direct = profiles_from_model(profile);
+        let pushed = profiles_from_pprof(
+            &build_pprof(profile),
+            profile.kind.name(),
+            &profile.series_labels,
+            profile.start_unix_ns,
+        );
+        match (direct, pushed) {
+            (Ok(direct), Ok(pushed)) => {
+                let direct: Vec<Resolved> = direct.iter().map(resolve).collect();
+                let pushed: Vec<Resolved> = pushed.iter().map(resolve).collect();
+                assert_eq!(direct, pushed);
+            }
+            (Err(direct), Err(pushed)) => assert_eq!(direct.to_string(), pushed.to_string()),
+            (direct, pushed) => panic!("direct {direct:?}, pushed {pushed:?}"),
+        }
+    }
+
+    #[test]
+    fn the_agents_profile_is_stored_directly_as_pushed() {
+        let profile = test_fixture::profile();
+        assert!(!profiles_from_model(&profile).unwrap().is_empty());
+        assert_stored_as_pushed(&profile);
+        let mut too_many = profile;
+        too_many.samples = vec![too_many.samples[0].clone(); MAX_SAMPLES + 1];
+        assert!(profiles_from_model(&too_many).is_err());
+        assert_stored_as_pushed(&too_many);
+    }
+
+    mod model_profiles {
+        use std::sync::Arc;
+
+        use proptest::prelude::*;
+
+        use crate::model::{
+            FrameKind, FrameLine, LabelValue, MappingInfo, Profile, ProfileKind, ProfileSample,
+            SymbolizedFrame,
+        };
+
+        /// Few texts, so that names, files, objects and labels collide.
+        fn text() -> impl Strategy<Value = Arc<str>> {
+            prop::sample::select(vec![
+                "",
+                "main",
+                "helper",
+                "[unknown]",
+                "/usr/lib/libc.so.6",
+                "lib",
+                "1f",
+                "0",
+            ])
+            .prop_map(Arc::from)
+        }
+
+        fn line() -> impl Strategy<Value = FrameLine> {
+            (
+                text(),
+                prop::option::of(text()),
+                prop::option::of(text()),
+                0u32..4,
+            )
+                .prop_map(|(function, system_name, file, line)| FrameLine {
+                    function,
+                    system_name,
+                    file,
+                    line,
+                })
+        }
+
+        fn mapping() -> impl Strategy<Value = Option<Arc<MappingInfo>>> {
+            prop::option::of((0u64..3, 1u64..3, 0u64..3, text(), prop::option::of(text())))
+                .prop_map(|mapping| {
+                    mapping.map(|(start, pages, offset, filename, build_id)| {
+                        Arc::new(MappingInfo {
+                            start: start * 0x1000,
+                            limit: (start + pages) * 0x1000,
+                            file_offset: offset * 0x1000,
+                            filename,
+                            build_id,
+                        })
+                    })
+                })
+        }
+
+        fn frame() -> impl Strategy<Value = SymbolizedFrame> {
+            (
+                0u64..0x5000,
+                mapping(),
+                prop::collection::vec(line(), 0..3),
+                any::<bool>(),
+            )
+                .prop_map(|(address, mapping, lines, unsymbolized)| SymbolizedFrame {
+                    kind: FrameKind::Native,
+                    address,
+                    mapping,
+                    lines,
+                    unsymbolized,
+                })
+        }
+
+        fn label() -> impl Strategy<Value = (Arc<str>, LabelValue)> {
+            let key = prop::sample::select(vec![
+                "",
+                "thread_name",
+                "span_id",
+                "profile_id",
+                "trace_id",
+                "span_name",
+                "service_name",
+                "pid",
+                "tid",
+            ]);
+            let value = prop_oneof![
+                text().prop_map(LabelValue::Str),
+                (-2i64..3).prop_map(LabelValue::Num),
+            ];
+            (key.prop_map(Arc::from), value)
+        }
+
+        fn sample() -> impl Strategy<Value = ProfileSample> {
+            (
+                prop::collection::vec(0u32..8, 0..6),
+                0u64..3,
+                prop::collection::vec(0u64..3, 0..5),
+                prop::collection::vec(label(), 0..4),
+            )
+                .prop_map(|(stack, count, more_values, labels)| ProfileSample {
+                    stack,
+                    count,
+                    more_values,
+                    labels,
+                })
+        }
+
+        pub fn profile() -> impl Strategy<Value = Profile> {
+            let kinds = vec![
+                ProfileKind::Cpu,
+                ProfileKind::CudaLaunch,
+                ProfileKind::CudaAlloc,
+                ProfileKind::OffCpu,
+            ];
+            let series = prop::sample::select(vec![
+                vec![],
+                vec![("service_name", "svc")],
+                vec![("service_name", "svc"), ("thread_name", "main")],
+            ]);
+            (
+                prop::sample::select(kinds),
+                series,
+                prop::sample::select(vec![0i64, 1_700_000_000_000_000_000]),
+                0i64..3,
+                prop::collection::vec(frame(), 0..6),
+                prop::collection::vec(sample(), 0..6),
+            )
+                .prop_map(|(kind, series, start, periods, frames, samples)| Profile {
+                    kind,
+                    series_labels: series
+                        .into_iter()
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .collect(),
+                    start_unix_ns: start,
+                    duration_ns: 15_000_000_000,
+                    period_ns: periods * 10_000_000,
+                    frames,
+                    samples,
+                })
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_agent_profile_is_stored_directly_as_pushed(profile in model_profiles::profile()) {
+            assert_stored_as_pushed(&profile);
         }
     }
 }
