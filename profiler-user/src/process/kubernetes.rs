@@ -72,8 +72,9 @@ const SERVICE_ACCOUNT_NAMESPACE: &str = "var/run/secrets/kubernetes.io/serviceac
 /// Everything the names are derived from; files are found under these directories.
 #[derive(Clone, Copy, Debug)]
 pub struct KubernetesSources<'a> {
-    /// /proc/PID.
-    pub process_dir: &'a Path,
+    /// /proc/PID; `None` for a process known only from its exec event (gone, or its pid
+    /// perhaps another process's by now): what its files would say is not known.
+    pub process_dir: Option<&'a Path>,
     /// The host's root directory (/proc/1/root).
     pub host_root: &'a Path,
     pub container_id: Option<&'a str>,
@@ -96,15 +97,16 @@ pub fn kubernetes_names(sources: &KubernetesSources<'_>) -> KubernetesNames {
         container: env("CONTAINER_NAME"),
     };
     let not_the_node = |name: String| (name != sources.host).then_some(name);
-    let pod_root = sources.process_dir.join("root");
+    let pod_root = sources.process_dir.map(|dir| dir.join("root"));
+    let pod_file = |path: &str| {
+        let text = read_small(&pod_root.as_ref()?.join(path))?;
+        valid_name(&text)
+    };
     let fallback = KubernetesNames {
-        namespace: read_small(&pod_root.join(SERVICE_ACCOUNT_NAMESPACE))
-            .and_then(|v| valid_name(&v)),
-        pod: env("HOSTNAME").and_then(not_the_node).or_else(|| {
-            read_small(&pod_root.join("etc/hostname"))
-                .and_then(|v| valid_name(&v))
-                .and_then(not_the_node)
-        }),
+        namespace: pod_file(SERVICE_ACCOUNT_NAMESPACE),
+        pod: env("HOSTNAME")
+            .and_then(not_the_node)
+            .or_else(|| pod_file("etc/hostname").and_then(not_the_node)),
         container: None,
     };
     runtime.or(downward).or(fallback)
@@ -203,7 +205,7 @@ mod tests {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect();
             kubernetes_names(&KubernetesSources {
-                process_dir: &self.dir.path().join("proc/42"),
+                process_dir: Some(&self.dir.path().join("proc/42")),
                 host_root: &self.dir.path().join("host"),
                 container_id,
                 env: &env,

@@ -725,13 +725,16 @@ impl ProcessRegistry {
             .as_ref()
             .map(LabelEnv::to_map)
             .unwrap_or_default();
+        // The container's names are the runtime's, found by the container id whether or not
+        // the process lives; /proc/PID is not read (the pid may be another process's now).
+        let kubernetes = names_in_pod(&self.proc_root, None, &cgroup, &env, &self.host);
         let labels = derive_labels(&LabelInputs {
             cmdline: &cmdline,
             env: &env,
             exe: Some(&exe),
             comm: &record.comm,
             cgroup: &cgroup,
-            kubernetes: &KubernetesNames::default(),
+            kubernetes: &kubernetes,
             host: &self.host,
             is_kernel_thread: false,
         });
@@ -1321,15 +1324,30 @@ fn pod_names(
     env: &BTreeMap<String, String>,
     host: &str,
 ) -> KubernetesNames {
-    match (&cgroup.pod_uid, process_dir.parent()) {
-        (Some(_), Some(proc_root)) => kubernetes_names(&KubernetesSources {
+    match process_dir.parent() {
+        Some(proc_root) => names_in_pod(proc_root, Some(process_dir), cgroup, env, host),
+        None => KubernetesNames::default(),
+    }
+}
+
+/// The Kubernetes names of a process in a pod (none outside one); without `process_dir`, from
+/// the container runtime's config and the environment alone.
+fn names_in_pod(
+    proc_root: &Path,
+    process_dir: Option<&Path>,
+    cgroup: &CgroupInfo,
+    env: &BTreeMap<String, String>,
+    host: &str,
+) -> KubernetesNames {
+    match &cgroup.pod_uid {
+        Some(_) => kubernetes_names(&KubernetesSources {
             process_dir,
             host_root: &proc_root.join("1").join("root"),
             container_id: cgroup.container_id.as_deref(),
             env,
             host,
         }),
-        _ => KubernetesNames::default(),
+        None => KubernetesNames::default(),
     }
 }
 

@@ -153,6 +153,79 @@ fn lookup_of_missing_pid_fails() {
     assert!(registry.is_empty());
 }
 
+/// A process in a pod gone before its first lookup keeps its pod's names: the container
+/// runtime's config is found by the container id of the cgroup its exec event recorded. Its
+/// pid's /proc entry is not read (it may be another process's by now).
+#[test]
+fn a_pod_process_gone_before_its_lookup_is_named_by_the_runtime_config() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let cgroups = tempfile::tempdir().expect("tempdir");
+    let uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
+    let scope = cgroups.path().join(format!(
+        "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{CONTAINER_ID}.scope",
+        uid.replace('-', "_")
+    ));
+    fs::create_dir_all(&scope).expect("a cgroup directory");
+    // A second container of the pod, whose config the runtime does not have.
+    let other = "9d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
+    let other_scope = scope.with_file_name(format!("cri-containerd-{other}.scope"));
+    fs::create_dir_all(&other_scope).expect("a cgroup directory");
+    let bundle = root.path().join(format!(
+        "1/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/{CONTAINER_ID}"
+    ));
+    fs::create_dir_all(&bundle).unwrap();
+    fs::write(
+        bundle.join("config.json"),
+        r#"{"annotations":{"io.kubernetes.cri.sandbox-namespace":"ml",
+            "io.kubernetes.cri.sandbox-name":"web-1","io.kubernetes.cri.container-name":"api"}}"#,
+    )
+    .unwrap();
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    registry.cgroups = CgroupPaths::from_mountinfo(&format!(
+        "30 1 0:26 / {} rw - cgroup2 cgroup2 rw\n",
+        cgroups.path().display()
+    ));
+    let cgroup_id = fs::metadata(&scope).expect("cgroup").ino();
+    registry.record_exec(
+        Pid(700),
+        Arc::new(ExecRecord {
+            cgroup_id,
+            ..registry_record("curl")
+        }),
+    );
+    let info = registry
+        .lookup(Pid(700))
+        .expect("a snapshot from the event");
+    assert_eq!(registry.stats().snapshots_from_events, 1);
+    let labels = &info.labels;
+    assert_eq!(labels.pod_uid.as_deref(), Some(uid));
+    assert_eq!(labels.container_id.as_deref(), Some(CONTAINER_ID));
+    assert_eq!(labels.namespace.as_deref(), Some("ml"));
+    assert_eq!(labels.pod.as_deref(), Some("web-1"));
+    assert_eq!(labels.container.as_deref(), Some("api"));
+    assert_eq!(labels.service_name, "ml/api");
+
+    // The program a pid ran before its exec, in the container the runtime has no config of:
+    // the pid's /proc entry is the new program's, and its host name file is not read for the
+    // old one's pod name.
+    let execed = write_fake_process(root.path(), 701, 5000, ANON_MAPS);
+    fs::create_dir_all(execed.join("root/etc")).expect("mkdir");
+    fs::write(execed.join("root/etc/hostname"), "not-the-pod\n").expect("write");
+    registry.record_exec(
+        Pid(701),
+        Arc::new(ExecRecord {
+            cgroup_id: fs::metadata(&other_scope).expect("cgroup").ino(),
+            ..registry_record("curl")
+        }),
+    );
+    let before = registry
+        .snapshot_before_exec(Pid(701), 1, 3)
+        .expect("the program before the exec");
+    assert_eq!(before.labels.container_id.as_deref(), Some(other));
+    assert_eq!(before.labels.pod_uid.as_deref(), Some(uid));
+    assert_eq!(before.labels.pod, None);
+}
+
 /// /bin/sleep's path with links resolved, and an exec event of it (at 1 ns, its code mapped at
 /// 0x5555_0000_2000).
 fn exec_of_sleep() -> (PathBuf, ExecRecord) {
