@@ -1311,9 +1311,8 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
 /// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` at every
 /// batch of samples, at least every [`MAX_DRAIN_INTERVAL`] (the reader's longest wait between
 /// batches: a shorter wait only wakes the thread for nothing), with the pipeline so the caller
-/// can poll the other inputs and flush. A batch
-/// is cut short once `stop` is set (a batch of new processes' samples can take seconds); the
-/// samples left are for the stop's own bounded drain.
+/// can poll the other inputs and flush. A batch is cut short once `stop` is set (a batch of new
+/// processes' samples can take seconds); the samples left are for the stop's own bounded drain.
 fn pump(
     pipeline: &mut Pipeline,
     rx: &SampleQueue,

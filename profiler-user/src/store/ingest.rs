@@ -386,11 +386,13 @@ pub fn profiles_from_model(profile: &Profile) -> Result<Vec<NewProfile>, IngestE
             period,
         },
     );
+    let mut skipped_frame_refs = 0usize;
     for sample in &profile.samples {
         let mut path = Vec::with_capacity(sample.stack.len() * 2);
         for &index in sample.stack.iter().rev() {
-            if let Some(range) = frames_of.get(index as usize) {
-                path.extend(range.clone());
+            match frames_of.get(index as usize) {
+                Some(range) => path.extend(range.clone()),
+                None => skipped_frame_refs += 1,
             }
         }
         let count = i64::try_from(sample.count).unwrap_or(i64::MAX);
@@ -421,6 +423,13 @@ pub fn profiles_from_model(profile: &Profile) -> Result<Vec<NewProfile>, IngestE
                 LabelValue::Str(text) => text.is_empty().then_some((&**key, 0)),
             });
         grouper.add(path, strings, numbers, &values[..types]);
+    }
+    if skipped_frame_refs > 0 {
+        // As build_pprof says it of the pushed profile.
+        tracing::warn!(
+            skipped_frame_refs,
+            "store: stacks refer to frames that do not exist; skipped those frames"
+        );
     }
     grouper.finish(names.names, frames)
 }
