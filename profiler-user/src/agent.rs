@@ -38,7 +38,7 @@ use crate::{
     off_cpu::OffCpu,
     process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
     runtimes::python::PythonTracker,
-    sampling::{MAX_DRAIN_INTERVAL, SampleQueue, SampleReader},
+    sampling::{SampleQueue, SampleReader},
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
     server::serve::{ServeError, Serving},
     store::sink::StoreSink,
@@ -1308,11 +1308,10 @@ fn check_writable_dir(dir: &Path) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` at every
-/// batch of samples, at least every [`MAX_DRAIN_INTERVAL`] (the reader's longest wait between
-/// batches: a shorter wait only wakes the thread for nothing), with the pipeline so the caller
-/// can poll the other inputs and flush. A batch is cut short once `stop` is set (a batch of new
-/// processes' samples can take seconds); the samples left are for the stop's own bounded drain.
+/// Runs the pipeline on samples from `rx` until `until` returns true; calls `until` about
+/// every 100 ms with the pipeline so the caller can poll the other inputs and flush. A batch
+/// is cut short once `stop` is set (a batch of new processes' samples can take seconds); the
+/// samples left are for the stop's own bounded drain.
 fn pump(
     pipeline: &mut Pipeline,
     rx: &SampleQueue,
@@ -1320,7 +1319,7 @@ fn pump(
     mut until: impl FnMut(&mut Pipeline) -> bool,
 ) {
     loop {
-        match rx.recv_timeout(MAX_DRAIN_INTERVAL) {
+        match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(sample) => {
                 pipeline.handle(sample);
                 // Drain whatever else is queued before checking the clock again.
