@@ -101,6 +101,22 @@ fn fake_process_snapshot() {
     assert_eq!(stats.lookups_failed, 0);
 }
 
+/// containerd's OCI config of container [`CONTAINER_ID`] (namespace `ml`, pod `web-1`,
+/// container `api`) under the fake /proc root's host root: <proc root>/1/root, as /proc/1/root
+/// is for an agent with host PID.
+fn write_containerd_config(proc_root: &Path) {
+    let bundle = proc_root.join(format!(
+        "1/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/{CONTAINER_ID}"
+    ));
+    fs::create_dir_all(&bundle).unwrap();
+    fs::write(
+        bundle.join("config.json"),
+        r#"{"annotations":{"io.kubernetes.cri.sandbox-namespace":"ml",
+            "io.kubernetes.cri.sandbox-name":"web-1","io.kubernetes.cri.container-name":"api"}}"#,
+    )
+    .unwrap();
+}
+
 #[test]
 fn pod_process_gets_kubernetes_labels_from_the_runtime_config() {
     let root = tempfile::tempdir().expect("tempdir");
@@ -114,17 +130,7 @@ fn pod_process_gets_kubernetes_labels_from_the_runtime_config() {
         ),
     )
     .unwrap();
-    // The host's root is <proc root>/1/root, as /proc/1/root is for an agent with host PID.
-    let bundle = root.path().join(format!(
-        "1/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/{CONTAINER_ID}"
-    ));
-    fs::create_dir_all(&bundle).unwrap();
-    fs::write(
-        bundle.join("config.json"),
-        r#"{"annotations":{"io.kubernetes.cri.sandbox-namespace":"ml",
-            "io.kubernetes.cri.sandbox-name":"web-1","io.kubernetes.cri.container-name":"api"}}"#,
-    )
-    .unwrap();
+    write_containerd_config(root.path());
     let mut registry = fake_registry(root.path(), Duration::from_secs(1));
     let labels = &registry.lookup(Pid(200)).expect("snapshot").labels;
     assert_eq!(labels.pod_uid.as_deref(), Some(uid));
@@ -170,16 +176,7 @@ fn a_pod_process_gone_before_its_lookup_is_named_by_the_runtime_config() {
     let other = "9d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
     let other_scope = scope.with_file_name(format!("cri-containerd-{other}.scope"));
     fs::create_dir_all(&other_scope).expect("a cgroup directory");
-    let bundle = root.path().join(format!(
-        "1/root/run/containerd/io.containerd.runtime.v2.task/k8s.io/{CONTAINER_ID}"
-    ));
-    fs::create_dir_all(&bundle).unwrap();
-    fs::write(
-        bundle.join("config.json"),
-        r#"{"annotations":{"io.kubernetes.cri.sandbox-namespace":"ml",
-            "io.kubernetes.cri.sandbox-name":"web-1","io.kubernetes.cri.container-name":"api"}}"#,
-    )
-    .unwrap();
+    write_containerd_config(root.path());
     let mut registry = fake_registry(root.path(), Duration::ZERO);
     registry.cgroups = CgroupPaths::from_mountinfo(&format!(
         "30 1 0:26 / {} rw - cgroup2 cgroup2 rw\n",
