@@ -32,6 +32,14 @@ pub mod names {
     pub const TRACEPOINT_PROCESS_EXEC: &str = "sched_process_exec";
     pub const PROGRAM_PROCESS_FORK: &str = "process_fork";
     pub const TRACEPOINT_PROCESS_FORK: &str = "sched_process_fork";
+    /// One program on the tracepoints that move tasks between cgroups.
+    pub const PROGRAM_CGROUP_MIGRATION: &str = "cgroup_migration";
+    pub const TRACEPOINTS_CGROUP_MIGRATION: [&str; 2] =
+        ["cgroup_attach_task", "cgroup_transfer_tasks"];
+    /// One program on the tracepoints that change cgroup paths or hierarchies.
+    pub const PROGRAM_CGROUPS_CHANGED: &str = "cgroups_changed";
+    pub const TRACEPOINTS_CGROUPS_CHANGED: [&str; 3] =
+        ["cgroup_rename", "cgroup_setup_root", "cgroup_destroy_root"];
     pub const MAP_EVENTS: &str = "EVENTS";
     pub const MAP_UNWIND_ROWS: &str = "UNWIND_ROWS";
     pub const MAP_SCRATCH_SAMPLE: &str = "SCRATCH_SAMPLE";

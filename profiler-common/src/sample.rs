@@ -238,7 +238,12 @@ pub struct ExecEvent {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ForkDetails {
     pub parent_pid: u32,
-    pub _pad: u32,
+    /// The parent's thread that forked (the child takes that thread's cgroups).
+    pub parent_tid: u32,
+    /// `bpf_get_current_cgroup_id()` in the parent at the fork: its cgroup v2 id. A child
+    /// placed elsewhere at its birth (`clone3` with `CLONE_INTO_CGROUP`) shows another id in
+    /// its exec event.
+    pub parent_cgroup_id: u64,
 }
 
 /// A fork event as the ring carries it.
@@ -249,7 +254,15 @@ pub struct ForkEvent {
     pub details: ForkDetails,
 }
 
-const _: () = assert!(core::mem::size_of::<ForkEvent>() == 24);
+const _: () = assert!(core::mem::size_of::<ForkEvent>() == 32);
+
+/// `ProcessEvent::kind`: a task of the process `pid` was moved to other cgroups
+/// (`cgroup_attach_task`, `cgroup_transfer_tasks`); `pid` 0 when the kernel's BTF lacked the
+/// offset to tell whose. What the agent knew of the process's cgroups from before may be wrong.
+pub const EVENT_CGROUP_MIGRATION: u32 = 4;
+/// `ProcessEvent::kind` (`pid` 0): a cgroup was renamed, or a hierarchy mounted or unmounted:
+/// the /proc/PID/cgroup text of any process may have changed.
+pub const EVENT_CGROUPS_CHANGED: u32 = 5;
 
 /// Size of the `EVENTS` ring buffer in bytes. An exec event is about 5 KiB with its
 /// environment: 800 fit. A busy host execs a few hundred times a second and the agent drains

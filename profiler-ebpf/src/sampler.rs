@@ -16,12 +16,13 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext},
 };
 use profiler_common::{
-    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, EVENTS_RING_BYTES, EXEC_ARGS_BYTES,
-    EXEC_ENV_BYTES, EXEC_FILENAME_BYTES, ExecDetails, ExecEvent, ForkDetails, ForkEvent,
-    IdentityOffsets, MAX_KERNEL_FRAMES, ProcessEvent, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE,
-    SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_EVENTS_LOST,
-    STAT_FILTERED, STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
-    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
+    EVENT_CGROUP_MIGRATION, EVENT_CGROUPS_CHANGED, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT,
+    EVENT_PROCESS_FORK, EVENTS_RING_BYTES, EXEC_ARGS_BYTES, EXEC_ENV_BYTES, EXEC_FILENAME_BYTES,
+    ExecDetails, ExecEvent, ForkDetails, ForkEvent, IdentityOffsets, MAX_KERNEL_FRAMES,
+    ProcessEvent, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
+    SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
+    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
+    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
 use crate::{
@@ -379,7 +380,8 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
             },
             details: ForkDetails {
                 parent_pid: (bpf_get_current_pid_tgid() >> 32) as u32,
-                _pad: 0,
+                parent_tid: bpf_get_current_pid_tgid() as u32,
+                parent_cgroup_id: bpf_get_current_cgroup_id(),
             },
         };
         if EVENTS
@@ -389,6 +391,37 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
             count(STAT_EVENTS_LOST);
         }
     }
+    0
+}
+
+/// Tells the agent a task moved to other cgroups (`cgroup_attach_task`,
+/// `cgroup_transfer_tasks`: fired after the move, while forks wait on the cgroup lock, so the
+/// event comes before any fork that inherits the new cgroups): what it knew of the process's
+/// cgroups from before no longer holds.
+#[raw_tracepoint(tracepoint = "cgroup_attach_task")]
+pub fn cgroup_migration(ctx: RawTracePointContext) -> i32 {
+    let config = CONFIG.get(0).copied().unwrap_or_default();
+    let offsets = config.identity;
+    // Without the offset, 0: every process's cgroups are in doubt.
+    let mut tgid = 0;
+    if offsets.complete != 0 {
+        // SAFETY: (struct cgroup *dst_cgrp, const char *path, struct task_struct *task, bool
+        // threadgroup); the task's tgid is read with the probe-read helper.
+        unsafe {
+            let task = *(ctx.as_ptr() as *const u64).add(2);
+            tgid = bpf_probe_read_kernel((task + offsets.task_tgid as u64) as *const i32)
+                .map_or(0, |tgid| tgid.max(0) as u32);
+        }
+    }
+    send_event(EVENT_CGROUP_MIGRATION, tgid);
+    0
+}
+
+/// Tells the agent a cgroup was renamed or a hierarchy mounted or unmounted: the cgroup text
+/// of any process may read otherwise now.
+#[raw_tracepoint(tracepoint = "cgroup_rename")]
+pub fn cgroups_changed(_ctx: RawTracePointContext) -> i32 {
+    send_event(EVENT_CGROUPS_CHANGED, 0);
     0
 }
 

@@ -36,7 +36,9 @@ use crate::{
         Sample, SymbolizedFrame, UnwoundFrame, UnwoundStack, monotonic_now_ns,
     },
     off_cpu::OffCpu,
-    process::{ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents},
+    process::{
+        ForkOrigin, ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents,
+    },
     runtimes::python::PythonTracker,
     sampling::{SampleQueue, SampleReader},
     self_metrics::{SelfMetrics, process_cpu_time, process_rss},
@@ -503,6 +505,9 @@ impl Pipeline {
             off_cpu,
         } = kernel;
         let mut processes = ProcessRegistry::new("/proc".into(), host.clone());
+        if events.tracks_cgroup_changes() {
+            processes.track_cgroup_changes();
+        }
         match aya::util::online_cpus()
             .map_err(|(_, error)| error)
             .and_then(|cpus| MmapEvents::open(&cpus))
@@ -911,6 +916,9 @@ impl Pipeline {
                 LifecycleEvent::Forked { pid, ktime_ns, .. } => {
                     self.processes.note_fork_read(Pid(*pid), *ktime_ns);
                 }
+                LifecycleEvent::CgroupChanged { pid, ktime_ns } => {
+                    self.processes.note_cgroup_change(pid.map(Pid), *ktime_ns);
+                }
             }
         }
         self.pending_lifecycle.extend(drained.drain(..));
@@ -1012,10 +1020,19 @@ impl Pipeline {
                 LifecycleEvent::Forked {
                     pid,
                     parent,
+                    parent_tid,
+                    parent_cgroup_id,
                     ktime_ns,
                 } => {
-                    self.processes.record_fork(Pid(pid), Pid(parent), ktime_ns);
+                    let origin = ForkOrigin {
+                        forked_ns: ktime_ns,
+                        parent_tid,
+                        parent_cgroup_id,
+                    };
+                    self.processes.record_fork(Pid(pid), Pid(parent), origin);
                 }
+                // Noted as read from the ring (see `drain_events`).
+                LifecycleEvent::CgroupChanged { .. } => {}
             }
         }
     }
@@ -1160,6 +1177,8 @@ impl Pipeline {
             cgroup_paths: registry.cgroup_paths,
             cgroup_texts: registry.cgroup_texts,
             cgroup_texts_reused: registry.cgroup_texts_reused,
+            process_cgroups_from_fork: registry.cgroups_from_fork,
+            cgroup_moves: registry.cgroup_moves,
             executable_paths: registry.executable_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,
             process_maps_from_announcements: registry.maps_from_announcements,

@@ -105,6 +105,10 @@ pub struct SelfMetrics {
     /// /proc/PID/cgroup texts kept parsed (bounded), and the reads they saved a parse.
     pub cgroup_texts: u64,
     pub cgroup_texts_reused: u64,
+    /// Snapshots of live processes whose cgroups came from their parent at their fork, not
+    /// /proc/PID/cgroup; processes whose latest move between cgroups is kept (bounded).
+    pub process_cgroups_from_fork: u64,
+    pub cgroup_moves: u64,
     /// Exec'ed paths remembered with their links resolved (bounded).
     pub executable_paths: u64,
     /// Snapshots from events whose libraries came from the kernel's mmap announcements.
@@ -1051,6 +1055,18 @@ impl SelfMetrics {
                 "/proc/PID/cgroup reads whose meaning came from a kept text without a parse",
                 self.cgroup_texts_reused,
                 "counter",
+            ),
+            (
+                "process_cgroups_from_fork_total",
+                "Snapshots of live processes whose cgroups came from their parent at their fork (no task moved since) instead of /proc/PID/cgroup",
+                self.process_cgroups_from_fork,
+                "counter",
+            ),
+            (
+                "cgroup_moves",
+                "Processes whose latest move between cgroups is kept, so that what was known of their cgroups before is not used (bounded)",
+                self.cgroup_moves,
+                "gauge",
             ),
             (
                 "process_executable_paths",

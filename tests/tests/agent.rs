@@ -834,3 +834,145 @@ fn the_threads_that_handle_samples_run_at_the_raised_priority_and_only_they() {
         "{threads:?}"
     );
 }
+
+/// A cgroup directory this test made, removed (empty by then) when dropped.
+struct TestCgroup(std::path::PathBuf);
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Children of a parent in one container's cgroup are labelled with that container, and
+/// children it forks after it moved to another container's cgroup with the other: the agent
+/// takes a child's cgroups from its parent (instead of reading /proc/PID/cgroup, where cgroup
+/// v1 hierarchies are mounted) only while the kernel reported no move since.
+#[test]
+fn children_forked_after_their_parent_moved_cgroups_are_labelled_with_the_new_ones() {
+    let _guard = exclusive();
+    // A v1 hierarchy where one is mounted (the case that takes cgroups from the parent), else
+    // the v2 root.
+    let v1 = std::path::Path::new("/sys/fs/cgroup/memory");
+    let hierarchy = match v1.join("cgroup.procs").exists() {
+        true => v1.to_path_buf(),
+        false => std::path::PathBuf::from("/sys/fs/cgroup"),
+    };
+    let containers = ["a1".repeat(32), "b2".repeat(32)];
+    let cgroups: Vec<TestCgroup> = containers
+        .iter()
+        .map(|id| {
+            let dir = hierarchy.join(format!("docker-{id}.scope"));
+            std::fs::create_dir_all(&dir).expect("make a test cgroup");
+            TestCgroup(dir)
+        })
+        .collect();
+    let fixture = nofp_fixture("short_lived.c");
+    let scratch = Scratch::new("cgroup-moves");
+    // One copy of the program per container, so each sample's process (its root frame) tells
+    // its phase.
+    let phases = ["short_first", "short_second"];
+    let programs: Vec<std::path::PathBuf> = phases
+        .iter()
+        .map(|name| {
+            let copy = scratch.path(name);
+            std::fs::copy(&fixture, &copy).expect("copy the fixture");
+            copy
+        })
+        .collect();
+    let (first_done, moved) = (scratch.path("first-done"), scratch.path("moved"));
+    // The parent burns CPU between children, so the agent samples and snapshots it.
+    let script = format!(
+        "echo $$ > {first_cgroup}/cgroup.procs
+         burn() {{ local i=0; while (( i < 20000 )); do i=$((i + 1)); done; }}
+         for i in $(seq 30); do burn; {first} child 25; done
+         touch {first_done}
+         while [ ! -e {moved} ]; do burn; done
+         for i in $(seq 30); do burn; {second} child 25; done",
+        first_cgroup = cgroups[0].0.display(),
+        first = programs[0].display(),
+        second = programs[1].display(),
+        first_done = first_done.display(),
+        moved = moved.display(),
+    );
+    let dir = scratch.path("profiles");
+    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
+    agent.wait_for_intervals(2, Duration::from_secs(30));
+    let mut parent = Command::new("bash")
+        .args(["-c", &script])
+        .spawn()
+        .expect("start the parent");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !first_done.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the parent's first children took 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::write(cgroups[1].0.join("cgroup.procs"), parent.id().to_string())
+        .expect("move the parent");
+    std::fs::write(&moved, b"").expect("tell the parent");
+    assert!(parent.wait().expect("the parent").success());
+    std::thread::sleep(Duration::from_millis(2500));
+    let from_fork =
+        Client::new(agent.http_addr()).metric("profiler_process_cgroups_from_fork_total");
+    let (status, log) = agent.stop();
+    assert!(status.success(), "agent failed with {status}:\n{log}");
+
+    // (samples, of them labelled with the container, with the other container) per phase;
+    // the rest are labelled with none: children that exited before the agent read them,
+    // forked before it read of the move (their cgroups unproven).
+    let mut by_phase = [(0i64, 0i64, 0i64); 2];
+    let mut unlabelled = std::collections::BTreeMap::<String, i64>::new();
+    // A container's processes are its service, named after its id's first 12 digits.
+    let services = containers.each_ref().map(|id| id[..12].to_owned());
+    for (service, profile) in all_profiles(&dir) {
+        for sample in readable_samples(&profile) {
+            if !sample.functions.iter().any(|f| f == "short_burn") {
+                continue;
+            }
+            let Some(phase) = sample
+                .functions
+                .last()
+                .and_then(|root| phases.iter().position(|name| root == name))
+            else {
+                continue;
+            };
+            let count = sample.values[0];
+            by_phase[phase].0 += count;
+            if service == services[phase] {
+                by_phase[phase].1 += count;
+            } else if service == services[1 - phase] {
+                by_phase[phase].2 += count;
+            } else {
+                *unlabelled
+                    .entry(format!("{}: {service}", phases[phase]))
+                    .or_default() += count;
+            }
+        }
+    }
+    for (phase, (total, right, other)) in by_phase.iter().enumerate() {
+        assert!(
+            *total >= 5,
+            "too few samples of the children, phase {phase}: {by_phase:?}"
+        );
+        assert_eq!(
+            *other, 0,
+            "children labelled with the container their parent was not in at their fork \
+             (phase {phase}): {by_phase:?}"
+        );
+        assert!(
+            *right * 2 >= *total,
+            "children not labelled with their container (phase {phase}): {by_phase:?}, \
+             {unlabelled:?}"
+        );
+    }
+    if hierarchy == v1 {
+        assert!(
+            from_fork.is_some_and(|count| count > 0.0),
+            "no child's cgroups came from its parent: {from_fork:?}"
+        );
+    }
+    drop(cgroups);
+}

@@ -29,9 +29,10 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    CudaConfig, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, ExecDetails, ExecEvent,
-    ForkEvent, IdentityOffsets, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT,
-    STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters, names,
+    CudaConfig, EVENT_CGROUP_MIGRATION, EVENT_CGROUPS_CHANGED, EVENT_PROCESS_EXEC,
+    EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, ExecDetails, ExecEvent, ForkEvent, IdentityOffsets,
+    MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT, STAT_NAMES,
+    STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -409,9 +410,17 @@ pub const MAX_KEPT_ENVIRONMENTS: usize = 16;
 pub struct EventRing {
     ring: RingBuf<MapData>,
     environments: ParseMemo<LabelEnv>,
+    cgroup_changes: bool,
 }
 
 impl EventRing {
+    /// Whether the ring carries every move of a task between cgroups and every change of
+    /// cgroup paths ([`LifecycleEvent::CgroupChanged`]): only then may a process's cgroups be
+    /// known from its parent's.
+    pub fn tracks_cgroup_changes(&self) -> bool {
+        self.cgroup_changes
+    }
+
     /// The exec environments whose labels are kept for the next execs.
     pub fn environments(&self) -> &ParseMemo<LabelEnv> {
         &self.environments
@@ -458,8 +467,17 @@ impl EventRing {
                         events.push(LifecycleEvent::Forked {
                             pid: event.pid,
                             parent: fork.details.parent_pid,
+                            parent_tid: fork.details.parent_tid,
+                            parent_cgroup_id: fork.details.parent_cgroup_id,
                             ktime_ns: event.ktime_ns,
                         });
+                    }
+                    EVENT_CGROUP_MIGRATION | EVENT_CGROUPS_CHANGED => {
+                        events.push(LifecycleEvent::CgroupChanged {
+                            pid: (event.kind == EVENT_CGROUP_MIGRATION && event.pid != 0)
+                                .then_some(event.pid),
+                            ktime_ns: event.ktime_ns,
+                        })
                     }
                     _ => {}
                 }
@@ -556,18 +574,25 @@ pub enum LifecycleEvent {
         ktime_ns: u64,
         program: Option<Arc<ExecRecord>>,
     },
-    /// A new process forked from `parent` (it runs the parent's program until it execs).
+    /// A new process forked from `parent` (it runs the parent's program until it execs), by
+    /// its thread `parent_tid`, in the parent's cgroup v2 `parent_cgroup_id`.
     Forked {
         pid: u32,
         parent: u32,
+        parent_tid: u32,
+        parent_cgroup_id: u64,
         ktime_ns: u64,
     },
+    /// A task of `pid` moved to other cgroups, or (`None`) any process's cgroup text may
+    /// read otherwise now (a cgroup renamed, a hierarchy mounted or unmounted).
+    CgroupChanged { pid: Option<u32>, ktime_ns: u64 },
 }
 
 impl LifecycleEvent {
     pub fn pid(&self) -> u32 {
         match self {
             Self::Exited { pid, .. } | Self::Execed { pid, .. } | Self::Forked { pid, .. } => *pid,
+            Self::CgroupChanged { pid, .. } => pid.unwrap_or(0),
         }
     }
 
@@ -575,7 +600,8 @@ impl LifecycleEvent {
         match self {
             Self::Exited { ktime_ns, .. }
             | Self::Execed { ktime_ns, .. }
-            | Self::Forked { ktime_ns, .. } => *ktime_ns,
+            | Self::Forked { ktime_ns, .. }
+            | Self::CgroupChanged { ktime_ns, .. } => *ktime_ns,
         }
     }
 }
@@ -908,6 +934,17 @@ impl Sampler {
                 .attach(tracepoint)
                 .map_err(program_error(program))?;
         }
+        // Optional: without them every snapshot reads its process's cgroups from /proc.
+        let cgroup_changes = match attach_cgroup_programs(&mut ebpf) {
+            Ok(()) => true,
+            Err(err) => {
+                tracing::warn!(
+                    "cgroup moves are not traced, so each process's cgroups are read from \
+                     /proc: {err}"
+                );
+                false
+            }
+        };
 
         let off_cpu = match off_cpu_probability {
             Some(_) => {
@@ -943,6 +980,7 @@ impl Sampler {
                 events: EventRing {
                     ring: events,
                     environments: ParseMemo::new(MAX_KEPT_ENVIRONMENTS),
+                    cgroup_changes,
                 },
                 cuda: settings.cuda,
                 unwind_maps,
@@ -1160,6 +1198,28 @@ fn drain_ring(ring: &mut RingBuf<MapData>, mut f: impl FnMut(&[u8])) -> usize {
         n += 1;
     }
     n
+}
+
+/// Attaches the programs that report moves between cgroups and changes of cgroup paths,
+/// each to every one of its tracepoints.
+fn attach_cgroup_programs(ebpf: &mut Ebpf) -> Result<(), BpfError> {
+    for (program, tracepoints) in [
+        (
+            names::PROGRAM_CGROUP_MIGRATION,
+            &names::TRACEPOINTS_CGROUP_MIGRATION[..],
+        ),
+        (
+            names::PROGRAM_CGROUPS_CHANGED,
+            &names::TRACEPOINTS_CGROUPS_CHANGED[..],
+        ),
+    ] {
+        let tracer: &mut RawTracePoint = program_mut(ebpf, program)?;
+        tracer.load().map_err(program_error(program))?;
+        for tracepoint in tracepoints {
+            tracer.attach(tracepoint).map_err(program_error(program))?;
+        }
+    }
+    Ok(())
 }
 
 /// The program `name` of the object, as its concrete type.

@@ -131,6 +131,7 @@ impl Accelerator for CudaAttribution {
                 | LifecycleEvent::Exited { ktime_ns, .. } => {
                     self.discovery.note_fork_or_exit(pid, *ktime_ns)
                 }
+                LifecycleEvent::CgroupChanged { .. } => {}
             }
         }
         let new_users = match probes {
@@ -150,7 +151,10 @@ impl Accelerator for CudaAttribution {
         self.drain(pipeline, lifecycle, &new_users, events);
         for event in lifecycle {
             // Whatever a process allocated before it exited or exec'ed, the driver released.
-            if !matches!(event, LifecycleEvent::Forked { .. }) {
+            if matches!(
+                event,
+                LifecycleEvent::Exited { .. } | LifecycleEvent::Execed { .. }
+            ) {
                 self.allocations
                     .release_process(Pid(event.pid()), event.ktime_ns());
                 self.call_stacks.forget_process(event.pid());

@@ -242,7 +242,10 @@ impl KernelNames {
     /// of the hundreds of execs and exits a second of a busy host, are skipped.
     pub fn begin_batch(&mut self, lifecycle: &[LifecycleEvent], naming: &[Pid], now: Instant) {
         for event in lifecycle {
-            if matches!(event, LifecycleEvent::Forked { .. }) {
+            if !matches!(
+                event,
+                LifecycleEvent::Exited { .. } | LifecycleEvent::Execed { .. }
+            ) {
                 continue;
             }
             let (pid, ktime_ns) = (Pid(event.pid()), event.ktime_ns());

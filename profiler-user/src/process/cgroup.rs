@@ -6,6 +6,10 @@
 //! Kubernetes pods appear as `kubepods-<qos>-pod<uid with _>.slice` (systemd driver) or
 //! `/kubepods/<qos>/pod<uid>/` (cgroupfs driver).
 
+use std::{collections::HashMap, sync::Arc};
+
+use crate::model::Pid;
+
 /// What a process's cgroup membership says about where it runs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CgroupInfo {
@@ -124,9 +128,137 @@ pub fn systemd_unit_from_path(path: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// What a process's cgroups are known to be from `since_ns` (`bpf_ktime_get_ns` time) on, as
+/// long as none of its tasks moves to other cgroups: read from its /proc/PID/cgroup, or taken
+/// from its parent at its fork (a child starts in the cgroups of the thread that forked it).
+/// A fork child then gets its cgroups without a read of /proc, where the cgroup id of its
+/// exec event does not say them all (a host with cgroup v1 hierarchies mounted).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KnownCgroup {
+    pub info: Arc<CgroupInfo>,
+    pub since_ns: u64,
+    /// The process's cgroup v2 id at `since_ns`, when known from its events: a child placed
+    /// in another v2 cgroup at its birth (`clone3` with `CLONE_INTO_CGROUP`, which moves no
+    /// task and fires no event) shows another id in its exec event.
+    pub v2_id: Option<u64>,
+    /// Every thread of the process is in these cgroups (known from its fork, when it had one
+    /// thread; a thread moved since is an event). Read from /proc, they are its main
+    /// thread's: another thread may have been moved before the agent started.
+    pub all_threads: bool,
+}
+
+impl KnownCgroup {
+    /// What the fork child of this process gets, forked at `forked_ns` by thread
+    /// `parent_tid` of the process `parent` in its cgroup v2 `parent_cgroup_id`: the same
+    /// cgroups when this knowledge held then, else `None` (read the child's from /proc).
+    /// `moved_since` tells whether a task of `parent` moved at or after a time.
+    pub fn for_child(
+        &self,
+        parent: Pid,
+        parent_tid: u32,
+        parent_cgroup_id: u64,
+        forked_ns: u64,
+        moved_since: impl FnOnce(u64) -> bool,
+    ) -> Option<KnownCgroup> {
+        let holds = self.since_ns <= forked_ns
+            && (self.all_threads || parent_tid == parent.0)
+            && self.v2_id.is_none_or(|id| id == parent_cgroup_id)
+            && !moved_since(self.since_ns);
+        holds.then(|| KnownCgroup {
+            info: Arc::clone(&self.info),
+            since_ns: forked_ns,
+            v2_id: Some(parent_cgroup_id),
+            all_threads: true,
+        })
+    }
+}
+
+/// Processes moved between cgroups kept at most; beyond, all are forgotten at once and every
+/// cgroup known from before the latest move counts as changed.
+pub const MAX_CGROUP_MOVES: usize = 4_096;
+
+/// The latest move between cgroups of each process, as the kernel reported them, so that
+/// [`KnownCgroup`]s from before are not used. A host moves processes between cgroups when a
+/// service or container starts, rarely otherwise.
+#[derive(Debug, Default)]
+pub struct CgroupMoves {
+    /// Whether the kernel reports every move and path change; when not, nothing known holds.
+    tracked: bool,
+    latest: HashMap<Pid, u64>,
+    /// A cgroup known from this time or before counts as changed for every process (a cgroup
+    /// renamed, a hierarchy mounted, moves forgotten beyond the bound, a move of a task the
+    /// kernel could not name).
+    changed_for_all_ns: u64,
+}
+
+impl CgroupMoves {
+    /// From now on the kernel reports every move and path change.
+    pub fn track(&mut self) {
+        self.tracked = true;
+    }
+
+    /// A task of `pid` moved at `ktime_ns`; `None`: any process's cgroups may read otherwise.
+    pub fn note(&mut self, pid: Option<Pid>, ktime_ns: u64) {
+        let Some(pid) = pid else {
+            self.changed_for_all_ns = self.changed_for_all_ns.max(ktime_ns);
+            return;
+        };
+        if self.latest.len() >= MAX_CGROUP_MOVES && !self.latest.contains_key(&pid) {
+            let forgotten = self.latest.drain().map(|(_, at)| at).max().unwrap_or(0);
+            self.changed_for_all_ns = self.changed_for_all_ns.max(forgotten);
+        }
+        let latest = self.latest.entry(pid).or_insert(ktime_ns);
+        *latest = (*latest).max(ktime_ns);
+    }
+
+    /// Whether what was known of `pid`'s cgroups at `since_ns` may no longer hold.
+    pub fn moved_since(&self, pid: Pid, since_ns: u64) -> bool {
+        !self.tracked
+            || since_ns <= self.changed_for_all_ns
+            || self.latest.get(&pid).is_some_and(|&at| at >= since_ns)
+    }
+
+    /// Processes whose latest move is kept.
+    pub fn len(&self) -> usize {
+        self.latest.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.latest.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Moves are kept per process up to the bound; beyond, all are forgotten and what was
+    /// known before the latest of them counts as changed for every process.
+    #[test]
+    fn cgroup_moves_are_bounded_and_forgetting_them_stays_on_the_safe_side() {
+        let mut moves = CgroupMoves::default();
+        assert!(moves.moved_since(Pid(1), 5), "untracked: nothing holds");
+        moves.track();
+        assert!(!moves.moved_since(Pid(1), 5));
+        moves.note(Some(Pid(1)), 10);
+        assert!(moves.moved_since(Pid(1), 5) && moves.moved_since(Pid(1), 10));
+        assert!(!moves.moved_since(Pid(1), 11) && !moves.moved_since(Pid(2), 5));
+        for pid in 2..=MAX_CGROUP_MOVES as u32 {
+            moves.note(Some(Pid(pid)), 100 + u64::from(pid));
+        }
+        assert_eq!(moves.len(), MAX_CGROUP_MOVES);
+        let latest = 100 + MAX_CGROUP_MOVES as u64;
+        moves.note(Some(Pid(0)), latest + 50);
+        assert_eq!(moves.len(), 1, "forgotten at once");
+        assert!(
+            moves.moved_since(Pid(7), latest),
+            "forgotten moves count for everyone"
+        );
+        assert!(!moves.moved_since(Pid(7), latest + 1));
+        assert!(moves.moved_since(Pid(0), latest + 50));
+        moves.note(None, latest + 80);
+        assert!(moves.moved_since(Pid(7), latest + 80) && !moves.moved_since(Pid(7), latest + 81));
+    }
 
     const ID: &str = "4d3c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c";
 

@@ -26,7 +26,7 @@ use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
 
 use super::{
     EXITED_PROCESS_RETENTION_NS,
-    cgroup::{CgroupInfo, parse_cgroup},
+    cgroup::{CgroupInfo, KnownCgroup, parse_cgroup},
 };
 use crate::{
     bounded::TwoGenerationCache,
@@ -105,6 +105,8 @@ struct Entry {
     /// What the process was before the exec `current` records: for its samples taken in
     /// that exec, handled after it.
     before_exec: Option<Identity>,
+    /// Its cgroups, when known from its fork (an exec keeps them).
+    cgroup: Option<KnownCgroup>,
 }
 
 impl Default for Identities {
@@ -119,7 +121,8 @@ impl Default for Identities {
 }
 
 impl Identities {
-    pub fn record(&mut self, pid: Pid, identity: Identity) {
+    /// Records what the latest event of `pid` says it is, with its cgroups when known.
+    pub fn record(&mut self, pid: Pid, identity: Identity, cgroup: Option<KnownCgroup>) {
         let before_exec = match identity {
             // Its old program, unless that entry is another process's (a pid reused).
             Identity::Exec(_) => self.entry(pid).map(|entry| entry.current.clone()),
@@ -128,6 +131,7 @@ impl Identities {
         let entry = Entry {
             current: identity,
             before_exec,
+            cgroup,
         };
         // A pid recorded again is a running process (an exec, or a new process reusing it).
         self.exited.remove(&pid);
@@ -191,6 +195,20 @@ impl Identities {
     /// under that pid now is a later one).
     pub fn get_running(&mut self, pid: Pid) -> Option<Identity> {
         self.live.get_mut(&pid).map(|entry| entry.current.clone())
+    }
+
+    /// The cgroups of `pid` while it runs, when known from its fork.
+    pub fn running_cgroup(&mut self, pid: Pid) -> Option<KnownCgroup> {
+        self.live.get_mut(&pid)?.cgroup.clone()
+    }
+
+    /// The cgroups of the program `pid` exec'ed at `exec_ns`, when known from its fork.
+    pub fn exec_cgroup(&mut self, pid: Pid, exec_ns: u64) -> Option<KnownCgroup> {
+        let entry = self.entry(pid)?;
+        match &entry.current {
+            Identity::Exec(record) if record.exec_ns == exec_ns => entry.cgroup.clone(),
+            _ => None,
+        }
     }
 
     pub fn get(&mut self, pid: Pid) -> Option<Identity> {
@@ -519,14 +537,15 @@ mod tests {
                 inherited: None,
                 forked_ns: 0,
             },
+            None,
         );
         assert_eq!(identities.exec_after(pid, 0), None);
-        identities.record(pid, exec("bash", 100));
+        identities.record(pid, exec("bash", 100), None);
         assert_eq!(identities.exec_after(pid, 50), Some(100));
         assert_eq!(identities.exec_after(pid, 100), None);
         assert_eq!(comm(identities.before_exec(pid, 50)), "fork of 7");
         assert_eq!(comm(identities.before_exec(pid, 150)), "none");
-        identities.record(pid, exec("sleep", 200));
+        identities.record(pid, exec("sleep", 200), None);
         assert_eq!(comm(identities.before_exec(pid, 150)), "bash");
         assert_eq!(comm(identities.before_exec(pid, 50)), "none");
         assert_eq!(comm(identities.get(pid)), "sleep");
@@ -539,6 +558,7 @@ mod tests {
                 inherited: None,
                 forked_ns: 0,
             },
+            None,
         );
         assert_eq!(comm(identities.before_exec(pid, 150)), "none");
     }
@@ -555,9 +575,9 @@ mod tests {
             forked_ns: 0,
         };
         let mut identities = Identities::default();
-        identities.record(Pid(1), fork(0));
-        identities.record(Pid(10), fork(1));
-        identities.record(Pid(11), fork(1));
+        identities.record(Pid(1), fork(0), None);
+        identities.record(Pid(10), fork(1), None);
+        identities.record(Pid(11), fork(1), None);
         identities.exited(Pid(10), 5 * second);
         identities.exited(Pid(11), 30 * second);
         assert_eq!(identities.exited_len(), 2);
@@ -569,7 +589,7 @@ mod tests {
         assert!(identities.get(Pid(11)).is_some(), "exited 36 s ago");
         assert_eq!(identities.expired(), 1);
         // Another exit expires the ones older than a minute before it.
-        identities.record(Pid(12), fork(1));
+        identities.record(Pid(12), fork(1), None);
         identities.exited(Pid(12), 91 * second);
         assert!(identities.get(Pid(11)).is_none());
         assert!(identities.get(Pid(12)).is_some());
@@ -589,6 +609,7 @@ mod tests {
                 comm: "supervisor".into(),
                 ..Default::default()
             })),
+            None,
         );
         let churn = (MAX_LIVE_IDENTITIES + MAX_EXITED_IDENTITIES) as u32 * 2;
         for pid in 100..100 + churn {
@@ -600,6 +621,7 @@ mod tests {
                     inherited: None,
                     forked_ns: 0,
                 },
+                None,
             );
             identities.exited(Pid(pid), 0);
         }
@@ -623,6 +645,7 @@ mod tests {
                 inherited: None,
                 forked_ns: 0,
             },
+            None,
         );
         assert!(matches!(identities.get(last), Some(Identity::Fork { .. })));
     }

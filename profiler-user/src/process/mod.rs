@@ -29,7 +29,7 @@ use thiserror::Error;
 use tracing::debug;
 
 use self::{
-    cgroup::{CgroupInfo, parse_cgroup_bytes},
+    cgroup::{CgroupInfo, CgroupMoves, KnownCgroup, parse_cgroup_bytes},
     files::FileCache,
     identity::{
         CgroupPaths, ExecutablePaths, ForkedProgram, Identities, Identity, forked_snapshot,
@@ -133,6 +133,17 @@ impl Default for RegistryConfig {
     }
 }
 
+/// How a fork event says a process was forked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForkOrigin {
+    /// `bpf_ktime_get_ns` time of the fork.
+    pub forked_ns: u64,
+    /// The parent's thread that forked.
+    pub parent_tid: u32,
+    /// The parent's cgroup v2 id at the fork.
+    pub parent_cgroup_id: u64,
+}
+
 /// Counters of a [`ProcessRegistry`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RegistryStats {
@@ -189,6 +200,11 @@ pub struct RegistryStats {
     /// one without a parse.
     pub cgroup_texts: u64,
     pub cgroup_texts_reused: u64,
+    /// Snapshots of live processes whose cgroups came from their parent at their fork
+    /// instead of /proc/PID/cgroup (see [`KnownCgroup`]).
+    pub cgroups_from_fork: u64,
+    /// Processes whose latest move between cgroups is kept (bounded, see [`CgroupMoves`]).
+    pub cgroup_moves: u64,
     /// Exec'ed paths remembered with their symbolic links resolved (bounded).
     pub executable_paths: u64,
     /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
@@ -210,10 +226,13 @@ struct Entry {
     taken_ns: u64,
     /// The eviction interval in which the snapshot was last looked up.
     used_in_interval: u64,
-    /// Taken while the process was mid-exec (no command line yet): retaken at the next check.
+    /// Taken while the process was mid-exec (no command line yet), or before it moved to other
+    /// cgroups: retaken at the next check.
     provisional: bool,
     /// Its process's exit event was applied: gone, /proc need not be asked.
     exited: bool,
+    /// Its cgroups, for its fork children, when read from /proc or known from its fork.
+    cgroup: Option<KnownCgroup>,
 }
 
 /// How a snapshot's process is told from a later process with the same pid.
@@ -279,6 +298,9 @@ pub struct ProcessRegistry {
     /// /proc/PID/cgroup texts parsed lately: most processes share a few (a read and a parse
     /// at every first sample of a process, with a dozen v1 hierarchies on hybrid hosts).
     cgroup_texts: ParseMemo<CgroupInfo>,
+    /// The kernel's reports of processes moved between cgroups, which tell whether their
+    /// [`KnownCgroup`]s hold.
+    cgroup_moves: CgroupMoves,
     /// Exits read from the lifecycle ring whose events are not applied yet (they wait for the
     /// samples taken before them), with their times: a sample handled meanwhile is of a
     /// process that has exited. Dropped when applied, or when a later process is forked with
@@ -310,6 +332,7 @@ impl ProcessRegistry {
             identities: Identities::default(),
             cgroups: CgroupPaths::new(),
             cgroup_texts: ParseMemo::new(MAX_KEPT_CGROUP_TEXTS),
+            cgroup_moves: CgroupMoves::default(),
             exits_ahead: foldhash::HashMap::default(),
             executable_paths: ExecutablePaths::default(),
             mmaps: None,
@@ -321,6 +344,41 @@ impl ProcessRegistry {
     pub fn set_max_open_files(&mut self, max_open_files: usize) {
         self.config.max_open_files = max_open_files;
         self.files.set_max_open_files(max_open_files);
+    }
+
+    /// The kernel reports every move of a task between cgroups and every change of cgroup
+    /// paths ([`Self::note_cgroup_change`]): a fork child's cgroups may then be its parent's.
+    pub fn track_cgroup_changes(&mut self) {
+        self.cgroup_moves.track();
+    }
+
+    /// A task of `pid` moved to other cgroups at `ktime_ns` (`None`: any process's cgroups may
+    /// read otherwise). Noted when read from the ring, before the events ahead of it are
+    /// applied: a move only ever makes what is known count for less.
+    pub fn note_cgroup_change(&mut self, pid: Option<Pid>, ktime_ns: u64) {
+        self.cgroup_moves.note(pid, ktime_ns);
+        let Some(pid) = pid else {
+            return;
+        };
+        let taken_ns = match self.processes.peek_mut(&pid) {
+            Some(entry) if !entry.exited && entry.taken_ns <= ktime_ns => entry.taken_ns,
+            _ => return,
+        };
+        // The pid names another process now: its snapshot is not of the one that moved.
+        if self.exits_ahead.contains_key(&pid) || self.changed_hands_after(pid, taken_ns).is_some()
+        {
+            return;
+        }
+        // Its labels may name the cgroups it left: the whole snapshot is read again at its
+        // next check. Its cgroups at once (a move is rare), for the children it forks from now
+        // on (those forked since the move read their own).
+        let read_ns = monotonic_now_ns();
+        let raw = fs::read(process_dir(&self.proc_root, pid).join("cgroup")).ok();
+        let cgroup = cgroup_of(raw, &mut self.cgroup_texts, read_ns).1;
+        if let Some(entry) = self.processes.peek_mut(&pid) {
+            entry.provisional = true;
+            entry.cgroup = cgroup;
+        }
     }
 
     pub fn watch_mmaps(&mut self, events: MmapEvents) {
@@ -373,6 +431,7 @@ impl ProcessRegistry {
             exits_ahead: self.exits_ahead.len() as u64,
             cgroup_texts_reused: self.cgroup_texts.hits(),
             executable_paths: self.executable_paths.len() as u64,
+            cgroup_moves: self.cgroup_moves.len() as u64,
             ..self.stats
         }
     }
@@ -387,16 +446,43 @@ impl ProcessRegistry {
             let path = self.executable_paths.resolve(&record);
             let _ = self.files.announced(&path, id);
         }
-        self.identities.record(pid, Identity::Exec(record));
+        // An exec keeps the cgroups; another v2 id than the one known is a child placed
+        // elsewhere at its birth.
+        let cgroup = self
+            .identities
+            .running_cgroup(pid)
+            .filter(|known| known.v2_id.is_none_or(|id| id == record.cgroup_id))
+            .map(|known| KnownCgroup {
+                v2_id: Some(record.cgroup_id),
+                ..known
+            });
+        self.identities.record(pid, Identity::Exec(record), cgroup);
     }
 
     /// The process was forked from `parent` (from the fork event): until it execs, it is the
-    /// parent's program, whose snapshot (if the registry holds one) is kept for it.
-    pub fn record_fork(&mut self, pid: Pid, parent: Pid, forked_ns: u64) {
-        let parent_info = self
-            .processes
-            .get_mut(&parent)
-            .map(|entry| Arc::clone(&entry.info));
+    /// parent's program, whose snapshot (if the registry holds one) is kept for it. It was
+    /// forked by the parent's thread `parent_tid` in the parent's cgroup v2
+    /// `parent_cgroup_id`: its cgroups are the parent's where those are known to hold.
+    pub fn record_fork(&mut self, pid: Pid, parent: Pid, fork: ForkOrigin) {
+        let ForkOrigin {
+            forked_ns,
+            parent_tid,
+            parent_cgroup_id,
+        } = fork;
+        let (parent_info, parent_cgroup) = match self.processes.get_mut(&parent) {
+            Some(entry) => (
+                Some(Arc::clone(&entry.info)),
+                entry.cgroup.clone().filter(|_| !entry.exited),
+            ),
+            None => (None, None),
+        };
+        let parent_cgroup = parent_cgroup.or_else(|| self.identities.running_cgroup(parent));
+        let moves = &self.cgroup_moves;
+        let cgroup = parent_cgroup.and_then(|known| {
+            known.for_child(parent, parent_tid, parent_cgroup_id, forked_ns, |since| {
+                moves.moved_since(parent, since)
+            })
+        });
         // Without a snapshot, what the parent's events say it runs now: the fork event comes
         // in order, after the parent's exec, so its identity is the one it forked with. Kept
         // one level deep: a fork of a fork takes what its parent had inherited.
@@ -420,6 +506,7 @@ impl ProcessRegistry {
                 forked_ns,
                 inherited,
             },
+            cgroup,
         );
     }
 
@@ -529,6 +616,7 @@ impl ProcessRegistry {
             provisional: false,
             // Built because /proc had no readable entry for it.
             exited: true,
+            cgroup: None,
         };
         self.processes.insert(pid, entry);
         debug!(
@@ -718,7 +806,14 @@ impl ProcessRegistry {
     /// as the one mapping known.
     fn exec_snapshot(&mut self, pid: Pid, record: &ExecRecord) -> ProcessInfo {
         let exe = self.executable_paths.resolve(record);
-        let cgroup = self.cgroups.cgroup(record.cgroup_id).unwrap_or_default();
+        // Where v1 hierarchies are mounted, the v2 id alone does not say them.
+        let cgroup = match self.cgroups.unified_cgroup(record.cgroup_id) {
+            Some(cgroup) => cgroup,
+            None => match self.cgroup_from_fork(pid, record) {
+                Some(known) => CgroupInfo::clone(&known.info),
+                None => self.cgroups.cgroup(record.cgroup_id).unwrap_or_default(),
+            },
+        };
         let cmdline = record.args.to_vec();
         let env = record
             .label_env
@@ -946,19 +1041,36 @@ impl ProcessRegistry {
     /// process that has not exec'ed since the agent started.
     fn known_program(&mut self, pid: Pid) -> KnownProgram {
         match self.identities.get(pid) {
-            Some(Identity::Exec(record)) => self.known_from(&record),
+            Some(Identity::Exec(record)) => self.known_from(pid, &record),
             _ => KnownProgram::default(),
         }
     }
 
-    /// What the exec event `record` says of its program (see [`Self::known_program`]).
-    fn known_from(&mut self, record: &ExecRecord) -> KnownProgram {
+    /// What the exec event `record` of `pid` says of its program (see
+    /// [`Self::known_program`]); its cgroups also when known from its fork.
+    fn known_from(&mut self, pid: Pid, record: &ExecRecord) -> KnownProgram {
+        let (cgroup, cgroup_from_fork) = match self.cgroups.unified_cgroup(record.cgroup_id) {
+            Some(cgroup) => (Some(cgroup), None),
+            None => match self.cgroup_from_fork(pid, record) {
+                Some(known) => (Some(CgroupInfo::clone(&known.info)), Some(known)),
+                None => (None, None),
+            },
+        };
         KnownProgram {
             comm: record.comm.clone(),
             cmdline: record.args_complete.then(|| record.args.to_vec()),
             env: record.label_env.as_ref().map(LabelEnv::to_map),
-            cgroup: self.cgroups.unified_cgroup(record.cgroup_id),
+            cgroup,
+            cgroup_from_fork,
         }
+    }
+
+    /// The cgroups the program `pid` exec'ed (`record`) is in, when known from its fork and
+    /// no task of it moved since.
+    fn cgroup_from_fork(&mut self, pid: Pid, record: &ExecRecord) -> Option<KnownCgroup> {
+        self.identities
+            .exec_cgroup(pid, record.exec_ns)
+            .filter(|known| !self.cgroup_moves.moved_since(pid, known.since_ns))
     }
 
     /// Reads /proc/PID and stores the snapshot; `None` when the process does not exist. The
@@ -984,7 +1096,7 @@ impl ProcessRegistry {
         let from_announcements = announced.is_some();
         let from_exec = announced
             .as_deref()
-            .and_then(|mappings| self.identity_from_exec(pid, &process_dir, mappings));
+            .and_then(|mappings| self.identity_from_exec(pid, &process_dir, mappings, taken_ns));
         let snapshot = match (from_exec, announced) {
             (Some((identity, exec_ns)), Some(mappings)) => {
                 Ok((identity.with_mappings(pid, mappings), Some(exec_ns)))
@@ -999,6 +1111,7 @@ impl ProcessRegistry {
                         &self.host,
                         known,
                         &mut self.cgroup_texts,
+                        taken_ns,
                     )?;
                     Ok((
                         match announced {
@@ -1030,6 +1143,9 @@ impl ProcessRegistry {
         if execed_at.is_some() {
             self.stats.identities_from_exec += 1;
         }
+        if snapshot.cgroup_from_fork {
+            self.stats.cgroups_from_fork += 1;
+        }
         let entry = Entry {
             start: execed_at.map_or(ProcessStart::Read(info.start_time), ProcessStart::ExecedAt),
             info: Arc::clone(&info),
@@ -1039,6 +1155,7 @@ impl ProcessRegistry {
             used_in_interval: self.interval,
             provisional,
             exited: false,
+            cgroup: snapshot.cgroup,
         };
         if let Some((evicted, _)) = self.processes.insert(pid, entry) {
             debug!(pid = %evicted, "snapshot evicted: too many processes");
@@ -1061,6 +1178,7 @@ impl ProcessRegistry {
         pid: Pid,
         process_dir: &Path,
         mappings: &[Mapping],
+        taken_ns: u64,
     ) -> Option<(LabelledProcess, u64)> {
         let Some(Identity::Exec(record)) = self.identities.get(pid) else {
             return None;
@@ -1076,7 +1194,7 @@ impl ProcessRegistry {
             .name
             .strip_suffix(maps::DELETED_SUFFIX)
             .unwrap_or(&exe.name);
-        let known = self.known_from(&record);
+        let known = self.known_from(pid, &record);
         let needs_proc = known.cmdline.is_none() || known.env.is_none() || known.cgroup.is_none();
         let dir = match needs_proc {
             true => Some(open_process_dir(process_dir).ok()?),
@@ -1094,12 +1212,10 @@ impl ProcessRegistry {
                 .map(|raw| parse_environ(&raw))
                 .unwrap_or_default()
         });
-        let cgroup_texts = &mut self.cgroup_texts;
-        let cgroup = known.cgroup.unwrap_or_else(|| {
-            read(c"cgroup")
-                .map(|raw| cgroup_texts.get_or_parse(&raw, parse_cgroup_bytes))
-                .unwrap_or_default()
-        });
+        let (cgroup, known_cgroup) = match known.cgroup {
+            Some(cgroup) => (cgroup, known.cgroup_from_fork),
+            None => cgroup_of(read(c"cgroup"), &mut self.cgroup_texts, taken_ns),
+        };
         let kubernetes = pod_names(process_dir, &cgroup, &env, &self.host);
         let labels = derive_labels(&LabelInputs {
             cmdline: &cmdline,
@@ -1118,6 +1234,7 @@ impl ProcessRegistry {
             is_kernel_thread: false,
             provisional: false,
             cmdline_from_exec,
+            cgroup: known_cgroup,
         };
         Some((identity, record.exec_ns))
     }
@@ -1174,6 +1291,10 @@ pub struct Snapshot {
     pub provisional: bool,
     /// See [`LabelledProcess::cmdline_from_exec`].
     pub cmdline_from_exec: bool,
+    /// See [`LabelledProcess::cgroup`].
+    pub cgroup: Option<KnownCgroup>,
+    /// `cgroup` came from the process's fork, not /proc/PID/cgroup.
+    pub cgroup_from_fork: bool,
 }
 
 /// Who a process is, as read from /proc: its name, labels and start time.
@@ -1187,6 +1308,8 @@ pub struct LabelledProcess {
     pub provisional: bool,
     /// The command line came from the exec event, not /proc/PID/cmdline.
     pub cmdline_from_exec: bool,
+    /// Its cgroups, for its fork children: as read from /proc now, or known from its fork.
+    pub cgroup: Option<KnownCgroup>,
 }
 
 /// Reads who a process is. Only /proc/PID/stat is required; every other file may vanish as the
@@ -1209,7 +1332,7 @@ fn read_identity_alone(
 ) -> Result<LabelledProcess, ProcessError> {
     let mut cgroup_texts = ParseMemo::new(1);
     let known = KnownProgram::default();
-    read_identity_in(pid, process_dir, dir, host, known, &mut cgroup_texts)
+    read_identity_in(pid, process_dir, dir, host, known, &mut cgroup_texts, 0)
 }
 
 /// What a process's exec event says of it (see `ProcessRegistry::known_program`); what is
@@ -1225,9 +1348,12 @@ struct KnownProgram {
     /// /proc/PID/environ shows, unless the program wrote over it since).
     env: Option<BTreeMap<String, String>>,
     cgroup: Option<CgroupInfo>,
+    /// `cgroup`, when it came from the process's fork.
+    cgroup_from_fork: Option<KnownCgroup>,
 }
 
-/// [`read_identity`] from the process's directory, already open.
+/// [`read_identity`] from the process's directory, already open, from `read_ns` on
+/// (`bpf_ktime_get_ns` time).
 fn read_identity_in(
     pid: Pid,
     process_dir: &Path,
@@ -1235,6 +1361,7 @@ fn read_identity_in(
     host: &str,
     known: KnownProgram,
     cgroup_texts: &mut ParseMemo<CgroupInfo>,
+    read_ns: u64,
 ) -> Result<LabelledProcess, ProcessError> {
     let stat_path = || process_dir.join("stat");
     let stat_text = dir
@@ -1281,7 +1408,7 @@ fn read_identity_in(
     }
 
     // Kernel threads have no environment or cgroup of interest.
-    let (env, cgroup) = if is_kernel_thread {
+    let (env, (cgroup, known_cgroup)) = if is_kernel_thread {
         Default::default()
     } else {
         let env = known.env.unwrap_or_else(|| {
@@ -1289,11 +1416,10 @@ fn read_identity_in(
                 .map(|raw| parse_environ(&raw))
                 .unwrap_or_default()
         });
-        let cgroup = known.cgroup.unwrap_or_else(|| {
-            dir.read(c"cgroup")
-                .map(|raw| cgroup_texts.get_or_parse(&raw, parse_cgroup_bytes))
-                .unwrap_or_default()
-        });
+        let cgroup = match known.cgroup {
+            Some(cgroup) => (cgroup, known.cgroup_from_fork),
+            None => cgroup_of(dir.read(c"cgroup").ok(), cgroup_texts, read_ns),
+        };
         (env, cgroup)
     };
     let kubernetes = pod_names(process_dir, &cgroup, &env, host);
@@ -1314,7 +1440,28 @@ fn read_identity_in(
         is_kernel_thread,
         provisional: !is_kernel_thread && cmdline.is_empty(),
         cmdline_from_exec,
+        cgroup: known_cgroup,
     })
+}
+
+/// The cgroups of /proc/PID/cgroup's text `raw` (none when it could not be read), and what
+/// is known of them from `read_ns` on.
+fn cgroup_of(
+    raw: Option<Vec<u8>>,
+    cgroup_texts: &mut ParseMemo<CgroupInfo>,
+    read_ns: u64,
+) -> (CgroupInfo, Option<KnownCgroup>) {
+    let Some(raw) = raw else {
+        return Default::default();
+    };
+    let cgroup = cgroup_texts.get_or_parse(&raw, parse_cgroup_bytes);
+    let known = KnownCgroup {
+        info: Arc::new(cgroup.clone()),
+        since_ns: read_ns,
+        v2_id: None,
+        all_threads: false,
+    };
+    (cgroup, Some(known))
 }
 
 /// The Kubernetes names of a process in a pod's cgroup (none for any other process).
@@ -1358,6 +1505,8 @@ impl LabelledProcess {
         Snapshot {
             provisional: self.provisional,
             cmdline_from_exec: self.cmdline_from_exec,
+            cgroup_from_fork: self.cgroup.as_ref().is_some_and(|known| known.all_threads),
+            cgroup: self.cgroup,
             info: ProcessInfo {
                 pid,
                 start_time: self.start_time,

@@ -447,10 +447,10 @@ fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
     write_fake_process(root.path(), 600, 77, maps);
     let mut registry = fake_registry(root.path(), Duration::ZERO);
     let parent = registry.lookup(Pid(600)).expect("parent");
-    registry.record_fork(Pid(601), Pid(600), 0);
+    registry.record_fork(Pid(601), Pid(600), forked_at(0));
     // A child whose parent the registry had not seen at the fork: read then.
     write_fake_process(root.path(), 700, 78, maps);
-    registry.record_fork(Pid(701), Pid(700), 0);
+    registry.record_fork(Pid(701), Pid(700), forked_at(0));
     for (child, parent_pid) in [(601, 600), (701, 700)] {
         let info = registry.lookup(Pid(child)).expect("the parent's snapshot");
         assert_eq!(info.pid, Pid(child));
@@ -461,7 +461,7 @@ fn fork_event_gives_a_vanished_child_its_parent_snapshot() {
         assert_eq!(info.mappings.len(), 1);
     }
     // A fork with no known parent at all: nothing to build from.
-    registry.record_fork(Pid(801), Pid(800), 0);
+    registry.record_fork(Pid(801), Pid(800), forked_at(0));
     assert!(registry.lookup(Pid(801)).is_none());
 }
 
@@ -481,7 +481,7 @@ fn a_fork_child_is_its_parents_program_at_the_fork_not_after_a_later_exec() {
             ..registry_record("shell_before")
         }),
     );
-    registry.record_fork(child, parent, 150);
+    registry.record_fork(child, parent, forked_at(150));
     registry.record_exec(
         parent,
         Arc::new(ExecRecord {
@@ -496,7 +496,7 @@ fn a_fork_child_is_its_parents_program_at_the_fork_not_after_a_later_exec() {
 
     // Forked after the second exec: that program.
     let later = Pid(902);
-    registry.record_fork(later, parent, 250);
+    registry.record_fork(later, parent, forked_at(250));
     let info = registry.lookup(later).expect("built from the events");
     assert_eq!(info.labels.service_name, "program_after");
 }
@@ -1314,7 +1314,7 @@ fn a_fork_child_is_not_given_its_parents_program_after_an_exec_not_yet_applied()
             ..ExecRecord::default()
         }),
     );
-    registry.record_fork(child, parent.pid(), forked_ns);
+    registry.record_fork(child, parent.pid(), forked_at(forked_ns));
 
     // The shell execs `sleep` (its event not applied), then the child exits unread.
     fs::write(dir.path().join("parent"), "go\n").expect("write fifo");
@@ -1471,7 +1471,7 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
     wait_for_exe(parent, "sleep");
     let child = Pid(unused_pid(&[]));
     let forked_ns = monotonic_now_ns();
-    registry.record_fork(child, parent, forked_ns);
+    registry.record_fork(child, parent, forked_at(forked_ns));
 
     // Before the parent's pid changed hands, /proc shows the parent itself.
     let info = registry.lookup(child).expect("the parent read from /proc");
@@ -1482,8 +1482,8 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
     registry.forget(parent);
     let second = Pid(unused_pid(&[child.0]));
     let third = Pid(unused_pid(&[child.0, second.0]));
-    registry.record_fork(second, parent, forked_ns);
-    registry.record_fork(third, parent, forked_ns);
+    registry.record_fork(second, parent, forked_at(forked_ns));
+    registry.record_fork(third, parent, forked_at(forked_ns));
     registry.note_process_boundary(parent, forked_ns + 1);
     registry.note_process_boundary(parent, forked_ns + 2);
     assert!(
@@ -1510,7 +1510,7 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
             ..registry_record("shell_before")
         }),
     );
-    registry.record_fork(orphan, exited, forked_ns);
+    registry.record_fork(orphan, exited, forked_at(forked_ns));
     registry.note_process_boundary(exited, forked_ns + 1);
     let info = registry
         .lookup(orphan)
@@ -1530,9 +1530,9 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
             ..registry_record("shell_before")
         }),
     );
-    registry.record_fork(other_orphan, reused, forked_ns);
+    registry.record_fork(other_orphan, reused, forked_at(forked_ns));
     registry.note_process_boundary(reused, forked_ns + 1);
-    registry.record_fork(reused, exited, forked_ns + 2);
+    registry.record_fork(reused, exited, forked_at(forked_ns + 2));
     // The next process's identity is not taken: what the parent ran at the fork, kept with
     // the child then, is.
     let info = registry
@@ -1562,7 +1562,7 @@ fn a_fork_child_is_not_given_the_process_that_got_its_parents_pid() {
             ..registry_record("supervisor")
         }),
     );
-    registry.record_fork(late_orphan, long_lived_parent, forked_ns + 20);
+    registry.record_fork(late_orphan, long_lived_parent, forked_at(forked_ns + 20));
     registry.note_process_boundary(long_lived_parent, forked_ns + 30);
     registry.record_exit(long_lived_parent, forked_ns + 30);
     let a_minute_later = forked_ns + 30 + EXITED_PROCESS_RETENTION_NS + 1;
@@ -1654,4 +1654,174 @@ fn a_process_known_by_its_exec_is_told_from_a_later_one_by_its_start_time() {
     assert!(!start.is(exec_tick + 1));
     assert!(ProcessStart::Read(own_start).is(own_start));
     assert!(!ProcessStart::Read(own_start).is(own_start + 1));
+}
+
+/// A fork at `forked_ns`, its thread and cgroup v2 id left 0 (not the parent's own).
+fn forked_at(forked_ns: u64) -> ForkOrigin {
+    ForkOrigin {
+        forked_ns,
+        ..ForkOrigin::default()
+    }
+}
+
+/// Where cgroup v1 hierarchies are mounted (the exec event's v2 id does not say them all), a
+/// fork child's cgroups are its parent's as read from /proc before the fork, without a read
+/// of the child's: while no task of either moved since (nor any cgroup was renamed), when
+/// the parent's main thread forked (/proc shows that thread's; another may have been moved
+/// before the agent started), and when the child's exec shows the v2 cgroup the parent was
+/// in (not placed elsewhere at its birth). Otherwise the child's own file is read. Every
+/// child's file here names another container than its parent's, so the labels tell which.
+#[test]
+fn a_fork_childs_cgroups_are_its_parents_while_no_task_moved() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    registry.cgroups = CgroupPaths::with_root(None);
+    registry.track_cgroup_changes();
+    let child_container = "ab".repeat(32);
+    let hybrid = |id: &str| format!("4:memory:/docker/{id}\n1:name=systemd:/\n0::/\n");
+    let write_process = |pid: u32, container: &str| {
+        let dir = write_fake_process(root.path(), pid, 5000, ANON_MAPS);
+        fs::write(dir.join("stat"), stat_line(pid, "sleep", 0x0040_0100, 5000)).expect("stat");
+        fs::write(dir.join("cgroup"), hybrid(container)).expect("cgroup");
+        std::os::unix::fs::symlink("/bin/sleep", dir.join("exe")).expect("symlink");
+    };
+    write_process(500, CONTAINER_ID);
+    let parent = registry.lookup(Pid(500)).expect("the parent's snapshot");
+    assert_eq!(parent.labels.container_id.as_deref(), Some(CONTAINER_ID));
+    let v2_id = 77;
+    // Forks `child` (its /proc entry written when `alive`; now unless `forked_ns` says when),
+    // which execs in v2 cgroup `exec_cgroup_id`; `between` runs between the fork and the exec.
+    // Its container.
+    let child = |registry: &mut ProcessRegistry,
+                 pid: u32,
+                 parent: u32,
+                 parent_tid: u32,
+                 exec_cgroup_id: u64,
+                 alive: bool,
+                 forked_ns: Option<u64>,
+                 between: &dyn Fn(&mut ProcessRegistry)| {
+        if alive {
+            write_process(pid, &child_container);
+        }
+        let forked_ns = forked_ns.unwrap_or_else(monotonic_now_ns);
+        let origin = ForkOrigin {
+            forked_ns,
+            parent_tid,
+            parent_cgroup_id: v2_id,
+        };
+        registry.record_fork(Pid(pid), Pid(parent), origin);
+        between(registry);
+        let record = ExecRecord {
+            cgroup_id: exec_cgroup_id,
+            exec_ns: monotonic_now_ns(),
+            ..registry_record("sleep")
+        };
+        registry.record_exec(Pid(pid), Arc::new(record));
+        let info = registry.lookup(Pid(pid)).expect("the child's snapshot");
+        info.labels.container_id.clone().unwrap_or_default()
+    };
+    let nothing = |_: &mut ProcessRegistry| {};
+    assert_eq!(
+        child(&mut registry, 501, 500, 500, v2_id, true, None, &nothing),
+        CONTAINER_ID,
+        "forked by the main thread: the parent's"
+    );
+    assert_eq!(registry.stats().cgroups_from_fork, 1);
+    assert_eq!(
+        child(&mut registry, 502, 501, 9999, v2_id, true, None, &nothing),
+        CONTAINER_ID,
+        "a child's child, by any thread (all of the child's are where it was forked)"
+    );
+    assert_eq!(
+        child(&mut registry, 503, 500, 9999, v2_id, true, None, &nothing),
+        child_container,
+        "forked by another thread than the one /proc showed: read"
+    );
+    assert_eq!(
+        child(
+            &mut registry,
+            504,
+            500,
+            500,
+            v2_id + 1,
+            true,
+            None,
+            &nothing
+        ),
+        child_container,
+        "exec'ed in another v2 cgroup than the parent forked in: read"
+    );
+    let moved = |registry: &mut ProcessRegistry| {
+        registry.note_cgroup_change(Some(Pid(505)), monotonic_now_ns())
+    };
+    assert_eq!(
+        child(&mut registry, 505, 500, 500, v2_id, true, None, &moved),
+        child_container,
+        "moved after its fork: read"
+    );
+    assert_eq!(
+        child(&mut registry, 506, 500, 500, v2_id, false, None, &nothing),
+        CONTAINER_ID,
+        "gone before its lookup: the parent's all the same"
+    );
+    assert_eq!(
+        registry.stats().cgroups_from_fork,
+        2,
+        "/proc read for the gone one"
+    );
+    // The parent moves. A child it forked before the agent read of the move (whose fork is
+    // applied after) takes neither the cgroups known before nor those read at the move: its
+    // own are read. One forked since takes those read at the move; and the parent's own
+    // snapshot is read again at its next check.
+    let third_container = "cd".repeat(32);
+    fs::write(root.path().join("500/cgroup"), hybrid(&third_container)).expect("cgroup");
+    let moved_ns = monotonic_now_ns();
+    let forked_ns = monotonic_now_ns();
+    registry.note_cgroup_change(Some(Pid(500)), moved_ns);
+    assert_eq!(
+        child(
+            &mut registry,
+            507,
+            500,
+            500,
+            v2_id,
+            true,
+            Some(forked_ns),
+            &nothing
+        ),
+        child_container,
+        "forked between its parent's move and the agent's read of it: read"
+    );
+    assert_eq!(
+        child(&mut registry, 508, 500, 500, v2_id, true, None, &nothing),
+        third_container,
+        "forked after the agent read of the move: the parent's, read then"
+    );
+    let moved_parent = registry.lookup(Pid(500)).expect("the parent's snapshot");
+    assert_eq!(
+        moved_parent.labels.container_id.as_deref(),
+        Some(third_container.as_str()),
+        "the parent's labels after its move"
+    );
+    assert_eq!(
+        child(&mut registry, 509, 501, 9999, v2_id, true, None, &nothing),
+        CONTAINER_ID,
+        "a move of its parent's parent does not concern a child's child"
+    );
+    registry.note_cgroup_change(None, monotonic_now_ns());
+    assert_eq!(
+        child(&mut registry, 510, 501, 9999, v2_id, true, None, &nothing),
+        child_container,
+        "a cgroup renamed since: read"
+    );
+    assert_eq!(registry.stats().cgroups_from_fork, 4);
+
+    let mut untracked = fake_registry(root.path(), Duration::ZERO);
+    untracked.cgroups = CgroupPaths::with_root(None);
+    untracked.lookup(Pid(500)).expect("the parent's snapshot");
+    assert_eq!(
+        child(&mut untracked, 511, 500, 500, v2_id, true, None, &nothing),
+        child_container,
+        "moves not traced: read"
+    );
 }

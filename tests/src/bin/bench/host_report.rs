@@ -747,6 +747,14 @@ fn render_timeline(out: &mut String, run: &HostRun) {
                 "of which identities from exec events (no stat, exe)",
             ),
             (
+                "profiler_process_cgroups_from_fork_total",
+                "of which cgroups from the parent at the fork (no /proc/PID/cgroup)",
+            ),
+            (
+                "profiler_cgroup_moves",
+                "processes moved between cgroups kept",
+            ),
+            (
                 "profiler_process_snapshots_before_exec_total",
                 "samples taken in an exec, resolved against the program before it",
             ),
