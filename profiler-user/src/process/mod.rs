@@ -806,13 +806,10 @@ impl ProcessRegistry {
     /// as the one mapping known.
     fn exec_snapshot(&mut self, pid: Pid, record: &ExecRecord) -> ProcessInfo {
         let exe = self.executable_paths.resolve(record);
-        // Where v1 hierarchies are mounted, the v2 id alone does not say them.
-        let cgroup = match self.cgroups.unified_cgroup(record.cgroup_id) {
+        // Where v1 hierarchies are mounted and the fork does not say them, the v2 id's alone.
+        let cgroup = match self.exec_cgroup(pid, record).0 {
             Some(cgroup) => cgroup,
-            None => match self.cgroup_from_fork(pid, record) {
-                Some(known) => CgroupInfo::clone(&known.info),
-                None => self.cgroups.cgroup(record.cgroup_id).unwrap_or_default(),
-            },
+            None => self.cgroups.cgroup(record.cgroup_id).unwrap_or_default(),
         };
         let cmdline = record.args.to_vec();
         let env = record
@@ -1049,13 +1046,7 @@ impl ProcessRegistry {
     /// What the exec event `record` of `pid` says of its program (see
     /// [`Self::known_program`]); its cgroups also when known from its fork.
     fn known_from(&mut self, pid: Pid, record: &ExecRecord) -> KnownProgram {
-        let (cgroup, cgroup_from_fork) = match self.cgroups.unified_cgroup(record.cgroup_id) {
-            Some(cgroup) => (Some(cgroup), None),
-            None => match self.cgroup_from_fork(pid, record) {
-                Some(known) => (Some(CgroupInfo::clone(&known.info)), Some(known)),
-                None => (None, None),
-            },
-        };
+        let (cgroup, cgroup_from_fork) = self.exec_cgroup(pid, record);
         KnownProgram {
             comm: record.comm.clone(),
             cmdline: record.args_complete.then(|| record.args.to_vec()),
@@ -1065,12 +1056,25 @@ impl ProcessRegistry {
         }
     }
 
-    /// The cgroups the program `pid` exec'ed (`record`) is in, when known from its fork and
-    /// no task of it moved since.
-    fn cgroup_from_fork(&mut self, pid: Pid, record: &ExecRecord) -> Option<KnownCgroup> {
-        self.identities
+    /// The cgroups of the program `pid` exec'ed (`record`), when known without /proc: from
+    /// the event's cgroup v2 id on a host with cgroup v2 alone, else from its fork while no
+    /// task of it moved since (then with that knowledge).
+    fn exec_cgroup(
+        &mut self,
+        pid: Pid,
+        record: &ExecRecord,
+    ) -> (Option<CgroupInfo>, Option<KnownCgroup>) {
+        if let Some(cgroup) = self.cgroups.unified_cgroup(record.cgroup_id) {
+            return (Some(cgroup), None);
+        }
+        let known = self
+            .identities
             .exec_cgroup(pid, record.exec_ns)
-            .filter(|known| !self.cgroup_moves.moved_since(pid, known.since_ns))
+            .filter(|known| !self.cgroup_moves.moved_since(pid, known.since_ns));
+        (
+            known.as_ref().map(|known| CgroupInfo::clone(&known.info)),
+            known,
+        )
     }
 
     /// Reads /proc/PID and stores the snapshot; `None` when the process does not exist. The
