@@ -1,6 +1,7 @@
 //! Project tasks: `cargo xtask setup | build-ebpf | run | test | bench` (alias in .cargo/config.toml).
 
 mod cmd;
+mod disk;
 mod ebpf;
 mod python314;
 mod python_free_threaded;
@@ -131,7 +132,7 @@ const TEST_DISK_NEEDED_GIB: u64 = 12;
 /// Says up front when the disk is too short for setup and the test build, which otherwise fail
 /// deep inside a linker with "No space left on device".
 fn warn_if_disk_is_short(workspace: &Path) {
-    let Some(free) = free_bytes(workspace) else {
+    let Ok(disk::FreeSpace { free, .. }) = disk::free_space(workspace) else {
         return;
     };
     let free_gib = free >> 30;
@@ -142,18 +143,6 @@ fn warn_if_disk_is_short(workspace: &Path) {
             workspace.display()
         );
     }
-}
-
-fn free_bytes(path: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statvfs is plain data; all-zero is a valid value.
-    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `path` is NUL-terminated and `stats` is a valid statvfs to fill.
-    if unsafe { libc::statvfs(path.as_ptr(), &mut stats) } != 0 {
-        return None;
-    }
-    Some(stats.f_bavail.saturating_mul(stats.f_frsize))
 }
 
 /// The workspace root: xtask's parent directory. Cargo sets CARGO_MANIFEST_DIR for `cargo run`;
