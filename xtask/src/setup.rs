@@ -158,21 +158,6 @@ impl Prerequisite {
     }
 }
 
-impl Prerequisite {
-    /// The disk the large installs need; the others take a few hundred MB at most. Measured
-    /// for torch 2.15.0: its virtual environment is 5.8 GB, its wheels 3.0 GB.
-    fn disk_needed(&self) -> Option<crate::disk::DiskNeed> {
-        match self {
-            Prerequisite::Torch => Some(crate::disk::DiskNeed {
-                what: "torch",
-                kept: 5_900_000_000,
-                downloads: 3_100_000_000,
-            }),
-            _ => None,
-        }
-    }
-}
-
 /// Everything setup would install, in the order it would install it. Cheap enough to call
 /// before every task (one dpkg-query, one rustup call, a few stats).
 pub fn missing_prerequisites(workspace: &Path) -> Vec<Prerequisite> {
@@ -248,10 +233,20 @@ pub const NUMPY_VERSION: &str = "2.4.6";
 /// Written last into [`TORCH_VENV_DIR`], so a half-finished install counts as missing.
 const TORCH_MARKER: &str = "installed-torch-2.15.0";
 
+/// What torch takes at its peak, measured for 2.15.0: its virtual environment is 5.8 GB, the
+/// wheels pip downloads first 3.0 GB.
+const TORCH_DISK: crate::disk::DiskNeed = crate::disk::DiskNeed {
+    what: "torch",
+    kept: 5_900_000_000,
+    downloads: 3_100_000_000,
+};
+
 fn install_torch(workspace: &Path) -> Result<()> {
     let python = python_with_pip("torch")?;
     let dir = workspace.join(TORCH_VENV_DIR);
     let _ = std::fs::remove_dir_all(&dir);
+    // After the removal: a half-finished install (a full disk) frees its space first.
+    crate::disk::check_disk_space(TORCH_DISK, workspace)?;
     cmd::run(Command::new(python).args(["-m", "venv"]).arg(&dir))?;
     cmd::run(
         Command::new(dir.join("bin").join("python"))
@@ -579,9 +574,6 @@ pub fn setup(workspace: &Path, quiet_if_complete: bool) -> Result<()> {
         .iter()
         .filter(|item| !matches!(item, Prerequisite::Apt { .. }))
     {
-        if let Some(need) = item.disk_needed() {
-            crate::disk::check_disk_space(need, workspace)?;
-        }
         println!("installing: {}", item.describe());
         match item {
             Prerequisite::BpfLinker => install_bpf_linker(workspace)?,
