@@ -228,8 +228,11 @@ impl Fixture {
         });
         let pid = child.id();
         let mut fixture = Fixture { mode, child, pid };
+        // Generous: under CPU contention the free-threaded 3.13t spins on `sched_yield` at
+        // start-up (1,800 calls for `-c pass`), which took 32-42 s to reach "ready" in asyncio
+        // mode at load average 8 on 2 CPUs (0.2 s on a quiet machine).
         ready_rx
-            .recv_timeout(Duration::from_secs(30))
+            .recv_timeout(Duration::from_secs(180))
             .map_err(|_| format!("{mode}: the fixture never printed ready"))?;
         if forks {
             let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
