@@ -27,14 +27,18 @@ pub fn check_disk_space(need: DiskNeed, workspace: &Path) -> Result<()> {
     let (kept_at, downloads_at) = (space_of(workspace)?, space_of(&temp)?);
     match disk_shortfall(need, kept_at, downloads_at) {
         None => Ok(()),
-        Some(Shortfall::Workspace { needed, free }) => bail!(
+        Some(Shortfall::Workspace {
+            needed,
+            free,
+            with_downloads,
+        }) => bail!(
             "not enough disk space to install {}: it needs about {} on the filesystem of {}{}, \
              {} free there; free some space (e.g. `cargo clean`, old clones) and run `cargo xtask \
              setup` again",
             need.what,
             gigabytes(needed),
             workspace.display(),
-            if kept_at.device == downloads_at.device {
+            if with_downloads {
                 format!(" (with its downloads in {})", temp.display())
             } else {
                 String::new()
@@ -76,8 +80,16 @@ pub fn free_space(path: &Path) -> Result<FreeSpace> {
 
 #[derive(Debug, PartialEq, Eq)]
 enum Shortfall {
-    Workspace { needed: u64, free: u64 },
-    Temp { needed: u64, free: u64 },
+    /// `with_downloads`: the temporary directory is on that filesystem, `needed` counts both.
+    Workspace {
+        needed: u64,
+        free: u64,
+        with_downloads: bool,
+    },
+    Temp {
+        needed: u64,
+        free: u64,
+    },
 }
 
 /// Where `need` does not fit: its downloads and what it keeps count together when the
@@ -88,6 +100,7 @@ fn disk_shortfall(need: DiskNeed, workspace: FreeSpace, temp: FreeSpace) -> Opti
         return (workspace.free < needed).then_some(Shortfall::Workspace {
             needed,
             free: workspace.free,
+            with_downloads: true,
         });
     }
     if temp.free < need.downloads {
@@ -99,6 +112,7 @@ fn disk_shortfall(need: DiskNeed, workspace: FreeSpace, temp: FreeSpace) -> Opti
     (workspace.free < need.kept).then_some(Shortfall::Workspace {
         needed: need.kept,
         free: workspace.free,
+        with_downloads: false,
     })
 }
 
@@ -124,7 +138,8 @@ mod tests {
             disk_shortfall(need, on(1, 8_999), on(1, 8_999)),
             Some(Shortfall::Workspace {
                 needed: 9_000,
-                free: 8_999
+                free: 8_999,
+                with_downloads: true
             })
         );
         // Two: each holds its own part.
@@ -140,7 +155,8 @@ mod tests {
             disk_shortfall(need, on(1, 5_999), on(2, 100_000)),
             Some(Shortfall::Workspace {
                 needed: 6_000,
-                free: 5_999
+                free: 5_999,
+                with_downloads: false
             })
         );
         // The real filesystem answers, and a missing path is an error, not zero.
