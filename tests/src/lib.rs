@@ -197,6 +197,50 @@ impl Running {
     }
 }
 
+/// How long a fixture may take to say "ready". Generous: under CPU contention the
+/// free-threaded 3.13t spins on `sched_yield` at start-up (1,800 calls for `-c pass`), which
+/// took 32-44 s to import asyncio at load average 8 on 2 CPUs (0.2 s on a quiet machine).
+pub const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Waits until `child`, started with a piped stdout, prints a line `ready` (its start-up is
+/// over). Its later lines come through the receiver returned, which the caller may drop: they
+/// are read either way, so the child never blocks on a full pipe.
+pub fn await_ready(
+    child: &mut Child,
+    timeout: Duration,
+) -> Result<std::sync::mpsc::Receiver<String>, String> {
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or("the fixture's stdout is not piped")?;
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (line_tx, line_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut ready = false;
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { break };
+            if ready {
+                let _ = line_tx.send(line);
+            } else if line == "ready" {
+                ready = true;
+                let _ = ready_tx.send(());
+            }
+        }
+    });
+    ready_rx
+        .recv_timeout(timeout)
+        .map_err(|_| format!("the fixture (pid {}) never printed ready", child.id()))?;
+    Ok(line_rx)
+}
+
+/// The sampling rate for tests that judge stack shapes, not the rate: 97 Hz, not the default
+/// 100 Hz. A 10 ms period is in step with the 250 Hz scheduler tick (every 2.5 ticks), and
+/// under CPU contention that locks the samples to whichever task runs at that phase of the
+/// tick: at load average 8 on 2 CPUs, `perf record -a -F 100` (the same per-CPU cpu-clock
+/// timer the agent uses) gave a busy Python process 0.18-1.15 samples per 10 ms of its CPU
+/// time from one 4 s window to the next; at 97 Hz 0.69-0.78 (2026-12-07).
+pub const SHAPE_SAMPLING_HZ: &str = "97";
+
 /// How many samples a test needs before it judges stack shapes: `wanted`, or fewer when the
 /// fixture got less CPU time than that takes (a busy machine), but never under 10. `share` is
 /// the part of `cpu` the samples cover (a recording window shorter than the measurement).

@@ -25,9 +25,9 @@ use std::{
 };
 
 use integration_tests::{
-    Agent, Recording, Scratch, StackSample, assert_success, build_fixture, cpu_time_so_far,
-    decode_pprof, exclusive, find_chain, fixture_source, parse_folded, proto, pyenv_python,
-    require_external, run_profiler, send_signal,
+    Agent, READY_TIMEOUT, Recording, Scratch, StackSample, assert_success, await_ready,
+    build_fixture, cpu_time_so_far, decode_pprof, exclusive, find_chain, fixture_source,
+    parse_folded, proto, pyenv_python, require_external, run_profiler, send_signal,
     server_harness::{Client, metric_value},
     stack_samples, top_stacks, workspace_root,
 };
@@ -208,32 +208,14 @@ impl Fixture {
     /// Runs `command`, which prints "ready" once its stack is set up; with `forks`, the
     /// Python process is the only child of the process started.
     fn spawn(mut command: Command, mode: &'static str, forks: bool) -> Result<Fixture, String> {
-        let mut child = command
+        let child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .map_err(|e| format!("spawn {command:?}: {e}"))?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (ready_tx, ready_rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                match line {
-                    Ok(line) if line == "ready" => {
-                        let _ = ready_tx.send(());
-                    }
-                    Ok(_) => {}
-                    Err(_) => break,
-                }
-            }
-        });
         let pid = child.id();
         let mut fixture = Fixture { mode, child, pid };
-        // Generous: under CPU contention the free-threaded 3.13t spins on `sched_yield` at
-        // start-up (1,800 calls for `-c pass`), which took 32-42 s to reach "ready" in asyncio
-        // mode at load average 8 on 2 CPUs (0.2 s on a quiet machine).
-        ready_rx
-            .recv_timeout(Duration::from_secs(180))
-            .map_err(|_| format!("{mode}: the fixture never printed ready"))?;
+        await_ready(&mut fixture.child, READY_TIMEOUT).map_err(|e| format!("{mode}: {e}"))?;
         if forks {
             let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
                 .map_err(|e| format!("children of {pid}: {e}"))?;

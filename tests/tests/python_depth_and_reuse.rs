@@ -6,12 +6,14 @@ use std::{
     io::{BufRead, BufReader},
     path::PathBuf,
     process::{Command, Stdio},
-    time::Duration,
+    sync::mpsc::Receiver,
+    time::{Duration, Instant},
 };
 
 use integration_tests::{
-    Running, Scratch, assert_success, cpu_time_so_far, exclusive, fixture_source, parse_folded,
-    pyenv_python, require_external, run_profiler, sample_floor, workspace_root,
+    READY_TIMEOUT, Recording, Running, SHAPE_SAMPLING_HZ, Scratch, await_ready, cpu_time_so_far,
+    exclusive, fixture_source, parse_folded, pyenv_python, require_external, sample_floor,
+    workspace_root,
 };
 
 /// Python frames BPF records; deeper stacks keep their innermost frames.
@@ -59,25 +61,27 @@ fn missing(what: &str) {
 }
 
 /// Records `pid` for `seconds` in folded format: the stacks (root first), the log, and the
-/// CPU time the process got meanwhile.
-fn record(pid: u32, seconds: &str, scratch: &Scratch) -> (Vec<Vec<String>>, String, Duration) {
+/// CPU time the process got while the sampler was attached (so a slow start of the recorder
+/// on a busy machine does not count as time the fixture could have been sampled). At
+/// [`SHAPE_SAMPLING_HZ`], whose counts follow the CPU time on a busy machine.
+fn record(pid: u32, seconds: u64, scratch: &Scratch) -> (Vec<Vec<String>>, String, Duration) {
     let out = scratch.path("stacks.folded");
-    let before = cpu_time_so_far(pid).unwrap_or_default();
-    let run = run_profiler(&[
-        "record",
+    let recording = Recording::until_stopped(&[
+        "--frequency",
+        SHAPE_SAMPLING_HZ,
         "--pid",
         &pid.to_string(),
-        "--duration",
-        seconds,
         "--format",
         "folded",
         "--output",
         out.to_str().expect("UTF-8 scratch path"),
     ]);
+    let before = cpu_time_so_far(pid).unwrap_or_default();
+    std::thread::sleep(Duration::from_secs(seconds));
     let cpu = cpu_time_so_far(pid)
         .unwrap_or_default()
         .saturating_sub(before);
-    assert_success(&run);
+    let log = recording.stop();
     let text = std::fs::read_to_string(&out).expect("the folded output");
     let mut stacks = Vec::new();
     for stack in parse_folded(&text) {
@@ -85,11 +89,7 @@ fn record(pid: u32, seconds: &str, scratch: &Scratch) -> (Vec<Vec<String>>, Stri
             stacks.push(stack.frames.clone());
         }
     }
-    (
-        stacks,
-        String::from_utf8_lossy(&run.stderr).into_owned(),
-        cpu,
-    )
+    (stacks, log, cpu)
 }
 
 /// A Python frame of the folded output, `name (file:line)`: its name and file.
@@ -100,17 +100,23 @@ fn python_frame(frame: &str) -> Option<(&str, &str)> {
     Some((name, file))
 }
 
-/// `tests/fixtures/python/SCRIPT 60` under `interpreter` (the fixtures run for 60 s at most).
-fn spawn_script(interpreter: &PathBuf, script: &str) -> Running {
-    Running {
-        child: Command::new(interpreter)
-            .arg(fixture_source(&format!("python/{script}")))
-            .arg("60")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|error| panic!("start {script}: {error}")),
-    }
+/// `tests/fixtures/python/SCRIPT 600` under `interpreter` (killed when dropped),
+/// once it says it is past its start-up (imports; the free-threaded 3.13t's slow start on a
+/// busy machine), so that what is recorded is its steady work; with the lines it prints after.
+fn spawn_script(interpreter: &PathBuf, script: &str) -> (Running, Receiver<String>) {
+    let mut child = Command::new(interpreter)
+        .arg(fixture_source(&format!("python/{script}")))
+        .arg("600")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|error| panic!("start {script}: {error}"));
+    let lines = await_ready(&mut child, READY_TIMEOUT);
+    let running = Running { child };
+    (
+        running,
+        lines.unwrap_or_else(|error| panic!("{script}: {error}")),
+    )
 }
 
 /// `deep.py DEPTH` spinning at the bottom of a DEPTH-frame Python stack.
@@ -140,7 +146,7 @@ fn spinning_samples(
 ) -> (Vec<Vec<String>>, String) {
     let running = spawn_deep(interpreter, depth);
     let scratch = Scratch::new("python-deep");
-    let (stacks, log, cpu) = record(running.pid(), "2", &scratch);
+    let (stacks, log, cpu) = record(running.pid(), 2, &scratch);
     let floor = sample_floor(30, cpu, 0.5);
     let spinning: Vec<Vec<String>> = stacks
         .into_iter()
@@ -329,8 +335,7 @@ fn py_spy_record(
 fn freed_code_objects_never_lend_their_name_to_a_frame() {
     let _guard = exclusive();
     for (label, interpreter, _) in interpreters() {
-        let running = spawn_script(&interpreter, "code_churn.py");
-        std::thread::sleep(Duration::from_millis(300));
+        let (running, _) = spawn_script(&interpreter, "code_churn.py");
         let scratch = Scratch::new("python-churn");
         // py-spy 0.4 reads no free-threaded build; elsewhere it samples the same 3 s.
         let oracle = if label.starts_with("free-threaded") {
@@ -338,7 +343,7 @@ fn freed_code_objects_never_lend_their_name_to_a_frame() {
         } else {
             py_spy_record(running.pid(), 3, false, &scratch)
         };
-        let (stacks, log, cpu) = record(running.pid(), "3", &scratch);
+        let (stacks, log, cpu) = record(running.pid(), 3, &scratch);
         let floor = sample_floor(100, cpu, 0.5);
         assert!(
             stacks.len() as i64 >= floor,
@@ -419,7 +424,7 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
         missing("the PyTorch venv (`cargo xtask setup` installs it)");
     }
     for (label, interpreter) in interpreters {
-        let running = spawn_script(&interpreter, "import_churn.py");
+        let (running, imports) = spawn_script(&interpreter, "import_churn.py");
         let scratch = Scratch::new("python-imports");
         // py-spy follows the same interpreters (it stops each to read it): the oracle.
         let oracle = if label.starts_with("free-threaded") {
@@ -428,15 +433,23 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
             py_spy_record(running.pid(), 5, true, &scratch)
         };
         let out = scratch.path("host.folded");
-        let run = run_profiler(&[
-            "record",
-            "--duration",
-            "5",
+        let recording = Recording::until_stopped(&[
             "--format",
             "folded",
             "--output",
             out.to_str().expect("UTF-8 scratch path"),
         ]);
+        // At least 5 s (py-spy's time) and two imports ended while the sampler was attached,
+        // so one import ran whole inside the recording however slowly a busy machine runs it.
+        let attached = Instant::now();
+        while imports.try_recv().is_ok() {}
+        for _ in 0..2 {
+            imports
+                .recv_timeout(Duration::from_secs(300))
+                .unwrap_or_else(|error| panic!("{label}: no import ended in 300 s: {error}"));
+        }
+        std::thread::sleep(Duration::from_secs(5).saturating_sub(attached.elapsed()));
+        let log = recording.stop();
         let theirs = oracle.map(|py_spy| {
             let output = py_spy.wait_with_output().expect("wait for py-spy");
             assert!(
@@ -449,7 +462,6 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
             ExecutedBodies::of(&text)
         });
         drop(running);
-        assert_success(&run);
         let ours = ExecutedBodies::of(&std::fs::read_to_string(&out).expect("the folded output"));
         assert!(
             ours.functions.is_empty(),
@@ -458,7 +470,7 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
         );
         assert!(
             ours.module_bodies >= 5,
-            "{label}: {} samples of module bodies run by the import machinery",
+            "{label}: {} samples of module bodies run by the import machinery:\n{log}",
             ours.module_bodies
         );
         if let Some(theirs) = theirs {
@@ -524,10 +536,9 @@ impl ExecutedBodies {
 fn generator_and_coroutine_switches_keep_whole_stacks() {
     let _guard = exclusive();
     for (label, interpreter, _) in interpreters() {
-        let running = spawn_script(&interpreter, "generators.py");
-        std::thread::sleep(Duration::from_millis(300));
+        let (running, _) = spawn_script(&interpreter, "generators.py");
         let scratch = Scratch::new("python-generators");
-        let (stacks, log, cpu) = record(running.pid(), "4", &scratch);
+        let (stacks, log, cpu) = record(running.pid(), 4, &scratch);
         let floor = sample_floor(200, cpu, 0.5);
         assert!(
             stacks.len() as i64 >= floor,

@@ -10,7 +10,7 @@ use std::{
     io::{BufRead, BufReader},
     path::Path,
     process::{Command, Stdio},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use integration_tests::*;
@@ -23,7 +23,7 @@ thread_local! {
 }
 
 /// The sample count a check needs: `wanted`, or what the CPU time of the last recording can
-/// give on a busy machine (a 3 s window in a measurement that includes the profiler's start).
+/// give on a busy machine.
 fn needed(wanted: i64) -> i64 {
     match RECORDED_CPU.get() {
         Some(cpu) => sample_floor(wanted, cpu, 0.4),
@@ -31,17 +31,20 @@ fn needed(wanted: i64) -> i64 {
     }
 }
 
-/// Records `pids` for `seconds` into a pprof profile and returns its samples.
+/// The longest a [`record`] waits for its processes to get their CPU time. The fixtures run
+/// 20 s from their start, so this leaves room for a slow start of the recorder.
+const RECORD_AT_MOST: Duration = Duration::from_secs(12);
+
+/// Records `pids` into a pprof profile and returns its samples: from the sampler's attaching
+/// until they got `seconds` of CPU time each on average, which a quiet machine gives in about that
+/// many seconds and a busy one in several times as many (at most [`RECORD_AT_MOST`], or until
+/// one of them ends). The CPU time they got meanwhile is what [`needed`] judges by; at
+/// [`SHAPE_SAMPLING_HZ`], whose counts follow it on a busy machine.
 fn record(pids: &[u32], seconds: &str, tag: &str) -> Vec<StackSample> {
-    let cpu = || -> Duration { pids.iter().filter_map(|&p| cpu_time_so_far(p)).sum() };
-    let cpu_before = cpu();
+    let cpu = || -> Option<Duration> { pids.iter().map(|&p| cpu_time_so_far(p)).sum() };
     let scratch = Scratch::new(tag);
     let out = scratch.path("profile.pb.gz");
-    let mut args = vec![
-        "record".to_string(),
-        "--duration".to_string(),
-        seconds.to_string(),
-    ];
+    let mut args = vec!["--frequency".to_string(), SHAPE_SAMPLING_HZ.to_string()];
     for pid in pids {
         args.push("--pid".to_string());
         args.push(pid.to_string());
@@ -49,8 +52,21 @@ fn record(pids: &[u32], seconds: &str, tag: &str) -> Vec<StackSample> {
     args.push("--output".to_string());
     args.push(out.to_str().expect("utf-8 path").to_string());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_success(&run_profiler(&args));
-    RECORDED_CPU.set(Some(cpu().saturating_sub(cpu_before)));
+    let recording = Recording::until_stopped(&args);
+    let wanted = Duration::from_secs_f64(seconds.parse().expect("seconds")) * pids.len() as u32;
+    let started = Instant::now();
+    let before = cpu().unwrap_or_default();
+    let mut got = Duration::ZERO;
+    while got < wanted && started.elapsed() < RECORD_AT_MOST.max(wanted) {
+        std::thread::sleep(Duration::from_millis(50));
+        // A process that ended keeps what it got so far (its threads' times are gone).
+        match cpu() {
+            Some(now) if now >= before + got => got = now - before,
+            _ => break,
+        }
+    }
+    recording.stop();
+    RECORDED_CPU.set(Some(got));
     stack_samples(&decode_pprof(&out))
 }
 
@@ -664,9 +680,7 @@ fn process_started_after_the_agent_is_unwound_from_its_first_sample() {
     let fixture = nofp_fixture("fp_chain.c");
     let scratch = Scratch::new("nofp-late-process");
     let dir = scratch.path("profiles");
-    let mut agent = Agent::start(&["--interval", "1", "--output-dir", dir.to_str().unwrap()]);
-    // Past the start-up backlog, so that profile start times track sample times.
-    agent.wait_for_intervals(3, Duration::from_secs(30));
+    let mut agent = agent_writing_seconds(&dir);
     let service = format!("unwind-late-process-{}", std::process::id());
     let started = SystemTime::now();
     let mut running = spawn_with_env(&fixture, &["2.5"], &[("OTEL_SERVICE_NAME", &service)]);
@@ -677,7 +691,21 @@ fn process_started_after_the_agent_is_unwound_from_its_first_sample() {
     assert!(status.success(), "agent failed with {status}:\n{stderr}");
 
     // Every profile of the service: its first window began up to an interval before it did.
-    let (samples, listing) = agent_samples_from(&dir, &service, started - Duration::from_secs(2));
+    let (all, listing) = agent_samples_from(&dir, &service, started - Duration::from_secs(2));
+    // Samples taken while the process exits: exit_mmap tears its memory down, so its user stack
+    // may no longer be there to read (seen at load average 8: `_Exit` then `[truncated]`).
+    let exiting = |s: &StackSample| s.frames.iter().any(|f| f == "do_exit");
+    let (exits, samples): (Vec<StackSample>, Vec<StackSample>) =
+        all.into_iter().partition(|s| exiting(s));
+    // Those are whole (up to glibc's start) or marked cut, never guessed.
+    for s in &exits {
+        assert!(
+            position(&s.frames, "__libc_start_call_main").is_some()
+                || s.frames.iter().any(|f| f == "[truncated]"),
+            "a sample in the exit path is neither whole nor marked: {}",
+            s.frames.join(";")
+        );
+    }
     let floor = sample_floor(50, cpu, 0.6);
     assert!(
         total_count(&samples) >= floor,
@@ -695,6 +723,21 @@ fn process_started_after_the_agent_is_unwound_from_its_first_sample() {
                 && !s.frames.iter().any(|f| f == "[truncated]")
         },
     );
+}
+
+/// An agent writing 1 s profiles to `dir` at [`SHAPE_SAMPLING_HZ`], past its start-up backlog
+/// (so that profile start times track sample times).
+fn agent_writing_seconds(dir: &Path) -> Agent {
+    let mut agent = Agent::start(&[
+        "--frequency",
+        SHAPE_SAMPLING_HZ,
+        "--interval",
+        "1",
+        "--output-dir",
+        dir.to_str().expect("UTF-8 path"),
+    ]);
+    agent.wait_for_intervals(3, Duration::from_secs(30));
+    agent
 }
 
 /// A run of tests/fixtures/dlopen_main.c (built without frame pointers, with libnofp2.c as its
@@ -730,13 +773,7 @@ fn run_dlopen_fixture(
     );
     let scratch = Scratch::new(tag);
     let profiles = scratch.path("profiles");
-    let mut agent = Agent::start(&[
-        "--interval",
-        "1",
-        "--output-dir",
-        profiles.to_str().unwrap(),
-    ]);
-    agent.wait_for_intervals(3, Duration::from_secs(30));
+    let mut agent = agent_writing_seconds(&profiles);
     let service = format!("unwind-{tag}-{}", std::process::id());
     let mut args = vec![seconds, delay, plugin.to_str().unwrap()];
     if busy {
