@@ -238,7 +238,8 @@ pub fn await_ready(
 /// under CPU contention that locks the samples to whichever task runs at that phase of the
 /// tick: at load average 8 on 2 CPUs, `perf record -a -F 100` (the same per-CPU cpu-clock
 /// timer the agent uses) gave a busy Python process 0.18-1.15 samples per 10 ms of its CPU
-/// time from one 4 s window to the next; at 97 Hz 0.69-0.78 (2026-12-07).
+/// time from one 4 s window to the next; at 97 Hz 0.69-0.78 (2026-12-07; docs/architecture.md,
+/// "Counts under CPU contention").
 pub const SHAPE_SAMPLING_HZ: &str = "97";
 
 /// How many samples a test needs before it judges stack shapes: `wanted`, or fewer when the

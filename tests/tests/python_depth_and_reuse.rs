@@ -337,7 +337,7 @@ fn freed_code_objects_never_lend_their_name_to_a_frame() {
     for (label, interpreter, _) in interpreters() {
         let (running, _) = spawn_script(&interpreter, "code_churn.py");
         let scratch = Scratch::new("python-churn");
-        // py-spy 0.4 reads no free-threaded build; elsewhere it samples the same 3 s.
+        // py-spy 0.4 reads no free-threaded build; elsewhere it samples 3 s beside ours.
         let oracle = if label.starts_with("free-threaded") {
             None
         } else {
@@ -434,6 +434,8 @@ fn imports_show_module_bodies_not_the_functions_defined_where_they_were() {
         };
         let out = scratch.path("host.folded");
         let recording = Recording::until_stopped(&[
+            "--frequency",
+            SHAPE_SAMPLING_HZ,
             "--format",
             "folded",
             "--output",

@@ -153,8 +153,11 @@ impl Fixture {
                 }
             }
         });
+        // Generous: under CPU contention the free-threaded 3.13t spins on `sched_yield` at
+        // start-up, which took 32-42 s to reach "ready" in asyncio mode at load average 8 on
+        // 2 CPUs (0.2 s on a quiet machine).
         fixture.caller_offsets = ready_rx
-            .recv_timeout(Duration::from_secs(30))
+            .recv_timeout(Duration::from_secs(180))
             .map_err(|_| format!("{mode}: the fixture never printed ready"))?;
         // Let the main thread enter its hot loop after the print.
         std::thread::sleep(Duration::from_millis(150));
