@@ -36,8 +36,8 @@ fn needed(wanted: i64) -> i64 {
 const RECORD_AT_MOST: Duration = Duration::from_secs(12);
 
 /// Records `pids` into a pprof profile and returns its samples: from the sampler's attaching
-/// until they got `seconds` of CPU time each on average, which a quiet machine gives in about that
-/// many seconds and a busy one in several times as many (at most [`RECORD_AT_MOST`], or until
+/// until they got `seconds` of CPU time each on average, which a quiet machine gives in about
+/// that many seconds and a busy one in several times as many (at most [`RECORD_AT_MOST`], or until
 /// one of them ends). The CPU time they got meanwhile is what [`needed`] judges by; at
 /// [`SHAPE_SAMPLING_HZ`], whose counts follow it on a busy machine.
 fn record(pids: &[u32], seconds: &str, tag: &str) -> Vec<StackSample> {
