@@ -911,6 +911,43 @@ pub fn gpu_standins() -> PathBuf {
     dir
 }
 
+/// How long [`cpu_got_while`] waits.
+#[derive(Clone, Copy, Debug)]
+pub enum Wait {
+    /// This long.
+    For(Duration),
+    /// Until the processes got this much CPU time together, at most `at_most`: a quiet
+    /// machine gives it in about as long, a busy one in several times that.
+    ForCpu { wanted: Duration, at_most: Duration },
+}
+
+/// Waits as `wait` says (a recorder's sampler is attached meanwhile) and returns the CPU time
+/// `pids` got together in that window: what a sample count is judged by, rather than the wall
+/// time. Stops early when one of them ends, keeping what they got until then (an ended
+/// process's threads' times are gone).
+pub fn cpu_got_while(pids: &[u32], wait: Wait) -> Duration {
+    let cpu = || -> Option<Duration> { pids.iter().map(|&p| cpu_time_so_far(p)).sum() };
+    let (wanted, at_most) = match wait {
+        Wait::For(duration) => (Duration::MAX, duration),
+        Wait::ForCpu { wanted, at_most } => (wanted, at_most),
+    };
+    let started = Instant::now();
+    let Some(before) = cpu() else {
+        return Duration::ZERO;
+    };
+    let mut got = Duration::ZERO;
+    while got < wanted && started.elapsed() < at_most {
+        std::thread::sleep(
+            Duration::from_millis(50).min(at_most.saturating_sub(started.elapsed())),
+        );
+        match cpu() {
+            Some(now) if now >= before + got => got = now - before,
+            _ => break,
+        }
+    }
+    got
+}
+
 /// Total CPU time so far of all threads of `pid`, from `/proc/PID/task/*/schedstat` (ns
 /// resolution; `/proc/PID/stat` only has 10 ms ticks). `None` when the process is gone.
 pub fn cpu_time_so_far(pid: u32) -> Option<Duration> {

@@ -11,9 +11,9 @@ use std::{
 };
 
 use integration_tests::{
-    READY_TIMEOUT, Recording, Running, SHAPE_SAMPLING_HZ, Scratch, await_ready, cpu_time_so_far,
-    exclusive, fixture_source, parse_folded, pyenv_python, require_external, sample_floor,
-    workspace_root,
+    READY_TIMEOUT, Recording, Running, SHAPE_SAMPLING_HZ, Scratch, Wait, await_ready,
+    cpu_got_while, exclusive, fixture_source, parse_folded, pyenv_python, require_external,
+    sample_floor, workspace_root,
 };
 
 /// Python frames BPF records; deeper stacks keep their innermost frames.
@@ -76,11 +76,7 @@ fn record(pid: u32, seconds: u64, scratch: &Scratch) -> (Vec<Vec<String>>, Strin
         "--output",
         out.to_str().expect("UTF-8 scratch path"),
     ]);
-    let before = cpu_time_so_far(pid).unwrap_or_default();
-    std::thread::sleep(Duration::from_secs(seconds));
-    let cpu = cpu_time_so_far(pid)
-        .unwrap_or_default()
-        .saturating_sub(before);
+    let cpu = cpu_got_while(&[pid], Wait::For(Duration::from_secs(seconds)));
     let log = recording.stop();
     let text = std::fs::read_to_string(&out).expect("the folded output");
     let mut stacks = Vec::new();

@@ -190,14 +190,14 @@ fn process_that_exits_mid_record_is_still_symbolized() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    let cpu_at_attach = cpu_time_so_far(pid).expect("fixture running");
     // About a second of its CPU sampled, however long the machine takes to give it.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let mut cpu_sampled = Duration::ZERO;
-    while cpu_sampled < Duration::from_secs(1) && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-        cpu_sampled = cpu_time_so_far(pid).expect("fixture running") - cpu_at_attach;
-    }
+    let cpu_sampled = cpu_got_while(
+        &[pid],
+        Wait::ForCpu {
+            wanted: Duration::from_secs(1),
+            at_most: Duration::from_secs(30),
+        },
+    );
     // It exits mid-record (killed, and reaped); the recorder symbolizes it afterwards.
     drop(running);
     std::thread::sleep(Duration::from_millis(500));
@@ -258,9 +258,7 @@ fn binary_in_a_private_mount_namespace_is_symbolized() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    let cpu_before = cpu_time_so_far(running.pid()).expect("fixture running");
-    std::thread::sleep(Duration::from_secs(2));
-    let cpu = cpu_time_so_far(running.pid()).expect("fixture running") - cpu_before;
+    let cpu = cpu_got_while(&[running.pid()], Wait::For(Duration::from_secs(2)));
     recording.stop();
     let profile = decode_pprof(&out);
     let samples = readable_samples(&profile);

@@ -10,7 +10,7 @@ use std::{
     io::{BufRead, BufReader},
     path::Path,
     process::{Command, Stdio},
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use integration_tests::*;
@@ -41,7 +41,6 @@ const RECORD_AT_MOST: Duration = Duration::from_secs(12);
 /// one of them ends). The CPU time they got meanwhile is what [`needed`] judges by; at
 /// [`SHAPE_SAMPLING_HZ`], whose counts follow it on a busy machine.
 fn record(pids: &[u32], seconds: &str, tag: &str) -> Vec<StackSample> {
-    let cpu = || -> Option<Duration> { pids.iter().map(|&p| cpu_time_so_far(p)).sum() };
     let scratch = Scratch::new(tag);
     let out = scratch.path("profile.pb.gz");
     let mut args = vec!["--frequency".to_string(), SHAPE_SAMPLING_HZ.to_string()];
@@ -54,17 +53,13 @@ fn record(pids: &[u32], seconds: &str, tag: &str) -> Vec<StackSample> {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let recording = Recording::until_stopped(&args);
     let wanted = Duration::from_secs_f64(seconds.parse().expect("seconds")) * pids.len() as u32;
-    let started = Instant::now();
-    let before = cpu().unwrap_or_default();
-    let mut got = Duration::ZERO;
-    while got < wanted && started.elapsed() < RECORD_AT_MOST.max(wanted) {
-        std::thread::sleep(Duration::from_millis(50));
-        // A process that ended keeps what it got so far (its threads' times are gone).
-        match cpu() {
-            Some(now) if now >= before + got => got = now - before,
-            _ => break,
-        }
-    }
+    let got = cpu_got_while(
+        pids,
+        Wait::ForCpu {
+            wanted,
+            at_most: RECORD_AT_MOST.max(wanted),
+        },
+    );
     recording.stop();
     RECORDED_CPU.set(Some(got));
     stack_samples(&decode_pprof(&out))
