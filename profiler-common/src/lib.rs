@@ -94,6 +94,10 @@ pub struct SamplerConfig {
     /// stack copy the agent finishes once it has read the new mapping; else (JIT code) it goes
     /// on by frame pointers.
     pub vma_file_offset: u32,
+    /// Offsets of `root` in `struct cgroup` and of `hierarchy_id` in `struct cgroup_root`, 0
+    /// when unknown: then a move event does not say where the task went.
+    pub cgroup_root_offset: u32,
+    pub cgroup_root_hierarchy_offset: u32,
 }
 
 /// Kernel struct offsets (from the BTF) behind the exec and fork events.
@@ -120,7 +124,7 @@ pub struct IdentityOffsets {
 }
 
 const _: () = assert!(core::mem::size_of::<IdentityOffsets>() == 64);
-const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 100);
+const _: () = assert!(core::mem::size_of::<SamplerConfig>() == 108);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -259,7 +259,45 @@ const _: () = assert!(core::mem::size_of::<ForkEvent>() == 32);
 /// `ProcessEvent::kind`: a task of the process `pid` was moved to other cgroups
 /// (`cgroup_attach_task`, `cgroup_transfer_tasks`); `pid` 0 when the kernel's BTF lacked the
 /// offset to tell whose. What the agent knew of the process's cgroups from before may be wrong.
+/// A [`CgroupMoveDetails`] follows where the BTF gave the offsets to read the destination.
 pub const EVENT_CGROUP_MIGRATION: u32 = 4;
+
+/// Bytes of a move's destination path kept, NUL included: the size of the buffer the kernel
+/// formats it into for these tracepoints (`TRACE_CGROUP_PATH_LEN`), so a path that fills it
+/// may have been cut by the kernel.
+pub const CGROUP_MOVE_PATH_BYTES: usize = 1024;
+
+/// Follows an `EVENT_CGROUP_MIGRATION` header: where the task went, so the agent knows the
+/// process's cgroups after the move without reading /proc (by then a child forked after the
+/// move may be gone).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CgroupMoveDetails {
+    /// The task moved (its thread id).
+    pub tid: u32,
+    /// `dst_cgrp->root->hierarchy_id`: the first field of the /proc/PID/cgroup line that
+    /// changed (0: the cgroup v2 hierarchy).
+    pub hierarchy_id: i32,
+    /// Non-zero when every thread of the process moved (a write to `cgroup.procs`), 0 for one
+    /// thread (`tasks`, `cgroup.threads`).
+    pub threadgroup: u32,
+    /// Bytes of `path` that are valid, NUL included (0: not read).
+    pub path_len: u32,
+    /// The destination's path from its hierarchy's root (`/system.slice/x.service`), as the
+    /// initial cgroup namespace sees it.
+    pub path: [u8; CGROUP_MOVE_PATH_BYTES],
+}
+
+/// A move event with its destination, as the ring carries it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CgroupMoveEvent {
+    pub header: ProcessEvent,
+    pub details: CgroupMoveDetails,
+}
+
+const _: () = assert!(core::mem::size_of::<CgroupMoveEvent>() == 32 + CGROUP_MOVE_PATH_BYTES);
+
 /// `ProcessEvent::kind` (`pid` 0): a cgroup was renamed, or a hierarchy mounted or unmounted:
 /// the /proc/PID/cgroup text of any process may have changed.
 pub const EVENT_CGROUPS_CHANGED: u32 = 5;

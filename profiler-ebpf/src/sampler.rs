@@ -16,13 +16,13 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext},
 };
 use profiler_common::{
-    EVENT_CGROUP_MIGRATION, EVENT_CGROUPS_CHANGED, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT,
-    EVENT_PROCESS_FORK, EVENTS_RING_BYTES, EXEC_ARGS_BYTES, EXEC_ENV_BYTES, EXEC_FILENAME_BYTES,
-    ExecDetails, ExecEvent, ForkDetails, ForkEvent, IdentityOffsets, MAX_KERNEL_FRAMES,
-    ProcessEvent, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE, SAMPLE_KERNEL_STACK_ERROR,
-    SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_EVENTS_LOST, STAT_FILTERED, STAT_IDLE,
-    STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL, STAT_RINGBUF_PENDING_BYTES,
-    STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
+    CGROUP_MOVE_PATH_BYTES, CgroupMoveEvent, EVENT_CGROUP_MIGRATION, EVENT_CGROUPS_CHANGED,
+    EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, EVENTS_RING_BYTES, EXEC_ARGS_BYTES,
+    EXEC_ENV_BYTES, EXEC_FILENAME_BYTES, ExecDetails, ExecEvent, ForkDetails, ForkEvent,
+    IdentityOffsets, MAX_KERNEL_FRAMES, ProcessEvent, SAMPLE_IN_CUDA_SYNC, SAMPLE_IN_USER_MODE,
+    SAMPLE_KERNEL_STACK_ERROR, SAMPLE_KERNEL_TRUNCATED, SAMPLES_RING_BYTES, STAT_EVENTS_LOST,
+    STAT_FILTERED, STAT_IDLE, STAT_KERNEL_STACK_ERROR, STAT_KERNEL_TRUNCATED, STAT_RINGBUF_FULL,
+    STAT_RINGBUF_PENDING_BYTES, STAT_SAMPLES_SEEN, STAT_SAMPLES_SENT, SamplerConfig,
 };
 
 use crate::{
@@ -397,23 +397,70 @@ pub fn process_fork(ctx: RawTracePointContext) -> i32 {
 /// Tells the agent a task moved to other cgroups (`cgroup_attach_task`,
 /// `cgroup_transfer_tasks`: fired after the move, while forks wait on the cgroup lock, so the
 /// event comes before any fork that inherits the new cgroups): what it knew of the process's
-/// cgroups from before no longer holds.
+/// cgroups from before no longer holds. Where the BTF gave the offsets, the event says where
+/// the task went (hierarchy and path), so the agent knows the new cgroups from the move on.
 #[raw_tracepoint(tracepoint = "cgroup_attach_task")]
 pub fn cgroup_migration(ctx: RawTracePointContext) -> i32 {
     let config = CONFIG.get(0).copied().unwrap_or_default();
     let offsets = config.identity;
-    // Without the offset, 0: every process's cgroups are in doubt.
-    let mut tgid = 0;
-    if offsets.complete != 0 {
-        // SAFETY: (struct cgroup *dst_cgrp, const char *path, struct task_struct *task, bool
-        // threadgroup); the task's tgid is read with the probe-read helper.
-        unsafe {
-            let task = *(ctx.as_ptr() as *const u64).add(2);
-            tgid = bpf_probe_read_kernel((task + offsets.task_tgid as u64) as *const i32)
-                .map_or(0, |tgid| tgid.max(0) as u32);
+    if offsets.complete == 0 {
+        // Whose move is unknown, 0: every process's cgroups are in doubt.
+        send_event(EVENT_CGROUP_MIGRATION, 0);
+        return 0;
+    }
+    // SAFETY: (struct cgroup *dst_cgrp, const char *path, struct task_struct *task, bool
+    // threadgroup); kernel memory is read with the probe-read helpers.
+    let (dst_cgrp, path, task, threadgroup) = unsafe {
+        let args = ctx.as_ptr() as *const u64;
+        (*args, *args.add(1), *args.add(2), *args.add(3))
+    };
+    let (tgid, tid) = unsafe {
+        let tgid = bpf_probe_read_kernel((task + offsets.task_tgid as u64) as *const i32)
+            .map_or(0, |tgid| tgid.max(0) as u32);
+        let tid = bpf_probe_read_kernel((task + offsets.task_pid as u64) as *const i32)
+            .map_or(0, |tid| tid.max(0) as u32);
+        (tgid, tid)
+    };
+    if config.cgroup_root_offset == 0 || config.cgroup_root_hierarchy_offset == 0 || tgid == 0 {
+        send_event(EVENT_CGROUP_MIGRATION, tgid);
+        return 0;
+    }
+    let Some(mut entry) = EVENTS.reserve::<CgroupMoveEvent>(0) else {
+        count(STAT_EVENTS_LOST);
+        return 0;
+    };
+    // SAFETY: the reserved record is ours until submitted; every field is written below (the
+    // path up to the length recorded).
+    unsafe {
+        let event = entry.as_mut_ptr();
+        (*event).header = ProcessEvent {
+            ktime_ns: bpf_ktime_get_ns(),
+            kind: EVENT_CGROUP_MIGRATION,
+            pid: tgid,
+        };
+        let details = &raw mut (*event).details;
+        (*details).tid = tid;
+        (*details).threadgroup = (threadgroup & 0xff != 0) as u32;
+        (*details).path_len = 0;
+        let root = read_kernel_u64(dst_cgrp + config.cgroup_root_offset as u64);
+        (*details).hierarchy_id = if root == 0 {
+            -1
+        } else {
+            bpf_probe_read_kernel((root + config.cgroup_root_hierarchy_offset as u64) as *const i32)
+                .unwrap_or(-1)
+        };
+        if path != 0 {
+            let copied = bpf_probe_read_kernel_str(
+                (&raw mut (*details).path).cast(),
+                CGROUP_MOVE_PATH_BYTES as u32,
+                path as *const c_void,
+            );
+            if copied > 0 {
+                (*details).path_len = copied as u32;
+            }
         }
     }
-    send_event(EVENT_CGROUP_MIGRATION, tgid);
+    entry.submit(BPF_RB_NO_WAKEUP as u64);
     0
 }
 

@@ -37,7 +37,8 @@ use crate::{
     },
     off_cpu::OffCpu,
     process::{
-        ForkOrigin, ProcessRegistry, RegistryConfig, files::FdBudget, mmap_events::MmapEvents,
+        ForkOrigin, ProcessRegistry, RegistryConfig, cgroup::in_initial_cgroup_namespace,
+        files::FdBudget, mmap_events::MmapEvents,
     },
     runtimes::python::PythonTracker,
     sampling::{SampleQueue, SampleReader},
@@ -506,7 +507,7 @@ impl Pipeline {
         } = kernel;
         let mut processes = ProcessRegistry::new("/proc".into(), host.clone());
         if events.tracks_cgroup_changes() {
-            processes.track_cgroup_changes();
+            processes.track_cgroup_changes(in_initial_cgroup_namespace());
         }
         match aya::util::online_cpus()
             .map_err(|(_, error)| error)
@@ -916,8 +917,16 @@ impl Pipeline {
                 LifecycleEvent::Forked { pid, ktime_ns, .. } => {
                     self.processes.note_fork_read(Pid(*pid), *ktime_ns);
                 }
-                LifecycleEvent::CgroupChanged { pid, ktime_ns } => {
-                    self.processes.note_cgroup_change(pid.map(Pid), *ktime_ns);
+                LifecycleEvent::CgroupChanged {
+                    pid,
+                    ktime_ns,
+                    destination,
+                } => {
+                    self.processes.note_cgroup_change(
+                        pid.map(Pid),
+                        *ktime_ns,
+                        destination.as_deref(),
+                    );
                 }
             }
         }
@@ -1031,8 +1040,17 @@ impl Pipeline {
                     };
                     self.processes.record_fork(Pid(pid), Pid(parent), origin);
                 }
-                // Noted as read from the ring (see `drain_events`).
-                LifecycleEvent::CgroupChanged { .. } => {}
+                // Noted as read from the ring (see `drain_events`); applied now, in order with
+                // the forks that inherit the cgroups.
+                LifecycleEvent::CgroupChanged {
+                    pid: Some(pid),
+                    ktime_ns,
+                    destination,
+                } => {
+                    self.processes
+                        .apply_cgroup_move(Pid(pid), ktime_ns, destination.as_deref());
+                }
+                LifecycleEvent::CgroupChanged { pid: None, .. } => {}
             }
         }
     }
@@ -1178,6 +1196,7 @@ impl Pipeline {
             cgroup_texts: registry.cgroup_texts,
             cgroup_texts_reused: registry.cgroup_texts_reused,
             process_cgroups_from_fork: registry.cgroups_from_fork,
+            process_cgroups_from_moves: registry.cgroups_from_moves,
             cgroup_moves: registry.cgroup_moves,
             executable_paths: registry.executable_paths,
             process_snapshots_from_announced_mmaps: registry.snapshots_from_announced_mmaps,

@@ -140,6 +140,20 @@ impl LabelEnv {
     }
 }
 
+/// Where the kernel's move event says a task moved between cgroups: one line of its
+/// process's /proc/PID/cgroup now reads otherwise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CgroupMove {
+    /// The thread moved.
+    pub tid: u32,
+    /// Every thread of its process moved with it (a write to `cgroup.procs`).
+    pub threadgroup: bool,
+    /// The changed line's hierarchy id (0: cgroup v2) and its new path, from the hierarchy's
+    /// root (as the initial cgroup namespace sees it).
+    pub hierarchy_id: u32,
+    pub path: Box<str>,
+}
+
 /// Who a process became at an exec, as the kernel saw it then (the exec event): enough to name
 /// a process that exits before its /proc entry is read, and to symbolize its main executable.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

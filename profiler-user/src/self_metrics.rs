@@ -109,6 +109,9 @@ pub struct SelfMetrics {
     /// /proc/PID/cgroup; processes whose latest move between cgroups is kept (bounded).
     pub process_cgroups_from_fork: u64,
     pub cgroup_moves: u64,
+    /// Running processes' cgroups known anew from a move's destination as the kernel reported
+    /// it, without reading /proc/PID/cgroup.
+    pub process_cgroups_from_moves: u64,
     /// Exec'ed paths remembered with their links resolved (bounded).
     pub executable_paths: u64,
     /// Snapshots from events whose libraries came from the kernel's mmap announcements.
@@ -1060,6 +1063,12 @@ impl SelfMetrics {
                 "process_cgroups_from_fork_total",
                 "Snapshots of live processes whose cgroups came from their parent at their fork (no task moved since) instead of /proc/PID/cgroup",
                 self.process_cgroups_from_fork,
+                "counter",
+            ),
+            (
+                "process_cgroups_from_moves_total",
+                "Running processes' cgroups known anew from the destination of their move as the kernel reported it, without reading /proc/PID/cgroup",
+                self.process_cgroups_from_moves,
                 "counter",
             ),
             (

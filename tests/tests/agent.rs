@@ -847,7 +847,8 @@ impl Drop for TestCgroup {
 /// Children of a parent in one container's cgroup are labelled with that container, and
 /// children it forks after it moved to another container's cgroup with the other: the agent
 /// takes a child's cgroups from its parent (instead of reading /proc/PID/cgroup, where cgroup
-/// v1 hierarchies are mounted) only while the kernel reported no move since.
+/// v1 hierarchies are mounted) only while the kernel reported no move since, or from the
+/// move's destination as the kernel reported it.
 #[test]
 fn children_forked_after_their_parent_moved_cgroups_are_labelled_with_the_new_ones() {
     let _guard = exclusive();
@@ -915,8 +916,9 @@ fn children_forked_after_their_parent_moved_cgroups_are_labelled_with_the_new_on
     std::fs::write(&moved, b"").expect("tell the parent");
     assert!(parent.wait().expect("the parent").success());
     std::thread::sleep(Duration::from_millis(2500));
-    let from_fork =
-        Client::new(agent.http_addr()).metric("profiler_process_cgroups_from_fork_total");
+    let client = Client::new(agent.http_addr());
+    let from_fork = client.metric("profiler_process_cgroups_from_fork_total");
+    let from_moves = client.metric("profiler_process_cgroups_from_moves_total");
     let (status, log) = agent.stop();
     assert!(status.success(), "agent failed with {status}:\n{log}");
 
@@ -972,6 +974,18 @@ fn children_forked_after_their_parent_moved_cgroups_are_labelled_with_the_new_on
         assert!(
             from_fork.is_some_and(|count| count > 0.0),
             "no child's cgroups came from its parent: {from_fork:?}"
+        );
+        // The move event says where the parent went: its cgroups after the move are known
+        // from the move on, so no child of the second phase is left to read its own (and,
+        // gone by then, to go unlabelled), however soon after the move it was forked.
+        assert!(
+            from_moves.is_some_and(|count| count > 0.0),
+            "the parent's move was not applied from its destination: {from_moves:?}"
+        );
+        assert_eq!(
+            by_phase[1].1, by_phase[1].0,
+            "children forked after the move, not all labelled with its destination: \
+             {by_phase:?}, {unlabelled:?}"
         );
     }
     drop(cgroups);

@@ -13,7 +13,7 @@ use std::{
 
 use crate::{
     bounded::ParseMemo,
-    model::{ExecArgs, ExecRecord, FileId, LabelEnv},
+    model::{CgroupMove, ExecArgs, ExecRecord, FileId, LabelEnv},
 };
 use aya::{
     Ebpf, EbpfLoader,
@@ -29,10 +29,10 @@ use aya::{
     util::online_cpus,
 };
 use profiler_common::{
-    CudaConfig, EVENT_CGROUP_MIGRATION, EVENT_CGROUPS_CHANGED, EVENT_PROCESS_EXEC,
-    EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, ExecDetails, ExecEvent, ForkEvent, IdentityOffsets,
-    MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT, STAT_NAMES,
-    STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters, names,
+    CGROUP_MOVE_PATH_BYTES, CgroupMoveDetails, CgroupMoveEvent, CudaConfig, EVENT_CGROUP_MIGRATION,
+    EVENT_CGROUPS_CHANGED, EVENT_PROCESS_EXEC, EVENT_PROCESS_EXIT, EVENT_PROCESS_FORK, ExecDetails,
+    ExecEvent, ForkEvent, IdentityOffsets, MAX_FILTERED_PIDS, ProcessEvent, PyProcInfo, STAT_COUNT,
+    STAT_NAMES, STAT_RINGBUF_PENDING_BYTES, SamplerConfig, StatCounters, names,
     unwind::{MappingKey, MappingValue, PageEntry, PageKey, ROWS_PER_CHUNK, RowChunk},
 };
 
@@ -473,10 +473,20 @@ impl EventRing {
                         });
                     }
                     EVENT_CGROUP_MIGRATION | EVENT_CGROUPS_CHANGED => {
+                        let destination = (event.kind == EVENT_CGROUP_MIGRATION
+                            && item.len() >= std::mem::size_of::<CgroupMoveEvent>())
+                        .then(|| {
+                            // SAFETY: length checked; CgroupMoveEvent is plain old data.
+                            let moved: CgroupMoveEvent =
+                                unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                            cgroup_move(&moved.details)
+                        })
+                        .flatten();
                         events.push(LifecycleEvent::CgroupChanged {
                             pid: (event.kind == EVENT_CGROUP_MIGRATION && event.pid != 0)
                                 .then_some(event.pid),
                             ktime_ns: event.ktime_ns,
+                            destination,
                         })
                     }
                     _ => {}
@@ -525,6 +535,9 @@ struct TaskOffsets {
     identity: Result<IdentityOffsets, String>,
     /// `vm_area_struct.vm_file`: whether code in no registered mapping is in a file.
     vma_file: Result<u32, String>,
+    /// `cgroup.root` and `cgroup_root.hierarchy_id`: which hierarchy a move event's
+    /// destination is in.
+    cgroup_hierarchy: Result<(u32, u32), String>,
 }
 
 fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
@@ -537,6 +550,8 @@ fn task_offsets(btf_path: &std::path::Path) -> Result<TaskOffsets, String> {
     Ok(TaskOffsets {
         fsbase: offset("task_struct", &["thread", "fsbase"]),
         vma_file: offset("vm_area_struct", &["vm_file"]),
+        cgroup_hierarchy: offset("cgroup", &["root"])
+            .and_then(|root| Ok((root, offset("cgroup_root", &["hierarchy_id"])?))),
         signal_live: offset("task_struct", &["signal"])
             .and_then(|signal| Ok((signal, offset("signal_struct", &["live"])?))),
         identity: (|| {
@@ -583,9 +598,35 @@ pub enum LifecycleEvent {
         parent_cgroup_id: u64,
         ktime_ns: u64,
     },
-    /// A task of `pid` moved to other cgroups, or (`None`) any process's cgroup text may
-    /// read otherwise now (a cgroup renamed, a hierarchy mounted or unmounted).
-    CgroupChanged { pid: Option<u32>, ktime_ns: u64 },
+    /// A task of `pid` moved to other cgroups (to `destination`, where the event says), or
+    /// (`None`) any process's cgroup text may read otherwise now (a cgroup renamed, a
+    /// hierarchy mounted or unmounted).
+    CgroupChanged {
+        pid: Option<u32>,
+        ktime_ns: u64,
+        destination: Option<Box<CgroupMove>>,
+    },
+}
+
+/// Where a move event says its task went; `None` where it does not say it whole: a hierarchy
+/// not read, a path not read, cut at the kernel's buffer's end or not UTF-8.
+fn cgroup_move(details: &CgroupMoveDetails) -> Option<Box<CgroupMove>> {
+    let hierarchy_id = u32::try_from(details.hierarchy_id).ok()?;
+    let len = details.path_len as usize;
+    if len == 0 || len >= CGROUP_MOVE_PATH_BYTES {
+        return None;
+    }
+    // The length counts the NUL.
+    let path = std::str::from_utf8(&details.path[..len - 1]).ok()?;
+    if !path.starts_with('/') {
+        return None;
+    }
+    Some(Box::new(CgroupMove {
+        tid: details.tid,
+        threadgroup: details.threadgroup != 0,
+        hierarchy_id,
+        path: path.into(),
+    }))
 }
 
 impl LifecycleEvent {
@@ -831,7 +872,8 @@ impl Sampler {
                 fsbase: Err(reason.clone()),
                 signal_live: Err(reason.clone()),
                 identity: Err(reason.clone()),
-                vma_file: Err(reason),
+                vma_file: Err(reason.clone()),
+                cgroup_hierarchy: Err(reason),
             });
         let task_fsbase_offset = offsets.fsbase.unwrap_or_else(|reason| {
             tracing::warn!(
@@ -854,6 +896,15 @@ impl Sampler {
             );
             0
         });
+        let (cgroup_root_offset, cgroup_root_hierarchy_offset) =
+            offsets.cgroup_hierarchy.unwrap_or_else(|reason| {
+                tracing::info!(
+                    "children forked right after their parent moved between cgroups read their \
+                     own cgroups from /proc: cannot find the cgroup hierarchy in the kernel's \
+                     BTF ({reason})"
+                );
+                (0, 0)
+            });
         let identity = offsets.identity.unwrap_or_else(|reason| {
             tracing::info!(
                 "processes that exit before the agent reads /proc are named by their thread: \
@@ -882,6 +933,8 @@ impl Sampler {
             off_cpu_threshold: off_cpu_probability.map_or(0, off_cpu_threshold),
             off_cpu_exclude_pid: std::process::id(),
             vma_file_offset,
+            cgroup_root_offset,
+            cgroup_root_hierarchy_offset,
         };
         // Borrowed, not taken: the CUDA programs, loaded later, refer to these maps by the file
         // descriptors the object holds.
@@ -1319,6 +1372,52 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A move event's destination is taken only when whole: a hierarchy read, a path read,
+    /// not cut at the kernel's buffer's end, UTF-8 and from the hierarchy's root.
+    #[test]
+    fn a_move_destination_is_taken_only_when_whole() {
+        let details = |hierarchy_id: i32, path: &[u8], path_len: u32| {
+            let mut details = CgroupMoveDetails {
+                tid: 7,
+                hierarchy_id,
+                threadgroup: 1,
+                path_len,
+                path: [0; CGROUP_MOVE_PATH_BYTES],
+            };
+            details.path[..path.len()].copy_from_slice(path);
+            details
+        };
+        let whole = cgroup_move(&details(4, b"/docker-a.scope\0", 16)).expect("whole");
+        assert_eq!(
+            *whole,
+            CgroupMove {
+                tid: 7,
+                threadgroup: true,
+                hierarchy_id: 4,
+                path: "/docker-a.scope".into(),
+            }
+        );
+        assert_eq!(
+            cgroup_move(&details(0, b"/\0", 2)).map(|m| m.path),
+            Some("/".into())
+        );
+        assert_eq!(cgroup_move(&details(-1, b"/a\0", 3)), None, "no hierarchy");
+        assert_eq!(cgroup_move(&details(4, b"", 0)), None, "no path");
+        assert_eq!(cgroup_move(&details(4, b"a\0", 2)), None, "relative");
+        assert_eq!(cgroup_move(&details(4, b"/\xff\0", 3)), None, "not UTF-8");
+        let full = [b'/'; CGROUP_MOVE_PATH_BYTES];
+        assert_eq!(
+            cgroup_move(&details(4, &full, CGROUP_MOVE_PATH_BYTES as u32)),
+            None,
+            "filled the buffer: may be cut"
+        );
+        assert_eq!(
+            cgroup_move(&details(4, b"/a\0", u32::MAX)),
+            None,
+            "a length past the buffer"
+        );
+    }
 
     /// An LPM trie with the mappings trie's key and value sizes, made with `BPF_MAP_CREATE`
     /// (aya 0.14 makes maps only from an object file).

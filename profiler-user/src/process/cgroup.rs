@@ -8,7 +8,7 @@
 
 use std::{collections::HashMap, sync::Arc};
 
-use crate::model::Pid;
+use crate::model::{CgroupMove, Pid};
 
 /// What a process's cgroup membership says about where it runs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -145,6 +145,9 @@ pub struct KnownCgroup {
     /// thread; a thread moved since is an event). Read from /proc, they are its main
     /// thread's: another thread may have been moved before the agent started.
     pub all_threads: bool,
+    /// The /proc/PID/cgroup text `info` was parsed from (`None`: not UTF-8), so a move the
+    /// kernel reports with its destination can be applied to it.
+    pub text: Option<Arc<str>>,
 }
 
 impl KnownCgroup {
@@ -169,8 +172,103 @@ impl KnownCgroup {
             since_ns: forked_ns,
             v2_id: Some(parent_cgroup_id),
             all_threads: true,
+            text: self.text.clone(),
         })
     }
+
+    /// What is known of a process's cgroups when it is read from /proc again (`read`): this
+    /// earlier knowledge where it still holds (`moved_since` its time says no task moved) and
+    /// the read says the same, so it stays known from its earlier time on (a child forked
+    /// between then and the read keeps it); else the read.
+    pub fn kept_across(
+        &self,
+        read: Option<KnownCgroup>,
+        moved_since: impl FnOnce(u64) -> bool,
+    ) -> Option<KnownCgroup> {
+        match read {
+            Some(read)
+                if self.text.is_some()
+                    && read.text == self.text
+                    && read.since_ns >= self.since_ns
+                    && !moved_since(self.since_ns) =>
+            {
+                Some(self.clone())
+            }
+            read => read,
+        }
+    }
+
+    /// What these cgroups are from just after `moved` at `moved_ns`: the text with the moved
+    /// hierarchy's path replaced (`parse` makes it a [`CgroupInfo`]). `None` where that is not
+    /// provable: one thread moved alone (the others stay), this knowledge is from after the
+    /// move, or the text is not kept or has no single line for the hierarchy (one mounted
+    /// since is an event of its own).
+    pub fn after_move(
+        &self,
+        moved: &CgroupMove,
+        moved_ns: u64,
+        parse: impl FnOnce(&str) -> CgroupInfo,
+    ) -> Option<KnownCgroup> {
+        if !moved.threadgroup || self.since_ns > moved_ns {
+            return None;
+        }
+        let text = moved_text(self.text.as_deref()?, moved.hierarchy_id, &moved.path)?;
+        Some(KnownCgroup {
+            info: Arc::new(parse(&text)),
+            since_ns: moved_ns + 1,
+            // A v2 move: whatever v2 id the process had is past; its fork events tell the
+            // new one.
+            v2_id: self.v2_id.filter(|_| moved.hierarchy_id != 0),
+            all_threads: self.all_threads,
+            text: Some(text.into()),
+        })
+    }
+}
+
+/// A /proc/PID/cgroup `text` after its process moved to `path` in hierarchy `hierarchy_id`:
+/// that hierarchy's one line with its path replaced. `None` when the text has no such line, or
+/// more than one, or `path` cannot be a cgroup path (a line break in it).
+pub fn moved_text(text: &str, hierarchy_id: u32, path: &str) -> Option<String> {
+    if path.contains('\n') {
+        return None;
+    }
+    let id = hierarchy_id.to_string();
+    let mut out = String::with_capacity(text.len() + path.len());
+    let mut replaced = false;
+    for line in text.split_inclusive('\n') {
+        let mut fields = line.splitn(3, ':');
+        match (fields.next(), fields.next(), fields.next()) {
+            (Some(line_id), Some(controllers), Some(_)) if line_id == id => {
+                if replaced {
+                    return None;
+                }
+                replaced = true;
+                out.push_str(line_id);
+                out.push(':');
+                out.push_str(controllers);
+                out.push(':');
+                out.push_str(path);
+                if line.ends_with('\n') {
+                    out.push('\n');
+                }
+            }
+            _ => out.push_str(line),
+        }
+    }
+    replaced.then_some(out)
+}
+
+/// The inode number of the initial cgroup namespace (`PROC_CGROUP_INIT_INO` in the kernel's
+/// `proc_ns.h`): fixed, so the agent can tell it is in it without looking at another process.
+const INITIAL_CGROUP_NAMESPACE_INODE: u64 = 0xEFFF_FFFB;
+
+/// Whether the agent is in the initial cgroup namespace, where /proc/PID/cgroup shows each
+/// path from its hierarchy's root, as the kernel's move events do (in another, from that
+/// namespace's root).
+pub fn in_initial_cgroup_namespace() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/cgroup")
+        .is_ok_and(|namespace| namespace.ino() == INITIAL_CGROUP_NAMESPACE_INODE)
 }
 
 /// Processes moved between cgroups kept at most; beyond, all are forgotten at once and every
@@ -404,5 +502,164 @@ mod tests {
             let _ = parse_cgroup(text);
         }
         assert_eq!(parse_cgroup("garbage").path, None);
+    }
+
+    fn moved(hierarchy_id: u32, path: &str, threadgroup: bool) -> CgroupMove {
+        CgroupMove {
+            tid: 500,
+            threadgroup,
+            hierarchy_id,
+            path: path.into(),
+        }
+    }
+
+    const HYBRID: &str = "4:memory:/docker/a\n2:cpu,cpuacct:/\n1:name=systemd:/user.slice\n0::/\n";
+
+    /// A move replaces its hierarchy's one line, path and all (a ':' in it included), and
+    /// leaves the rest as it was; a hierarchy the text lacks or names twice, or a path that
+    /// cannot be one, tells nothing.
+    #[test]
+    fn a_move_rewrites_its_hierarchys_line_only() {
+        assert_eq!(
+            moved_text(HYBRID, 4, "/kubepods/pod1/b:c").as_deref(),
+            Some(
+                "4:memory:/kubepods/pod1/b:c\n2:cpu,cpuacct:/\n1:name=systemd:/user.slice\n0::/\n"
+            )
+        );
+        assert_eq!(
+            moved_text(HYBRID, 0, "/system.slice/x.service").as_deref(),
+            Some(
+                "4:memory:/docker/a\n2:cpu,cpuacct:/\n1:name=systemd:/user.slice\n0::/system.slice/x.service\n"
+            )
+        );
+        assert_eq!(
+            moved_text("0::/a", 0, "/b").as_deref(),
+            Some("0::/b"),
+            "no final line break"
+        );
+        assert_eq!(moved_text(HYBRID, 7, "/x"), None, "no such hierarchy");
+        assert_eq!(moved_text("3:pids:/a\n3:pids:/b\n", 3, "/x"), None, "twice");
+        assert_eq!(moved_text(HYBRID, 4, "/x\n0::/y"), None, "a line break");
+        assert_eq!(moved_text("", 0, "/x"), None);
+    }
+
+    /// What a move makes of known cgroups: only a move of every thread, of knowledge from
+    /// before it, with its text kept; known from just after it; a v2 move forgets the v2 id.
+    #[test]
+    fn known_cgroups_after_a_move() {
+        let known = KnownCgroup {
+            info: Arc::new(parse_cgroup(HYBRID)),
+            since_ns: 100,
+            v2_id: Some(77),
+            all_threads: true,
+            text: Some(HYBRID.into()),
+        };
+        let container = "cd".repeat(32);
+        let to_container = moved(4, &format!("/docker/{container}"), true);
+        let after = known
+            .after_move(&to_container, 150, parse_cgroup)
+            .expect("a move of every thread");
+        assert_eq!(after.info.container_id.as_deref(), Some(container.as_str()));
+        assert_eq!(after.info.systemd_unit, None);
+        assert_eq!(
+            (after.since_ns, after.v2_id, after.all_threads),
+            (151, Some(77), true)
+        );
+        assert_eq!(
+            after.info.as_ref(),
+            &parse_cgroup(after.text.as_deref().unwrap())
+        );
+        let v2 = known
+            .after_move(
+                &moved(0, "/system.slice/x.service", true),
+                150,
+                parse_cgroup,
+            )
+            .expect("a v2 move");
+        assert_eq!(v2.info.path.as_deref(), Some("/system.slice/x.service"));
+        assert_eq!(v2.info.systemd_unit.as_deref(), Some("x.service"));
+        assert_eq!(v2.v2_id, None, "the new v2 id comes with the forks");
+        assert_eq!(
+            known.after_move(&moved(4, "/x", false), 150, parse_cgroup),
+            None,
+            "one thread moved alone"
+        );
+        assert_eq!(
+            known.after_move(&to_container, 99, parse_cgroup),
+            None,
+            "known from after the move"
+        );
+        let textless = KnownCgroup {
+            text: None,
+            ..known.clone()
+        };
+        assert_eq!(textless.after_move(&to_container, 150, parse_cgroup), None);
+    }
+
+    /// Read again with the same text, known cgroups keep their earlier time (a child forked
+    /// between then and the read keeps them), unless a task moved since; another text, or a
+    /// read older than the knowledge, is taken as read.
+    #[test]
+    fn known_cgroups_read_again_keep_their_time_while_they_hold() {
+        let known = |since_ns: u64, text: &str| KnownCgroup {
+            info: Arc::new(parse_cgroup(text)),
+            since_ns,
+            v2_id: None,
+            all_threads: false,
+            text: Some(text.into()),
+        };
+        let before = KnownCgroup {
+            all_threads: true,
+            ..known(100, HYBRID)
+        };
+        let no_move = |_: u64| false;
+        assert_eq!(
+            before.kept_across(Some(known(500, HYBRID)), no_move),
+            Some(before.clone())
+        );
+        let other = "0::/elsewhere\n";
+        assert_eq!(
+            before.kept_across(Some(known(500, other)), no_move),
+            Some(known(500, other))
+        );
+        assert_eq!(
+            before.kept_across(Some(known(500, HYBRID)), |since| since <= 100),
+            Some(known(500, HYBRID)),
+            "moved since"
+        );
+        assert_eq!(before.kept_across(None, no_move), None, "nothing read");
+        assert_eq!(
+            before.kept_across(Some(known(50, HYBRID)), no_move),
+            Some(known(50, HYBRID)),
+            "a read from before"
+        );
+    }
+
+    proptest::proptest! {
+        /// Any text, hierarchy and path: no panic; a rewrite keeps every other line and has
+        /// the path on the hierarchy's line.
+        #[test]
+        fn moved_text_never_panics_and_touches_one_line(
+            text in "([0-9]{1,2}:[a-z,=]{0,8}:[/a-z:]{0,8}\n?){0,5}",
+            id in 0u32..12,
+            path in "/[a-z:\n/]{0,8}",
+        ) {
+            if let Some(out) = moved_text(&text, id, &path) {
+                let before: Vec<&str> = text.lines().collect();
+                let after: Vec<&str> = out.lines().collect();
+                proptest::prop_assert_eq!(before.len(), after.len());
+                let mut changed = 0;
+                for (old, new) in before.iter().zip(&after) {
+                    if old.split(':').next() == Some(id.to_string().as_str()) {
+                        changed += 1;
+                        let prefix = old.splitn(3, ':').take(2).collect::<Vec<_>>().join(":");
+                        proptest::prop_assert_eq!(new.to_string(), format!("{prefix}:{path}"));
+                    } else {
+                        proptest::prop_assert_eq!(old, new);
+                    }
+                }
+                proptest::prop_assert_eq!(changed, 1);
+            }
+        }
     }
 }

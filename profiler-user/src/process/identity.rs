@@ -202,6 +202,11 @@ impl Identities {
         self.live.get_mut(&pid)?.cgroup.clone()
     }
 
+    /// What is known of the cgroups of `pid` while it runs, to change at a move of it.
+    pub fn running_cgroup_mut(&mut self, pid: Pid) -> Option<&mut Option<KnownCgroup>> {
+        self.live.get_mut(&pid).map(|entry| &mut entry.cgroup)
+    }
+
     /// The cgroups of the program `pid` exec'ed at `exec_ns`, when known from its fork.
     pub fn exec_cgroup(&mut self, pid: Pid, exec_ns: u64) -> Option<KnownCgroup> {
         let entry = self.entry(pid)?;

@@ -44,8 +44,8 @@ use self::{
 use crate::{
     bounded::ParseMemo,
     model::{
-        ExecRecord, LabelEnv, MappedFile, Mapping, MmapChange, Pid, ProcessInfo, ProcessLabels,
-        monotonic_now_ns,
+        CgroupMove, ExecRecord, LabelEnv, MappedFile, Mapping, MmapChange, Pid, ProcessInfo,
+        ProcessLabels, monotonic_now_ns,
     },
 };
 
@@ -205,6 +205,9 @@ pub struct RegistryStats {
     pub cgroups_from_fork: u64,
     /// Processes whose latest move between cgroups is kept (bounded, see [`CgroupMoves`]).
     pub cgroup_moves: u64,
+    /// Cgroups of running processes known anew from a move's destination as the kernel
+    /// reported it, without reading /proc/PID/cgroup (see [`KnownCgroup::after_move`]).
+    pub cgroups_from_moves: u64,
     /// Exec'ed paths remembered with their symbolic links resolved (bounded).
     pub executable_paths: u64,
     /// File descriptors the agent holds for files, counted in /proc/self/fd (everything the
@@ -301,6 +304,9 @@ pub struct ProcessRegistry {
     /// The kernel's reports of processes moved between cgroups, which tell whether their
     /// [`KnownCgroup`]s hold.
     cgroup_moves: CgroupMoves,
+    /// Whether a move's destination path reads as /proc/PID/cgroup does for the agent: the
+    /// kernel reports it from the hierarchy's root, /proc from the reader's cgroup namespace.
+    move_paths_hold: bool,
     /// Exits read from the lifecycle ring whose events are not applied yet (they wait for the
     /// samples taken before them), with their times: a sample handled meanwhile is of a
     /// process that has exited. Dropped when applied, or when a later process is forked with
@@ -333,6 +339,7 @@ impl ProcessRegistry {
             cgroups: CgroupPaths::new(),
             cgroup_texts: ParseMemo::new(MAX_KEPT_CGROUP_TEXTS),
             cgroup_moves: CgroupMoves::default(),
+            move_paths_hold: false,
             exits_ahead: foldhash::HashMap::default(),
             executable_paths: ExecutablePaths::default(),
             mmaps: None,
@@ -348,14 +355,29 @@ impl ProcessRegistry {
 
     /// The kernel reports every move of a task between cgroups and every change of cgroup
     /// paths ([`Self::note_cgroup_change`]): a fork child's cgroups may then be its parent's.
-    pub fn track_cgroup_changes(&mut self) {
+    /// `move_paths_hold`: the destinations the moves carry read as this agent's
+    /// /proc/PID/cgroup does (see [`cgroup::in_initial_cgroup_namespace`]).
+    pub fn track_cgroup_changes(&mut self, move_paths_hold: bool) {
         self.cgroup_moves.track();
+        self.move_paths_hold = move_paths_hold;
     }
 
-    /// A task of `pid` moved to other cgroups at `ktime_ns` (`None`: any process's cgroups may
-    /// read otherwise). Noted when read from the ring, before the events ahead of it are
-    /// applied: a move only ever makes what is known count for less.
-    pub fn note_cgroup_change(&mut self, pid: Option<Pid>, ktime_ns: u64) {
+    /// The destination of a move that can be applied to what is known of a process's
+    /// cgroups (every thread moved, its path as /proc would read it).
+    fn applicable_move<'a>(&self, moved: Option<&'a CgroupMove>) -> Option<&'a CgroupMove> {
+        moved.filter(|moved| moved.threadgroup && self.move_paths_hold)
+    }
+
+    /// A task of `pid` moved to other cgroups at `ktime_ns` (to `moved`, where the kernel said;
+    /// `None` for `pid`: any process's cgroups may read otherwise). Noted when read from the
+    /// ring, before the events ahead of it are applied: a move only ever makes what is known
+    /// count for less until it is applied in its turn ([`Self::apply_cgroup_move`]).
+    pub fn note_cgroup_change(
+        &mut self,
+        pid: Option<Pid>,
+        ktime_ns: u64,
+        moved: Option<&CgroupMove>,
+    ) {
         self.cgroup_moves.note(pid, ktime_ns);
         let Some(pid) = pid else {
             return;
@@ -370,8 +392,16 @@ impl ProcessRegistry {
             return;
         }
         // Its labels may name the cgroups it left: the whole snapshot is read again at its
-        // next check. Its cgroups at once (a move is rare), for the children it forks from now
-        // on (those forked since the move read their own).
+        // next check.
+        if self.applicable_move(moved).is_some() {
+            // Its cgroups from the move on, when the move is applied in its turn.
+            if let Some(entry) = self.processes.peek_mut(&pid) {
+                entry.provisional = true;
+            }
+            return;
+        }
+        // Its cgroups at once (a move is rare), for the children it forks from now on (those
+        // forked since the move read their own).
         let read_ns = monotonic_now_ns();
         let raw = fs::read(process_dir(&self.proc_root, pid).join("cgroup")).ok();
         let cgroup = cgroup_of(raw, &mut self.cgroup_texts, read_ns).1;
@@ -379,6 +409,37 @@ impl ProcessRegistry {
             entry.provisional = true;
             entry.cgroup = cgroup;
         }
+    }
+
+    /// Applies a move of `pid` at `moved_ns` (to `moved`, where the kernel said), in its turn
+    /// among the exec and fork events: the cgroups known of the process from before the move
+    /// become those after it, where [`KnownCgroup::after_move`] can tell them, else unknown
+    /// (its children read their own). Knowledge from after the move is left as it is.
+    pub fn apply_cgroup_move(&mut self, pid: Pid, moved_ns: u64, moved: Option<&CgroupMove>) {
+        let moved = self.applicable_move(moved);
+        let memo = &mut self.cgroup_texts;
+        let mut after = |known: &KnownCgroup| -> Option<KnownCgroup> {
+            known.after_move(moved?, moved_ns, |text| {
+                memo.get_or_parse(text.as_bytes(), parse_cgroup_bytes)
+            })
+        };
+        let mut applied = 0;
+        if let Some(entry) = self.processes.peek_mut(&pid)
+            && !entry.exited
+            && let Some(known) = entry.cgroup.as_ref()
+            && known.since_ns <= moved_ns
+        {
+            entry.cgroup = after(known);
+            applied += u64::from(entry.cgroup.is_some());
+        }
+        if let Some(cgroup) = self.identities.running_cgroup_mut(pid)
+            && let Some(known) = cgroup.as_ref()
+            && known.since_ns <= moved_ns
+        {
+            *cgroup = after(known);
+            applied += u64::from(cgroup.is_some());
+        }
+        self.stats.cgroups_from_moves += applied;
     }
 
     pub fn watch_mmaps(&mut self, events: MmapEvents) {
@@ -1150,6 +1211,21 @@ impl ProcessRegistry {
         if snapshot.cgroup_from_fork {
             self.stats.cgroups_from_fork += 1;
         }
+        // Taken again (a provisional one after a move, a library loaded): the cgroups known
+        // from before are kept where they still hold. Events are applied in order, so an
+        // entry not marked exited is of the process with the pid now; and were it not (an
+        // exit lost), the cgroups the pid's process had then, unmoved since and read the same
+        // now, are still those of any process with the pid.
+        let moves = &self.cgroup_moves;
+        let cgroup = match self.processes.peek_mut(&pid) {
+            Some(old) if !old.exited => match &old.cgroup {
+                Some(known) => {
+                    known.kept_across(snapshot.cgroup, |since| moves.moved_since(pid, since))
+                }
+                None => snapshot.cgroup,
+            },
+            _ => snapshot.cgroup,
+        };
         let entry = Entry {
             start: execed_at.map_or(ProcessStart::Read(info.start_time), ProcessStart::ExecedAt),
             info: Arc::clone(&info),
@@ -1159,7 +1235,7 @@ impl ProcessRegistry {
             used_in_interval: self.interval,
             provisional,
             exited: false,
-            cgroup: snapshot.cgroup,
+            cgroup,
         };
         if let Some((evicted, _)) = self.processes.insert(pid, entry) {
             debug!(pid = %evicted, "snapshot evicted: too many processes");
@@ -1464,6 +1540,7 @@ fn cgroup_of(
         since_ns: read_ns,
         v2_id: None,
         all_threads: false,
+        text: std::str::from_utf8(&raw).ok().map(Arc::from),
     };
     (cgroup, Some(known))
 }

@@ -1705,7 +1705,7 @@ fn a_fork_childs_cgroups_are_its_parents_while_no_task_moved() {
     let root = tempfile::tempdir().expect("tempdir");
     let mut registry = fake_registry(root.path(), Duration::ZERO);
     registry.cgroups = CgroupPaths::with_root(None);
-    registry.track_cgroup_changes();
+    registry.track_cgroup_changes(true);
     let child_container = "ab".repeat(32);
     let hybrid = |id: &str| format!("4:memory:/docker/{id}\n1:name=systemd:/\n0::/\n");
     let write_process = |pid: u32, container: &str| {
@@ -1781,7 +1781,7 @@ fn a_fork_childs_cgroups_are_its_parents_while_no_task_moved() {
         "exec'ed in another v2 cgroup than the parent forked in: read"
     );
     let moved = |registry: &mut ProcessRegistry| {
-        registry.note_cgroup_change(Some(Pid(505)), monotonic_now_ns())
+        registry.note_cgroup_change(Some(Pid(505)), monotonic_now_ns(), None)
     };
     assert_eq!(
         child(&mut registry, 505, 500, 500, v2_id, true, None, &moved),
@@ -1806,7 +1806,7 @@ fn a_fork_childs_cgroups_are_its_parents_while_no_task_moved() {
     fs::write(root.path().join("500/cgroup"), hybrid(&third_container)).expect("cgroup");
     let moved_ns = monotonic_now_ns();
     let forked_ns = monotonic_now_ns();
-    registry.note_cgroup_change(Some(Pid(500)), moved_ns);
+    registry.note_cgroup_change(Some(Pid(500)), moved_ns, None);
     assert_eq!(
         child(
             &mut registry,
@@ -1837,7 +1837,7 @@ fn a_fork_childs_cgroups_are_its_parents_while_no_task_moved() {
         CONTAINER_ID,
         "a move of its parent's parent does not concern a child's child"
     );
-    registry.note_cgroup_change(None, monotonic_now_ns());
+    registry.note_cgroup_change(None, monotonic_now_ns(), None);
     assert_eq!(
         child(&mut registry, 510, 501, 9999, v2_id, true, None, &nothing),
         child_container,
@@ -1853,4 +1853,114 @@ fn a_fork_childs_cgroups_are_its_parents_while_no_task_moved() {
         child_container,
         "moves not traced: read"
     );
+}
+
+/// Where the kernel's move event says where the process went (the hierarchy and path), its
+/// cgroups after the move are known from the move on, without a read of /proc: a child forked
+/// between the move and the agent's read of it, gone before its own lookup, is labelled with
+/// the container its parent moved to, and so is the child of a process known only from its
+/// events (moved before its first sample, as a container's first process is). A move of one
+/// thread, or a destination the agent cannot read as /proc would (another cgroup namespace),
+/// leaves the children to read their own.
+#[test]
+fn a_move_with_its_destination_gives_the_new_cgroups_to_children_forked_after_it() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    registry.cgroups = CgroupPaths::with_root(None);
+    registry.track_cgroup_changes(true);
+    let hybrid = |id: &str| format!("4:memory:/docker/{id}\n1:name=systemd:/\n0::/\n");
+    let dir = write_fake_process(root.path(), 500, 5000, ANON_MAPS);
+    fs::write(dir.join("stat"), stat_line(500, "sleep", 0x0040_0100, 5000)).expect("stat");
+    fs::write(dir.join("cgroup"), hybrid(CONTAINER_ID)).expect("cgroup");
+    std::os::unix::fs::symlink("/bin/sleep", dir.join("exe")).expect("symlink");
+    registry.lookup(Pid(500)).expect("the parent's snapshot");
+    let v2_id = 77;
+    // A child of `parent` forked now by its main thread, exec'ed and gone before its lookup:
+    // its container.
+    let gone_child = |registry: &mut ProcessRegistry, pid: u32, parent: u32| {
+        let origin = ForkOrigin {
+            forked_ns: monotonic_now_ns(),
+            parent_tid: parent,
+            parent_cgroup_id: v2_id,
+        };
+        registry.record_fork(Pid(pid), Pid(parent), origin);
+        let record = ExecRecord {
+            cgroup_id: v2_id,
+            exec_ns: monotonic_now_ns(),
+            ..registry_record("sleep")
+        };
+        registry.record_exec(Pid(pid), Arc::new(record));
+        let info = registry
+            .lookup(Pid(pid))
+            .expect("the child from its events");
+        info.labels.container_id.clone().unwrap_or_default()
+    };
+    // The kernel moves every thread of `pid` to `destination` now: the event read, then
+    // applied in its turn.
+    let move_now = |registry: &mut ProcessRegistry, pid: u32, destination: &CgroupMove| {
+        let moved_ns = monotonic_now_ns();
+        registry.note_cgroup_change(Some(Pid(pid)), moved_ns, Some(destination));
+        registry.apply_cgroup_move(Pid(pid), moved_ns, Some(destination));
+    };
+    // /proc says yet another container for the parent from now on: what the children get
+    // comes from the event, not from a read.
+    fs::write(dir.join("cgroup"), hybrid(&"ef".repeat(32))).expect("cgroup");
+    let moved_to = |container: &str, threadgroup: bool| CgroupMove {
+        tid: 500,
+        threadgroup,
+        hierarchy_id: 4,
+        path: format!("/docker/{container}").into(),
+    };
+    let second = "cd".repeat(32);
+    let destination = moved_to(&second, true);
+    move_now(&mut registry, 500, &destination);
+    assert_eq!(
+        gone_child(&mut registry, 601, 500),
+        second,
+        "forked after the move, before any read of /proc"
+    );
+    assert_eq!(registry.stats().cgroups_from_moves, 1);
+    assert_eq!(
+        gone_child(&mut registry, 602, 601),
+        second,
+        "the child's child: the cgroups it inherited"
+    );
+    // 601 is known only from its events; it moves, then forks.
+    let third = "ab".repeat(32);
+    let destination = CgroupMove {
+        tid: 601,
+        ..moved_to(&third, true)
+    };
+    move_now(&mut registry, 601, &destination);
+    assert_eq!(
+        gone_child(&mut registry, 603, 601),
+        third,
+        "a process known from its events, moved"
+    );
+    assert_eq!(registry.stats().cgroups_from_moves, 2);
+    // One thread of the parent moves: the destination is not the process's; its cgroups are
+    // read at the move, as without a destination.
+    let one_thread = moved_to(&third, false);
+    move_now(&mut registry, 500, &one_thread);
+    assert_eq!(
+        gone_child(&mut registry, 604, 500),
+        "ef".repeat(32),
+        "after a move of one thread: read at the move, not the destination"
+    );
+    assert_eq!(registry.stats().cgroups_from_moves, 2);
+    // In another cgroup namespace a destination is not what /proc says.
+    let mut elsewhere = fake_registry(root.path(), Duration::ZERO);
+    elsewhere.cgroups = CgroupPaths::with_root(None);
+    elsewhere.track_cgroup_changes(false);
+    fs::write(dir.join("cgroup"), hybrid(CONTAINER_ID)).expect("cgroup");
+    elsewhere.lookup(Pid(500)).expect("the parent's snapshot");
+    fs::write(dir.join("cgroup"), hybrid(&"ef".repeat(32))).expect("cgroup");
+    let destination = moved_to(&second, true);
+    move_now(&mut elsewhere, 500, &destination);
+    assert_eq!(
+        gone_child(&mut elsewhere, 605, 500),
+        "ef".repeat(32),
+        "the destination not used: the parent's cgroups read at the move"
+    );
+    assert_eq!(elsewhere.stats().cgroups_from_moves, 0);
 }
