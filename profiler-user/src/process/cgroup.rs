@@ -129,8 +129,9 @@ pub fn systemd_unit_from_path(path: &str) -> Option<String> {
 }
 
 /// What a process's cgroups are known to be from `since_ns` (`bpf_ktime_get_ns` time) on, as
-/// long as none of its tasks moves to other cgroups: read from its /proc/PID/cgroup, or taken
-/// from its parent at its fork (a child starts in the cgroups of the thread that forked it).
+/// long as none of its tasks moves to other cgroups: read from its /proc/PID/cgroup, taken
+/// from its parent at its fork (a child starts in the cgroups of the thread that forked it),
+/// or made from what was known before its move and the move's destination.
 /// A fork child then gets its cgroups without a read of /proc, where the cgroup id of its
 /// exec event does not say them all (a host with cgroup v1 hierarchies mounted).
 #[derive(Clone, Debug, PartialEq, Eq)]

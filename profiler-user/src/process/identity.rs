@@ -105,7 +105,7 @@ struct Entry {
     /// What the process was before the exec `current` records: for its samples taken in
     /// that exec, handled after it.
     before_exec: Option<Identity>,
-    /// Its cgroups, when known from its fork (an exec keeps them).
+    /// Its cgroups, when known from its fork (an exec keeps them) and the moves since.
     cgroup: Option<KnownCgroup>,
 }
 
