@@ -631,6 +631,11 @@ impl Pipeline {
         mut process: Arc<ProcessInfo>,
         registration: Registration,
     ) {
+        if registration == Registration::Register {
+            // The one count of this sample towards its process's registration: its walk and
+            // its frames after only keep the registration current.
+            self.native_tables.sync(&process);
+        }
         match self.finish_late_walk(&mut sample, &mut process, Patience::Wait, registration) {
             Walk::Done => self.handle_unwound(&sample, registration.snapshot(process)),
             Walk::Pending => self.late.hold(sample, process, registration),
@@ -706,7 +711,7 @@ impl Pipeline {
         registration: Registration,
     ) -> Walk {
         if registration == Registration::Register {
-            self.native_tables.sync(process);
+            self.native_tables.resync(process);
         }
         let pid = sample.pid;
         let walked_against = Arc::clone(process);
@@ -726,7 +731,7 @@ impl Pipeline {
         if !Arc::ptr_eq(&walked_against, process) {
             self.late.stats.refreshed_mid_walk += 1;
             // Registered too, so BPF walks the library from the next sample on.
-            self.native_tables.sync(process);
+            self.native_tables.resync(process);
         }
         if walk == Walk::Done {
             self.late.stats.finished += 1;
@@ -802,6 +807,8 @@ impl Pipeline {
         snapshot: SnapshotOf,
     ) -> (Vec<Arc<SymbolizedFrame>>, Option<Arc<ProcessInfo>>, bool) {
         let register = !matches!(snapshot, SnapshotOf::BeforeExec(_));
+        // A late walk's sample counted towards the registration when its walk began.
+        let counted = matches!(snapshot, SnapshotOf::LateWalk(_));
         let (mut stack, process) = match snapshot {
             SnapshotOf::Registry => self.unwinder.unwind(sample, &mut self.processes),
             SnapshotOf::LateWalk(process) => {
@@ -810,9 +817,14 @@ impl Pipeline {
             SnapshotOf::BeforeExec(process) => self.unwinder.unwind(sample, &mut Pinned(process)),
         };
         if let Some(process) = process.as_ref().filter(|_| register) {
-            // The first sample of a process (or of a new snapshot after exec/dlopen) registers
-            // its mappings, so BPF unwinds its next samples from the tables.
-            self.native_tables.sync(process);
+            // A process sampled REGISTER_AT_SAMPLE times (or a registered one's new snapshot
+            // after a dlopen) has its mappings registered, so BPF unwinds its next samples
+            // from the tables.
+            if counted {
+                self.native_tables.resync(process);
+            } else {
+                self.native_tables.sync(process);
+            }
             self.check_table_use(sample, &mut stack);
             self.python.sync(process);
         }

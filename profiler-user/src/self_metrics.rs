@@ -838,6 +838,12 @@ impl SelfMetrics {
                 "gauge",
             ),
             (
+                "process_registrations_total",
+                "Processes registered for BPF to unwind with, at their fourth sample",
+                tables.registrations,
+                "counter",
+            ),
+            (
                 "symbol_files",
                 "Files whose parsed symbol tables the symbolizer holds",
                 self.symbol_files,

@@ -56,9 +56,12 @@ pub struct NativeTableStats {
     pub tables_demanded: u64,
     /// Files the manager knows (placed, built but waiting, building, unusable).
     pub table_slots: u64,
-    /// Processes whose registration was put off at their first sample (most are never
-    /// sampled again).
+    /// Samples of processes not registered yet that put their registration off (most
+    /// processes on a busy host are never sampled again).
     pub registrations_put_off: u64,
+    /// Processes registered so far (each a map update per address block of its mappings, and
+    /// the deletes at its exit).
+    pub registrations: u64,
     pub rows_in_use: u64,
     pub row_capacity: u64,
     pub processes_registered: u64,
@@ -751,6 +754,9 @@ impl<M: UnwindMaps> NativeTables<M> {
     /// are sampled once or twice in their life (the host benchmark registered 60 processes a
     /// second at the second sample). The samples before are unwound by the late walk from
     /// the same tables; only a stack deeper than the copy ends early there, marked truncated.
+    ///
+    /// Each call counts one sample: a sample whose stack is looked at again (its walk finished
+    /// after a refresh, its frames symbolized after its late walk) is [`Self::resync`]ed.
     pub fn sync(&mut self, process: &Arc<ProcessInfo>) {
         if !self.processes.contains_key(&process.pid) && !process.is_kernel_thread {
             if self.sighting(process.pid) < REGISTER_AT_SAMPLE {
@@ -760,6 +766,14 @@ impl<M: UnwindMaps> NativeTables<M> {
             self.sightings.remove(&process.pid);
         }
         self.register(process);
+    }
+
+    /// [`Self::sync`] for a sample already counted: keeps a registration current with
+    /// `process` (a new snapshot, tables come in) without counting another sample towards one.
+    pub fn resync(&mut self, process: &Arc<ProcessInfo>) {
+        if self.processes.contains_key(&process.pid) {
+            self.register(process);
+        }
     }
 
     /// Counts a sample of a process not registered; returns its samples so far (bounded: the
@@ -867,6 +881,9 @@ impl<M: UnwindMaps> NativeTables<M> {
             .map(|(value, range)| (value, position[range.start]..position[range.end]))
             .collect();
         self.stats.mapping_prefixes += prefixes.len() as u64;
+        if previous.is_none() {
+            self.stats.registrations += 1;
+        }
         self.processes.insert(
             process.pid,
             Registration {
@@ -1908,6 +1925,9 @@ mod tests {
         let p = process(70, &[mapped(LIBC)]);
         for sample in 1..REGISTER_AT_SAMPLE {
             tables.sync(&p);
+            // The same sample looked at again (its frames after its late walk) is no other.
+            tables.resync(&p);
+            tables.resync(&p);
             assert!(
                 tables.maps().mappings.is_empty(),
                 "not after sample {sample}"
@@ -1919,7 +1939,12 @@ mod tests {
         );
         tables.sync(&p);
         assert_eq!(tables.stats().processes_registered, 1);
+        assert_eq!(tables.stats().registrations, 1);
         assert!(!tables.maps().mappings.is_empty());
+        // Kept current, not registered anew.
+        tables.resync(&p);
+        tables.sync(&p);
+        assert_eq!(tables.stats().registrations, 1);
         // Unregistered at its exit; a new process with the same pid starts over.
         tables.unregister(Pid(70));
         tables.sync(&p);
