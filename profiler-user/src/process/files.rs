@@ -6,7 +6,7 @@ use std::{
     sync::Arc,
 };
 
-use object::{Object, ReadCache};
+use object::ReadCache;
 use tracing::debug;
 
 use super::{lru::Lru, maps::MapsEntry};
@@ -286,8 +286,9 @@ fn own_namespace_path(path: &str, id: FileId) -> Option<PathBuf> {
 /// id-less files. Reads only the headers and notes, not the whole file.
 pub fn read_build_id(file: &File) -> Option<String> {
     let cache = ReadCache::new(file);
-    let object = object::File::parse(&cache).ok()?;
-    let id = object.build_id().ok()??;
+    let id = super::elf_headers::ElfHeaders::parse(&cache)
+        .ok()?
+        .build_id?;
     if id.is_empty() {
         return None;
     }

@@ -22,7 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use object::{Object, ObjectSegment, SegmentFlags, read::ReadCache};
+use object::read::ReadCache;
 
 use super::{
     EXITED_PROCESS_RETENTION_NS,
@@ -332,14 +332,13 @@ impl ExecutablePaths {
 /// of the lowest executable segment, whose file offset this is.
 pub fn code_file_offset(file: &fs::File) -> Option<u64> {
     let cache = ReadCache::new(file);
-    let elf = object::File::parse(&cache).ok()?;
-    elf.segments()
-        .filter(|segment| match segment.flags() {
-            SegmentFlags::Elf { p_flags } => p_flags & object::elf::PF_X != 0,
-            _ => false,
-        })
-        .min_by_key(|segment| segment.address())
-        .map(|segment| segment.file_range().0)
+    let headers = super::elf_headers::ElfHeaders::parse(&cache).ok()?;
+    headers
+        .loads
+        .iter()
+        .filter(|load| load.executable)
+        .min_by_key(|load| load.vaddr)
+        .map(|load| load.file_offset)
 }
 
 /// The exec'ed file when it is still on disk as it was exec'ed (same inode).

@@ -7,6 +7,7 @@
 //! (`dlopen`, `exec`), both rate-limited per pid, and dropped once the process is gone and the
 //! snapshot has been unused for a whole interval.
 pub mod cgroup;
+pub mod elf_headers;
 pub mod files;
 pub mod identity;
 pub mod kubernetes;

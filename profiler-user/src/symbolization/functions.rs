@@ -20,9 +20,10 @@
 //! which cost a symbol search of 20-30 µs.
 use std::{collections::BTreeMap, fs::File, ops::Range, path::Path, sync::Arc};
 
-use super::RememberedFunction;
+use object::{Object, ObjectSymbol, read::ReadCache};
 
-use object::{Object, ObjectSection, ObjectSymbol, read::ReadCache};
+use super::RememberedFunction;
+use crate::process::elf_headers::ElfHeaders;
 
 /// Functions remembered per file at most (`FunctionIndex::remember`): the file's start over
 /// when full. The symbolizer bounds them over all files too (`MAX_FUNCTION_RANGES`).
@@ -145,25 +146,30 @@ impl FunctionIndex {
         // The headers only, read through the cache; the sections are used in the mapping.
         let (little_endian, header, frames, text, got, symbols) = {
             let cache = ReadCache::new(&file);
-            let elf = object::File::parse(&cache).ok()?;
+            // The headers alone: a whole parse would copy the symbol tables through the cache.
+            let elf = ElfHeaders::parse(&cache).ok()?;
             let placed = |name: &str| {
-                let section = elf.section_by_name(name)?;
-                let (offset, size) = section.file_range()?;
+                let section = elf.section(name)?;
+                let (offset, size) = section.file_range?;
                 let start = usize::try_from(offset).ok()?;
                 let end = start.checked_add(usize::try_from(size).ok()?)?;
-                Some((start..end, section.address()))
+                Some((start..end, section.address))
             };
-            let address = |name: &str| elf.section_by_name(name).map(|s| s.address());
+            let address = |name: &str| elf.section(name).map(|s| s.address);
             let dynsym_only = symbols_only_in_binary
-                && elf.section_by_name(".symtab").is_none()
-                && elf.section_by_name(".gnu_debugdata").is_none();
+                && elf.section(".symtab").is_none()
+                && elf.section(".gnu_debugdata").is_none();
+            // Only `.dynsym` is there to read, and these bounds need it whole.
+            let symbols = dynsym_only
+                .then(|| SymbolBounds::read(&object::File::parse(&cache).ok()?))
+                .flatten();
             (
-                elf.is_little_endian(),
+                elf.little_endian,
                 placed(".eh_frame_hdr")?,
                 placed(".eh_frame")?,
                 address(".text"),
                 address(".got"),
-                dynsym_only.then(|| SymbolBounds::read(&elf)).flatten(),
+                symbols,
             )
         };
         // SAFETY: a read-only shared mapping; the handle the process stage holds keeps the

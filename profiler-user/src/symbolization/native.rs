@@ -18,14 +18,17 @@ use blazesym::symbolize::{
     self as bz, CodeInfo, Input, Sym, Symbolized,
     source::{Elf, Source},
 };
-use object::{Object, ObjectSection, ObjectSegment, read::ReadCache};
+use object::read::ReadCache;
 use tracing::{debug, warn};
 
 use super::{
     StringInterner,
     demangle::{FunctionName, FunctionNames},
 };
-use crate::model::{FileId, FrameLine, MappedFile};
+use crate::{
+    model::{FileId, FrameLine, MappedFile},
+    process::elf_headers::ElfHeaders,
+};
 
 /// What a file's resolver costs besides its tables' size (blazesym's own structures).
 const RESOLVER_OVERHEAD_BYTES: u64 = 64 << 10;
@@ -60,43 +63,35 @@ impl ElfLayout {
             path: path.to_path_buf(),
             source,
         })?;
-        // ReadCache only reads the headers and sections asked for, not the whole file.
+        // The headers only: a whole parse copies the symbol tables through the cache.
         let cache = ReadCache::new(file);
-        let elf = object::File::parse(&cache).map_err(|source| super::SymbolizationError::Elf {
+        let elf = ElfHeaders::parse(&cache).map_err(|source| super::SymbolizationError::Elf {
             path: path.to_path_buf(),
             source,
         })?;
         let loads = elf
-            .segments()
-            .map(|segment| {
-                let (file_offset, file_size) = segment.file_range();
-                LoadSegment {
-                    file_offset,
-                    file_size,
-                    vaddr: segment.address(),
-                }
+            .loads
+            .iter()
+            .map(|load| LoadSegment {
+                file_offset: load.file_offset,
+                file_size: load.file_size,
+                vaddr: load.vaddr,
             })
             .collect();
         let has_dwarf = elf
-            .section_by_name(".debug_info")
-            .or_else(|| elf.section_by_name(".zdebug_info"))
-            .is_some_and(|section| section.size() > 0);
-        let build_id = elf.build_id().ok().flatten().map(hex);
+            .section(".debug_info")
+            .is_some_and(|section| section.uncompressed_size > 0);
+        let build_id = elf.build_id.as_deref().map(hex);
         let debuglink = elf
-            .gnu_debuglink()
-            .ok()
-            .flatten()
-            .map(|(name, _crc)| String::from_utf8_lossy(name).into_owned());
+            .debuglink
+            .as_deref()
+            .map(|name| String::from_utf8_lossy(name).into_owned());
         // A compressed section (a distribution's debug files) is held decompressed.
         let size_of = |names: &[&str]| {
             names
                 .iter()
-                .filter_map(|name| elf.section_by_name(name))
-                .map(|section| {
-                    section
-                        .compressed_file_range()
-                        .map_or(section.size(), |range| range.uncompressed_size)
-                })
+                .filter_map(|name| elf.section(name))
+                .map(|section| section.uncompressed_size)
                 .sum::<u64>()
         };
         Ok(Self {

@@ -29,7 +29,7 @@ use gimli::{
 };
 use object::{Architecture, Object, ObjectSection};
 use profiler_common::unwind::{
-    CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED,
+    CFA_PLT, CFA_RBP, CFA_RBP_DEREF, CFA_RSP, PAGE_SHIFT, RBP_AT_CFA, RBP_AT_RBP, RBP_UNCHANGED,
 };
 
 use super::{
@@ -431,6 +431,8 @@ where
     fdes.sort_unstable_by_key(|fde| (fde.start, fde.offset));
 
     let mut merged = PagedBuilder::new(true, limits.max_rows);
+    stats.row_bound = most_rows(cfi.data.len(), &fdes) as u64;
+    merged.reserve_rows(stats.row_bound as usize);
     // One FDE's rows, reused.
     let mut fde_rows: Vec<TableRow> = Vec::new();
     // Allocated once and reused by every FDE program.
@@ -570,11 +572,28 @@ where
     if let Some(end) = covered_end {
         merged.push(end, Rule::NONE)?;
     }
+    stats.row_vector_growths = merged.row_vector_growths();
     // The merged rows are written into their pages as they come, with the table's invariants
     // (the page span among them) checked on the way.
     let mut table = UnwindTable::from_paged(merged, stats)?;
     table.stats.rows_after_merge = table.row_count() as u64;
     Ok(table)
+}
+
+/// An upper bound on the rows of the table of a section of `section_bytes` with these FDEs
+/// (sorted by start). Each row of an FDE after its first needs an advance instruction of at
+/// least one byte of the section; the merge adds one row an FDE at most (the gap before it,
+/// or the rule in effect where it overlaps an earlier one); each page of the span starts
+/// with one more; and the end marker.
+fn most_rows(section_bytes: usize, fdes: &[FdeRef]) -> usize {
+    let (Some(first), Some(last_end)) = (fdes.first(), fdes.iter().map(FdeRef::end).max()) else {
+        return 0;
+    };
+    let pages = ((last_end >> PAGE_SHIFT).saturating_sub(first.start >> PAGE_SHIFT) + 1) as usize;
+    section_bytes
+        .saturating_add(fdes.len().saturating_mul(2))
+        .saturating_add(pages)
+        .saturating_add(1)
 }
 
 /// The first pass: every FDE's range and place, checked against the limits; CIEs are cached

@@ -281,6 +281,12 @@ pub struct TableStats {
     /// frame there is unwound by a rule it does not have. A file with only such FDEs has no
     /// table.
     pub malformed_fdes: u64,
+    /// An upper bound on the table's rows (page start rows included), known from the FDE
+    /// index before any program runs: what a large table's row vector is reserved at.
+    pub row_bound: u64,
+    /// Times the row vector was reallocated to grow, each a copy of all rows so far with both
+    /// vectors held; none for a table large enough to be reserved at `row_bound`.
+    pub row_vector_growths: u64,
 }
 
 /// A row's rules without its address.

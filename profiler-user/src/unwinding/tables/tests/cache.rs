@@ -56,7 +56,13 @@ fn synthetic_table() -> UnwindTable {
 
 fn assert_same(loaded: &UnwindTable, original: &UnwindTable) {
     assert_eq!(loaded.rows(), original.rows());
-    assert_eq!(loaded.stats(), original.stats());
+    // The build's own figures (its row bound and growths) are not kept.
+    let kept = |stats: &TableStats| TableStats {
+        row_bound: 0,
+        row_vector_growths: 0,
+        ..stats.clone()
+    };
+    assert_eq!(kept(loaded.stats()), kept(original.stats()));
     assert_eq!(loaded.pages(), original.pages());
 }
 

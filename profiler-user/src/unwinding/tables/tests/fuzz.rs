@@ -92,6 +92,13 @@ fn check_outcome(
             assert_eq!(found, Some(row.rule), "{what}: row at {:#x}", row.address);
         }
         assert!(table.stats().rows_after_merge as usize == rows.len());
+        // The reservation's bound holds for any input that builds.
+        let stored = table.paged().rows().len() as u64;
+        assert!(
+            stored <= table.stats().row_bound,
+            "{what}: {stored} rows, {:?}",
+            table.stats()
+        );
     }
     outcome
 }

@@ -8,7 +8,7 @@ use object::{Object, ObjectSection};
 use profiler_common::unwind::{CFA_SIGNAL, PAGE_SHIFT};
 
 use super::{assert_well_formed, check_against_oracle, external_file, oracle_fdes, pyenv_root};
-use crate::unwinding::tables::{CfiSource, build_table};
+use crate::unwinding::tables::{CfiSource, UnwindTable, build_table};
 
 const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
 const LIBSTDCXX: &str = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6";
@@ -28,6 +28,11 @@ fn check_library(path: &Path, what: &str, min_pcs: u64, min_rows: usize) {
     let stats = table.stats();
     assert_eq!(stats.source, CfiSource::EhFrame);
     assert_well_formed(&table);
+    let stored = table.paged().rows().len() as u64;
+    assert!(
+        stored <= stats.row_bound,
+        "{what}: {stored} rows; {stats:?}"
+    );
     // Distribution builds omit frame pointers: decoding finds a call made outside a frame
     // (libc is not decoded at all: its signal trampoline rules it out first).
     if stats.signal_fdes == 0 {
@@ -137,26 +142,50 @@ fn libc_restore_rt_is_a_signal_frame() {
     );
 }
 
+/// The table of a library of `.tools/torch-venv` (`cargo xtask setup`), at `relative` to its
+/// site-packages; `None` (the test skipped) where the venv is not installed.
+fn torch_venv_table(relative: &str) -> Option<UnwindTable> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../.tools/torch-venv/lib/python3.11/site-packages")
+        .join(relative);
+    let elf = external_file(
+        &path,
+        &format!("{relative} of the torch venv (cargo xtask setup)"),
+    )?;
+    Some(build_table(&elf).expect("table builds"))
+}
+
 /// NVIDIA's libnvrtc (from PyTorch's CUDA wheels in `.tools/torch-venv`) has FDEs whose
 /// programs gimli cannot evaluate ("invalid context for call frame instruction"): the table
 /// is built anyway, those FDEs' ranges without CFI, and every other FDE's rows are gimli's.
 /// Before, one such FDE failed the whole library (seen on an H100 host).
 #[test]
 fn a_library_with_malformed_fde_programs_keeps_the_rest_of_its_table() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../.tools/torch-venv/lib/python3.11/site-packages/nvidia/cu13/lib/libnvrtc.so.13");
-    let Some(elf) = external_file(
-        &path,
-        "libnvrtc.so.13 of the torch venv (cargo xtask setup)",
-    ) else {
+    let Some(table) = torch_venv_table("nvidia/cu13/lib/libnvrtc.so.13") else {
         return;
     };
-    let table = build_table(&elf).expect("table builds");
     let stats = table.stats();
     eprintln!("libnvrtc: {} rows; {stats:?}", table.row_count());
     assert!(stats.malformed_fdes > 0, "{stats:?}");
     assert!(stats.malformed_fdes * 100 < stats.fdes, "{stats:?}");
     assert!(table.row_count() > 100_000, "{} rows", table.row_count());
     assert!(!table.frame_pointers_reliable());
+    assert_well_formed(&table);
+}
+
+/// The largest library the agent meets (libtorch_cpu, 2.7 M rows, from `.tools/torch-venv`):
+/// its rows are reserved at once, so the row vector is never copied to grow (each copy held
+/// both vectors, up to 52 MiB), and the bound it is reserved at holds.
+#[test]
+fn a_large_table_is_built_without_growing_its_rows_by_copies() {
+    let Some(table) = torch_venv_table("torch/lib/libtorch_cpu.so") else {
+        return;
+    };
+    let stats = table.stats();
+    let stored = table.paged().rows().len() as u64;
+    eprintln!("libtorch_cpu: {stored} rows; {stats:?}");
+    assert!(stored > 1_000_000, "{stored} rows");
+    assert!(stored <= stats.row_bound, "{stats:?}");
+    assert_eq!(stats.row_vector_growths, 0, "{stats:?}");
     assert_well_formed(&table);
 }
