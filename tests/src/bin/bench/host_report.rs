@@ -9,7 +9,7 @@ use crate::{
     host::{AGENT_RUST_LOG, HostRun, POLL_S, Poll, warm_up_s},
     host_profiles::{ProfileAnalysis, ServiceStats},
     host_workload::{self, progress_value},
-    parse::median,
+    parse::{median, quantile},
 };
 
 const TARGET_RSS_GROWTH_PCT: f64 = 5.0;
@@ -106,6 +106,46 @@ fn us_per_sample(a: &Poll, b: &Poll) -> Option<f64> {
     (samples > 0.0).then(|| cpu * 1e6 / samples)
 }
 
+/// CPU µs per sample of each agent interval whose end the polls saw: the /metrics values
+/// change once an interval (every 15 s), so consecutive polls with the same sample count are
+/// one interval end.
+fn interval_us_per_sample(polls: &[&Poll]) -> Vec<f64> {
+    let mut ends: Vec<&Poll> = Vec::new();
+    for poll in polls {
+        if poll.metric(SAMPLES).is_none() || poll.metric(AGENT_CPU).is_none() {
+            continue;
+        }
+        if ends
+            .last()
+            .is_none_or(|last| last.metric(SAMPLES) != poll.metric(SAMPLES))
+        {
+            ends.push(poll);
+        }
+    }
+    ends.windows(2)
+        .filter_map(|pair| us_per_sample(pair[0], pair[1]))
+        .collect()
+}
+
+/// The median and quartiles of the steady state's intervals (see
+/// [`interval_us_per_sample`]), and their count.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct IntervalSpread {
+    median: f64,
+    lower_quartile: f64,
+    upper_quartile: f64,
+    intervals: usize,
+}
+
+fn interval_spread(us: &[f64]) -> Option<IntervalSpread> {
+    Some(IntervalSpread {
+        median: median(us)?,
+        lower_quartile: quantile(us, 0.25)?,
+        upper_quartile: quantile(us, 0.75)?,
+        intervals: us.len(),
+    })
+}
+
 /// The figures the targets are judged on.
 struct Figures<'a> {
     steady: Vec<&'a Poll>,
@@ -122,6 +162,10 @@ struct Figures<'a> {
     /// The poll that first saw the peak, and the one before it (seconds since the start).
     peak_between_s: Option<(f64, f64)>,
     steady_us: Option<f64>,
+    /// The steady state's intervals one by one: a start-up that runs on past the warm-up
+    /// raises the mean over the window ([`Self::steady_us`]) but only its own intervals here,
+    /// so runs compare by this better.
+    steady_intervals: Option<IntervalSpread>,
     whole_us: Option<f64>,
     whole_cpu_s: Option<f64>,
     whole_samples: Option<f64>,
@@ -206,6 +250,7 @@ fn figures(run: &HostRun) -> Figures<'_> {
         peak_mib: peak,
         peak_between_s,
         steady_us,
+        steady_intervals: interval_spread(&interval_us_per_sample(&steady)),
         whole_us,
         whole_cpu_s,
         whole_samples,
@@ -354,8 +399,9 @@ fn render_targets(out: &mut String, run: &HostRun, f: &Figures<'_>) {
     );
     let _ = writeln!(
         out,
-        "| agent CPU ≤ {TARGET_US_PER_SAMPLE:.0} µs per sample, steady state | {} µs (whole run incl. start-up and shutdown: {} µs) | {} |",
+        "| agent CPU ≤ {TARGET_US_PER_SAMPLE:.0} µs per sample, steady state | {} µs ({}; whole run incl. start-up and shutdown: {} µs) | {} |",
         opt(f.steady_us, 1),
+        spread_text(f.steady_intervals),
         opt(f.whole_us, 1),
         verdict(f.steady_us.map(|us| us <= TARGET_US_PER_SAMPLE))
     );
@@ -388,6 +434,17 @@ fn render_targets(out: &mut String, run: &HostRun, f: &Figures<'_>) {
                 TARGET_COMPLETE * 100.0
             );
         }
+    }
+}
+
+/// "median of the 16 intervals 88.1 µs, quartiles 84.0-95.2".
+fn spread_text(spread: Option<IntervalSpread>) -> String {
+    match spread {
+        Some(s) => format!(
+            "median of the {} agent intervals {:.1} µs, quartiles {:.1}-{:.1}",
+            s.intervals, s.median, s.lower_quartile, s.upper_quartile
+        ),
+        None => "no whole agent interval in the steady state".into(),
     }
 }
 
@@ -430,9 +487,10 @@ fn render_agent(out: &mut String, run: &HostRun, f: &Figures<'_>) {
     let proc_cpu = rate(&|p| p.cpu_s);
     let _ = writeln!(
         out,
-        "| agent CPU, steady state | {} % of one CPU; {} µs per sample (/metrics: CPU and samples of the same interval ends); cross-check with /proc/PID/stat CPU over the same polls: {} µs |",
+        "| agent CPU, steady state | {} % of one CPU; {} µs per sample (/metrics: CPU and samples of the same interval ends); {}; cross-check with /proc/PID/stat CPU over the same polls: {} µs |",
         opt(proc_cpu.map(|c| c * 100.0), 1),
         opt(f.steady_us, 1),
+        spread_text(f.steady_intervals),
         opt(
             span.and_then(|(a, b)| {
                 let cpu = b.cpu_s? - a.cpu_s?;
@@ -1150,6 +1208,51 @@ fn render_log(out: &mut String, run: &HostRun) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn poll(t: f64, samples: f64, cpu_s: f64) -> Poll {
+        Poll {
+            t,
+            cpu_s: None,
+            rss: None,
+            load: None,
+            forks: None,
+            metrics: BTreeMap::from([(SAMPLES.into(), samples), (AGENT_CPU.into(), cpu_s)]),
+            interval: BTreeMap::new(),
+            bpf: None,
+            resident_by_mapping: None,
+        }
+    }
+
+    #[test]
+    fn each_interval_counts_once_and_a_slow_one_moves_the_median_little() {
+        // Interval ends every 15 s, polls every 5 s (each end seen three times); 3,000
+        // samples an interval at 100 µs each, but the first at 400 µs (a start-up).
+        let mut polls = Vec::new();
+        let (mut samples, mut cpu) = (0.0, 0.0);
+        for interval in 0..7 {
+            if interval > 0 {
+                samples += 3000.0;
+                cpu += 3000.0 * if interval == 1 { 400e-6 } else { 100e-6 };
+            }
+            for poll_in_interval in 0..3 {
+                polls.push(poll(
+                    f64::from(interval * 15 + poll_in_interval * 5),
+                    samples,
+                    cpu,
+                ));
+            }
+        }
+        let refs: Vec<&Poll> = polls.iter().collect();
+        let us = interval_us_per_sample(&refs);
+        assert_eq!(us.len(), 6, "{us:?}");
+        assert!((us[0] - 400.0).abs() < 1e-6 && us[1..].iter().all(|u| (u - 100.0).abs() < 1e-6));
+        let spread = interval_spread(&us).unwrap();
+        assert!((spread.median - 100.0).abs() < 1e-6, "{spread:?}");
+        assert_eq!(spread.intervals, 6);
+        // The mean over the window counts the slow interval whole.
+        let mean = us_per_sample(refs[0], refs[refs.len() - 1]).unwrap();
+        assert!((mean - 150.0).abs() < 1e-6, "{mean}");
+    }
 
     #[test]
     fn least_squares_slope() {
