@@ -93,16 +93,9 @@ impl ElfHeaders {
                 },
             };
             if build_id.is_none()
-                && let Some(mut notes) = section.notes(endian, data)?
+                && let Ok(Some(notes)) = section.notes(endian, data)
             {
-                while let Some(note) = notes.next()? {
-                    if note.name() == elf::ELF_NOTE_GNU
-                        && note.n_type(endian) == elf::NT_GNU_BUILD_ID
-                    {
-                        build_id = Some(note.desc().to_vec());
-                        break;
-                    }
-                }
+                build_id = gnu_build_id(notes, endian);
             }
             if name == b".gnu_debuglink"
                 && let Ok(bytes) = section.data(endian, data)
@@ -119,21 +112,10 @@ impl ElfHeaders {
             });
         }
         if sections.is_empty() {
-            for segment in program_headers {
-                if let Some(mut notes) = segment.notes(endian, data)? {
-                    while let Some(note) = notes.next()? {
-                        if note.name() == elf::ELF_NOTE_GNU
-                            && note.n_type(endian) == elf::NT_GNU_BUILD_ID
-                        {
-                            build_id = Some(note.desc().to_vec());
-                            break;
-                        }
-                    }
-                }
-                if build_id.is_some() {
-                    break;
-                }
-            }
+            build_id = program_headers
+                .iter()
+                .filter_map(|segment| segment.notes(endian, data).ok().flatten())
+                .find_map(|notes| gnu_build_id(notes, endian));
         }
         Ok(Self {
             little_endian: endian == Endianness::Little,
@@ -153,6 +135,20 @@ impl ElfHeaders {
             exact(format!(".zdebug_{rest}").as_bytes())
         })
     }
+}
+
+/// The GNU build id among `notes`. A malformed note ends the search, not the parse: the
+/// headers are still good for everything else.
+fn gnu_build_id<Elf: FileHeader>(
+    mut notes: object::read::elf::NoteIterator<'_, Elf>,
+    endian: Elf::Endian,
+) -> Option<Vec<u8>> {
+    while let Ok(Some(note)) = notes.next() {
+        if note.name() == elf::ELF_NOTE_GNU && note.n_type(endian) == elf::NT_GNU_BUILD_ID {
+            return Some(note.desc().to_vec());
+        }
+    }
+    None
 }
 
 /// The decompressed size a GNU `.zdebug_` section states: `ZLIB`, then the size as a
@@ -242,6 +238,60 @@ mod tests {
         }
         assert!(checked >= 3, "too few binaries on this machine to compare");
         assert!(with_debuglink >= 1, "no binary with a debug link compared");
+    }
+
+    /// A broken build id note costs the build id, not the headers (the whole parse reported
+    /// such a file's segments too).
+    #[test]
+    fn a_malformed_note_loses_only_the_build_id() {
+        let mut data = std::fs::read("/bin/ls").expect("read");
+        let good = ElfHeaders::parse(&*data).expect("headers");
+        let note = good.section(".note.gnu.build-id").expect("a build id note");
+        let (offset, _) = note.file_range.expect("in the file");
+        // The note's name size, far past the section's end.
+        data[offset as usize..offset as usize + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let broken = ElfHeaders::parse(&*data).expect("headers still read");
+        assert_eq!(broken.build_id, None);
+        assert_eq!(broken.loads, good.loads);
+        assert_eq!(broken.sections, good.sections);
+        assert_eq!(broken.debuglink, good.debuglink);
+    }
+
+    /// Bytes flipped anywhere in the headers' parts of a real binary: an answer or an error,
+    /// never a panic (a hostile file is read like any other).
+    #[test]
+    fn flipped_bytes_never_panic() {
+        let original = std::fs::read("/bin/ls").expect("read");
+        let good = ElfHeaders::parse(&*original).expect("headers");
+        let section_headers_at = original.len().saturating_sub(4096);
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let (mut parsed, mut failed) = (0, 0);
+        for _ in 0..2_000 {
+            let mut data = original.clone();
+            for _ in 0..1 + next() % 4 {
+                // The file header and program headers, or the section headers and names at
+                // the end, or a note.
+                let region = match next() % 3 {
+                    0 => 0..1024,
+                    1 => section_headers_at..original.len(),
+                    _ => 0..original.len(),
+                };
+                let at = region.start + (next() as usize) % (region.end - region.start);
+                data[at] ^= 1 << (next() % 8);
+            }
+            match ElfHeaders::parse(&*data) {
+                Ok(_) => parsed += 1,
+                Err(_) => failed += 1,
+            }
+        }
+        assert!(parsed > 0 && failed > 0, "{parsed} parsed, {failed} failed");
+        assert!(!good.loads.is_empty());
     }
 
     #[test]
