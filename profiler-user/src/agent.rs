@@ -663,11 +663,12 @@ impl Pipeline {
     /// Where the sample's kernel stack is in an exec, by its functions' names (the lookups
     /// are the symbolizer's, cached for the stack's own symbolization).
     fn exec_stage(&mut self, sample: &Sample) -> ExecStage {
-        let frames: Vec<_> = sample
+        let kernel_frames: Vec<_> = sample
             .kernel_ips
             .iter()
-            .map(|&address| self.symbolizer.symbolize(&UnwoundFrame::Kernel(address)))
+            .map(|&address| UnwoundFrame::Kernel(address))
             .collect();
+        let frames = self.symbolizer.symbolize_frames(&kernel_frames);
         exec_stage(frames.iter().flat_map(|frame| {
             let unnamed = (frame.unsymbolized || frame.lines.is_empty()).then_some(None);
             unnamed
@@ -1187,6 +1188,8 @@ impl Pipeline {
             python_code_objects: symbols.python_code_entries as u64,
             symbol_function_names: symbols.function_names as u64,
             symbol_function_name_hits: symbols.function_name_hits,
+            symbol_kernel_functions: symbols.kernel_functions as u64,
+            symbol_kernel_function_hits: symbols.kernel_function_hits,
             symbol_function_ranges: symbols.function_ranges as u64,
             symbol_function_range_hits: symbols.function_range_hits,
             symbol_function_ranges_cleared: symbols.function_ranges_cleared,

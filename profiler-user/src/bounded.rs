@@ -6,16 +6,30 @@
 //! entries unused for a whole generation go. Compared with a least-recently-used list this costs
 //! one hash lookup per hit and nothing per use, which matters where every frame of every sample
 //! is looked up. The cache holds at most `capacity` entries (two generations of half of it).
-use std::{borrow::Borrow, hash::Hash};
+//!
+//! Each generation is a `hashbrown::HashTable` so an operation hashes its key once: a hit in the
+//! previous generation moves the entry, and an insert checks both generations, which cost three
+//! to five hashes of the key as maps (an exec's environment is a key of up to 4 KiB).
+use std::{
+    borrow::Borrow,
+    hash::{BuildHasher, Hash},
+};
 
-use foldhash::{HashMap, HashMapExt};
+use foldhash::fast::RandomState;
+use hashbrown::HashTable;
 
 #[derive(Debug)]
 pub struct TwoGenerationCache<K, V> {
-    current: HashMap<K, V>,
-    previous: HashMap<K, V>,
+    current: HashTable<(K, V)>,
+    previous: HashTable<(K, V)>,
+    hasher: RandomState,
     generation: usize,
     evicted: u64,
+}
+
+/// Matches an entry by its key.
+fn same_key<'k, K: Borrow<Q>, V, Q: Eq + ?Sized>(key: &'k Q) -> impl Fn(&(K, V)) -> bool + 'k {
+    move |(other, _)| other.borrow() == key
 }
 
 impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
@@ -25,12 +39,17 @@ impl<K: Hash + Eq, V: Clone> TwoGenerationCache<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        if let Some(value) = self.current.get(key) {
+        let hash = self.hasher.hash_one(key);
+        if let Some((_, value)) = self.current.find(hash, same_key(key)) {
             return Some(value.clone());
         }
-        let (key, value) = self.previous.remove_entry(key)?;
-        self.insert(key, value.clone());
-        Some(value)
+        let Ok(entry) = self.previous.find_entry(hash, same_key(key)) else {
+            return None;
+        };
+        let ((key, value), _) = entry.remove();
+        let kept = value.clone();
+        self.insert_new(hash, key, value, |_, _| {});
+        Some(kept)
     }
 }
 
@@ -38,8 +57,9 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
     /// At most `capacity` entries (at least two: one a generation).
     pub fn new(capacity: usize) -> Self {
         Self {
-            current: HashMap::new(),
-            previous: HashMap::new(),
+            current: HashTable::new(),
+            previous: HashTable::new(),
+            hasher: RandomState::default(),
             generation: (capacity / 2).max(1),
             evicted: 0,
         }
@@ -53,17 +73,33 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
 
     /// [`Self::insert`], handing each entry that goes with a turn-over to `evicted`.
     pub fn insert_evicting(&mut self, key: K, value: V, evicted: impl FnMut(K, V)) -> bool {
-        let mut turned_over = false;
-        if !self.current.contains_key(&key) {
-            // A key is in one generation only: a stale value behind would come back once the
-            // new one is removed.
-            self.previous.remove(&key);
-            if self.current.len() >= self.generation {
-                self.turn_over(evicted);
-                turned_over = true;
-            }
+        let hash = self.hasher.hash_one(&key);
+        if let Ok(mut entry) = self.current.find_entry(hash, same_key(&key)) {
+            entry.get_mut().1 = value;
+            return false;
         }
-        self.current.insert(key, value);
+        // A key is in one generation only: a stale value behind would come back once the new
+        // one is removed.
+        if let Ok(entry) = self.previous.find_entry(hash, same_key(&key)) {
+            entry.remove();
+        }
+        self.insert_new(hash, key, value, evicted)
+    }
+
+    /// Inserts `key`, in neither generation, into the current one; true when it turned over.
+    fn insert_new(&mut self, hash: u64, key: K, value: V, evicted: impl FnMut(K, V)) -> bool {
+        let turned_over = self.current.len() >= self.generation;
+        if turned_over {
+            turn_over(
+                &mut self.current,
+                &mut self.previous,
+                &mut self.evicted,
+                evicted,
+            );
+        }
+        let hasher = &self.hasher;
+        self.current
+            .insert_unique(hash, (key, value), |(key, _)| hasher.hash_one(key));
         turned_over
     }
 
@@ -83,16 +119,28 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        // Two lookups on a hit in the current generation: the borrow checker does not let the
-        // first one's reference out of the branch.
-        if self.current.contains_key(key) {
-            return self.current.get_mut(key);
+        let Self {
+            current,
+            previous,
+            hasher,
+            generation,
+            evicted: evicted_count,
+        } = self;
+        let hash = hasher.hash_one(key);
+        // The table comes back from a miss, so a hit can return its borrow.
+        let current = match current.find_entry(hash, same_key(key)) {
+            Ok(entry) => return Some(&mut entry.into_mut().1),
+            Err(absent) => absent.into_table(),
+        };
+        let Ok(entry) = previous.find_entry(hash, same_key(key)) else {
+            return None;
+        };
+        let (moved, _) = entry.remove();
+        if current.len() >= *generation {
+            turn_over(current, previous, evicted_count, evicted);
         }
-        let (key, value) = self.previous.remove_entry(key)?;
-        if self.current.len() >= self.generation {
-            self.turn_over(evicted);
-        }
-        Some(self.current.entry(key).insert_entry(value).into_mut())
+        let entry = current.insert_unique(hash, moved, |(key, _)| hasher.hash_one(key));
+        Some(&mut entry.into_mut().1)
     }
 
     /// The value of `key` to change in place, its generation unchanged.
@@ -101,10 +149,13 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        match self.current.get_mut(key) {
-            Some(value) => Some(value),
-            None => self.previous.get_mut(key),
+        let hash = self.hasher.hash_one(key);
+        if let Some((_, value)) = self.current.find_mut(hash, same_key(key)) {
+            return Some(value);
         }
+        self.previous
+            .find_mut(hash, same_key(key))
+            .map(|(_, value)| value)
     }
 
     pub fn remove<Q>(&mut self, key: &Q) -> Option<V>
@@ -112,32 +163,27 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        let hash = self.hasher.hash_one(key);
         // In one generation at most (see `insert_evicting`).
-        self.current
-            .remove(key)
-            .or_else(|| self.previous.remove(key))
+        let entry = match self.current.find_entry(hash, same_key(key)) {
+            Ok(entry) => entry,
+            Err(_) => self.previous.find_entry(hash, same_key(key)).ok()?,
+        };
+        let ((_, value), _) = entry.remove();
+        Some(value)
     }
 
     /// Keeps only the entries for which `keep` is true (not counted as evicted).
     pub fn retain(&mut self, mut keep: impl FnMut(&K, &V) -> bool) {
-        self.current.retain(|key, value| keep(key, value));
-        self.previous.retain(|key, value| keep(key, value));
+        self.current.retain(|(key, value)| keep(key, value));
+        self.previous.retain(|(key, value)| keep(key, value));
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &K> {
-        self.current.keys().chain(self.previous.keys())
-    }
-
-    /// The current generation becomes the previous one; the previous one's entries go, each
-    /// through `evicted`.
-    fn turn_over(&mut self, mut evicted: impl FnMut(K, V)) {
-        self.evicted += self.previous.len() as u64;
-        // The dropped generation's table is reused (same capacity) instead of growing a new one.
-        let mut recycled = std::mem::take(&mut self.previous);
-        for (key, value) in recycled.drain() {
-            evicted(key, value);
-        }
-        self.previous = std::mem::replace(&mut self.current, recycled);
+        self.current
+            .iter()
+            .chain(self.previous.iter())
+            .map(|(key, _)| key)
     }
 
     pub fn len(&self) -> usize {
@@ -152,6 +198,23 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
     pub fn evicted(&self) -> u64 {
         self.evicted
     }
+}
+
+/// The current generation becomes the previous one; the previous one's entries go, each
+/// through `evicted`.
+fn turn_over<K, V>(
+    current: &mut HashTable<(K, V)>,
+    previous: &mut HashTable<(K, V)>,
+    evicted_count: &mut u64,
+    mut evicted: impl FnMut(K, V),
+) {
+    *evicted_count += previous.len() as u64;
+    // The dropped generation's table is reused (same capacity) instead of growing a new one.
+    let mut recycled = std::mem::take(previous);
+    for (key, value) in recycled.drain() {
+        evicted(key, value);
+    }
+    *previous = std::mem::replace(current, recycled);
 }
 
 /// Values parsed from inputs that repeat byte for byte, kept by the input: an exec event's

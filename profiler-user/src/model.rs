@@ -117,9 +117,10 @@ fn label_variables(raw: &[u8]) -> impl Iterator<Item = (&'static str, &[u8])> {
 
 /// The [`LABEL_ENV_VARS`] of an exec event's environment, kept as one allocation (`NAME=value`,
 /// each followed by a NUL; most programs have none, and the registry keeps thousands of exec
-/// records: a map each cost half a KiB where one variable was set).
+/// records: a map each cost half a KiB where one variable was set). Shared: the exec records of
+/// one environment (one parse, see `bounded::ParseMemo`) hold the same allocation.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LabelEnv(Box<str>);
+pub struct LabelEnv(Arc<str>);
 
 impl LabelEnv {
     /// The label variables of a NUL-separated environment.
@@ -131,7 +132,7 @@ impl LabelEnv {
             kept.push_str(&String::from_utf8_lossy(value));
             kept.push('\0');
         }
-        Self(kept.into_boxed_str())
+        Self(kept.into())
     }
 
     /// As [`parse_environ`] would have read them.

@@ -68,6 +68,10 @@ pub struct SelfMetrics {
     /// Function names cached by raw symbol name (bounded), and the lookups they answered.
     pub symbol_function_names: u64,
     pub symbol_function_name_hits: u64,
+    /// Kernel functions remembered by their start (bounded), and the frames they named
+    /// without a lookup.
+    pub symbol_kernel_functions: u64,
+    pub symbol_kernel_function_hits: u64,
     /// Functions of stripped files remembered (bounded), the frames they named without a
     /// lookup, and the times all were forgotten for the bound.
     pub symbol_function_ranges: u64,
@@ -871,6 +875,18 @@ impl SelfMetrics {
                 "symbol_function_name_hits_total",
                 "Symbol lookups whose function name came from the name cache (not demangled again)",
                 self.symbol_function_name_hits,
+                "counter",
+            ),
+            (
+                "symbol_kernel_functions",
+                "Kernel functions remembered by their start address (bounded)",
+                self.symbol_kernel_functions,
+                "gauge",
+            ),
+            (
+                "symbol_kernel_function_hits_total",
+                "Kernel frames named from a remembered function without a kallsyms lookup",
+                self.symbol_kernel_function_hits,
                 "counter",
             ),
             (

@@ -11,17 +11,26 @@ use std::{
 use blazesym::{
     MaybeDefault,
     symbolize::{
-        self as bz, Input, Symbolized,
+        self as bz, Input, Reason, Symbolized,
         source::{Kernel, Source},
     },
 };
 use tracing::{debug, warn};
 
-/// The module address ranges, from the lowest to the highest symbol address of each module.
+/// The module address ranges, from the lowest to the highest symbol address of each module,
+/// and where every symbol starts.
 #[derive(Debug, Default)]
 pub(super) struct ModuleIndex {
     ranges: Vec<ModuleRange>,
+    /// Every distinct symbol address in the top 2 GiB (x86-64's kernel text, modules and BPF
+    /// programs), as offsets from [`KERNEL_TEXT_BASE`], ascending: blazesym keeps every kallsyms
+    /// line with a nonzero address, so none of its symbols starts between two neighbours here.
+    symbol_starts: Vec<u32>,
 }
+
+/// Where the kernel's code addresses start on x86-64 (the top 2 GiB): offsets from it fit in 32
+/// bits, half the memory of the addresses (120,000 symbols).
+const KERNEL_TEXT_BASE: u64 = 0xffff_ffff_8000_0000;
 
 #[derive(Debug)]
 struct ModuleRange {
@@ -38,20 +47,27 @@ impl ModuleIndex {
 
     pub(super) fn parse(reader: impl BufRead) -> std::io::Result<Self> {
         let mut bounds: HashMap<String, (u64, u64)> = HashMap::new();
+        let mut symbol_starts = Vec::new();
         for line in reader.lines() {
             let line = line?;
             let mut tokens = line.split_ascii_whitespace();
-            let (Some(addr), Some(_kind), Some(_name), Some(module)) =
-                (tokens.next(), tokens.next(), tokens.next(), tokens.next())
+            let (Some(addr), Some(_kind), Some(_name)) =
+                (tokens.next(), tokens.next(), tokens.next())
             else {
                 continue;
             };
             let Ok(addr) = u64::from_str_radix(addr, 16) else {
                 continue;
             };
-            if addr == 0 || !module.starts_with('[') {
+            if addr == 0 {
                 continue;
             }
+            if let Some(offset) = addr.checked_sub(KERNEL_TEXT_BASE) {
+                symbol_starts.push(offset as u32);
+            }
+            let Some(module) = tokens.next().filter(|module| module.starts_with('[')) else {
+                continue;
+            };
             let entry = bounds.entry(module.to_owned()).or_insert((addr, addr));
             entry.0 = entry.0.min(addr);
             entry.1 = entry.1.max(addr);
@@ -65,7 +81,22 @@ impl ModuleIndex {
             })
             .collect();
         ranges.sort_by_key(|range| range.first_symbol);
-        Ok(Self { ranges })
+        symbol_starts.sort_unstable();
+        symbol_starts.dedup();
+        Ok(Self {
+            ranges,
+            symbol_starts,
+        })
+    }
+
+    /// The start of the last symbol at or below `addr`; `None` below the kernel's code or
+    /// when no symbol there starts at or below it.
+    fn symbol_start(&self, addr: u64) -> Option<u64> {
+        // Every offset fits: the base is 2 GiB below the top of the address space.
+        let offset = addr.checked_sub(KERNEL_TEXT_BASE)? as u32;
+        let idx = self.symbol_starts.partition_point(|&start| start <= offset);
+        let start = *self.symbol_starts.get(idx.checked_sub(1)?)?;
+        Some(KERNEL_TEXT_BASE + u64::from(start))
     }
 
     /// The module (`[name]`) whose symbols include the one starting at `symbol_addr`.
@@ -94,6 +125,8 @@ pub(super) struct KernelSymbols {
 
 /// A resolved kernel symbol.
 pub(super) struct KernelSymbol {
+    /// Where the symbol starts.
+    pub(super) start: u64,
     pub(super) name: String,
     /// `[module]` for module symbols, `[kernel.kallsyms]` for the core kernel.
     pub(super) module: Arc<str>,
@@ -116,8 +149,27 @@ impl KernelSymbols {
         }
     }
 
-    /// Reads kallsyms once into a memfd, indexing modules on the way.
+    /// The start of the last kernel symbol at or below `addr` in the kallsyms text blazesym
+    /// reads: addresses above it and below the next start are that symbol's, whichever
+    /// blazesym would name them by.
+    /// `None` without a snapshot: blazesym then reads kallsyms itself, which may have changed
+    /// since this index read it.
+    pub(super) fn symbol_start(&mut self, addr: u64) -> Option<u64> {
+        self.take_snapshot();
+        self.snapshot.as_ref()?;
+        self.modules.as_ref()?.symbol_start(addr)
+    }
+
     fn snapshot_path(&mut self) -> PathBuf {
+        self.take_snapshot();
+        match &self.snapshot {
+            Some((_, path)) => path.clone(),
+            None => self.kallsyms.clone(),
+        }
+    }
+
+    /// Reads kallsyms once into a memfd, indexing modules on the way.
+    fn take_snapshot(&mut self) {
         if self.snapshot.is_none() {
             match snapshot_kallsyms(&self.kallsyms) {
                 Ok((file, path, modules)) => {
@@ -126,10 +178,6 @@ impl KernelSymbols {
                 }
                 Err(err) => debug!(error = %err, "cannot snapshot kallsyms; reading it directly"),
             }
-        }
-        match &self.snapshot {
-            Some((_, path)) => path.clone(),
-            None => self.kallsyms.clone(),
         }
     }
 
@@ -150,6 +198,19 @@ impl KernelSymbols {
     }
 
     pub(super) fn lookup(&mut self, resolver: &bz::Symbolizer, addr: u64) -> KernelLookup {
+        self.lookup_all(resolver, &[addr])
+            .pop()
+            .unwrap_or(KernelLookup::Failed)
+    }
+
+    /// Looks up `addrs` in one call, one result each in their order: blazesym checks the
+    /// kallsyms file and its cache entry once a call (a `stat` and an open), which was two
+    /// thirds of a lookup one address at a time.
+    pub(super) fn lookup_all(
+        &mut self,
+        resolver: &bz::Symbolizer,
+        addrs: &[u64],
+    ) -> Vec<KernelLookup> {
         let kallsyms = self.snapshot_path();
         let source = Source::Kernel(Kernel {
             kallsyms: MaybeDefault::Some(kallsyms),
@@ -159,29 +220,39 @@ impl KernelSymbols {
             debug_syms: false,
             ..Kernel::default()
         });
-        match resolver.symbolize_single(&source, Input::AbsAddr(addr)) {
-            Ok(Symbolized::Sym(sym)) => {
-                let core_kernel = self.core_kernel.clone();
-                let module = self
-                    .module_index()
-                    .module_of(sym.addr)
-                    .cloned()
-                    .unwrap_or(core_kernel);
-                KernelLookup::Found(KernelSymbol {
-                    name: sym.name.into_owned(),
-                    module,
-                })
-            }
-            Ok(Symbolized::Unknown(_)) => KernelLookup::NotFound,
+        let symbolized = match resolver.symbolize(&source, Input::AbsAddr(addrs)) {
+            Ok(symbolized) => symbolized,
             Err(err) => {
-                if self.warned {
-                    debug!(error = %err, "kernel symbolization failed");
-                } else {
-                    self.warned = true;
-                    warn!(kallsyms = %self.kallsyms.display(), error = %err, "kernel symbolization failed; kernel frames stay unsymbolized (further errors logged at debug level)");
-                }
-                KernelLookup::Failed
+                self.warn_failure(&err);
+                return addrs.iter().map(|_| KernelLookup::Failed).collect();
             }
+        };
+        let core_kernel = self.core_kernel.clone();
+        let modules = self.module_index();
+        symbolized
+            .into_iter()
+            .map(|symbolized| match symbolized {
+                Symbolized::Sym(sym) => KernelLookup::Found(KernelSymbol {
+                    start: sym.addr,
+                    module: modules
+                        .module_of(sym.addr)
+                        .cloned()
+                        .unwrap_or_else(|| core_kernel.clone()),
+                    name: sym.name.into_owned(),
+                }),
+                // An address's own error (the call as a whole worked).
+                Symbolized::Unknown(Reason::IgnoredError) => KernelLookup::Failed,
+                Symbolized::Unknown(_) => KernelLookup::NotFound,
+            })
+            .collect()
+    }
+
+    fn warn_failure(&mut self, err: &blazesym::Error) {
+        if self.warned {
+            debug!(error = %err, "kernel symbolization failed");
+        } else {
+            self.warned = true;
+            warn!(kallsyms = %self.kallsyms.display(), error = %err, "kernel symbolization failed; kernel frames stay unsymbolized (further errors logged at debug level)");
         }
     }
 }
@@ -230,6 +301,35 @@ mod tests {
             Some("[ext4]")
         );
         assert_eq!(index.module_of(0xffffffffc0150000), None);
+        Ok(())
+    }
+
+    #[test]
+    fn symbol_starts_bound_each_symbol() -> Result<(), Box<dyn std::error::Error>> {
+        let text = "0000000000000000 A fixed_percpu_data\n\
+                    000000000001f000 A per_cpu_var\n\
+                    ffffffff81000000 T _text\n\
+                    ffffffff81000000 T startup_64\n\
+                    ffffffff81001000 T do_syscall_64\n\
+                    ffffffffc0100000 t kvm_fn_a\t[kvm]\n\
+                    garbage line\n";
+        let index = ModuleIndex::parse(text.as_bytes())?;
+        assert_eq!(
+            index.symbol_start(0xffffffff81000fff),
+            Some(0xffffffff81000000)
+        );
+        assert_eq!(
+            index.symbol_start(0xffffffff81001000),
+            Some(0xffffffff81001000)
+        );
+        assert_eq!(
+            index.symbol_start(0xffffffffc00fffff),
+            Some(0xffffffff81001000)
+        );
+        assert_eq!(index.symbol_start(u64::MAX), Some(0xffffffffc0100000));
+        // Below the first symbol of the kernel's code, and outside it.
+        assert_eq!(index.symbol_start(0xffffffff80ffffff), None);
+        assert_eq!(index.symbol_start(0x1f008), None);
         Ok(())
     }
 }

@@ -64,6 +64,10 @@ pub const DEFAULT_MAX_CACHED_FRAMES: usize = 16_384;
 /// `functions::FunctionIndex::remember`); beyond, all are forgotten and remembered again as
 /// they are sampled.
 pub const MAX_FUNCTION_RANGES: usize = 16_384;
+/// Kernel functions remembered by their start, in two generations (about 100 bytes each with
+/// their frame line, whose name the frames share: under 1 MiB). The kernel's text has about
+/// 120,000 symbols; a busy host samples a few thousand of them.
+pub const MAX_KERNEL_FUNCTIONS: usize = 8_192;
 /// Mappings remembered for the frames' pprof mappings (a few hundred bytes each).
 const MAX_CACHED_MAPPINGS: usize = 8_192;
 
@@ -163,6 +167,10 @@ pub struct SymbolizerStats {
     /// `demangle::MAX_NAMED_FUNCTIONS`), and the lookups they answered without demangling.
     pub function_names: usize,
     pub function_name_hits: u64,
+    /// Kernel functions remembered by their start (bounded by [`MAX_KERNEL_FUNCTIONS`]), and
+    /// the frames they named without a lookup (counted in `frames_symbolized` too).
+    pub kernel_functions: usize,
+    pub kernel_function_hits: u64,
     /// Distinct strings interned (bounded by `MAX_INTERNED_STRINGS`).
     pub interned_strings: usize,
     /// Times symbol files' pages were given back (`Symbolizer::release_file_pages`).
@@ -239,6 +247,8 @@ pub struct Symbolizer {
     resolver_bytes: u64,
     tick: u64,
     frames: TwoGenerationCache<FrameKey, Arc<SymbolizedFrame>>,
+    /// Kernel functions by their first address (see `in_remembered_kernel_function`).
+    kernel_functions: TwoGenerationCache<u64, FrameLine>,
     /// Shared by the frames of one mapping; each process maps its files at its own addresses.
     mappings: TwoGenerationCache<(FileId, u64), Arc<MappingInfo>>,
     files: HashMap<FileId, native::FileState>,
@@ -324,6 +334,7 @@ impl Symbolizer {
             resolver_bytes: 0,
             tick: 0,
             frames: TwoGenerationCache::new(max_cached_frames),
+            kernel_functions: TwoGenerationCache::new(MAX_KERNEL_FUNCTIONS),
             mappings: TwoGenerationCache::new(MAX_CACHED_MAPPINGS),
             files: HashMap::new(),
             function_ranges: 0,
@@ -387,6 +398,7 @@ impl Symbolizer {
             resolver_bytes: self.resolver_bytes,
             python_code_entries: self.python_code.len(),
             function_names: self.function_names.len(),
+            kernel_functions: self.kernel_functions.len(),
             function_name_hits: self.function_names.hits(),
             interned_strings: self.strings.len(),
             function_ranges: self.function_ranges,
@@ -396,11 +408,54 @@ impl Symbolizer {
 
     /// Symbolizes every frame of `stack`, innermost first (same length and order as the stack).
     pub fn symbolize_stack(&mut self, stack: &UnwoundStack) -> Vec<Arc<SymbolizedFrame>> {
-        stack
-            .frames
+        self.symbolize_frames(&stack.frames)
+    }
+
+    /// Symbolizes `frames` (same length and order).
+    pub fn symbolize_frames(&mut self, frames: &[UnwoundFrame]) -> Vec<Arc<SymbolizedFrame>> {
+        // Kernel frames the cache lacks are looked up together (see `KernelSymbols::lookup_all`).
+        let mut kernel_misses: Vec<u64> = Vec::new();
+        let mut symbolized: Vec<Option<Arc<SymbolizedFrame>>> = frames
             .iter()
-            .map(|frame| self.symbolize(frame))
-            .collect()
+            .map(|frame| match frame {
+                UnwoundFrame::Kernel(addr) => {
+                    let key = FrameKey::Kernel(*addr);
+                    if let Some(cached) = self.cached(&key) {
+                        return Some(cached);
+                    }
+                    if let Some(symbolized) = self.in_remembered_kernel_function(*addr) {
+                        return Some(self.remember(key, symbolized));
+                    }
+                    if !kernel_misses.contains(addr) {
+                        kernel_misses.push(*addr);
+                    }
+                    None
+                }
+                frame => Some(self.symbolize(frame)),
+            })
+            .collect();
+        if kernel_misses.is_empty() {
+            return symbolized.into_iter().flatten().collect();
+        }
+        let lookups = self.kernel.lookup_all(&self.resolver, &kernel_misses);
+        let looked_up: Vec<_> = kernel_misses
+            .into_iter()
+            .zip(lookups)
+            .map(|(addr, lookup)| {
+                let frame = self.kernel_frame(addr, lookup);
+                (addr, self.remember(FrameKey::Kernel(addr), frame))
+            })
+            .collect();
+        // Every empty slot is a kernel frame just looked up.
+        for (slot, frame) in symbolized.iter_mut().zip(frames) {
+            if let (None, UnwoundFrame::Kernel(addr)) = (&slot, frame) {
+                *slot = looked_up
+                    .iter()
+                    .find(|(looked_up, _)| looked_up == addr)
+                    .map(|(_, frame)| Arc::clone(frame));
+            }
+        }
+        symbolized.into_iter().flatten().collect()
     }
 
     /// Symbolizes one frame; a repeated key returns the same `Arc` (until the cache is reset).
@@ -411,7 +466,10 @@ impl Symbolizer {
                 if let Some(cached) = self.cached(&key) {
                     return cached;
                 }
-                let symbolized = self.symbolize_kernel(*addr);
+                let symbolized = match self.in_remembered_kernel_function(*addr) {
+                    Some(symbolized) => symbolized,
+                    None => self.symbolize_kernel(*addr),
+                };
                 self.remember(key, symbolized)
             }
             UnwoundFrame::User {
@@ -943,7 +1001,34 @@ impl Symbolizer {
     }
 
     fn symbolize_kernel(&mut self, addr: u64) -> SymbolizedFrame {
-        let (line, unsymbolized) = match self.kernel.lookup(&self.resolver, addr) {
+        let lookup = self.kernel.lookup(&self.resolver, addr);
+        self.kernel_frame(addr, lookup)
+    }
+
+    /// `addr` named by the kernel function it is in when that function was looked up before
+    /// at another address (a sampled kernel instruction is seldom at an address seen before,
+    /// and blazesym checks its kallsyms file at every call: an open and a `stat` of a
+    /// /proc/self/fd link, 3 % of the agent's CPU on the host suite). An address at a symbol's
+    /// very start is left to blazesym, which picks among the symbols that start there.
+    fn in_remembered_kernel_function(&mut self, addr: u64) -> Option<SymbolizedFrame> {
+        let start = self.kernel.symbol_start(addr)?;
+        if start == addr {
+            return None;
+        }
+        let line = self.kernel_functions.get(&start)?;
+        self.stats.frames_symbolized += 1;
+        self.stats.kernel_function_hits += 1;
+        Some(SymbolizedFrame {
+            kind: FrameKind::Kernel,
+            address: addr,
+            mapping: None,
+            lines: vec![line],
+            unsymbolized: false,
+        })
+    }
+
+    fn kernel_frame(&mut self, addr: u64, lookup: kernel::KernelLookup) -> SymbolizedFrame {
+        let (line, unsymbolized) = match lookup {
             kernel::KernelLookup::Found(symbol) => {
                 self.stats.frames_symbolized += 1;
                 let line = FrameLine {
@@ -952,6 +1037,10 @@ impl Symbolizer {
                     file: Some(symbol.module),
                     line: 0,
                 };
+                // Remembered only where this index and blazesym agree on the symbol's start.
+                if symbol.start < addr && self.kernel.symbol_start(addr) == Some(symbol.start) {
+                    self.kernel_functions.insert(symbol.start, line.clone());
+                }
                 (line, false)
             }
             lookup @ (kernel::KernelLookup::NotFound | kernel::KernelLookup::Failed) => {

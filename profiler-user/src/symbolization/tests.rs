@@ -716,6 +716,123 @@ fn kernel_addresses_resolve_through_kallsyms() -> TestResult {
     Ok(())
 }
 
+/// The distinct nonzero symbol addresses of the running kernel, ascending; only those of
+/// text symbols (`T`, `t`) when `text_only`.
+fn kallsyms_starts(text_only: bool) -> TestResult<Vec<u64>> {
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms")?;
+    let mut starts: Vec<u64> = kallsyms
+        .lines()
+        .filter_map(|line| {
+            let mut tokens = line.split_ascii_whitespace();
+            let (addr, kind) = (tokens.next()?, tokens.next()?);
+            let wanted = !text_only || matches!(kind, "T" | "t");
+            wanted.then(|| u64::from_str_radix(addr, 16).ok())?
+        })
+        .filter(|&addr| addr != 0)
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+    Ok(starts)
+}
+
+/// A stack's kernel frames missing from the cache are looked up in one call: the frames
+/// must be those of one lookup at a time, in the stack's order, a repeated address one frame.
+#[test]
+fn kernel_frames_looked_up_together_are_those_looked_up_alone() -> TestResult {
+    let text = kallsyms_starts(true)?;
+    if text.len() < 100 {
+        return Err("kallsyms has too few text symbols (are addresses hidden?)".into());
+    }
+    // Unsorted, a repeat, an address inside a function, one no symbol covers.
+    let step = text.len() / 7;
+    let addrs = [
+        text[5 * step] + 3,
+        text[step],
+        0x1000,
+        text[3 * step],
+        text[step],
+        text[6 * step] + 1,
+        text[2 * step],
+    ];
+    let stack: Vec<UnwoundFrame> = addrs
+        .iter()
+        .map(|&addr| UnwoundFrame::Kernel(addr))
+        .collect();
+
+    let mut together = Symbolizer::new(SymbolizerOptions::default());
+    let frames = together.symbolize_frames(&stack);
+    let mut alone = Symbolizer::new(SymbolizerOptions::default());
+    assert_eq!(frames.len(), addrs.len());
+    for (frame, &addr) in frames.iter().zip(&addrs) {
+        let expected = alone.symbolize(&UnwoundFrame::Kernel(addr));
+        assert_eq!(frame.address, addr);
+        assert_eq!(frame.unsymbolized, expected.unsymbolized, "{addr:#x}");
+        assert_eq!(frame.lines, expected.lines, "{addr:#x}");
+    }
+    assert!(frames[1].lines[0].file.is_some(), "{:?}", frames[1]);
+    assert!(frames[2].unsymbolized);
+    assert!(
+        Arc::ptr_eq(&frames[1], &frames[4]),
+        "a repeated address is one frame"
+    );
+    assert_eq!(together.stats().misses, 1, "only the uncovered address");
+    // Now all cached: the same frames again.
+    let again = together.symbolize_frames(&stack);
+    assert!(frames.iter().zip(&again).all(|(a, b)| Arc::ptr_eq(a, b)));
+    Ok(())
+}
+
+/// Kernel addresses in a function looked up before are named from the remembered function,
+/// the name blazesym gives them; an address at or past the next symbol's start is not.
+#[test]
+fn kernel_functions_are_remembered_within_their_symbols_bounds() -> TestResult {
+    let starts = kallsyms_starts(false)?;
+    // Text symbols at least 16 bytes long, with a long one after them.
+    let (function, next) = kallsyms_starts(true)?
+        .into_iter()
+        .filter_map(|addr| {
+            let idx = starts.partition_point(|&start| start <= addr);
+            let next = *starts.get(idx)?;
+            let after = *starts.get(idx + 1)?;
+            (next - addr >= 16 && after - next >= 16).then_some((addr, next))
+        })
+        .nth(100)
+        .ok_or("no two long text symbols in /proc/kallsyms (are addresses hidden?)")?;
+
+    let mut symbolizer = Symbolizer::new(SymbolizerOptions::default());
+    let probes = [
+        function + 1,
+        function + 9,
+        next - 1,
+        next,
+        next + 3,
+        function,
+    ];
+    let frames: Vec<_> = probes
+        .iter()
+        .map(|&addr| symbolizer.symbolize(&UnwoundFrame::Kernel(addr)))
+        .collect();
+    let stats = symbolizer.stats();
+    // function + 9 and next - 1 from the first lookup's function; next + 3 needs its own
+    // (its function was first seen at its start, which is not remembered), and is remembered;
+    // function itself, at its start, is looked up again.
+    assert_eq!(stats.kernel_function_hits, 2, "{stats:?}");
+    assert_eq!(stats.kernel_functions, 2, "{stats:?}");
+    let mut fresh = Symbolizer::new(SymbolizerOptions::default());
+    for (frame, &addr) in frames.iter().zip(&probes) {
+        let expected = fresh.symbolize(&UnwoundFrame::Kernel(addr));
+        assert_eq!(frame.address, addr);
+        assert!(!frame.unsymbolized, "{frame:?}");
+        assert_eq!(frame.lines, expected.lines, "{addr:#x}");
+    }
+    assert_eq!(frames[0].lines, frames[2].lines);
+    assert_ne!(
+        frames[2].lines, frames[3].lines,
+        "the next symbol is another function"
+    );
+    Ok(())
+}
+
 #[test]
 fn missing_kallsyms_leaves_kernel_frames_unsymbolized() {
     let mut symbolizer = Symbolizer::new(SymbolizerOptions {

@@ -359,11 +359,11 @@ pub enum RowLookup {
     NoRow,
 }
 
-/// The row array as the maps hold it, a chunk read at a time.
+/// The row array as the maps hold it, a chunk at a time (a binary search stays in one or two
+/// chunks), each shared with the read cache.
 struct MapRows<'a, M: UnwindMaps> {
-    maps: &'a M,
-    /// The last chunk read: a binary search stays in one or two chunks.
-    chunk: std::cell::RefCell<Option<(u32, RowChunk)>>,
+    maps: &'a CachedReads<M>,
+    chunk: std::cell::RefCell<Option<(u32, std::rc::Rc<RowChunk>)>>,
 }
 
 impl<M: UnwindMaps> RowSource for MapRows<'_, M> {
@@ -371,7 +371,7 @@ impl<M: UnwindMaps> RowSource for MapRows<'_, M> {
         let chunk_index = index / ROWS_PER_CHUNK as u32;
         let mut cached = self.chunk.borrow_mut();
         if cached.as_ref().is_none_or(|(i, _)| *i != chunk_index) {
-            *cached = Some((chunk_index, self.maps.read_row_chunk(chunk_index).ok()?));
+            *cached = Some((chunk_index, self.maps.shared_row_chunk(chunk_index).ok()?));
         }
         cached
             .as_ref()

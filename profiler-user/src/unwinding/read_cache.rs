@@ -5,7 +5,7 @@
 //! late walks run in the same few libraries (libc, ld.so, the shell), so the same entries are
 //! read hundreds of times a second. Every write goes through this wrapper, which drops the
 //! entry it replaces first, so a cached read is always what BPF itself would read now.
-use std::cell::RefCell;
+use std::{cell::RefCell, rc::Rc};
 
 // Looked up for every frame of every late walk: a fast hash.
 use foldhash::HashMap;
@@ -29,7 +29,7 @@ pub struct ReadCacheStats {
 #[derive(Default)]
 struct Cached {
     pages: HashMap<PageKey, Option<PageEntry>>,
-    chunks: HashMap<u32, Box<RowChunk>>,
+    chunks: HashMap<u32, Rc<RowChunk>>,
     hits: u64,
     misses: u64,
 }
@@ -123,16 +123,27 @@ impl<M: UnwindMaps> UnwindMaps for CachedReads<M> {
     }
 
     fn read_row_chunk(&self, index: u32) -> Result<RowChunk, BpfError> {
-        if let Some(chunk) = self.cached.borrow_mut().hit_chunk(index) {
+        Ok(*self.shared_row_chunk(index)?)
+    }
+}
+
+impl<M: UnwindMaps> CachedReads<M> {
+    /// Chunk `index` of the row array, shared with the cache rather than copied (a binary
+    /// search over a page's rows reads one or two chunks: copying 2 KiB out of the cache each
+    /// time was 1.8 % of the agent's CPU on the host suite).
+    pub fn shared_row_chunk(&self, index: u32) -> Result<Rc<RowChunk>, BpfError> {
+        let mut cached = self.cached.borrow_mut();
+        if let Some(chunk) = cached.chunks.get(&index) {
+            let chunk = Rc::clone(chunk);
+            cached.hits += 1;
             return Ok(chunk);
         }
-        let chunk = self.inner.read_row_chunk(index)?;
-        let mut cached = self.cached.borrow_mut();
+        let chunk = Rc::new(self.inner.read_row_chunk(index)?);
         cached.misses += 1;
         if cached.chunks.len() >= MAX_CACHED_CHUNKS {
             cached.chunks.clear();
         }
-        cached.chunks.insert(index, Box::new(chunk));
+        cached.chunks.insert(index, Rc::clone(&chunk));
         Ok(chunk)
     }
 }
@@ -142,12 +153,6 @@ impl Cached {
         let entry = *self.pages.get(key)?;
         self.hits += 1;
         Some(entry)
-    }
-
-    fn hit_chunk(&mut self, index: u32) -> Option<RowChunk> {
-        let chunk = **self.chunks.get(&index)?;
-        self.hits += 1;
-        Some(chunk)
     }
 }
 
@@ -240,6 +245,21 @@ mod tests {
         maps.remove_page(key).unwrap();
         assert_eq!(maps.read_page(key).unwrap(), None);
         assert_eq!(maps.inner().reads.get(), 5);
+    }
+
+    #[test]
+    fn a_shared_chunk_is_read_once_and_a_write_is_seen() {
+        let mut maps = CachedReads::new(Counted::default());
+        maps.write_row_chunk(3, &chunk_of(10)).unwrap();
+        let first = maps.shared_row_chunk(3).unwrap();
+        let second = maps.shared_row_chunk(3).unwrap();
+        assert!(Rc::ptr_eq(&first, &second), "the cached chunk, not a copy");
+        assert_eq!(maps.inner().reads.get(), 1, "one kernel read for the chunk");
+        maps.write_row_chunk(3, &chunk_of(20)).unwrap();
+        assert_eq!(maps.shared_row_chunk(3).unwrap().rows[0].pc_low, 20);
+        // A chunk handed out keeps what it held when read.
+        assert_eq!(first.rows[0].pc_low, 10);
+        assert_eq!(maps.inner().reads.get(), 2);
     }
 
     #[test]
