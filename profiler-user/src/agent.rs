@@ -32,7 +32,7 @@ use crate::{
         nvml::{GpuBoard, NvmlPoller},
     },
     model::{
-        FileId, MmapChange, Pid, PipelineAccess, ProcessInfo, Profile, ProfileEvent, ProfileKind,
+        FileId, MmapChanges, Pid, PipelineAccess, ProcessInfo, Profile, ProfileEvent, ProfileKind,
         Sample, SymbolizedFrame, UnwoundFrame, UnwoundStack, monotonic_now_ns,
     },
     off_cpu::OffCpu,
@@ -408,7 +408,7 @@ impl KernelInputs {
 
 /// What the accelerator's attribution reaches of the pipeline (`gpu::attribution`).
 impl PipelineAccess for Pipeline {
-    fn changed_processes(&mut self) -> Option<Vec<MmapChange>> {
+    fn changed_processes(&mut self) -> Option<MmapChanges> {
         self.processes.take_mmap_changes()
     }
 

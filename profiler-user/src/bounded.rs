@@ -88,15 +88,13 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
 
     /// Inserts `key`, in neither generation, into the current one; true when it turned over.
     fn insert_new(&mut self, hash: u64, key: K, value: V, evicted: impl FnMut(K, V)) -> bool {
-        let turned_over = self.current.len() >= self.generation;
-        if turned_over {
-            turn_over(
-                &mut self.current,
-                &mut self.previous,
-                &mut self.evicted,
-                evicted,
-            );
-        }
+        let turned_over = turn_over_when_full(
+            &mut self.current,
+            &mut self.previous,
+            self.generation,
+            &mut self.evicted,
+            evicted,
+        );
         let hasher = &self.hasher;
         self.current
             .insert_unique(hash, (key, value), |(key, _)| hasher.hash_one(key));
@@ -136,9 +134,7 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
             return None;
         };
         let (moved, _) = entry.remove();
-        if current.len() >= *generation {
-            turn_over(current, previous, evicted_count, evicted);
-        }
+        turn_over_when_full(current, previous, *generation, evicted_count, evicted);
         let entry = current.insert_unique(hash, moved, |(key, _)| hasher.hash_one(key));
         Some(&mut entry.into_mut().1)
     }
@@ -200,14 +196,19 @@ impl<K: Hash + Eq, V> TwoGenerationCache<K, V> {
     }
 }
 
-/// The current generation becomes the previous one; the previous one's entries go, each
-/// through `evicted`.
-fn turn_over<K, V>(
+/// When the current generation holds `generation` entries, it becomes the previous one and the
+/// previous one's entries go, each through `evicted`; true when it did. (A free function: the
+/// caller may hold a borrow of another field.)
+fn turn_over_when_full<K, V>(
     current: &mut HashTable<(K, V)>,
     previous: &mut HashTable<(K, V)>,
+    generation: usize,
     evicted_count: &mut u64,
     mut evicted: impl FnMut(K, V),
-) {
+) -> bool {
+    if current.len() < generation {
+        return false;
+    }
     *evicted_count += previous.len() as u64;
     // The dropped generation's table is reused (same capacity) instead of growing a new one.
     let mut recycled = std::mem::take(previous);
@@ -215,6 +216,7 @@ fn turn_over<K, V>(
         evicted(key, value);
     }
     *previous = std::mem::replace(current, recycled);
+    true
 }
 
 /// Values parsed from inputs that repeat byte for byte, kept by the input: an exec event's

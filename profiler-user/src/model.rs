@@ -674,12 +674,22 @@ pub enum MmapChange {
     },
 }
 
+/// The announcements of processes' code since the last look ([`PipelineAccess::changed_processes`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MmapChanges {
+    /// In the order read.
+    pub changes: Vec<MmapChange>,
+    /// Every code mapping made before this time (CLOCK_MONOTONIC ns) is in `changes` or was
+    /// in those of an earlier look.
+    pub complete_before_ns: u64,
+}
+
 /// What a stage that takes stacks outside the CPU sampler (accelerator calls, off-CPU
 /// blocks) needs from the CPU pipeline.
 pub trait PipelineAccess {
-    /// What the kernel announced of processes' code since the last call, in order (`None`:
-    /// unknown, announcements were lost, so any process may have changed).
-    fn changed_processes(&mut self) -> Option<Vec<MmapChange>>;
+    /// What the kernel announced of processes' code since the last call (`None`: unknown,
+    /// announcements were lost, so any process may have changed).
+    fn changed_processes(&mut self) -> Option<MmapChanges>;
     /// A process's snapshot.
     fn process(&mut self, pid: Pid) -> Option<Arc<ProcessInfo>>;
     /// Registers a process's unwind tables and interpreter now (a new user of the

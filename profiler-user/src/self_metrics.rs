@@ -330,7 +330,7 @@ impl SelfMetrics {
         );
         push(
             "cuda_scan_maps_unchanged_total",
-            "Processes a CUDA library scan did not read (nothing announced since the scan before, or an exec since it and only files known not to be CUDA libraries mapped after it)",
+            "Processes a CUDA library scan did not read (nothing announced since the scan before; or an exec, or a fork from a process proven not to map a CUDA library, since it, and only files known not to be CUDA libraries mapped after)",
             self.cuda.maps_unchanged as f64,
             "counter",
         );

@@ -1483,11 +1483,12 @@ fn scans_trust_announced_execs_that_mapped_only_files_known_not_to_be_cuda() {
     assert_eq!(discovery.scan(&mut recorder), vec![pid]);
     assert_eq!(discovery.stats.maps_read, 3);
 
-    // Exec'ed, then (its pid reused) forked: read.
+    // Exec'ed, then (its pid reused) forked from a process that maps the runtime: read.
     std::fs::write(&maps, maps_line(&plain)).expect("write maps");
     let exec_ns = monotonic_now_ns();
     discovery.note_exec(pid, exec_ns);
-    discovery.note_fork_or_exit(pid, exec_ns + 1);
+    discovery.note_fork(pid, Pid(4242), exec_ns + 1);
+    discovery.note_mappings_complete_before(monotonic_now_ns());
     discovery.scan(&mut recorder);
     assert!(!discovery.users().contains(&pid), "read: no runtime now");
     assert_eq!(discovery.stats.maps_read, 4);
@@ -1504,6 +1505,96 @@ fn scans_trust_announced_execs_that_mapped_only_files_known_not_to_be_cuda() {
     discovery.scan(&mut recorder);
     assert!(discovery.users().contains(&pid));
     assert_eq!(discovery.stats.maps_read, 6);
+}
+
+/// A process under the fake /proc of `scratch` whose maps show `path` mapped.
+fn fake_process(scratch: &Scratch, pid: u32, path: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let process = scratch.path(&format!("proc/{pid}"));
+    std::fs::create_dir_all(&process).expect("mkdir");
+    let _ = std::os::unix::fs::symlink("/", process.join("root"));
+    let inode = std::fs::metadata(path).expect("stat").ino();
+    std::fs::write(
+        process.join("maps"),
+        format!(
+            "7f0000000000-7f0000010000 r-xp 00000000 00:00 {inode} {}\n",
+            path.display()
+        ),
+    )
+    .expect("write maps");
+}
+
+/// A process forked since the last scan from one known then not to map a CUDA library (read
+/// by that scan, or itself forked so), with nothing unknown mapped since, is not read; one
+/// forked from a process that maps one, from one that mapped an unknown file meanwhile,
+/// before the last scan ended, or after the announcements read, is. Every child's maps show
+/// the runtime, so the scan finds it only where it reads them.
+#[test]
+fn scans_trust_forks_from_processes_known_not_to_map_cuda() {
+    use profiler::model::{MmapChange, Pid, monotonic_now_ns};
+    use std::os::unix::fs::MetadataExt;
+    let scratch = Scratch::new("gpu-scan-forks");
+    let runtime = proc_with_the_runtime(&scratch);
+    let user = Pid(4242);
+    let plain = Path::new("/bin/true");
+    let parent = Pid(5000);
+    fake_process(&scratch, parent.0, plain);
+    let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
+    discovery.watch_changes();
+    let mut recorder = Recorder::attaching_everything();
+    assert_eq!(discovery.scan(&mut recorder), vec![user]);
+    assert_eq!(discovery.stats.maps_read, 2);
+    let mut child = 5000;
+    let mut fork_from = |discovery: &mut profiler::gpu::discovery::Discovery, from: Pid| {
+        child += 1;
+        fake_process(&scratch, child, &runtime);
+        discovery.note_fork(Pid(child), from, monotonic_now_ns());
+        Pid(child)
+    };
+
+    // Forked from a process the last scan read, and a chain of forks from that child.
+    let first = fork_from(&mut discovery, parent);
+    discovery.note_mappings_complete_before(monotonic_now_ns());
+    assert!(discovery.scan(&mut recorder).is_empty());
+    assert_eq!(discovery.stats.maps_read, 2, "no child read");
+    let second = fork_from(&mut discovery, first);
+    let third = fork_from(&mut discovery, second);
+    discovery.note_mappings_complete_before(monotonic_now_ns());
+    assert!(discovery.scan(&mut recorder).is_empty());
+    assert_eq!(discovery.stats.maps_read, 2, "no child read");
+    assert!(!discovery.users().contains(&third));
+
+    // Forked after the announcements read: its parent's last mappings may be unread.
+    discovery.note_mappings_complete_before(monotonic_now_ns());
+    let late = fork_from(&mut discovery, parent);
+    assert_eq!(discovery.scan(&mut recorder), vec![late]);
+    assert_eq!(discovery.stats.maps_read, 3);
+    // From a process that maps the runtime.
+    let of_user = fork_from(&mut discovery, user);
+    discovery.note_mappings_complete_before(monotonic_now_ns());
+    assert_eq!(discovery.scan(&mut recorder), vec![of_user]);
+    assert_eq!(discovery.stats.maps_read, 4);
+
+    // From a process that mapped a file never checked before the fork.
+    discovery.note_mmap_change(&MmapChange::Mapped {
+        pid: parent,
+        path: std::sync::Arc::from("/bin/false"),
+        inode: Some(std::fs::metadata("/bin/false").expect("stat").ino()),
+    });
+    let after_unknown = fork_from(&mut discovery, parent);
+    discovery.note_mappings_complete_before(monotonic_now_ns());
+    assert_eq!(discovery.scan(&mut recorder), vec![after_unknown]);
+    assert_eq!(discovery.stats.maps_read, 6, "the parent and the child");
+
+    // Forked before the last scan ended (announced late): its parent may have changed after
+    // that scan read it.
+    let during_last_scan = monotonic_now_ns();
+    discovery.scan(&mut recorder);
+    child += 1;
+    fake_process(&scratch, child, &runtime);
+    discovery.note_fork(Pid(child), parent, during_last_scan);
+    discovery.note_mappings_complete_before(monotonic_now_ns());
+    assert_eq!(discovery.scan(&mut recorder), vec![Pid(child)]);
 }
 
 /// When the CUDA programs cannot load, a CUDA library is skipped whole: no attempt per probe

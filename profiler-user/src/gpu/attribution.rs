@@ -117,9 +117,14 @@ impl Accelerator for CudaAttribution {
         events: &mut Vec<ProfileEvent>,
     ) -> bool {
         match pipeline.changed_processes() {
-            Some(changed) => changed
-                .iter()
-                .for_each(|change| self.discovery.note_mmap_change(change)),
+            Some(changed) => {
+                changed
+                    .changes
+                    .iter()
+                    .for_each(|change| self.discovery.note_mmap_change(change));
+                self.discovery
+                    .note_mappings_complete_before(changed.complete_before_ns);
+            }
             None => self.discovery.note_unknown_changes(),
         }
         // A fork inherits its parent's mappings without announcing them.
@@ -127,10 +132,10 @@ impl Accelerator for CudaAttribution {
             let pid = Pid(event.pid());
             match event {
                 LifecycleEvent::Execed { ktime_ns, .. } => self.discovery.note_exec(pid, *ktime_ns),
-                LifecycleEvent::Forked { ktime_ns, .. }
-                | LifecycleEvent::Exited { ktime_ns, .. } => {
-                    self.discovery.note_fork_or_exit(pid, *ktime_ns)
-                }
+                LifecycleEvent::Forked {
+                    parent, ktime_ns, ..
+                } => self.discovery.note_fork(pid, Pid(*parent), *ktime_ns),
+                LifecycleEvent::Exited { ktime_ns, .. } => self.discovery.note_exit(pid, *ktime_ns),
                 LifecycleEvent::CgroupChanged { .. } => {}
             }
         }

@@ -262,8 +262,8 @@ pub struct DiscoveryStats {
     pub attach_errors: u64,
     pub processes_using_cuda: u64,
     /// Process maps read by scans, and processes a scan did not read (nothing announced since
-    /// the scan before, or an exec since it and only files known not to be CUDA libraries
-    /// mapped after).
+    /// the scan before; or an exec, or a fork from a process proven not to map a CUDA library,
+    /// since it, and only files known not to be CUDA libraries mapped after).
     pub maps_read: u64,
     pub maps_unchanged: u64,
 }
@@ -287,6 +287,11 @@ pub struct Discovery {
     /// When the last scan began (CLOCK_MONOTONIC ns): an exec announced since but made
     /// before may have had its mappings announced to that scan, so it is not trusted.
     scanned_at_ns: u64,
+    /// When the last scan ended: it had read every map it read by then.
+    scan_ended_ns: u64,
+    /// Every code mapping made before this time has been noted
+    /// ([`Self::note_mappings_complete_before`]).
+    mappings_complete_before_ns: u64,
     next_scan: Instant,
     pub stats: DiscoveryStats,
 }
@@ -303,6 +308,74 @@ struct Announced {
     boundary_ns: u64,
     /// It mapped a file not known not to be a CUDA library, or changed in a way not told.
     read_maps: bool,
+    /// Its latest fork: from which process, when.
+    forked_from: Option<(Pid, u64)>,
+}
+
+/// The longest chain of forks followed back to a process the last scan read.
+const MAX_FORK_CHAIN: usize = 16;
+
+/// What proves, without its maps, that a process forked since the last scan maps no CUDA
+/// library: a fork copies its parent's mappings, so a child maps none when its parent mapped
+/// none at the fork and it mapped only files known not to be CUDA libraries since. Whatever
+/// its parent mapped before the fork was announced first (the kernel writes the record while
+/// the mapping is made, and the fork copies it after), so it is in `changed` when the fork is
+/// older than the announcements read (`mappings_complete_before_ns`).
+struct ForkProof<'a> {
+    changed: &'a HashMap<Pid, Announced>,
+    /// What the last scan found.
+    previous: &'a HashMap<Pid, bool>,
+    last_scan_began_ns: u64,
+    last_scan_ended_ns: u64,
+    mappings_complete_before_ns: u64,
+}
+
+impl ForkProof<'_> {
+    /// Whether the process with announcements `announced` maps no CUDA library now, by its
+    /// fork.
+    fn proves(&self, announced: &Announced) -> bool {
+        let Some((parent, fork_ns)) = announced.forked_from else {
+            return false;
+        };
+        // Not when it exited (a zombie) or mapped an unknown file since its fork.
+        !announced.read_maps
+            && announced.boundary_ns == fork_ns
+            && self.mapped_none_at(parent, fork_ns, 0)
+    }
+
+    /// Whether `pid` mapped no CUDA library at `time_ns`.
+    fn mapped_none_at(&self, pid: Pid, time_ns: u64, depth: usize) -> bool {
+        if depth >= MAX_FORK_CHAIN || time_ns >= self.mappings_complete_before_ns {
+            return false;
+        }
+        // What the last scan read, for the same process when nothing says otherwise: its
+        // mappings since were announced, and none since the last scan began was of a file
+        // not known not to be a CUDA library.
+        let as_last_read =
+            || time_ns >= self.last_scan_ended_ns && self.previous.get(&pid) == Some(&false);
+        let Some(announced) = self.changed.get(&pid) else {
+            return as_last_read();
+        };
+        if announced.read_maps {
+            return false;
+        }
+        // After an exec, the process mapped only files known not to be CUDA libraries.
+        let execed_before = announced.exec_ns != 0
+            && announced.exec_ns >= self.last_scan_began_ns
+            && announced.exec_ns <= time_ns;
+        match announced.forked_from {
+            // Its process at `time_ns` began with this fork.
+            Some((parent, fork_ns)) if fork_ns <= time_ns => {
+                (execed_before && announced.exec_ns >= fork_ns)
+                    || self.mapped_none_at(parent, fork_ns, depth + 1)
+            }
+            // An earlier process of this pid, whose start is not known.
+            Some(_) => false,
+            // Unless it exited by then (a later process of this pid would have forked).
+            None if announced.boundary_ns != 0 && announced.boundary_ns <= time_ns => false,
+            None => execed_before || as_last_read(),
+        }
+    }
 }
 
 impl Announced {
@@ -326,6 +399,8 @@ impl Discovery {
             changed: None,
             watching: false,
             scanned_at_ns: 0,
+            scan_ended_ns: 0,
+            mappings_complete_before_ns: 0,
             next_scan: Instant::now(),
             stats: DiscoveryStats::default(),
         }
@@ -379,11 +454,26 @@ impl Discovery {
         }
     }
 
-    /// `pid` forked (from a process that may map a CUDA library) or exited at `time_ns`.
-    pub fn note_fork_or_exit(&mut self, pid: Pid, time_ns: u64) {
+    /// `pid` forked from `parent` at `time_ns` (CLOCK_MONOTONIC).
+    pub fn note_fork(&mut self, pid: Pid, parent: Pid, time_ns: u64) {
+        if let Some(announced) = self.announced(pid) {
+            announced.boundary_ns = announced.boundary_ns.max(time_ns);
+            if announced.forked_from.is_none_or(|(_, ns)| ns <= time_ns) {
+                announced.forked_from = Some((parent, time_ns));
+            }
+        }
+    }
+
+    /// `pid` exited at `time_ns`.
+    pub fn note_exit(&mut self, pid: Pid, time_ns: u64) {
         if let Some(announced) = self.announced(pid) {
             announced.boundary_ns = announced.boundary_ns.max(time_ns);
         }
+    }
+
+    /// Every code mapping made before `time_ns` has been noted ([`Self::note_mmap_change`]).
+    pub fn note_mappings_complete_before(&mut self, time_ns: u64) {
+        self.mappings_complete_before_ns = self.mappings_complete_before_ns.max(time_ns);
     }
 
     /// What was announced of `pid` since the last scan; `None` when changes are not known.
@@ -425,6 +515,13 @@ impl Discovery {
         let previous_scan_ns = std::mem::replace(&mut self.scanned_at_ns, monotonic_now_ns());
         let changed = std::mem::replace(&mut self.changed, self.watching.then(HashMap::new));
         let previous = std::mem::take(&mut self.scanned);
+        let forks = changed.as_ref().map(|changed| ForkProof {
+            changed,
+            previous: &previous,
+            last_scan_began_ns: previous_scan_ns,
+            last_scan_ended_ns: self.scan_ended_ns,
+            mappings_complete_before_ns: self.mappings_complete_before_ns,
+        });
         for entry in entries.flatten() {
             let Some(pid) = entry
                 .file_name()
@@ -440,7 +537,12 @@ impl Discovery {
             let known = match changed.as_ref().map(|c| c.get(&pid)) {
                 None => None,
                 Some(None) => previous.get(&pid).copied(),
-                Some(Some(announced)) => announced.proves(previous_scan_ns),
+                Some(Some(announced)) => announced.proves(previous_scan_ns).or_else(|| {
+                    forks
+                        .as_ref()
+                        .is_some_and(|forks| forks.proves(announced))
+                        .then_some(false)
+                }),
             };
             let uses_cuda = match known {
                 Some(uses_cuda) => {
@@ -457,6 +559,7 @@ impl Discovery {
                 users.insert(pid);
             }
         }
+        self.scan_ended_ns = monotonic_now_ns();
         let new: Vec<Pid> = users.difference(&self.users).copied().collect();
         self.stats.processes_using_cuda = users.len() as u64;
         self.users = users;

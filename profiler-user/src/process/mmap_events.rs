@@ -114,6 +114,9 @@ pub struct MmapLog {
     boundaries: TwoGenerationCache<Pid, Boundaries>,
     /// Exits in the order seen ([`Self::exited`]), each to be expired once old enough.
     exits: VecDeque<(Pid, u64)>,
+    /// When the latest read of the rings began (CLOCK_MONOTONIC ns): every code mapping made
+    /// before then is in the log.
+    read_from_ns: u64,
 }
 
 /// Exits and forks remembered per pid: a pid is reused about once a minute on the busiest host
@@ -175,6 +178,7 @@ impl MmapLog {
             tracking: false,
             boundaries: TwoGenerationCache::new(max_processes),
             exits: VecDeque::new(),
+            read_from_ns: 0,
         }
     }
 
@@ -237,6 +241,12 @@ impl MmapLog {
         // With room for as many as last time: they are pushed one by one, about as many each time.
         let room = self.changes.as_ref().map_or(0, Vec::len);
         self.changes.replace(Vec::with_capacity(room))
+    }
+
+    /// Every code mapping made before this time (CLOCK_MONOTONIC ns) is in the log: when the
+    /// latest read of the announcement rings began.
+    pub fn complete_before_ns(&self) -> u64 {
+        self.read_from_ns
     }
 
     fn changed(&mut self, change: impl FnOnce() -> MmapChange) {
@@ -531,6 +541,9 @@ impl MmapEvents {
 
     /// Reads every announcement waiting in the rings into the log.
     pub fn drain(&mut self) {
+        // A record is in its ring before the mmap call that makes it returns, so whatever
+        // was mapped before now is read below.
+        self.log.read_from_ns = crate::model::monotonic_now_ns();
         for sampler in &mut self.samplers {
             while let Some(record) = sampler.next_record() {
                 // Contiguous unless the record wraps around the ring's end.

@@ -45,7 +45,7 @@ use self::{
 use crate::{
     bounded::ParseMemo,
     model::{
-        CgroupMove, ExecRecord, LabelEnv, MappedFile, Mapping, MmapChange, Pid, ProcessInfo,
+        CgroupMove, ExecRecord, LabelEnv, MappedFile, Mapping, MmapChanges, Pid, ProcessInfo,
         ProcessLabels, monotonic_now_ns,
     },
 };
@@ -469,8 +469,13 @@ impl ProcessRegistry {
 
     /// The execs and code mappings announced since the last call; `None` when that is not
     /// known (announcements lost or not watched).
-    pub fn take_mmap_changes(&mut self) -> Option<Vec<MmapChange>> {
-        self.mmaps.as_mut()?.log.take_changes()
+    pub fn take_mmap_changes(&mut self) -> Option<MmapChanges> {
+        let log = &mut self.mmaps.as_mut()?.log;
+        let complete_before_ns = log.complete_before_ns();
+        Some(MmapChanges {
+            changes: log.take_changes()?,
+            complete_before_ns,
+        })
     }
 
     pub fn mmap_stats(&self) -> Option<MmapLogStats> {

@@ -152,6 +152,7 @@ impl KernelSymbols {
     /// The start of the last kernel symbol at or below `addr` in the kallsyms text blazesym
     /// reads: addresses above it and below the next start are that symbol's, whichever
     /// blazesym would name them by.
+    ///
     /// `None` without a snapshot: blazesym then reads kallsyms itself, which may have changed
     /// since this index read it.
     pub(super) fn symbol_start(&mut self, addr: u64) -> Option<u64> {
@@ -204,8 +205,9 @@ impl KernelSymbols {
     }
 
     /// Looks up `addrs` in one call, one result each in their order: blazesym checks the
-    /// kallsyms file and its cache entry once a call (a `stat` and an open), which was two
-    /// thirds of a lookup one address at a time.
+    /// kallsyms file and its cache entry once a call (a `stat` and an open). A stack seldom
+    /// has more than one kernel address to look up, so this saves little on real stacks; the
+    /// functions remembered by their start (the symbolizer's) are what spare most calls.
     pub(super) fn lookup_all(
         &mut self,
         resolver: &bz::Symbolizer,

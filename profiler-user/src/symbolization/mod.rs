@@ -287,11 +287,19 @@ pub const RESOLVER_IDLE: std::time::Duration = std::time::Duration::from_secs(12
 /// How often the agent's file-backed RSS is looked at.
 const FILE_PAGES_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The pages of symbol files looked up since the last release may stay resident up to this
+/// much above the file-backed RSS a release of every file left (see
+/// [`Symbolizer::release_file_pages_when_grown`]).
+pub const FILE_PAGES_IN_USE_BYTES: u64 = 6 << 20;
+
 /// When symbol files' pages were last given back, and what file-backed RSS was left then.
 #[derive(Debug)]
 struct FilePageWatch {
     checked_at: std::time::Instant,
+    released_at: std::time::Instant,
     resident_after_release: u64,
+    /// After the last release of every file's pages (the floor: the agent's binary, rings).
+    resident_after_full_release: u64,
     /// Releases so far.
     releases: u64,
 }
@@ -348,16 +356,22 @@ impl Symbolizer {
             unknown_kernel_name: Arc::from("[unknown kernel]"),
             file_pages: FilePageWatch {
                 checked_at: std::time::Instant::now(),
+                released_at: std::time::Instant::now(),
                 resident_after_release: 0,
+                resident_after_full_release: 0,
                 releases: 0,
             },
         }
     }
 
     /// Gives back symbol files' pages ([`Self::release_file_pages`]) once the agent's
-    /// file-backed RSS has grown by [`FILE_PAGES_SLACK_BYTES`] since the last time: the RSS
-    /// stays within that of its floor (binary, rings), whatever the pace of new symbols. Looks
-    /// at most once a second; returns the bytes advised.
+    /// file-backed RSS has grown by [`FILE_PAGES_SLACK_BYTES`] since the last time. The files
+    /// looked up since the last release keep theirs while the RSS stays within
+    /// [`FILE_PAGES_IN_USE_BYTES`] of the floor a release of every file left (the agent's
+    /// binary, rings): giving back pages the next lookups fault in again at once cost the
+    /// unmapping and the faults for nothing (a release about once a second on the host
+    /// suite). The RSS stays within the two bands of its floor, whatever the pace of new
+    /// symbols. Looks at most once a second; returns the bytes advised.
     pub fn release_file_pages_when_grown(&mut self) -> u64 {
         if self.file_pages.checked_at.elapsed() < FILE_PAGES_CHECK_EVERY {
             return 0;
@@ -370,7 +384,9 @@ impl Symbolizer {
         if resident < self.file_pages.resident_after_release + FILE_PAGES_SLACK_BYTES {
             return 0;
         }
-        let released = self.release_file_pages();
+        let in_use_since = self.file_pages.released_at;
+        let released = self.release_file_pages_beyond(Some(in_use_since));
+        self.file_pages.released_at = std::time::Instant::now();
         self.file_pages.resident_after_release = resident_file_bytes().unwrap_or(resident);
         released
     }
@@ -414,7 +430,8 @@ impl Symbolizer {
     /// Symbolizes `frames` (same length and order).
     pub fn symbolize_frames(&mut self, frames: &[UnwoundFrame]) -> Vec<Arc<SymbolizedFrame>> {
         // Kernel frames the cache lacks are looked up together (see `KernelSymbols::lookup_all`).
-        let mut kernel_misses: Vec<u64> = Vec::new();
+        // Each missing address with the index's start of its symbol.
+        let mut kernel_misses: Vec<(u64, Option<u64>)> = Vec::new();
         let mut symbolized: Vec<Option<Arc<SymbolizedFrame>>> = frames
             .iter()
             .map(|frame| match frame {
@@ -423,13 +440,15 @@ impl Symbolizer {
                     if let Some(cached) = self.cached(&key) {
                         return Some(cached);
                     }
-                    if let Some(symbolized) = self.in_remembered_kernel_function(*addr) {
-                        return Some(self.remember(key, symbolized));
+                    match self.in_remembered_kernel_function(*addr) {
+                        Ok(symbolized) => Some(self.remember(key, symbolized)),
+                        Err(index_start) => {
+                            if !kernel_misses.iter().any(|(missing, _)| missing == addr) {
+                                kernel_misses.push((*addr, index_start));
+                            }
+                            None
+                        }
                     }
-                    if !kernel_misses.contains(addr) {
-                        kernel_misses.push(*addr);
-                    }
-                    None
                 }
                 frame => Some(self.symbolize(frame)),
             })
@@ -437,12 +456,13 @@ impl Symbolizer {
         if kernel_misses.is_empty() {
             return symbolized.into_iter().flatten().collect();
         }
-        let lookups = self.kernel.lookup_all(&self.resolver, &kernel_misses);
+        let addrs: Vec<u64> = kernel_misses.iter().map(|&(addr, _)| addr).collect();
+        let lookups = self.kernel.lookup_all(&self.resolver, &addrs);
         let looked_up: Vec<_> = kernel_misses
             .into_iter()
             .zip(lookups)
-            .map(|(addr, lookup)| {
-                let frame = self.kernel_frame(addr, lookup);
+            .map(|((addr, index_start), lookup)| {
+                let frame = self.kernel_frame(addr, lookup, index_start);
                 (addr, self.remember(FrameKey::Kernel(addr), frame))
             })
             .collect();
@@ -467,8 +487,8 @@ impl Symbolizer {
                     return cached;
                 }
                 let symbolized = match self.in_remembered_kernel_function(*addr) {
-                    Some(symbolized) => symbolized,
-                    None => self.symbolize_kernel(*addr),
+                    Ok(symbolized) => symbolized,
+                    Err(index_start) => self.symbolize_kernel(*addr, index_start),
                 };
                 self.remember(key, symbolized)
             }
@@ -599,6 +619,18 @@ impl Symbolizer {
     /// CPU). Files the agent runs (its binary, its libraries) or writes (the store) are left
     /// alone.
     pub fn release_file_pages(&mut self) -> u64 {
+        let released = self.release_file_pages_beyond(None);
+        self.file_pages.released_at = std::time::Instant::now();
+        if let Some(resident) = resident_file_bytes() {
+            self.file_pages.resident_after_release = resident;
+        }
+        released
+    }
+
+    /// [`Self::release_file_pages`], but with `in_use_since`, the symbolizer's mappings of
+    /// files looked up since then are given back only when the file-backed RSS is still
+    /// [`FILE_PAGES_IN_USE_BYTES`] above the floor after the others went.
+    fn release_file_pages_beyond(&mut self, in_use_since: Option<std::time::Instant>) -> u64 {
         self.file_pages.releases += 1;
         let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
             return 0;
@@ -612,23 +644,27 @@ impl Symbolizer {
             .filter(|entry| entry.perms.contains(['w', 'x']))
             .map(|entry| (entry.dev, entry.inode))
             .collect();
-        let own: HashSet<(u64, FileId)> = self
+        // Each own mapping (start, file mapped) with whether its file was looked up since
+        // `in_use_since`.
+        let own: HashMap<(u64, FileId), bool> = self
             .files
             .iter()
             .flat_map(|(id, state)| {
+                let in_use = in_use_since.is_some_and(|since| state.used_at >= since);
                 let index = state
                     .functions
                     .as_ref()
                     .and_then(Option::as_ref)
-                    .map(|index| (index.mapped_start(), *id));
+                    .map(|index| ((index.mapped_start(), *id), in_use));
                 let blazesym = state
                     .own_mappings
                     .iter()
-                    .map(|&(file, start)| (start, file));
+                    .map(move |&(file, start)| ((start, file), in_use));
                 blazesym.chain(index)
             })
             .collect();
         let mut released = 0;
+        let mut in_use = Vec::new();
         for entry in &entries {
             let length = entry.end - entry.start;
             if !entry.perms.starts_with("r--")
@@ -639,8 +675,8 @@ impl Symbolizer {
             {
                 continue;
             }
-            let ours = entry.dev.is_some_and(|dev| {
-                own.contains(&(
+            let own_mapping = entry.dev.and_then(|dev| {
+                own.get(&(
                     entry.start,
                     FileId {
                         dev,
@@ -648,35 +684,54 @@ impl Symbolizer {
                     },
                 ))
             });
-            // Read back one page at a time: a lookup touches a few scattered pages of the
-            // symbol and string tables (a binary search), and the readahead of each fault on
-            // them read tens of pages (6.7 % of the agent's CPU on the host suite), which grew
-            // the file-backed RSS back towards the next release.
-            // SAFETY: an access-pattern hint changes no memory contents, whatever is mapped
-            // there by now.
-            unsafe {
-                libc::madvise(
-                    entry.start as *mut libc::c_void,
-                    length as usize,
-                    libc::MADV_RANDOM,
-                )
-            };
-            let advice = if ours {
-                self.stats.own_mapping_releases += 1;
-                libc::MADV_DONTNEED
-            } else {
-                libc::MADV_PAGEOUT
-            };
-            // SAFETY: page-out changes no memory contents, whatever is mapped there by now;
-            // `MADV_DONTNEED` is only given to the symbolizer's own read-only file mappings,
-            // which stay mapped until this symbolizer drops them (above).
-            if unsafe { libc::madvise(entry.start as *mut libc::c_void, length as usize, advice) }
-                == 0
-            {
-                released += length;
+            if own_mapping == Some(&true) {
+                in_use.push((entry.start, length));
+                continue;
+            }
+            released += self.advise_file_pages(entry.start, length, own_mapping.is_some());
+        }
+        let full = self.file_pages.resident_after_full_release + FILE_PAGES_IN_USE_BYTES;
+        if in_use.is_empty() || resident_file_bytes().is_none_or(|resident| resident >= full) {
+            for (start, length) in in_use {
+                released += self.advise_file_pages(start, length, true);
+            }
+            if let Some(resident) = resident_file_bytes() {
+                self.file_pages.resident_after_full_release = resident;
             }
         }
         released
+    }
+
+    /// Gives back the pages of one read-only file mapping (see [`Self::release_file_pages`]
+    /// for `ours`); returns `length` when the advice was taken.
+    fn advise_file_pages(&mut self, start: u64, length: u64, ours: bool) -> u64 {
+        // Read back one page at a time: a lookup touches a few scattered pages of the symbol
+        // and string tables (a binary search), and the readahead of each fault on them read
+        // tens of pages (6.7 % of the agent's CPU on the host suite), which grew the
+        // file-backed RSS back towards the next release.
+        // SAFETY: an access-pattern hint changes no memory contents, whatever is mapped there
+        // by now.
+        unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                length as usize,
+                libc::MADV_RANDOM,
+            )
+        };
+        let advice = if ours {
+            self.stats.own_mapping_releases += 1;
+            libc::MADV_DONTNEED
+        } else {
+            libc::MADV_PAGEOUT
+        };
+        // SAFETY: page-out changes no memory contents, whatever is mapped there by now;
+        // `MADV_DONTNEED` is only given to the symbolizer's own read-only file mappings, which
+        // stay mapped until this symbolizer drops them (see `release_file_pages`).
+        if unsafe { libc::madvise(start as *mut libc::c_void, length as usize, advice) } == 0 {
+            length
+        } else {
+            0
+        }
     }
 
     /// Drops the parsed tables of the least recently used files until their estimated cost is
@@ -930,9 +985,6 @@ impl Symbolizer {
                 // back now, not at the next check, so they do not add up with whatever else is
                 // resident at the time (the same library's unwind table being built).
                 self.release_file_pages();
-                if let Some(resident) = resident_file_bytes() {
-                    self.file_pages.resident_after_release = resident;
-                }
             }
             self.stats.file_loads += 1;
             self.stats.file_load_time += started.elapsed();
@@ -1000,9 +1052,9 @@ impl Symbolizer {
         frame
     }
 
-    fn symbolize_kernel(&mut self, addr: u64) -> SymbolizedFrame {
+    fn symbolize_kernel(&mut self, addr: u64, index_start: Option<u64>) -> SymbolizedFrame {
         let lookup = self.kernel.lookup(&self.resolver, addr);
-        self.kernel_frame(addr, lookup)
+        self.kernel_frame(addr, lookup, index_start)
     }
 
     /// `addr` named by the kernel function it is in when that function was looked up before
@@ -1010,15 +1062,21 @@ impl Symbolizer {
     /// and blazesym checks its kallsyms file at every call: an open and a `stat` of a
     /// /proc/self/fd link, 3 % of the agent's CPU on the host suite). An address at a symbol's
     /// very start is left to blazesym, which picks among the symbols that start there.
-    fn in_remembered_kernel_function(&mut self, addr: u64) -> Option<SymbolizedFrame> {
-        let start = self.kernel.symbol_start(addr)?;
+    /// Otherwise (`Err`) the start of `addr`'s symbol in the index, if any, for
+    /// [`Self::kernel_frame`] to remember the function by.
+    fn in_remembered_kernel_function(&mut self, addr: u64) -> Result<SymbolizedFrame, Option<u64>> {
+        let Some(start) = self.kernel.symbol_start(addr) else {
+            return Err(None);
+        };
         if start == addr {
-            return None;
+            return Err(Some(start));
         }
-        let line = self.kernel_functions.get(&start)?;
+        let Some(line) = self.kernel_functions.get(&start) else {
+            return Err(Some(start));
+        };
         self.stats.frames_symbolized += 1;
         self.stats.kernel_function_hits += 1;
-        Some(SymbolizedFrame {
+        Ok(SymbolizedFrame {
             kind: FrameKind::Kernel,
             address: addr,
             mapping: None,
@@ -1027,7 +1085,14 @@ impl Symbolizer {
         })
     }
 
-    fn kernel_frame(&mut self, addr: u64, lookup: kernel::KernelLookup) -> SymbolizedFrame {
+    /// The frame blazesym's `lookup` of `addr` gives; its function is remembered where
+    /// `index_start`, the index's start of `addr`'s symbol, is blazesym's too.
+    fn kernel_frame(
+        &mut self,
+        addr: u64,
+        lookup: kernel::KernelLookup,
+        index_start: Option<u64>,
+    ) -> SymbolizedFrame {
         let (line, unsymbolized) = match lookup {
             kernel::KernelLookup::Found(symbol) => {
                 self.stats.frames_symbolized += 1;
@@ -1038,7 +1103,7 @@ impl Symbolizer {
                     line: 0,
                 };
                 // Remembered only where this index and blazesym agree on the symbol's start.
-                if symbol.start < addr && self.kernel.symbol_start(addr) == Some(symbol.start) {
+                if symbol.start < addr && index_start == Some(symbol.start) {
                     self.kernel_functions.insert(symbol.start, line.clone());
                 }
                 (line, false)

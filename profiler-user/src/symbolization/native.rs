@@ -27,7 +27,7 @@ use super::{
 };
 use crate::{
     model::{FileId, FrameLine, MappedFile},
-    process::elf_headers::ElfHeaders,
+    process::elf_headers::{ElfHeaders, LoadSegment},
 };
 
 /// What a file's resolver costs besides its tables' size (blazesym's own structures).
@@ -35,14 +35,6 @@ const RESOLVER_OVERHEAD_BYTES: u64 = 64 << 10;
 
 /// After this many consecutive failures, a file is given up on (its frames stay unsymbolized).
 const MAX_CONSECUTIVE_ERRORS_PER_FILE: u32 = 16;
-
-/// One PT_LOAD segment of a binary.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct LoadSegment {
-    file_offset: u64,
-    file_size: u64,
-    vaddr: u64,
-}
 
 /// The parts of a binary's ELF headers needed to pick and address a symbol source.
 #[derive(Clone, Debug, Default)]
@@ -69,15 +61,7 @@ impl ElfLayout {
             path: path.to_path_buf(),
             source,
         })?;
-        let loads = elf
-            .loads
-            .iter()
-            .map(|load| LoadSegment {
-                file_offset: load.file_offset,
-                file_size: load.file_size,
-                vaddr: load.vaddr,
-            })
-            .collect();
+        let loads = elf.loads.clone();
         let has_dwarf = elf
             .section(".debug_info")
             .is_some_and(|section| section.uncompressed_size > 0);
@@ -514,11 +498,13 @@ mod tests {
                     file_offset: 0,
                     file_size: 0x1000,
                     vaddr: 0,
+                    executable: false,
                 },
                 LoadSegment {
                     file_offset: 0x1000,
                     file_size: 0x2000,
                     vaddr: 0x41000,
+                    executable: true,
                 },
             ],
             ..ElfLayout::default()

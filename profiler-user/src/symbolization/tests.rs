@@ -1101,12 +1101,9 @@ fn assert_still_cached(start: u64, end: u64) {
     );
 }
 
-#[test]
-fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> TestResult {
-    use crate::test_support::resident_bytes_of_mapping;
-    let _turn = page_release_turn();
-    // A copy of the C library only this test maps, on the build's file system (page-out
-    // reclaims file pages there, not on tmpfs), written back so its pages are clean.
+/// A copy of the C library named `name` in `dir`, which only the calling test maps; written
+/// back, so its pages are clean.
+fn libc_copy(dir: &Path, name: &str) -> TestResult<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps")?;
     let libc_path = maps
         .lines()
@@ -1114,28 +1111,48 @@ fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> Test
         .find(|entry| entry.pathname.contains("/libc.so"))
         .map(|entry| entry.pathname.to_owned())
         .ok_or("no libc mapped")?;
-    let build_dir = std::env::current_exe()?;
-    let dir = tempfile::tempdir_in(build_dir.parent().ok_or("no deps dir")?)?;
-    let library = dir.path().join("libc-copy.so");
+    let library = dir.join(name);
     std::fs::copy(&libc_path, &library)?;
     std::fs::File::open(&library)?.sync_all()?;
+    Ok(library)
+}
+
+/// A directory on the build's file system (page-out reclaims file pages there, not on tmpfs).
+fn build_fs_dir() -> TestResult<tempfile::TempDir> {
+    let build_dir = std::env::current_exe()?;
+    Ok(tempfile::tempdir_in(
+        build_dir.parent().ok_or("no deps dir")?,
+    )?)
+}
+
+/// The symbolizer's one mapping of `file`, its pages all read in, as (start, end).
+fn own_mapping_all_read(symbolizer: &Symbolizer, file: &MappedFile) -> TestResult<(u64, u64)> {
+    let ranges = own_mappings_of(&[file.id]).ok_or("maps")?;
+    assert_eq!(ranges.len(), 1, "{ranges:?}");
+    let (_, start, end) = ranges[0];
+    assert_eq!(symbolizer.files[&file.id].own_mappings, [(file.id, start)]);
+    // SAFETY: the symbolizer keeps the file mapped read-only until it is dropped.
+    let mapped = unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) };
+    let touched: u64 = mapped.iter().step_by(4096).map(|&b| u64::from(b)).sum();
+    assert!(touched > 0);
+    Ok((start, end))
+}
+
+#[test]
+fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> TestResult {
+    use crate::test_support::resident_bytes_of_mapping;
+    let _turn = page_release_turn();
+    let dir = build_fs_dir()?;
+    let library = libc_copy(dir.path(), "libc-copy.so")?;
     let file = mapped_file(&library)?;
     let malloc = symbol_named(&library, "malloc")?;
 
     let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
     let frame = symbolizer.symbolize(&user_frame(&file, malloc.file_offset));
     assert!(!frame.unsymbolized, "{frame:?}");
-    // blazesym's mapping of the file, told apart as it was made: the only one of the copy.
-    let ranges = own_mappings_of(&[file.id]).ok_or("maps")?;
-    assert_eq!(ranges.len(), 1, "{ranges:?}");
-    let (_, start, end) = ranges[0];
-    assert_eq!(symbolizer.files[&file.id].own_mappings, [(file.id, start)]);
-
-    // Every page read, as lookups all over the tables do over time.
-    // SAFETY: the symbolizer keeps the file mapped read-only until it is dropped.
-    let mapped = unsafe { std::slice::from_raw_parts(start as *const u8, (end - start) as usize) };
-    let touched: u64 = mapped.iter().step_by(4096).map(|&b| u64::from(b)).sum();
-    assert!(touched > 0);
+    // blazesym's mapping of the file, told apart as it was made (the only one of the copy),
+    // every page read, as lookups all over the tables do over time.
+    let (start, end) = own_mapping_all_read(&symbolizer, &file)?;
     let resident_before = resident_bytes_of_mapping(start as *const u8);
     assert!(
         resident_before >= (end - start) * 9 / 10,
@@ -1162,6 +1179,56 @@ fn the_symbolizers_own_mapping_is_given_back_and_its_pages_stay_cached() -> Test
     symbolizer.bound_resolvers(FileId { dev: 0, ino: 0 });
     assert!(symbolizer.files[&file.id].own_mappings.is_empty());
     assert!(own_mappings_of(&[file.id]).ok_or("maps")?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn files_looked_up_since_the_last_release_keep_their_pages_within_the_band() -> TestResult {
+    use crate::test_support::resident_bytes_of_mapping;
+    let _turn = page_release_turn();
+    let dir = build_fs_dir()?;
+    let idle_library = libc_copy(dir.path(), "libc-idle.so")?;
+    let busy_library = libc_copy(dir.path(), "libc-busy.so")?;
+    let (idle, busy) = (mapped_file(&idle_library)?, mapped_file(&busy_library)?);
+    let (malloc, free) = (
+        symbol_named(&idle_library, "malloc")?,
+        symbol_named(&idle_library, "free")?,
+    );
+    let mut symbolizer = Symbolizer::new(isolated_options(dir.path()));
+    for file in [&idle, &busy] {
+        let frame = symbolizer.symbolize(&user_frame(file, malloc.file_offset));
+        assert!(!frame.unsymbolized, "{frame:?}");
+    }
+    let since = std::time::Instant::now();
+    // Only `busy` is looked up after `since`.
+    let frame = symbolizer.symbolize(&user_frame(&busy, free.file_offset));
+    assert!(!frame.unsymbolized, "{frame:?}");
+    let idle_range = own_mapping_all_read(&symbolizer, &idle)?;
+    let busy_range = own_mapping_all_read(&symbolizer, &busy)?;
+    let resident = |(start, _): (u64, u64)| resident_bytes_of_mapping(start as *const u8);
+    let size = |(start, end): (u64, u64)| end - start;
+    assert!(resident(idle_range) >= size(idle_range) * 9 / 10);
+    assert!(resident(busy_range) >= size(busy_range) * 9 / 10);
+
+    // Within the band (a floor this high is never reached): the file in use keeps its pages.
+    symbolizer.file_pages.resident_after_full_release = u64::MAX / 2;
+    let released = symbolizer.release_file_pages_beyond(Some(since));
+    assert!(released >= size(idle_range), "{released}");
+    assert!(resident(idle_range) < size(idle_range) / 4);
+    assert!(resident(busy_range) >= size(busy_range) * 9 / 10);
+    assert_eq!(
+        symbolizer.file_pages.resident_after_full_release,
+        u64::MAX / 2
+    );
+
+    // Beyond it (any RSS is above a floor of 0), the file in use gives its pages back too,
+    // and the RSS left is the new floor.
+    symbolizer.file_pages.resident_after_full_release = 0;
+    let released = symbolizer.release_file_pages_beyond(Some(since));
+    assert!(released >= size(busy_range), "{released}");
+    assert!(resident(busy_range) < size(busy_range) / 4);
+    assert!(symbolizer.file_pages.resident_after_full_release > 0);
+    assert_still_cached(busy_range.0, busy_range.1);
     Ok(())
 }
 

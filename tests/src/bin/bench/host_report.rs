@@ -108,13 +108,10 @@ fn us_per_sample(a: &Poll, b: &Poll) -> Option<f64> {
 
 /// CPU µs per sample of each agent interval whose end the polls saw: the /metrics values
 /// change once an interval (every 15 s), so consecutive polls with the same sample count are
-/// one interval end.
+/// one interval end. `polls` all have both figures (`figures` keeps only those).
 fn interval_us_per_sample(polls: &[&Poll]) -> Vec<f64> {
     let mut ends: Vec<&Poll> = Vec::new();
     for poll in polls {
-        if poll.metric(SAMPLES).is_none() || poll.metric(AGENT_CPU).is_none() {
-            continue;
-        }
         if ends
             .last()
             .is_none_or(|last| last.metric(SAMPLES) != poll.metric(SAMPLES))
@@ -250,7 +247,7 @@ fn figures(run: &HostRun) -> Figures<'_> {
         peak_mib: peak,
         peak_between_s,
         steady_us,
-        steady_intervals: interval_spread(&interval_us_per_sample(&steady)),
+        steady_intervals: interval_spread(&interval_us_per_sample(&with_metrics)),
         whole_us,
         whole_cpu_s,
         whole_samples,
@@ -437,7 +434,7 @@ fn render_targets(out: &mut String, run: &HostRun, f: &Figures<'_>) {
     }
 }
 
-/// "median of the 16 intervals 88.1 µs, quartiles 84.0-95.2".
+/// "median of the 16 agent intervals 88.1 µs, quartiles 84.0-95.2".
 fn spread_text(spread: Option<IntervalSpread>) -> String {
     match spread {
         Some(s) => format!(
