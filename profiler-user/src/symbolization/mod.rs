@@ -435,21 +435,15 @@ impl Symbolizer {
         let mut symbolized: Vec<Option<Arc<SymbolizedFrame>>> = frames
             .iter()
             .map(|frame| match frame {
-                UnwoundFrame::Kernel(addr) => {
-                    let key = FrameKey::Kernel(*addr);
-                    if let Some(cached) = self.cached(&key) {
-                        return Some(cached);
-                    }
-                    match self.in_remembered_kernel_function(*addr) {
-                        Ok(symbolized) => Some(self.remember(key, symbolized)),
-                        Err(index_start) => {
-                            if !kernel_misses.iter().any(|(missing, _)| missing == addr) {
-                                kernel_misses.push((*addr, index_start));
-                            }
-                            None
+                UnwoundFrame::Kernel(addr) => match self.known_kernel_frame(*addr) {
+                    Ok(known) => Some(known),
+                    Err(index_start) => {
+                        if !kernel_misses.iter().any(|(missing, _)| missing == addr) {
+                            kernel_misses.push((*addr, index_start));
                         }
+                        None
                     }
-                }
+                },
                 frame => Some(self.symbolize(frame)),
             })
             .collect();
@@ -481,17 +475,14 @@ impl Symbolizer {
     /// Symbolizes one frame; a repeated key returns the same `Arc` (until the cache is reset).
     pub fn symbolize(&mut self, frame: &UnwoundFrame) -> Arc<SymbolizedFrame> {
         match frame {
-            UnwoundFrame::Kernel(addr) => {
-                let key = FrameKey::Kernel(*addr);
-                if let Some(cached) = self.cached(&key) {
-                    return cached;
+            UnwoundFrame::Kernel(addr) => match self.known_kernel_frame(*addr) {
+                Ok(known) => known,
+                Err(index_start) => {
+                    let lookup = self.kernel.lookup(&self.resolver, *addr);
+                    let frame = self.kernel_frame(*addr, lookup, index_start);
+                    self.remember(FrameKey::Kernel(*addr), frame)
                 }
-                let symbolized = match self.in_remembered_kernel_function(*addr) {
-                    Ok(symbolized) => symbolized,
-                    Err(index_start) => self.symbolize_kernel(*addr, index_start),
-                };
-                self.remember(key, symbolized)
-            }
+            },
             UnwoundFrame::User {
                 addr,
                 file,
@@ -1052,9 +1043,16 @@ impl Symbolizer {
         frame
     }
 
-    fn symbolize_kernel(&mut self, addr: u64, index_start: Option<u64>) -> SymbolizedFrame {
-        let lookup = self.kernel.lookup(&self.resolver, addr);
-        self.kernel_frame(addr, lookup, index_start)
+    /// The frame of kernel address `addr` from the frame cache or a remembered function
+    /// (then cached); otherwise (`Err`) what [`Self::in_remembered_kernel_function`] says for
+    /// the lookup.
+    fn known_kernel_frame(&mut self, addr: u64) -> Result<Arc<SymbolizedFrame>, Option<u64>> {
+        let key = FrameKey::Kernel(addr);
+        if let Some(cached) = self.cached(&key) {
+            return Ok(cached);
+        }
+        let symbolized = self.in_remembered_kernel_function(addr)?;
+        Ok(self.remember(key, symbolized))
     }
 
     /// `addr` named by the kernel function it is in when that function was looked up before
