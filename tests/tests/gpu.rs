@@ -1273,6 +1273,8 @@ struct Recorder {
     attached: Vec<(&'static str, bool)>,
     fail_return_of: &'static str,
     programs_unavailable: bool,
+    /// Lifecycle events lost so far, as the kernel's counter would say.
+    lifecycle_events_lost: u64,
 }
 
 impl Recorder {
@@ -1282,6 +1284,7 @@ impl Recorder {
             attached: Vec::new(),
             fail_return_of: "",
             programs_unavailable: false,
+            lifecycle_events_lost: 0,
         }
     }
 }
@@ -1308,6 +1311,10 @@ impl profiler::gpu::discovery::ProbeAttacher for Recorder {
         }
         self.attached.push((point.symbol, at_return));
         Ok(())
+    }
+
+    fn lifecycle_events_lost(&self) -> u64 {
+        self.lifecycle_events_lost
     }
 }
 
@@ -1342,6 +1349,7 @@ fn return_probes_are_attached_before_entry_probes() {
         attached: Vec::new(),
         fail_return_of: "__cudaGetKernel",
         programs_unavailable: false,
+        lifecycle_events_lost: 0,
     };
     let users = discovery.scan(&mut recorder);
     assert_eq!(users.len(), 1);
@@ -1381,8 +1389,8 @@ fn return_probes_are_attached_before_entry_probes() {
 }
 
 /// With changes watched, a scan reads only the maps of new processes and of those reported
-/// changed; lost announcements make it read every process again. Judged by what the scan finds
-/// after the files under the fake /proc change behind its back.
+/// changed; lost announcements or lost lifecycle events make it read every process again.
+/// Judged by what the scan finds after the files under the fake /proc change behind its back.
 #[test]
 fn scans_read_only_the_maps_that_may_have_changed() {
     let scratch = Scratch::new("gpu-scan-changes");
@@ -1412,10 +1420,22 @@ fn scans_read_only_the_maps_that_may_have_changed() {
     assert_eq!(discovery.stats.maps_read, 2);
 
     // Mapped again and announcements lost: every process is read.
-    std::fs::write(&maps, mapping_the_runtime).expect("write maps");
+    std::fs::write(&maps, &mapping_the_runtime).expect("write maps");
     discovery.note_unknown_changes();
     assert_eq!(discovery.scan(&mut recorder), vec![pid]);
     assert_eq!(discovery.stats.maps_read, 3);
+
+    // Unmapped unannounced, then lifecycle events lost (a fork and an exit of a reused pid
+    // look the same): every process is read, once.
+    std::fs::write(&maps, "").expect("write maps");
+    recorder.lifecycle_events_lost = 2;
+    discovery.scan(&mut recorder);
+    assert!(discovery.users().is_empty(), "read after the loss");
+    assert_eq!(discovery.stats.maps_read, 4);
+    std::fs::write(&maps, &mapping_the_runtime).expect("write maps");
+    discovery.scan(&mut recorder);
+    assert!(discovery.users().is_empty(), "no loss since: not read");
+    assert_eq!(discovery.stats.maps_read, 4);
 }
 
 /// A process that exec'ed since the last scan and mapped only files known not to be CUDA
@@ -1608,6 +1628,7 @@ fn without_cuda_programs_no_probe_is_attempted() {
         attached: Vec::new(),
         fail_return_of: "",
         programs_unavailable: true,
+        lifecycle_events_lost: 0,
     };
     assert!(discovery.scan(&mut recorder).is_empty());
     assert!(recorder.attached.is_empty(), "{:?}", recorder.attached);

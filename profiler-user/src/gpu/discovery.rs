@@ -227,6 +227,12 @@ pub trait ProbeAttacher {
         point: &ProbePoint,
         at_return: bool,
     ) -> Result<(), crate::bpf::BpfError>;
+
+    /// How many lifecycle events (exec, fork, exit) the kernel could not deliver so far (its
+    /// events ring full): the forks and exits the scans' proofs rely on may be missing since.
+    fn lifecycle_events_lost(&self) -> u64 {
+        0
+    }
 }
 
 impl ProbeAttacher for crate::bpf::Sampler {
@@ -242,6 +248,10 @@ impl ProbeAttacher for crate::bpf::Sampler {
         at_return: bool,
     ) -> Result<(), crate::bpf::BpfError> {
         self.attach_cuda(target, point.file_offset, point.cookie(), at_return)
+    }
+
+    fn lifecycle_events_lost(&self) -> u64 {
+        self.stats().get(profiler_common::STAT_EVENTS_LOST)
     }
 }
 
@@ -292,6 +302,10 @@ pub struct Discovery {
     /// Every code mapping made before this time has been noted
     /// ([`Self::note_mappings_complete_before`]).
     mappings_complete_before_ns: u64,
+    /// [`ProbeAttacher::lifecycle_events_lost`] at the last scan: a scan that finds it grown
+    /// reads every process, since a lost fork and exit make a reused pid look like the process
+    /// the last scan read.
+    lifecycle_events_lost: u64,
     next_scan: Instant,
     pub stats: DiscoveryStats,
 }
@@ -401,6 +415,7 @@ impl Discovery {
             scanned_at_ns: 0,
             scan_ended_ns: 0,
             mappings_complete_before_ns: 0,
+            lifecycle_events_lost: 0,
             next_scan: Instant::now(),
             stats: DiscoveryStats::default(),
         }
@@ -502,7 +517,8 @@ impl Discovery {
         self.scan(attacher)
     }
 
-    /// Reads every process's maps; attaches new CUDA libraries. Processes that vanish
+    /// Reads the maps of every process that may have changed (of every process when changes
+    /// are not watched or not known); attaches new CUDA libraries. Processes that vanish
     /// meanwhile are skipped: nothing about one process can fail the scan of another.
     pub fn scan(&mut self, attacher: &mut impl ProbeAttacher) -> Vec<Pid> {
         let Ok(entries) = std::fs::read_dir(&self.proc_root) else {
@@ -510,6 +526,13 @@ impl Discovery {
         };
         let own_pid = std::process::id();
         let mut users = HashSet::new();
+        // Read before the processes: a loss after this read is seen by the next scan, which
+        // corrects what this one took from it.
+        let lifecycle_events_lost = attacher.lifecycle_events_lost();
+        if lifecycle_events_lost != self.lifecycle_events_lost {
+            self.lifecycle_events_lost = lifecycle_events_lost;
+            self.note_unknown_changes();
+        }
         // Changes from here on are the next scan's: a mapping made after a process's maps are
         // read below is announced after, and noted for the next scan.
         let previous_scan_ns = std::mem::replace(&mut self.scanned_at_ns, monotonic_now_ns());

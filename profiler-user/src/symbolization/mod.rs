@@ -384,11 +384,7 @@ impl Symbolizer {
         if resident < self.file_pages.resident_after_release + FILE_PAGES_SLACK_BYTES {
             return 0;
         }
-        let in_use_since = self.file_pages.released_at;
-        let released = self.release_file_pages_beyond(Some(in_use_since));
-        self.file_pages.released_at = std::time::Instant::now();
-        self.file_pages.resident_after_release = resident_file_bytes().unwrap_or(resident);
-        released
+        self.release_file_pages_beyond(Some(self.file_pages.released_at))
     }
 
     /// A symbolizer that looks up every address, remembering no function.
@@ -610,21 +606,31 @@ impl Symbolizer {
     /// CPU). Files the agent runs (its binary, its libraries) or writes (the store) are left
     /// alone.
     pub fn release_file_pages(&mut self) -> u64 {
-        let released = self.release_file_pages_beyond(None);
+        self.release_file_pages_beyond(None)
+    }
+
+    /// [`Self::release_file_pages`], but with `in_use_since`, the symbolizer's mappings of
+    /// files looked up since then are given back only when the file-backed RSS is still
+    /// [`FILE_PAGES_IN_USE_BYTES`] above the floor after the others went. Notes the release
+    /// and the file-backed RSS it left.
+    fn release_file_pages_beyond(&mut self, in_use_since: Option<std::time::Instant>) -> u64 {
+        self.file_pages.releases += 1;
+        let (released, resident) = self.advise_file_mappings(in_use_since);
         self.file_pages.released_at = std::time::Instant::now();
-        if let Some(resident) = resident_file_bytes() {
+        if let Some(resident) = resident {
             self.file_pages.resident_after_release = resident;
         }
         released
     }
 
-    /// [`Self::release_file_pages`], but with `in_use_since`, the symbolizer's mappings of
-    /// files looked up since then are given back only when the file-backed RSS is still
-    /// [`FILE_PAGES_IN_USE_BYTES`] above the floor after the others went.
-    fn release_file_pages_beyond(&mut self, in_use_since: Option<std::time::Instant>) -> u64 {
-        self.file_pages.releases += 1;
+    /// Advises the large read-only file mappings of [`Self::release_file_pages_beyond`];
+    /// returns the bytes advised and the file-backed RSS after (`None`: not readable).
+    fn advise_file_mappings(
+        &mut self,
+        in_use_since: Option<std::time::Instant>,
+    ) -> (u64, Option<u64>) {
         let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-            return 0;
+            return (0, resident_file_bytes());
         };
         let entries: Vec<_> = maps
             .lines()
@@ -681,16 +687,21 @@ impl Symbolizer {
             }
             released += self.advise_file_pages(entry.start, length, own_mapping.is_some());
         }
+        let mut resident = resident_file_bytes();
         let full = self.file_pages.resident_after_full_release + FILE_PAGES_IN_USE_BYTES;
-        if in_use.is_empty() || resident_file_bytes().is_none_or(|resident| resident >= full) {
-            for (start, length) in in_use {
+        if !in_use.is_empty() && resident.is_none_or(|resident| resident >= full) {
+            for (start, length) in in_use.drain(..) {
                 released += self.advise_file_pages(start, length, true);
             }
-            if let Some(resident) = resident_file_bytes() {
-                self.file_pages.resident_after_full_release = resident;
-            }
+            resident = resident_file_bytes();
         }
-        released
+        if in_use.is_empty()
+            && let Some(resident) = resident
+        {
+            // Every file's pages went: the floor.
+            self.file_pages.resident_after_full_release = resident;
+        }
+        (released, resident)
     }
 
     /// Gives back the pages of one read-only file mapping (see [`Self::release_file_pages`]
