@@ -1346,10 +1346,8 @@ fn return_probes_are_attached_before_entry_probes() {
     let runtime = proc_with_the_runtime(&scratch);
     let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
     let mut recorder = Recorder {
-        attached: Vec::new(),
         fail_return_of: "__cudaGetKernel",
-        programs_unavailable: false,
-        lifecycle_events_lost: 0,
+        ..Recorder::attaching_everything()
     };
     let users = discovery.scan(&mut recorder);
     assert_eq!(users.len(), 1);
@@ -1625,10 +1623,8 @@ fn without_cuda_programs_no_probe_is_attempted() {
     proc_with_the_runtime(&scratch);
     let mut discovery = profiler::gpu::discovery::Discovery::new(scratch.path("proc"));
     let mut recorder = Recorder {
-        attached: Vec::new(),
-        fail_return_of: "",
         programs_unavailable: true,
-        lifecycle_events_lost: 0,
+        ..Recorder::attaching_everything()
     };
     assert!(discovery.scan(&mut recorder).is_empty());
     assert!(recorder.attached.is_empty(), "{:?}", recorder.attached);
