@@ -584,6 +584,70 @@ fn pid_reuse_check_is_rate_limited() {
     assert_eq!(registry.stats().pid_reuse, 0);
 }
 
+/// With every exec, exit and fork announced, a pid no event has touched is still its
+/// snapshot's process: /proc/PID/stat is not read to prove it. (The stat file is changed under
+/// the registry to show whether it was read; with complete events a pid cannot change hands
+/// unannounced.) A lost event, an exit or a fork sends the next lookup to /proc again.
+#[test]
+fn complete_lifecycle_events_answer_the_pid_reuse_check() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    registry.trust_lifecycle_events();
+    registry.note_lifecycle_events_lost(2);
+    let first = registry.lookup(Pid(100)).expect("snapshot");
+    let reused = |start| stat_line(100, "other", 0x0040_0100, start);
+    fs::write(dir.join("stat"), reused(9000)).expect("write");
+    let again = registry.lookup(Pid(100)).expect("snapshot");
+    assert!(Arc::ptr_eq(&first, &again), "stat not read: no event says");
+    assert_eq!(registry.stats().reuse_checks_by_events, 1);
+    // The same count of losses noted again: nothing lost since.
+    registry.note_lifecycle_events_lost(2);
+    assert!(Arc::ptr_eq(&first, &registry.lookup(Pid(100)).unwrap()));
+
+    // Events lost since the snapshot: it is checked against /proc.
+    registry.note_lifecycle_events_lost(3);
+    let after_loss = registry.lookup(Pid(100)).expect("snapshot");
+    assert_eq!(
+        after_loss.start_time, 9000,
+        "the stat read shows the new process"
+    );
+    assert_eq!(registry.stats().pid_reuse, 1);
+    // Taken after the loss: trusted again.
+    fs::write(dir.join("stat"), reused(9500)).expect("write");
+    assert!(Arc::ptr_eq(
+        &after_loss,
+        &registry.lookup(Pid(100)).unwrap()
+    ));
+
+    // A fork with the pid: the snapshot before it is of a process gone.
+    registry.record_fork(Pid(100), Pid(1), forked_at(monotonic_now_ns()));
+    let after_fork = registry.lookup(Pid(100)).expect("snapshot");
+    assert_eq!(after_fork.start_time, 9500);
+
+    // An exit applied: the next lookup asks /proc.
+    registry.record_exit(Pid(100), monotonic_now_ns());
+    fs::write(dir.join("stat"), reused(9900)).expect("write");
+    let after_exit = registry.lookup(Pid(100)).expect("snapshot");
+    assert_eq!(after_exit.start_time, 9900);
+    let stats = registry.stats();
+    assert_eq!((stats.pid_reuse, stats.reuse_checks_by_events), (3, 3));
+}
+
+/// Without fork events (no BTF offsets) a pid could change hands unannounced: the recheck
+/// reads /proc/PID/stat as before.
+#[test]
+fn incomplete_lifecycle_events_leave_the_pid_reuse_check_to_proc() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = write_fake_process(root.path(), 100, 5000, ANON_MAPS);
+    let mut registry = fake_registry(root.path(), Duration::ZERO);
+    registry.note_lifecycle_events_lost(0);
+    registry.lookup(Pid(100)).expect("snapshot");
+    fs::write(dir.join("stat"), stat_line(100, "other", 0x0040_0100, 9000)).expect("write");
+    assert_eq!(registry.lookup(Pid(100)).unwrap().start_time, 9000);
+    assert_eq!(registry.stats().reuse_checks_by_events, 0);
+}
+
 #[test]
 fn vanished_process_is_kept_until_unused_for_an_interval() {
     let root = tempfile::tempdir().expect("tempdir");

@@ -179,6 +179,14 @@ pub struct SymbolizerStats {
     pub own_mapping_releases: u64,
 }
 
+/// The frames of a stack, every slot filled. Sized at once: collected through `flatten`, the
+/// vector grew by reallocation, for every sample.
+fn all_symbolized(slots: Vec<Option<Arc<SymbolizedFrame>>>) -> Vec<Arc<SymbolizedFrame>> {
+    let mut frames = Vec::with_capacity(slots.len());
+    frames.extend(slots.into_iter().flatten());
+    frames
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum FrameKey {
     User {
@@ -444,7 +452,7 @@ impl Symbolizer {
             })
             .collect();
         if kernel_misses.is_empty() {
-            return symbolized.into_iter().flatten().collect();
+            return all_symbolized(symbolized);
         }
         let addrs: Vec<u64> = kernel_misses.iter().map(|&(addr, _)| addr).collect();
         let lookups = self.kernel.lookup_all(&self.resolver, &addrs);
@@ -465,7 +473,7 @@ impl Symbolizer {
                     .map(|(_, frame)| Arc::clone(frame));
             }
         }
-        symbolized.into_iter().flatten().collect()
+        all_symbolized(symbolized)
     }
 
     /// Symbolizes one frame; a repeated key returns the same `Arc` (until the cache is reset).

@@ -104,7 +104,8 @@ pub fn finish_walk(
         rbp: copy.rbp,
     };
     let mut exact_pc = copy.exact_pc;
-    let mut callers = Vec::new();
+    // Sized for a typical walk: grown push by push it was reallocated several times a walk.
+    let mut callers = Vec::with_capacity(32);
     let mut fallback = None;
     let mut truncated = false;
     loop {
