@@ -144,19 +144,12 @@ struct Pipeline {
     /// When the rings of events (lifecycle, mmap announcements) were last read
     /// (`bpf_ktime_get_ns` time): everything written before then is drained.
     drained_at_ns: u64,
-    /// When the kernel's count of lost lifecycle events was last read.
-    lifecycle_losses_read_at: Option<Instant>,
     /// No sample is waiting in the queue (set by the pump before each poll).
     idle: bool,
 }
 
 /// How long after an event, with no sample waiting, it is taken to be past.
 const LIFECYCLE_SETTLE_NS: u64 = 200_000_000;
-/// How often the kernel's count of lost lifecycle events is read (see
-/// `ProcessRegistry::note_lifecycle_events_lost`). Not at every poll: the pipeline polls after
-/// every batch of samples, about 150 times a second on the host suite, where a read each time
-/// (a `bpf()` lookup of a per-CPU array) was 2.4 % of the agent's CPU.
-const LIFECYCLE_LOSSES_READ_EVERY: Duration = Duration::from_millis(100);
 
 /// How long a sample waits for the tables its late walk needs before it is cut there.
 const LATE_WALK_PATIENCE: Duration = Duration::from_secs(10);
@@ -516,9 +509,6 @@ impl Pipeline {
         if events.tracks_cgroup_changes() {
             processes.track_cgroup_changes(in_initial_cgroup_namespace());
         }
-        if events.tracks_every_process() {
-            processes.trust_lifecycle_events();
-        }
         match aya::util::online_cpus()
             .map_err(|(_, error)| error)
             .and_then(|cpus| MmapEvents::open(&cpus))
@@ -570,7 +560,6 @@ impl Pipeline {
             drained_since_poll: Vec::new(),
             drained: Vec::new(),
             drained_at_ns: 0,
-            lifecycle_losses_read_at: None,
             pending_execs: foldhash::HashMap::default(),
             idle: false,
         }
@@ -895,18 +884,6 @@ impl Pipeline {
     /// handled ([`Self::apply_lifecycle`]): a process's last samples are still its program's,
     /// and its exec or fork event is known before its first samples are.
     fn poll(&mut self, sampler: Option<&mut Sampler>) {
-        // A lost exit or fork leaves the snapshots taken until now to be checked against
-        // /proc: read every LIFECYCLE_LOSSES_READ_EVERY, a reused pid whose events were lost
-        // is taken for its old process for a tenth of a second at most.
-        if let Some(sampler) = sampler.as_deref()
-            && self
-                .lifecycle_losses_read_at
-                .is_none_or(|at| at.elapsed() >= LIFECYCLE_LOSSES_READ_EVERY)
-        {
-            self.lifecycle_losses_read_at = Some(Instant::now());
-            self.processes
-                .note_lifecycle_events_lost(sampler.stats().get(profiler_common::STAT_EVENTS_LOST));
-        }
         self.symbolizer.release_file_pages_when_grown();
         self.native_tables.poll_builds();
         self.retry_late_walks(false);
@@ -1223,7 +1200,6 @@ impl Pipeline {
             open_files: registry.open_files,
             process_snapshots_from_events: registry.snapshots_from_events,
             process_exits_known_at_lookup: registry.exits_known_at_lookup,
-            process_reuse_checks_by_events: registry.reuse_checks_by_events,
             process_exits_ahead: registry.exits_ahead,
             process_snapshots_before_exec: registry.snapshots_before_exec,
             process_parents_gone_since_fork: registry.parents_gone_since_fork,

@@ -92,8 +92,6 @@ pub struct SelfMetrics {
     /// the exits read and not yet applied (bounded).
     pub process_exits_known_at_lookup: u64,
     pub process_exits_ahead: u64,
-    /// Rechecks of a snapshot's pid answered by the lifecycle events (no /proc/PID/stat read).
-    pub process_reuse_checks_by_events: u64,
     /// Snapshots of the program a process ran before the exec a sample was taken in.
     pub process_snapshots_before_exec: u64,
     /// Fork children left unknown: their parent exited (or its pid changed hands) before it
@@ -949,12 +947,6 @@ impl SelfMetrics {
                 "process_exits_known_at_lookup_total",
                 "Snapshots built from the events of a process whose exit was read already, without asking /proc",
                 self.process_exits_known_at_lookup,
-                "counter",
-            ),
-            (
-                "process_reuse_checks_by_events_total",
-                "Rechecks of a snapshot's pid answered by the lifecycle events (complete, none lost since the snapshot) without reading /proc/PID/stat",
-                self.process_reuse_checks_by_events,
                 "counter",
             ),
             (

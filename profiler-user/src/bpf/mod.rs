@@ -411,7 +411,6 @@ pub struct EventRing {
     ring: RingBuf<MapData>,
     environments: ParseMemo<LabelEnv>,
     cgroup_changes: bool,
-    forks: bool,
 }
 
 impl EventRing {
@@ -420,14 +419,6 @@ impl EventRing {
     /// known from its parent's.
     pub fn tracks_cgroup_changes(&self) -> bool {
         self.cgroup_changes
-    }
-
-    /// Whether the ring carries every exec, exit and fork of a process (the fork events need
-    /// the BTF's task offsets; execs and exits are always announced): a pid that no event has
-    /// named since is still with the same process, unless events were lost (the full ring's
-    /// losses are counted as [`profiler_common::STAT_EVENTS_LOST`]).
-    pub fn tracks_every_process(&self) -> bool {
-        self.forks
     }
 
     /// The exec environments whose labels are kept for the next execs.
@@ -1043,7 +1034,6 @@ impl Sampler {
                     ring: events,
                     environments: ParseMemo::new(MAX_KEPT_ENVIRONMENTS),
                     cgroup_changes,
-                    forks: identity.complete != 0,
                 },
                 cuda: settings.cuda,
                 unwind_maps,

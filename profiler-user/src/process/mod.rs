@@ -158,9 +158,6 @@ pub struct RegistryStats {
     pub refreshes_from_announcements: u64,
     /// Snapshots retaken because the pid now names another process.
     pub pid_reuse: u64,
-    /// Lookups past the recheck interval answered without reading /proc/PID/stat: the
-    /// lifecycle events, complete and none lost since the snapshot, show the pid unchanged.
-    pub reuse_checks_by_events: u64,
     /// Lookups of pids with no /proc entry.
     pub lookups_failed: u64,
     /// First lookups of a process whose exit event was read already: built from its events
@@ -240,24 +237,6 @@ struct Entry {
     exited: bool,
     /// Its cgroups, for its fork children, when read from /proc or known from its fork.
     cgroup: Option<KnownCgroup>,
-    /// [`LifecycleTrust::epoch`] when the snapshot was taken.
-    lifecycle_epoch: u64,
-}
-
-/// Whether the lifecycle events tell of every change of hands of a pid, so a snapshot needs no
-/// /proc/PID/stat read to prove it is still of the process with the pid: a pid is handed out
-/// again only after its process exited, and the exit (or the later fork) is applied before
-/// any sample taken after it. Reading stat once a second for every sampled process was 3.9 %
-/// of the agent's CPU on the host suite.
-#[derive(Clone, Copy, Debug, Default)]
-struct LifecycleTrust {
-    /// Every exec, exit and fork is announced (the fork events need the kernel's BTF offsets).
-    complete: bool,
-    /// The kernel's count of lifecycle events lost (a full ring), as last noted.
-    lost: u64,
-    /// Moved on with every change of `lost`: snapshots taken before it are checked against
-    /// /proc again, as they were before the events were trusted.
-    epoch: u64,
 }
 
 /// How a snapshot's process is told from a later process with the same pid.
@@ -339,7 +318,6 @@ pub struct ProcessRegistry {
     executable_paths: ExecutablePaths,
     /// The kernel's announcements of executable mmaps, when they could be opened.
     mmaps: Option<MmapEvents>,
-    lifecycle: LifecycleTrust,
 }
 
 impl ProcessRegistry {
@@ -366,24 +344,6 @@ impl ProcessRegistry {
             exits_ahead: foldhash::HashMap::default(),
             executable_paths: ExecutablePaths::default(),
             mmaps: None,
-            lifecycle: LifecycleTrust::default(),
-        }
-    }
-
-    /// The lifecycle events announce every exec, exit and fork: a snapshot whose pid none of
-    /// them has touched since it was taken (and no event lost since) is of the process with
-    /// the pid now, without /proc/PID/stat read again once a recheck interval has passed.
-    pub fn trust_lifecycle_events(&mut self) {
-        self.lifecycle.complete = true;
-    }
-
-    /// The kernel's running count of lost lifecycle events, noted every tenth of a second:
-    /// when it has grown, an exit or a fork may be missing, so every snapshot taken
-    /// until now is checked against /proc/PID/stat again at its next recheck.
-    pub fn note_lifecycle_events_lost(&mut self, lost: u64) {
-        if lost != self.lifecycle.lost {
-            self.lifecycle.lost = lost;
-            self.lifecycle.epoch += 1;
         }
     }
 
@@ -583,13 +543,6 @@ impl ProcessRegistry {
             ),
             None => (None, None),
         };
-        // A snapshot of the pid taken before the fork is of a process that has exited since
-        // (one taken of it as a zombie, after its exit event, is not marked by the exit).
-        if let Some(entry) = self.processes.peek_mut(&pid)
-            && entry.taken_ns <= forked_ns
-        {
-            entry.exited = true;
-        }
         let parent_cgroup = parent_cgroup.or_else(|| self.identities.running_cgroup(parent));
         let moves = &self.cgroup_moves;
         let cgroup = parent_cgroup.and_then(|known| {
@@ -660,20 +613,9 @@ impl ProcessRegistry {
         let interval = self.interval;
         let recheck = self.config.recheck_interval;
         let stat_path = || process_dir(&self.proc_root, pid).join("stat");
-        let lifecycle = self.lifecycle;
         if let Some(entry) = self.processes.get_mut(&pid) {
             entry.used_in_interval = interval;
             if now.duration_since(entry.start_checked_at) < recheck {
-                return Some(Arc::clone(&entry.info));
-            }
-            // No exit or later fork applied (either marks the entry exited), none lost, and
-            // not taken mid-exec: the process of the snapshot still has the pid.
-            if lifecycle.complete
-                && entry.lifecycle_epoch == lifecycle.epoch
-                && !entry.exited
-                && !entry.provisional
-            {
-                self.stats.reuse_checks_by_events += 1;
                 return Some(Arc::clone(&entry.info));
             }
             entry.start_checked_at = now;
@@ -742,7 +684,6 @@ impl ProcessRegistry {
             // Built because /proc had no readable entry for it.
             exited: true,
             cgroup: None,
-            lifecycle_epoch: self.lifecycle.epoch,
         };
         self.processes.insert(pid, entry);
         debug!(
@@ -1301,7 +1242,6 @@ impl ProcessRegistry {
             provisional,
             exited: false,
             cgroup,
-            lifecycle_epoch: self.lifecycle.epoch,
         };
         if let Some((evicted, _)) = self.processes.insert(pid, entry) {
             debug!(pid = %evicted, "snapshot evicted: too many processes");
